@@ -1,0 +1,433 @@
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::types::GgmlType;
+use crate::value::{Value, ValueType};
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// ggml's GGML_MAX_NAME (64, including the NUL).
+const MAX_TENSOR_NAME: u64 = 63;
+const MAX_DIMS: u32 = 4;
+
+/// One tensor of the file: name, type, shape and where its bytes are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub ggml_type: GgmlType,
+    /// Number of dimensions as stored (1..=4).
+    pub n_dims: u32,
+    /// Shape, innermost first; missing dimensions are 1.
+    pub ne: [u64; 4],
+    /// Offset of the data relative to the start of the data section.
+    pub offset: u64,
+    /// Size of the data in bytes.
+    pub n_bytes: u64,
+    /// File offset of this tensor-info record (for error messages).
+    pub info_offset: u64,
+}
+
+impl TensorInfo {
+    pub fn n_elements(&self) -> u64 {
+        self.ne.iter().product()
+    }
+
+    /// Number of rows of `ne[0]` elements (ne1 * ne2 * ne3).
+    pub fn n_rows(&self) -> u64 {
+        self.ne[1] * self.ne[2] * self.ne[3]
+    }
+
+    /// Bytes of one row of `ne[0]` elements.
+    pub fn row_bytes(&self) -> usize {
+        // unwrap: validated at parse time (ne[0] is a multiple of the block size and the
+        // tensor's byte size fits in the file, so a row fits in usize).
+        self.ggml_type.row_bytes(self.ne[0] as usize).unwrap()
+    }
+
+    /// The shape without trailing 1s, for display: `[2048, 512, 256]`.
+    pub fn shape(&self) -> Vec<u64> {
+        let mut n = self.n_dims as usize;
+        while n > 1 && self.ne[n - 1] == 1 {
+            n -= 1;
+        }
+        self.ne[..n].to_vec()
+    }
+}
+
+enum Backing {
+    Mmap(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+/// A parsed, validated GGUF file. Tensor bytes are served from the memory map.
+pub struct GgufFile {
+    backing: Backing,
+    version: u32,
+    alignment: u64,
+    data_offset: u64,
+    metadata: Vec<(String, Value)>,
+    key_index: HashMap<String, usize>,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("version", &self.version)
+            .field("n_kv", &self.metadata.len())
+            .field("n_tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Memory-maps and parses a file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = std::fs::File::open(path).map_err(|source| Error::Open { path: path.to_owned(), source })?;
+        let len = file.metadata()?.len();
+        if len == 0 {
+            return Err(Error::Truncated { what: "magic".into(), offset: 0, needed: 4, file_len: 0 });
+        }
+        // SAFETY: the map is read-only and private. If another process truncates or rewrites the
+        // file while it is mapped, reads may fault or see new bytes; that is the documented
+        // contract of memory-mapped model files (llama.cpp has the same), and the parser below
+        // never trusts the bytes: every read is bounds-checked against the length seen here.
+        let map = unsafe { memmap2::MmapOptions::new().map(&file)? };
+        Self::parse(Backing::Mmap(map))
+    }
+
+    /// Parses a file held in memory (tests, fuzzing, small files).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
+        Self::parse(Backing::Owned(bytes))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.backing {
+            Backing::Mmap(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    pub fn alignment(&self) -> u64 {
+        self.alignment
+    }
+
+    /// File offset of the data section.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    pub fn file_len(&self) -> u64 {
+        self.bytes().len() as u64
+    }
+
+    /// All key/value pairs, in file order.
+    pub fn metadata(&self) -> &[(String, Value)] {
+        &self.metadata
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.key_index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    fn require(&self, key: &str) -> Result<&Value> {
+        self.get(key).ok_or_else(|| Error::MissingKey { key: key.to_owned() })
+    }
+
+    pub fn get_str(&self, key: &str) -> Result<&str> {
+        let v = self.require(key)?;
+        v.as_str().ok_or_else(|| wrong_type(key, "string", v))
+    }
+
+    /// An integer key of any integer type, checked to fit in u64.
+    pub fn get_u64(&self, key: &str) -> Result<u64> {
+        let v = self.require(key)?;
+        v.as_int()
+            .and_then(|i| u64::try_from(i).ok())
+            .ok_or_else(|| wrong_type(key, "non-negative integer", v))
+    }
+
+    pub fn get_u32(&self, key: &str) -> Result<u32> {
+        let v = self.require(key)?;
+        v.as_int()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| wrong_type(key, "u32", v))
+    }
+
+    pub fn get_f32(&self, key: &str) -> Result<f32> {
+        let v = self.require(key)?;
+        v.as_f64().map(|f| f as f32).ok_or_else(|| wrong_type(key, "number", v))
+    }
+
+    pub fn get_bool(&self, key: &str) -> Result<bool> {
+        let v = self.require(key)?;
+        v.as_bool().ok_or_else(|| wrong_type(key, "bool", v))
+    }
+
+    pub fn get_array(&self, key: &str) -> Result<&[Value]> {
+        let v = self.require(key)?;
+        v.as_array().ok_or_else(|| wrong_type(key, "array", v))
+    }
+
+    /// A string-array key as borrowed strings.
+    pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
+        let v = self.require(key)?;
+        let items = v.as_array().ok_or_else(|| wrong_type(key, "array<string>", v))?;
+        items.iter().map(|x| x.as_str().ok_or_else(|| wrong_type(key, "array<string>", v))).collect()
+    }
+
+    /// An integer-array key as i64s.
+    pub fn get_int_array(&self, key: &str) -> Result<Vec<i64>> {
+        let v = self.require(key)?;
+        let items = v.as_array().ok_or_else(|| wrong_type(key, "array<int>", v))?;
+        items
+            .iter()
+            .map(|x| x.as_int().and_then(|i| i64::try_from(i).ok()).ok_or_else(|| wrong_type(key, "array<int>", v)))
+            .collect()
+    }
+
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The raw bytes of a tensor (bounds were validated at parse time).
+    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
+        let start = (self.data_offset + t.offset) as usize;
+        &self.bytes()[start..start + t.n_bytes as usize]
+    }
+
+    /// Advise the kernel that the whole file will be read soon (best effort).
+    pub fn advise_willneed(&self) {
+        if let Backing::Mmap(m) = &self.backing {
+            let _ = m.advise(memmap2::Advice::WillNeed);
+        }
+    }
+
+    fn parse(backing: Backing) -> Result<Self> {
+        let bytes = match &backing {
+            Backing::Mmap(m) => &m[..],
+            Backing::Owned(v) => &v[..],
+        };
+        let mut c = Cursor { bytes, pos: 0 };
+        let magic: [u8; 4] = c.take(4, "magic")?.try_into().expect("take(4) returns 4 bytes");
+        if &magic != MAGIC {
+            return Err(Error::BadMagic { found: magic });
+        }
+        let version = c.u32("version")?;
+        if version != 2 && version != 3 {
+            let hint = if version & 0xFFFF == 0 && version != 0 { " (looks byte-swapped: big-endian files are not supported)" } else { "" };
+            return Err(Error::BadVersion { version, hint });
+        }
+        let n_tensors_at = c.pos as u64;
+        let n_tensors = c.u64("tensor count")?;
+        let n_kv_at = c.pos as u64;
+        let n_kv = c.u64("metadata count")?;
+        // Each KV pair needs at least 8 (key len) + 4 (type) + 1 bytes; each tensor info at
+        // least 8 + 4 + 8 + 4 + 8. Reject absurd counts before allocating anything.
+        let remaining = c.remaining();
+        if n_kv.checked_mul(13).is_none_or(|b| b > remaining) {
+            return Err(Error::malformed("metadata count", n_kv_at, format!("{n_kv} pairs cannot fit in the {remaining} bytes left")));
+        }
+        if n_tensors.checked_mul(32).is_none_or(|b| b > remaining) {
+            return Err(Error::malformed("tensor count", n_tensors_at, format!("{n_tensors} tensors cannot fit in the {remaining} bytes left")));
+        }
+
+        let mut metadata = Vec::with_capacity(n_kv as usize);
+        let mut key_index = HashMap::with_capacity(n_kv as usize);
+        for i in 0..n_kv {
+            let at = c.pos as u64;
+            let key = c.string(&format!("key of metadata pair {i}"))?;
+            let vt_at = c.pos as u64;
+            let vt = c.u32(&format!("value type of '{key}'"))?;
+            let vt = ValueType::from_id(vt)
+                .ok_or_else(|| Error::malformed(format!("value type of '{key}'"), vt_at, format!("unknown type id {vt}")))?;
+            let value = c.value(vt, &key)?;
+            if key_index.insert(key.clone(), metadata.len()).is_some() {
+                return Err(Error::malformed("metadata key", at, format!("duplicate key '{key}'")));
+            }
+            metadata.push((key, value));
+        }
+
+        let alignment = match key_index.get("general.alignment").map(|&i| &metadata[i].1) {
+            None => DEFAULT_ALIGNMENT,
+            Some(Value::U32(a)) if *a > 0 && a.is_power_of_two() => *a as u64,
+            Some(v) => {
+                return Err(Error::malformed("general.alignment", 0, format!("must be a power-of-two u32, got {v:?}")));
+            }
+        };
+
+        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
+        for i in 0..n_tensors {
+            let info_offset = c.pos as u64;
+            let name = c.string(&format!("name of tensor {i}"))?;
+            if name.len() as u64 > MAX_TENSOR_NAME {
+                return Err(Error::malformed("tensor name", info_offset, format!("'{name}' is longer than {MAX_TENSOR_NAME} bytes")));
+            }
+            let dims_at = c.pos as u64;
+            let n_dims = c.u32(&format!("n_dims of '{name}'"))?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                return Err(Error::malformed(format!("n_dims of '{name}'"), dims_at, format!("{n_dims} is outside 1..={MAX_DIMS}")));
+            }
+            let mut ne = [1u64; 4];
+            for d in ne.iter_mut().take(n_dims as usize) {
+                *d = c.u64(&format!("shape of '{name}'"))?;
+            }
+            let type_at = c.pos as u64;
+            let type_id = c.u32(&format!("type of '{name}'"))?;
+            let ggml_type = GgmlType::from_id(type_id)
+                .ok_or_else(|| Error::malformed(format!("type of '{name}'"), type_at, format!("unknown or unsupported ggml type id {type_id}")))?;
+            let offset_at = c.pos as u64;
+            let offset = c.u64(&format!("offset of '{name}'"))?;
+            let bad = |msg: String| Error::malformed(format!("tensor '{name}'"), info_offset, msg);
+            if ne[0] % ggml_type.block_size() as u64 != 0 {
+                return Err(bad(format!("ne[0] = {} is not a multiple of the {} block size {}", ne[0], ggml_type, ggml_type.block_size())));
+            }
+            let n_bytes = (ne[0] / ggml_type.block_size() as u64)
+                .checked_mul(ggml_type.type_size() as u64)
+                .and_then(|b| b.checked_mul(ne[1]))
+                .and_then(|b| b.checked_mul(ne[2]))
+                .and_then(|b| b.checked_mul(ne[3]))
+                .filter(|&b| b <= bytes.len() as u64)
+                .ok_or_else(|| bad(format!("shape {:?} of type {} is larger than the file", &ne[..n_dims as usize], ggml_type)))?;
+            if ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).is_none() {
+                return Err(bad(format!("element count of shape {:?} overflows", &ne[..n_dims as usize])));
+            }
+            if offset % alignment != 0 {
+                return Err(Error::malformed(format!("offset of '{name}'"), offset_at, format!("{offset} is not a multiple of the alignment {alignment}")));
+            }
+            if tensor_index.insert(name.clone(), tensors.len()).is_some() {
+                return Err(Error::malformed("tensor name", info_offset, format!("duplicate tensor '{name}'")));
+            }
+            tensors.push(TensorInfo { name, ggml_type, n_dims, ne, offset, n_bytes, info_offset });
+        }
+
+        let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
+        let data_len = (bytes.len() as u64).saturating_sub(data_offset);
+        for t in &tensors {
+            let end = t.offset.checked_add(t.n_bytes);
+            if end.is_none_or(|e| e > data_len) {
+                return Err(Error::Truncated {
+                    what: format!("data of tensor '{}'", t.name),
+                    offset: data_offset + t.offset,
+                    needed: t.n_bytes,
+                    file_len: bytes.len() as u64,
+                });
+            }
+        }
+        let mut by_offset: Vec<&TensorInfo> = tensors.iter().filter(|t| t.n_bytes > 0).collect();
+        by_offset.sort_by_key(|t| t.offset);
+        for w in by_offset.windows(2) {
+            if w[0].offset + w[0].n_bytes > w[1].offset {
+                return Err(Error::malformed(
+                    format!("tensor '{}'", w[1].name),
+                    w[1].info_offset,
+                    format!("data at {}..{} overlaps tensor '{}' at {}..{}", w[1].offset, w[1].offset + w[1].n_bytes, w[0].name, w[0].offset, w[0].offset + w[0].n_bytes),
+                ));
+            }
+        }
+
+        Ok(GgufFile { backing, version, alignment, data_offset, metadata, key_index, tensors, tensor_index })
+    }
+}
+
+fn wrong_type(key: &str, expected: &'static str, v: &Value) -> Error {
+    Error::WrongType { key: key.to_owned(), expected, found: v.type_name() }
+}
+
+/// A bounds-checked little-endian reader over the file bytes.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn remaining(&self) -> u64 {
+        (self.bytes.len() - self.pos) as u64
+    }
+
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
+        if n > self.remaining() {
+            return Err(Error::Truncated { what: what.to_owned(), offset: self.pos as u64, needed: n, file_len: self.bytes.len() as u64 });
+        }
+        let s = &self.bytes[self.pos..self.pos + n as usize];
+        self.pos += n as usize;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        Ok(self.take(N as u64, what)?.try_into().expect("take(N) returns N bytes"))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        let at = self.pos as u64;
+        let len = self.u64(what)?;
+        let raw = self.take(len, what)?;
+        String::from_utf8(raw.to_vec()).map_err(|e| Error::malformed(what, at + 8, format!("invalid UTF-8: {e}")))
+    }
+
+    fn value(&mut self, vt: ValueType, key: &str) -> Result<Value> {
+        let what = || format!("value of '{key}'");
+        Ok(match vt {
+            ValueType::U8 => Value::U8(self.array::<1>(&what())?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(&what())?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what())?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what())?)),
+            ValueType::U32 => Value::U32(self.u32(&what())?),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what())?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what())?)),
+            ValueType::U64 => Value::U64(self.u64(&what())?),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
+            ValueType::Bool => {
+                let at = self.pos as u64;
+                match self.array::<1>(&what())?[0] {
+                    0 => Value::Bool(false),
+                    1 => Value::Bool(true),
+                    b => return Err(Error::malformed(what(), at, format!("bool byte is {b}, expected 0 or 1"))),
+                }
+            }
+            ValueType::String => Value::String(self.string(&what())?),
+            ValueType::Array => {
+                let at = self.pos as u64;
+                let et = self.u32(&what())?;
+                let et = ValueType::from_id(et)
+                    .ok_or_else(|| Error::malformed(what(), at, format!("unknown array element type id {et}")))?;
+                if et == ValueType::Array {
+                    return Err(Error::malformed(what(), at, "nested arrays are not allowed"));
+                }
+                let count_at = self.pos as u64;
+                let count = self.u64(&what())?;
+                // Strings need at least 8 bytes each; scalars their size.
+                let min = et.scalar_size().unwrap_or(8) as u64;
+                if count.checked_mul(min).is_none_or(|b| b > self.remaining()) {
+                    return Err(Error::malformed(what(), count_at, format!("array of {count} elements cannot fit in the {} bytes left", self.remaining())));
+                }
+                let mut items = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    items.push(self.value(et, key)?);
+                }
+                Value::Array(et, items)
+            }
+        })
+    }
+}
