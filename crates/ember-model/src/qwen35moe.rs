@@ -1,0 +1,380 @@
+//! qwen35moe forward pass (spec: shared/spec/qwen35moe.md §6). Reads top to bottom; shapes in
+//! comments use T = tokens in the batch, D = n_embd.
+
+use std::sync::Arc;
+
+use ember_gguf::GgufFile;
+use ember_ops::reference::{l2_norm, sigmoid, silu, softplus};
+use ember_ops::{AttnShape, DeltaShape, Mat, Ops};
+
+use crate::state::LayerState;
+use crate::weights::Loader;
+use crate::{Config, Error, LayerKind, SeqState, Weight};
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+    None,
+}
+
+/// Which form of the delta rule a multi-token batch uses (one token is always recurrent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeltaMode {
+    /// Chunked (§6.5) for batches of more than one token.
+    #[default]
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+/// Options of one forward call; `tap` sees named intermediates (for diffing against HF dumps).
+#[derive(Default)]
+pub struct Forward<'a> {
+    pub logits: Option<Logits>,
+    pub delta: DeltaMode,
+    #[allow(clippy::type_complexity)]
+    pub tap: Option<&'a mut dyn FnMut(&str, usize, &Mat)>,
+}
+
+struct Attention {
+    wq: Weight, // {D, n_head·2·head_dim}: per head [query | gate], interleaved
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+struct DeltaNet {
+    qkv: Weight,   // {D, conv_channels}: q | k | v (v heads tiled)
+    gate: Weight,  // {D, n_v_head·d_v}: z
+    beta: Weight,  // {D, n_v_head}
+    alpha: Weight, // {D, n_v_head}
+    conv: Vec<f32>,
+    a: Vec<f32>, // −exp(A_log) per value head
+    dt_bias: Vec<f32>,
+    norm: Vec<f32>, // gated RMSNorm weight, shared by heads, no +1
+    out: Weight,
+}
+
+enum Mixer {
+    DeltaNet(DeltaNet),
+    Attention(Attention),
+}
+
+enum ExpertsGateUp {
+    Separate { gate: Weight, up: Weight },
+    /// {D, 2·n_ff, E}: rows 0..n_ff gate, n_ff..2·n_ff up.
+    Fused(Weight),
+}
+
+struct Moe {
+    router: Weight, // {D, n_expert}
+    gate_up: ExpertsGateUp,
+    down: Weight, // {n_ff, D, n_expert}
+    shared_gate_inp: Weight, // {D}: scalar gate of the shared expert
+    shared_gate: Weight,
+    shared_up: Weight,
+    shared_down: Weight,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    mixer: Mixer,
+    moe: Moe,
+}
+
+pub struct Model {
+    pub config: Config,
+    file: Arc<GgufFile>,
+    tok_embd: Weight,
+    output_norm: Vec<f32>,
+    output: Weight,
+    layers: Vec<Layer>,
+}
+
+impl Model {
+    /// Builds the model over a parsed file, checking every tensor's presence and shape.
+    /// `progress(i, n)` is called after each layer.
+    pub fn load(file: Arc<GgufFile>, mut progress: impl FnMut(usize, usize)) -> Result<Self, Error> {
+        let mut config = Config::from_gguf(&file)?;
+        let c = &config;
+        let ld = Loader { file: file.clone() };
+        let d = c.n_embd;
+        let tok_embd = ld.get("token_embd.weight", &[d, file.tensor("token_embd.weight").map_or(0, |t| t.ne[1] as usize)])?;
+        let n_rows = tok_embd.info().ne[1] as usize;
+        if n_rows == 0 {
+            return Err(Error::BadTensor { name: "token_embd.weight".into(), msg: "has no rows".into() });
+        }
+        if c.n_vocab != 0 && c.n_vocab != n_rows {
+            return Err(Error::BadConfig(format!("tokenizer has {} tokens but token_embd has {n_rows} rows", c.n_vocab)));
+        }
+        config.n_vocab = n_rows;
+        let c = &config;
+        let output = ld.try_get("output.weight", &[d, n_rows])?.unwrap_or_else(|| tok_embd.clone());
+        let output_norm = ld.vec("output_norm.weight", d)?;
+
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (i, kind) in c.layer_kinds.iter().enumerate() {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let mixer = match kind {
+                LayerKind::Attention => {
+                    let (h, hk, hd) = (c.n_head, c.n_head_kv, c.head_dim);
+                    Mixer::Attention(Attention {
+                        wq: ld.get(&n("attn_q.weight"), &[d, 2 * h * hd])?,
+                        wk: ld.get(&n("attn_k.weight"), &[d, hk * hd])?,
+                        wv: ld.get(&n("attn_v.weight"), &[d, hk * hd])?,
+                        wo: ld.get(&n("attn_output.weight"), &[h * hd, d])?,
+                        q_norm: ld.vec(&n("attn_q_norm.weight"), hd)?,
+                        k_norm: ld.vec(&n("attn_k_norm.weight"), hd)?,
+                    })
+                }
+                LayerKind::DeltaNet => {
+                    let vd = c.n_v_head * c.d_v;
+                    let ch = c.conv_channels();
+                    Mixer::DeltaNet(DeltaNet {
+                        qkv: ld.get(&n("attn_qkv.weight"), &[d, ch])?,
+                        gate: ld.get(&n("attn_gate.weight"), &[d, vd])?,
+                        beta: ld.get(&n("ssm_beta.weight"), &[d, c.n_v_head])?,
+                        alpha: ld.get(&n("ssm_alpha.weight"), &[d, c.n_v_head])?,
+                        conv: ld.get(&n("ssm_conv1d.weight"), &[c.conv_kernel, ch])?.to_f32()?,
+                        a: ld.vec(&n("ssm_a"), c.n_v_head)?,
+                        dt_bias: ld.vec(&n("ssm_dt.bias"), c.n_v_head)?,
+                        norm: ld.vec(&n("ssm_norm.weight"), c.d_v)?,
+                        out: ld.get(&n("ssm_out.weight"), &[vd, d])?,
+                    })
+                }
+            };
+            let (e, f, fs) = (c.n_expert, c.n_ff_exp, c.n_ff_shexp);
+            let gate_up = match ld.try_get(&n("ffn_gate_up_exps.weight"), &[d, 2 * f, e])? {
+                Some(w) => ExpertsGateUp::Fused(w),
+                None => ExpertsGateUp::Separate { gate: ld.get(&n("ffn_gate_exps.weight"), &[d, f, e])?, up: ld.get(&n("ffn_up_exps.weight"), &[d, f, e])? },
+            };
+            let shared_gate_inp = match ld.try_get(&n("ffn_gate_inp_shexp.weight"), &[d])? {
+                Some(w) => w,
+                None => ld.get(&n("ffn_gate_inp_shexp.weight"), &[d, 1])?,
+            };
+            let moe = Moe {
+                router: ld.get(&n("ffn_gate_inp.weight"), &[d, e])?,
+                gate_up,
+                down: ld.get(&n("ffn_down_exps.weight"), &[f, d, e])?,
+                shared_gate_inp,
+                shared_gate: ld.get(&n("ffn_gate_shexp.weight"), &[d, fs])?,
+                shared_up: ld.get(&n("ffn_up_shexp.weight"), &[d, fs])?,
+                shared_down: ld.get(&n("ffn_down_shexp.weight"), &[fs, d])?,
+            };
+            layers.push(Layer { attn_norm: ld.vec(&n("attn_norm.weight"), d)?, post_norm: ld.vec(&n("post_attention_norm.weight"), d)?, mixer, moe });
+            progress(i + 1, c.n_layer);
+        }
+        Ok(Model { config, file, tok_embd, output_norm, output, layers })
+    }
+
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// Runs `tokens` through the model, continuing `st`. Returns logits [rows, n_vocab] for
+    /// the positions `opts.logits` asks for (default: all).
+    pub fn forward(&self, ops: &dyn Ops, tokens: &[u32], st: &mut SeqState, mut opts: Forward) -> Result<Mat, Error> {
+        let c = &self.config;
+        self.check_batch(tokens, st)?;
+        let n_tok = tokens.len();
+        let pos0 = st.n_past;
+        let chunked = match opts.delta {
+            DeltaMode::Auto => n_tok > 1,
+            DeltaMode::Recurrent => false,
+            DeltaMode::Chunked => true,
+        };
+        let mut tap = |name: &str, i: usize, m: &Mat| {
+            if let Some(t) = opts.tap.as_mut() {
+                t(name, i, m)
+            }
+        };
+
+        let mut h = ops.get_rows(&self.tok_embd.view(), tokens); // [T, D]
+        tap("embd", 0, &h);
+        for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
+            let x = ops.rms_norm(&h, &layer.attn_norm, c.rms_eps);
+            let m = match (&layer.mixer, ls) {
+                (Mixer::DeltaNet(dn), LayerState::DeltaNet { conv, s }) => dn.forward(c, ops, &x, conv, s, chunked)?,
+                (Mixer::Attention(at), LayerState::Attention { k, v }) => at.forward(c, ops, &x, k, v, pos0)?,
+                _ => unreachable!("SeqState::new builds one state per layer kind"),
+            };
+            add_in_place(&mut h, &m); // [T, D]
+            let f = ops.rms_norm(&h, &layer.post_norm, c.rms_eps);
+            let y = layer.moe.forward(c, ops, &f);
+            add_in_place(&mut h, &y);
+            tap("layer_out", i, &h);
+        }
+        st.n_past += n_tok;
+
+        let rows = match opts.logits.unwrap_or(Logits::All) {
+            Logits::All => h,
+            Logits::Last => h.rows_from(n_tok - 1),
+            Logits::None => return Ok(Mat::zeros(0, c.n_vocab)),
+        };
+        let y = ops.rms_norm(&rows, &self.output_norm, c.rms_eps);
+        tap("final_norm", 0, &y);
+        Ok(ops.matmul(&self.output.view(), &y)) // [rows, n_vocab]
+    }
+
+    fn check_batch(&self, tokens: &[u32], st: &SeqState) -> Result<(), Error> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(Error::BadBatch("no tokens".into()));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(Error::BadBatch(format!("token id {bad} is out of range (vocabulary has {} rows)", c.n_vocab)));
+        }
+        if st.layers.len() != self.layers.len() {
+            return Err(Error::BadBatch(format!("state has {} layers, model {}", st.layers.len(), self.layers.len())));
+        }
+        if st.n_past + tokens.len() > st.n_ctx {
+            return Err(Error::ContextFull { n_past: st.n_past, n_new: tokens.len(), n_ctx: st.n_ctx });
+        }
+        Ok(())
+    }
+}
+
+trait RowsFrom {
+    fn rows_from(self, start: usize) -> Mat;
+}
+
+impl RowsFrom for Mat {
+    fn rows_from(self, start: usize) -> Mat {
+        Mat::from_vec(self.n - start, self.d, self.data[start * self.d..].to_vec())
+    }
+}
+
+fn add_in_place(h: &mut Mat, x: &Mat) {
+    h.data.iter_mut().zip(&x.data).for_each(|(a, b)| *a += b);
+}
+
+impl Attention {
+    /// Gated full attention, qwen35moe.md §6.3.
+    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, kc: &mut ember_ops::KvRows, vc: &mut ember_ops::KvRows, pos0: usize) -> Result<Mat, Error> {
+        let (hd, nh) = (c.head_dim, c.n_head);
+        let qg = ops.matmul(&self.wq.view(), x); // [T, nh·2·hd]: per head [q | gate]
+        let mut q = Mat::zeros(x.n, nh * hd);
+        let mut gate = Mat::zeros(x.n, nh * hd);
+        for t in 0..x.n {
+            for (n, head) in qg.row(t).chunks_exact(2 * hd).enumerate() {
+                q.row_mut(t)[n * hd..(n + 1) * hd].copy_from_slice(&head[..hd]);
+                gate.row_mut(t)[n * hd..(n + 1) * hd].copy_from_slice(&head[hd..]);
+            }
+        }
+        let mut q = ops.rms_norm(&q, &self.q_norm, c.rms_eps); // per head
+        let mut k = ops.rms_norm(&ops.matmul(&self.wk.view(), x), &self.k_norm, c.rms_eps); // [T, hk·hd]
+        let v = ops.matmul(&self.wv.view(), x);
+        ops.rope(&mut q, hd, c.n_rot, pos0, c.rope_base);
+        ops.rope(&mut k, hd, c.n_rot, pos0, c.rope_base);
+        kc.push(&k)?;
+        vc.push(&v)?;
+        let shape = AttnShape { n_tok: x.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
+        let mut a = ops.attention(shape, &q, kc, vc); // [T, nh·hd]
+        a.data.iter_mut().zip(&gate.data).for_each(|(v, g)| *v *= sigmoid(*g));
+        Ok(ops.matmul(&self.wo.view(), &a)) // [T, D]
+    }
+}
+
+impl DeltaNet {
+    /// Gated DeltaNet, qwen35moe.md §6.4.
+    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, conv_state: &mut [f32], s: &mut [f32], chunked: bool) -> Result<Mat, Error> {
+        let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
+        let u = ops.matmul(&self.qkv.view(), x); // [T, 2·nk·dk + nv·dv]
+        let z = ops.matmul(&self.gate.view(), x); // [T, nv·dv]
+        let b = ops.matmul(&self.beta.view(), x); // [T, nv]
+        let a = ops.matmul(&self.alpha.view(), x); // [T, nv]
+        let cu = ops.conv1d_silu(&u, &self.conv, conv_state); // causal conv + SiLU
+        let mut q = cu.cols(0, nk * dk);
+        let mut k = cu.cols(nk * dk, nk * dk);
+        let v = cu.cols(2 * nk * dk, nv * dv);
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        for head in q.data.chunks_exact_mut(dk) {
+            l2_norm(head, c.rms_eps);
+            head.iter_mut().for_each(|x| *x *= q_scale);
+        }
+        for head in k.data.chunks_exact_mut(dk) {
+            l2_norm(head, c.rms_eps);
+        }
+        let mut beta = b;
+        beta.data.iter_mut().for_each(|x| *x = sigmoid(*x));
+        let mut g = a; // g = ssm_a · softplus(a + dt_bias) ≤ 0
+        for t in 0..g.n {
+            for (h, x) in g.row_mut(t).iter_mut().enumerate() {
+                *x = self.a[h] * softplus(*x + self.dt_bias[h]);
+            }
+        }
+        let shape = DeltaShape { n_tok: x.n, n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
+        let o = ops.gated_delta_rule(shape, &q, &k, &v, &g, &beta, s, chunked); // [T, nv·dv]
+        let mut y = ops.rms_norm(&o, &self.norm, c.rms_eps); // per head, shared weight
+        y.data.iter_mut().zip(&z.data).for_each(|(v, zz)| *v *= silu(*zz));
+        Ok(ops.matmul(&self.out.view(), &y)) // [T, D]
+    }
+}
+
+impl Moe {
+    /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
+    /// qwen35moe.md §6.6.
+    fn forward(&self, c: &Config, ops: &dyn Ops, f: &Mat) -> Mat {
+        let (d, k) = (c.n_embd, c.n_expert_used);
+        let logits = ops.matmul(&self.router.view(), f); // [T, E], F32 router
+        // Per expert: the tokens routed to it and their weights.
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.n_expert];
+        for t in 0..f.n {
+            let p = softmax(logits.row(t));
+            let mut idx: Vec<usize> = (0..p.len()).collect();
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let sel = &idx[..k];
+            let sum: f32 = sel.iter().map(|&e| p[e]).sum();
+            let norm = sum.max(6.103_515_6e-5); // llama.cpp clamps the sum to the smallest normal f16
+            for &e in sel {
+                routed[e].push((t, p[e] / norm));
+            }
+        }
+        let mut out = Mat::zeros(f.n, d);
+        for (e, toks) in routed.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let mut xe = Mat::zeros(toks.len(), d);
+            for (r, &(t, _)) in toks.iter().enumerate() {
+                xe.row_mut(r).copy_from_slice(f.row(t));
+            }
+            let (gate, up) = match &self.gate_up {
+                ExpertsGateUp::Separate { gate, up } => (ops.matmul(&gate.expert(e), &xe), ops.matmul(&up.expert(e), &xe)),
+                ExpertsGateUp::Fused(w) => {
+                    let gu = ops.matmul(&w.expert(e), &xe);
+                    (gu.cols(0, c.n_ff_exp), gu.cols(c.n_ff_exp, c.n_ff_exp))
+                }
+            };
+            let y = ops.matmul(&self.down.expert(e), &swiglu(gate, &up)); // [n_e, D]
+            for (r, &(t, w)) in toks.iter().enumerate() {
+                out.row_mut(t).iter_mut().zip(y.row(r)).for_each(|(o, v)| *o += w * v);
+            }
+        }
+        let gs = ops.matmul(&self.shared_gate_inp.view(), f); // [T, 1]
+        let sh = swiglu(ops.matmul(&self.shared_gate.view(), f), &ops.matmul(&self.shared_up.view(), f));
+        let s = ops.matmul(&self.shared_down.view(), &sh); // [T, D]
+        for t in 0..f.n {
+            let sg = sigmoid(gs.row(t)[0]);
+            out.row_mut(t).iter_mut().zip(s.row(t)).for_each(|(o, v)| *o += sg * v);
+        }
+        out
+    }
+}
+
+fn swiglu(mut gate: Mat, up: &Mat) -> Mat {
+    gate.data.iter_mut().zip(&up.data).for_each(|(g, u)| *g = silu(*g) * u);
+    gate
+}
+
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = x.iter().map(|v| (v - m).exp()).collect();
+    let s: f64 = e.iter().map(|v| *v as f64).sum();
+    e.iter().map(|v| (*v as f64 / s) as f32).collect()
+}

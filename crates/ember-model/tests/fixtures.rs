@@ -1,0 +1,225 @@
+//! The tiny-a fixture model against the references in tests/fixtures/tiny-a (HF transformers
+//! float64, HF float64 on exactly dequantised weights, llama.cpp). Tolerances and the errors
+//! measured when they were set are stated next to each assertion.
+
+use std::sync::{Arc, OnceLock};
+
+use ember_cpu::{CpuOps, Precision};
+use ember_gguf::GgufFile;
+use ember_model::{DeltaMode, Forward, Logits, Model, SeqState};
+use ember_ops::{KvType, Ops};
+use ember_testkit::{LogitStats, RefTensor, fixture, read_safetensors, tiny_case_ids};
+use std::collections::HashMap;
+
+const CASES: &[&str] = &["p1", "p5", "p37", "p64", "p65", "p130", "p300", "rand50"];
+
+fn model(q: &str) -> Model {
+    let f = Arc::new(GgufFile::open(fixture(&format!("tiny-a/gguf/tiny-a-{q}.gguf"))).unwrap());
+    Model::load(f, |_, _| {}).unwrap()
+}
+
+fn refs(file: &str) -> &'static HashMap<String, RefTensor> {
+    static HF: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
+    static HFDQ: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
+    static LLAMA: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
+    let cell = match file {
+        "hf" => &HF,
+        "hfdq" => &HFDQ,
+        "llama" => &LLAMA,
+        _ => unreachable!(),
+    };
+    cell.get_or_init(|| read_safetensors(&fixture(&format!("tiny-a/refs/{file}-refs.safetensors"))))
+}
+
+fn exact() -> CpuOps {
+    CpuOps::new(Precision::Exact, 2)
+}
+
+fn fast() -> CpuOps {
+    CpuOps::new(Precision::Fast, 2)
+}
+
+/// All-position logits of `ids` in one prompt batch.
+fn logits(m: &Model, ops: &dyn Ops, ids: &[u32], kv: KvType, delta: DeltaMode) -> Vec<f32> {
+    let mut st = SeqState::new(&m.config, ids.len() + 64, kv).unwrap();
+    m.forward(ops, ids, &mut st, Forward { logits: Some(Logits::All), delta, ..Default::default() }).unwrap().data
+}
+
+/// Float32 bounds from the fixture README, used for every float32-compute comparison:
+/// per-position relative L2 <= 1e-4, max abs <= 1e-3, top-1 identical (HF float32 and llama.cpp
+/// F32 reach 2.2e-6 / 2.1e-5).
+fn assert_f32_bounds(what: &str, s: &LogitStats) {
+    eprintln!("{what}: {s}");
+    assert!(s.max_rel() <= 1e-4, "{what}: max rel {:.3e} > 1e-4", s.max_rel());
+    assert!(s.max_abs <= 1e-3, "{what}: max abs {:.3e} > 1e-3", s.max_abs);
+    assert_eq!(s.top1, 1.0, "{what}: top-1 differs somewhere");
+}
+
+/// BF16 GGUF (bf16-exact weights = the HF checkpoint) through the exact path vs HF float64.
+/// Measured: max rel 8.4e-7, max abs 9.0e-6, p50 rel 4.9e-7 over all cases (llama.cpp F32 GGUF:
+/// 7.1e-7, 7.2e-6, 4.1e-7).
+#[test]
+fn bf16_exact_matches_hf_f64() {
+    let m = model("BF16");
+    let ops = exact();
+    let mut all = Vec::new();
+    for case in CASES {
+        let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+        let s = LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]);
+        assert_f32_bounds(&format!("BF16 exact {case}"), &s);
+        all.push(s);
+    }
+    eprintln!("BF16 exact, all cases pooled: {}", LogitStats::pooled(&all));
+}
+
+/// Greedy continuations by teacher forcing: prompt, then HF's 32 greedy tokens one at a time
+/// through the decode path; every step's logits within the float32 bounds of HF float64 and
+/// every argmax equal to HF's token.
+#[test]
+fn bf16_exact_greedy_teacher_forced() {
+    let m = model("BF16");
+    let ops = exact();
+    for case in ["g_chat", "g_p37"] {
+        let ids = tiny_case_ids(case);
+        let want_tokens = &refs("hf")[&format!("greedy.{case}.tokens.f64")];
+        let want_logits = &refs("hf")[&format!("greedy.{case}.logits.f64")];
+        let mut st = SeqState::new(&m.config, ids.len() + 40, KvType::F32).unwrap();
+        let mut got = m.forward(&ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
+        let mut rows = Vec::new();
+        for step in 0..want_tokens.data.len() {
+            rows.extend_from_slice(&got);
+            let tok = want_tokens.data[step] as u32;
+            got = m.forward(&ops, &[tok], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
+        }
+        let s = LogitStats::compare(&rows, want_logits);
+        assert_f32_bounds(&format!("greedy {case}"), &s);
+    }
+}
+
+/// Quantised GGUFs through the exact path vs HF float64 on the same exactly dequantised
+/// weights: the same float32 bounds. Measured max rel: Q8_0 8.2e-7, Q6_K 1.2e-6, Q4_K_M 9.1e-7.
+#[test]
+fn quantised_exact_matches_hfdq() {
+    let ops = exact();
+    for q in ["Q8_0", "Q6_K", "Q4_K_M"] {
+        let m = model(q);
+        for case in ["p300", "rand50"] {
+            let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+            let s = LogitStats::compare(&got, &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")]);
+            assert_f32_bounds(&format!("{q} exact {case}"), &s);
+        }
+    }
+}
+
+/// The default (fast) path of every file is at least as close to its reference as llama.cpp's
+/// logits are: median per-position error no larger and top-1 agreement no lower, over p300 and
+/// rand50 pooled. Per-logit bounds are meaningless here (routing flips; fixture README). The KV
+/// cache is f32 as in the llama.cpp reference run. Measured (ours / llama.cpp), p50 rel and top-1:
+/// Q8_0 0.0200 / 0.0212, 0.960 / 0.949; Q6_K 0.0210 / 0.0314, 0.949 / 0.937; Q4_K_M 0.0210 /
+/// 0.0330, 0.954 / 0.926: our activation blocks of 32 (kernels.rs) round less than Q8_K's 256.
+#[test]
+fn fast_path_at_least_as_close_as_llama_cpp() {
+    let ops = fast();
+    for q in ["Q8_0", "Q6_K", "Q4_K_M"] {
+        let m = model(q);
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for case in ["p300", "rand50"] {
+            let want = &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")];
+            let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+            ours.push(LogitStats::compare(&got, want));
+            let llama: Vec<f32> = refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
+            theirs.push(LogitStats::compare(&llama, want));
+        }
+        let (o, t) = (LogitStats::pooled(&ours), LogitStats::pooled(&theirs));
+        eprintln!("{q} fast vs hfdq:      {o}\n{q} llama.cpp vs hfdq: {t}");
+        assert!(o.percentile(50.0) <= t.percentile(50.0), "{q}: median rel {:.4} > llama.cpp's {:.4}", o.percentile(50.0), t.percentile(50.0));
+        assert!(o.top1 >= t.top1, "{q}: top-1 {:.4} < llama.cpp's {:.4}", o.top1, t.top1);
+    }
+    // BF16: llama.cpp's BF16 path (bf16 activations) reaches p50 rel 5.2e-3 and top-1 0.9969 vs
+    // HF float64 (fixture agreement table); ours keeps f32 activations for float weights.
+    let m = model("BF16");
+    let mut all = Vec::new();
+    for case in CASES {
+        let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+        all.push(LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]));
+    }
+    let o = LogitStats::pooled(&all);
+    eprintln!("BF16 fast vs HF f64: {o}");
+    assert!(o.percentile(50.0) <= 5.2e-3 && o.top1 >= 0.9969, "BF16 fast: {o}");
+}
+
+/// The default KV cache types (f16, q8_0) stay close to the f32 cache on the fast path.
+/// Measured p50 rel vs the f32 cache on p300: f16 1.7e-4, q8_0 4.2e-3; bound about 5-10x that.
+#[test]
+fn kv_cache_types() {
+    let m = model("BF16");
+    let ops = fast();
+    let ids = tiny_case_ids("p300");
+    let base = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Auto);
+    let base = RefTensor { shape: vec![ids.len(), m.config.n_vocab], data: base.iter().map(|&x| x as f64).collect() };
+    for (kv, bound) in [(KvType::F16, 2e-3), (KvType::Q8_0, 2e-2)] {
+        let got = logits(&m, &ops, &ids, kv, DeltaMode::Auto);
+        let s = LogitStats::compare(&got, &base);
+        eprintln!("{kv:?} cache vs f32 cache: {s}");
+        assert!(s.percentile(50.0) <= bound, "{kv:?}: p50 rel {:.3e} > {bound}", s.percentile(50.0));
+    }
+}
+
+/// Chunked and recurrent delta rule agree (both vs HF float64 within the float32 bounds, and
+/// with each other to 1e-5 rel; measured 8.8e-7).
+#[test]
+fn chunked_equals_recurrent() {
+    let m = model("BF16");
+    let ops = exact();
+    let ids = tiny_case_ids("p300");
+    let want = &refs("hf")["logits.p300.f64"];
+    let rec = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Recurrent);
+    let chk = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Chunked);
+    assert_f32_bounds("recurrent p300", &LogitStats::compare(&rec, want));
+    assert_f32_bounds("chunked p300", &LogitStats::compare(&chk, want));
+    let rec_t = RefTensor { shape: vec![ids.len(), m.config.n_vocab], data: rec.iter().map(|&x| x as f64).collect() };
+    let s = LogitStats::compare(&chk, &rec_t);
+    eprintln!("chunked vs recurrent: {s}");
+    assert!(s.max_rel() <= 1e-5, "chunked vs recurrent: {s}");
+}
+
+/// Prompt path then decode path (fixture decode_check: prefill 60 of p130, then one token at a
+/// time) and a split prefill (chunked_check: 64 + 36 + 30) equal the HF float64 logits.
+#[test]
+fn prompt_and_decode_paths_agree() {
+    let m = model("BF16");
+    let ops = exact();
+    let ids = tiny_case_ids("p130");
+    let want = &refs("hf")["logits.p130.f64"];
+    for splits in [vec![60, 1], vec![64, 36, 30]] {
+        let mut st = SeqState::new(&m.config, ids.len(), KvType::F32).unwrap();
+        let mut rows = Vec::new();
+        let mut at = 0;
+        let mut k = 0;
+        while at < ids.len() {
+            let n = splits[k.min(splits.len() - 1)].min(ids.len() - at);
+            let l = m.forward(&ops, &ids[at..at + n], &mut st, Forward::default()).unwrap();
+            rows.extend_from_slice(&l.data);
+            at += n;
+            k += 1;
+        }
+        assert_f32_bounds(&format!("p130 in batches {splits:?}"), &LogitStats::compare(&rows, want));
+    }
+}
+
+/// Bad batches are errors, not panics.
+#[test]
+fn batch_errors() {
+    let m = model("Q8_0");
+    let ops = fast();
+    let mut st = SeqState::new(&m.config, 4, KvType::F16).unwrap();
+    let e = m.forward(&ops, &[], &mut st, Forward::default()).unwrap_err();
+    assert!(e.to_string().contains("no tokens"), "{e}");
+    let e = m.forward(&ops, &[9999], &mut st, Forward::default()).unwrap_err();
+    assert!(e.to_string().contains("out of range"), "{e}");
+    let e = m.forward(&ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap_err();
+    assert!(e.to_string().contains("context full"), "{e}");
+    m.forward(&ops, &[1, 2, 3, 4], &mut st, Forward::default()).unwrap();
+    let e = m.forward(&ops, &[1], &mut st, Forward::default()).unwrap_err();
+    assert!(e.to_string().contains("context full"), "{e}");
+}
