@@ -1,1 +1,46 @@
-fn main() {}
+//! `ember`: the command-line front end. Flags, wiring and output formatting only; everything
+//! worth testing lives in the library crates.
+
+mod inspect;
+mod load;
+mod logits;
+mod run;
+mod tokenize;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ember", version, about = "Inference engine for hybrid MoE models (Qwen3.5/3.6 qwen35moe GGUF)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Architecture, hyper-parameters, tokenizer and tensors of a GGUF file.
+    Inspect(inspect::Args),
+    /// Text to token ids (a JSON array; no BOS is added).
+    Tokenize(tokenize::TokenizeArgs),
+    /// Token ids to text: exactly the decoded bytes on stdout.
+    Detokenize(tokenize::DetokenizeArgs),
+    /// Logits of every position of a token sequence, written as safetensors.
+    Logits(logits::Args),
+    /// Generate a continuation of a prompt, streamed to stdout.
+    Run(run::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Inspect(a) => inspect::main(a),
+        Cmd::Tokenize(a) => tokenize::tokenize(a),
+        Cmd::Detokenize(a) => tokenize::detokenize(a),
+        Cmd::Logits(a) => logits::main(a),
+        Cmd::Run(a) => run::main(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

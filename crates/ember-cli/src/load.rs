@@ -1,0 +1,55 @@
+//! Opening model files (or the bundled demo model) with a progress bar.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use ember_gguf::GgufFile;
+use ember_model::Model;
+
+/// The tiny random-weight qwen35moe model (tests/fixtures/tiny-a, Q8_0), served when no model
+/// is given. Its output is random text: it exists so every command can be tried at once.
+pub const DEMO_MODEL: &[u8] = include_bytes!("../../../tests/fixtures/tiny-a/gguf/tiny-a-Q8_0.gguf");
+pub const DEMO_NAME: &str = "tiny-a-Q8_0 (bundled demo: random weights, random output)";
+
+pub fn open_gguf(path: Option<&Path>) -> Result<Arc<GgufFile>> {
+    let f = match path {
+        Some(p) => GgufFile::open(p).with_context(|| format!("loading {}", p.display()))?,
+        None => GgufFile::from_bytes(DEMO_MODEL.to_vec()).context("loading the bundled demo model")?,
+    };
+    Ok(Arc::new(f))
+}
+
+/// Opens and validates a model, showing a progress bar on a terminal.
+pub fn open_model(path: Option<&PathBuf>) -> Result<Model> {
+    let file = open_gguf(path.map(|p| p.as_path()))?;
+    if path.is_none() {
+        eprintln!("note: no -m given, using {DEMO_NAME}");
+    }
+    file.advise_willneed();
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}")
+            // unwrap: the template is a constant known to parse.
+            .unwrap(),
+    );
+    let model = Model::load(file, |i, n| {
+        bar.set_length(n as u64);
+        bar.set_position(i as u64);
+    });
+    bar.finish_and_clear();
+    let model = model.with_context(|| match path {
+        Some(p) => format!("loading model {}", p.display()),
+        None => "loading the bundled demo model".into(),
+    })?;
+    Ok(model)
+}
+
+/// The tokenizer of a file, with the file path in errors.
+pub fn tokenizer(file: &GgufFile) -> Result<ember_tokenizer::Tokenizer> {
+    ember_tokenizer::Tokenizer::from_gguf(file).context("reading the tokenizer from the GGUF metadata")
+}
+
+pub fn parse_kv_type(s: &str) -> Result<ember_ops::KvType, String> {
+    ember_ops::KvType::parse(s).ok_or_else(|| format!("unknown KV cache type '{s}' (use f16, q8_0 or f32)"))
+}
