@@ -15,7 +15,7 @@ mod state;
 mod weights;
 
 pub use config::{Config, LayerKind, SUPPORTED_ARCHS};
-pub use qwen35moe::{DeltaMode, Forward, Logits, Model};
+pub use qwen35moe::{DeltaMode, Forward, Logits, Model, SeqBatch};
 pub use state::SeqState;
 pub use weights::{TensorGroup, Weight};
 

@@ -178,47 +178,85 @@ impl Model {
 
     /// Runs `tokens` through the model, continuing `st`. Returns logits [rows, n_vocab] for
     /// the positions `opts.logits` asks for (default: all).
-    pub fn forward(&self, ops: &dyn Ops, tokens: &[u32], st: &mut SeqState, mut opts: Forward) -> Result<Mat, Error> {
+    pub fn forward(&self, ops: &dyn Ops, tokens: &[u32], st: &mut SeqState, opts: Forward) -> Result<Mat, Error> {
+        let logits = opts.logits.unwrap_or(Logits::All);
+        let mut seqs = [SeqBatch { tokens, state: st, logits }];
+        let mut out = self.forward_batch(ops, &mut seqs, opts.delta, opts.tap)?;
+        Ok(out.pop().expect("one output per sequence"))
+    }
+
+    /// Runs several sequences through the model in one pass: every weight is read once for all
+    /// their tokens; only the per-sequence parts (conv, delta rule, attention over the sequence's
+    /// own cache) run sequence by sequence. Returns one logits matrix per sequence.
+    #[allow(clippy::type_complexity)]
+    pub fn forward_batch(
+        &self,
+        ops: &dyn Ops,
+        seqs: &mut [SeqBatch],
+        delta: DeltaMode,
+        mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+    ) -> Result<Vec<Mat>, Error> {
         let c = &self.config;
-        self.check_batch(tokens, st)?;
-        let n_tok = tokens.len();
-        let pos0 = st.n_past;
-        let chunked = match opts.delta {
-            DeltaMode::Auto => n_tok > 1,
-            DeltaMode::Recurrent => false,
-            DeltaMode::Chunked => true,
-        };
+        for s in seqs.iter() {
+            self.check_batch(s.tokens, s.state)?;
+        }
+        let mut spans = Vec::with_capacity(seqs.len()); // (first row, n_tok, pos0, chunked)
+        let mut all_tokens = Vec::new();
+        for s in seqs.iter() {
+            let chunked = match delta {
+                DeltaMode::Auto => s.tokens.len() > 1,
+                DeltaMode::Recurrent => false,
+                DeltaMode::Chunked => true,
+            };
+            spans.push(Span { row0: all_tokens.len(), n: s.tokens.len(), pos0: s.state.n_past, chunked });
+            all_tokens.extend_from_slice(s.tokens);
+        }
         let mut tap = |name: &str, i: usize, m: &Mat| {
-            if let Some(t) = opts.tap.as_mut() {
+            if let Some(t) = tap.as_mut() {
                 t(name, i, m)
             }
         };
 
-        let mut h = ops.get_rows(&self.tok_embd.view(), tokens); // [T, D]
+        let mut h = ops.get_rows(&self.tok_embd.view(), &all_tokens); // [ΣT, D]
         tap("embd", 0, &h);
-        for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
+        for (i, layer) in self.layers.iter().enumerate() {
             let x = ops.rms_norm(&h, &layer.attn_norm, c.rms_eps);
-            let m = match (&layer.mixer, ls) {
-                (Mixer::DeltaNet(dn), LayerState::DeltaNet { conv, s }) => dn.forward(c, ops, &x, conv, s, chunked)?,
-                (Mixer::Attention(at), LayerState::Attention { k, v }) => at.forward(c, ops, &x, k, v, pos0)?,
-                _ => unreachable!("SeqState::new builds one state per layer kind"),
+            let mut states: Vec<&mut LayerState> = seqs.iter_mut().map(|s| &mut s.state.layers[i]).collect();
+            let m = match &layer.mixer {
+                Mixer::DeltaNet(dn) => dn.forward(c, ops, &x, &spans, &mut states)?,
+                Mixer::Attention(at) => at.forward(c, ops, &x, &spans, &mut states)?,
             };
-            add_in_place(&mut h, &m); // [T, D]
+            add_in_place(&mut h, &m); // [ΣT, D]
             let f = ops.rms_norm(&h, &layer.post_norm, c.rms_eps);
             let y = layer.moe.forward(c, ops, &f);
             add_in_place(&mut h, &y);
             tap("layer_out", i, &h);
         }
-        st.n_past += n_tok;
 
-        let rows = match opts.logits.unwrap_or(Logits::All) {
-            Logits::All => h,
-            Logits::Last => h.rows_from(n_tok - 1),
-            Logits::None => return Ok(Mat::zeros(0, c.n_vocab)),
-        };
-        let y = ops.rms_norm(&rows, &self.output_norm, c.rms_eps);
+        // Final norm and LM head on the requested rows of every sequence, in one matmul.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(seqs.len());
+        for (s, sp) in seqs.iter_mut().zip(&spans) {
+            s.state.n_past += sp.n;
+            let (first, n) = match s.logits {
+                Logits::All => (sp.row0, sp.n),
+                Logits::Last => (sp.row0 + sp.n - 1, 1),
+                Logits::None => (sp.row0, 0),
+            };
+            rows.extend_from_slice(&h.data[first * c.n_embd..(first + n) * c.n_embd]);
+            counts.push(n);
+        }
+        let sel = Mat::from_vec(rows.len() / c.n_embd, c.n_embd, rows);
+        let y = ops.rms_norm(&sel, &self.output_norm, c.rms_eps);
         tap("final_norm", 0, &y);
-        Ok(ops.matmul(&self.output.view(), &y)) // [rows, n_vocab]
+        let logits = ops.matmul(&self.output.view(), &y); // [rows, n_vocab]
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for n in counts {
+            out.push(logits.rows(at, n));
+            at += n;
+        }
+        Ok(out)
     }
 
     fn check_batch(&self, tokens: &[u32], st: &SeqState) -> Result<(), Error> {
@@ -239,14 +277,19 @@ impl Model {
     }
 }
 
-trait RowsFrom {
-    fn rows_from(self, start: usize) -> Mat;
+/// One sequence of a batched forward call.
+pub struct SeqBatch<'a> {
+    pub tokens: &'a [u32],
+    pub state: &'a mut SeqState,
+    pub logits: Logits,
 }
 
-impl RowsFrom for Mat {
-    fn rows_from(self, start: usize) -> Mat {
-        Mat::from_vec(self.n - start, self.d, self.data[start * self.d..].to_vec())
-    }
+/// Where a sequence's tokens sit in the batch.
+struct Span {
+    row0: usize,
+    n: usize,
+    pos0: usize,
+    chunked: bool,
 }
 
 fn add_in_place(h: &mut Mat, x: &Mat) {
@@ -254,10 +297,11 @@ fn add_in_place(h: &mut Mat, x: &Mat) {
 }
 
 impl Attention {
-    /// Gated full attention, qwen35moe.md §6.3.
-    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, kc: &mut ember_ops::KvRows, vc: &mut ember_ops::KvRows, pos0: usize) -> Result<Mat, Error> {
+    /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; RoPE, the KV cache and
+    /// the attention itself per sequence.
+    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
-        let qg = ops.matmul(&self.wq.view(), x); // [T, nh·2·hd]: per head [q | gate]
+        let qg = ops.matmul(&self.wq.view(), x); // [ΣT, nh·2·hd]: per head [q | gate]
         let mut q = Mat::zeros(x.n, nh * hd);
         let mut gate = Mat::zeros(x.n, nh * hd);
         for t in 0..x.n {
@@ -266,29 +310,39 @@ impl Attention {
                 gate.row_mut(t)[n * hd..(n + 1) * hd].copy_from_slice(&head[hd..]);
             }
         }
-        let mut q = ops.rms_norm(&q, &self.q_norm, c.rms_eps); // per head
-        let mut k = ops.rms_norm(&ops.matmul(&self.wk.view(), x), &self.k_norm, c.rms_eps); // [T, hk·hd]
+        let q = ops.rms_norm(&q, &self.q_norm, c.rms_eps); // per head
+        let k = ops.rms_norm(&ops.matmul(&self.wk.view(), x), &self.k_norm, c.rms_eps); // [ΣT, hk·hd]
         let v = ops.matmul(&self.wv.view(), x);
-        ops.rope(&mut q, hd, c.n_rot, pos0, c.rope_base);
-        ops.rope(&mut k, hd, c.n_rot, pos0, c.rope_base);
-        kc.push(&k)?;
-        vc.push(&v)?;
-        let shape = AttnShape { n_tok: x.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
-        let mut a = ops.attention(shape, &q, kc, vc); // [T, nh·hd]
+        let mut a = Mat::zeros(x.n, nh * hd);
+        for (sp, st) in spans.iter().zip(states.iter_mut()) {
+            let LayerState::Attention { k: kc, v: vc } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
+            let (mut qs, mut ks) = (q.rows(sp.row0, sp.n), k.rows(sp.row0, sp.n));
+            ops.rope(&mut qs, hd, c.n_rot, sp.pos0, c.rope_base);
+            ops.rope(&mut ks, hd, c.n_rot, sp.pos0, c.rope_base);
+            kc.push(&ks)?;
+            vc.push(&v.rows(sp.row0, sp.n))?;
+            let shape = AttnShape { n_tok: sp.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0: sp.pos0, scale: 1.0 / (hd as f32).sqrt() };
+            a.set_rows(sp.row0, &ops.attention(shape, &qs, kc, vc)); // [T, nh·hd]
+        }
         a.data.iter_mut().zip(&gate.data).for_each(|(v, g)| *v *= sigmoid(*g));
-        Ok(ops.matmul(&self.wo.view(), &a)) // [T, D]
+        Ok(ops.matmul(&self.wo.view(), &a)) // [ΣT, D]
     }
 }
 
 impl DeltaNet {
-    /// Gated DeltaNet, qwen35moe.md §6.4.
-    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, conv_state: &mut [f32], s: &mut [f32], chunked: bool) -> Result<Mat, Error> {
+    /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule run
+    /// per sequence on its carried state.
+    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
-        let u = ops.matmul(&self.qkv.view(), x); // [T, 2·nk·dk + nv·dv]
-        let z = ops.matmul(&self.gate.view(), x); // [T, nv·dv]
-        let b = ops.matmul(&self.beta.view(), x); // [T, nv]
-        let a = ops.matmul(&self.alpha.view(), x); // [T, nv]
-        let cu = ops.conv1d_silu(&u, &self.conv, conv_state); // causal conv + SiLU
+        let u = ops.matmul(&self.qkv.view(), x); // [ΣT, 2·nk·dk + nv·dv]
+        let z = ops.matmul(&self.gate.view(), x); // [ΣT, nv·dv]
+        let b = ops.matmul(&self.beta.view(), x); // [ΣT, nv]
+        let a = ops.matmul(&self.alpha.view(), x); // [ΣT, nv]
+        let mut cu = Mat::zeros(u.n, u.d);
+        for (sp, st) in spans.iter().zip(states.iter_mut()) {
+            let LayerState::DeltaNet { conv, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
+            cu.set_rows(sp.row0, &ops.conv1d_silu(&u.rows(sp.row0, sp.n), &self.conv, conv)); // causal conv + SiLU
+        }
         let mut q = cu.cols(0, nk * dk);
         let mut k = cu.cols(nk * dk, nk * dk);
         let v = cu.cols(2 * nk * dk, nv * dv);
@@ -308,11 +362,17 @@ impl DeltaNet {
                 *x = self.a[h] * softplus(*x + self.dt_bias[h]);
             }
         }
-        let shape = DeltaShape { n_tok: x.n, n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-        let o = ops.gated_delta_rule(shape, &q, &k, &v, &g, &beta, s, chunked); // [T, nv·dv]
+        let mut o = Mat::zeros(x.n, nv * dv);
+        for (sp, st) in spans.iter().zip(states.iter_mut()) {
+            let LayerState::DeltaNet { s, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
+            let rows = |m: &Mat| m.rows(sp.row0, sp.n);
+            let shape = DeltaShape { n_tok: sp.n, n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
+            let os = ops.gated_delta_rule(shape, &rows(&q), &rows(&k), &rows(&v), &rows(&g), &rows(&beta), s, sp.chunked);
+            o.set_rows(sp.row0, &os); // [T, nv·dv]
+        }
         let mut y = ops.rms_norm(&o, &self.norm, c.rms_eps); // per head, shared weight
         y.data.iter_mut().zip(&z.data).for_each(|(v, zz)| *v *= silu(*zz));
-        Ok(ops.matmul(&self.out.view(), &y)) // [T, D]
+        Ok(ops.matmul(&self.out.view(), &y)) // [ΣT, D]
     }
 }
 

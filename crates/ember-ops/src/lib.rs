@@ -40,6 +40,17 @@ impl Mat {
         &mut self.data[i * self.d..(i + 1) * self.d]
     }
 
+    /// Rows `start..start + n`, as a new matrix.
+    pub fn rows(&self, start: usize, n: usize) -> Mat {
+        Mat::from_vec(n, self.d, self.data[start * self.d..(start + n) * self.d].to_vec())
+    }
+
+    /// Overwrites rows `start..start + src.n` with `src`.
+    pub fn set_rows(&mut self, start: usize, src: &Mat) {
+        assert_eq!(src.d, self.d, "set_rows: width {} into {}", src.d, self.d);
+        self.data[start * self.d..(start + src.n) * self.d].copy_from_slice(&src.data);
+    }
+
     /// Columns `start..start + width` of every row, as a new matrix.
     pub fn cols(&self, start: usize, width: usize) -> Mat {
         let mut out = Mat::zeros(self.n, width);
