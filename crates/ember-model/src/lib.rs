@@ -16,7 +16,7 @@ mod weights;
 
 pub use config::{Config, LayerKind, SUPPORTED_ARCHS};
 pub use qwen35moe::{DeltaMode, Forward, Logits, Model, SeqBatch};
-pub use state::SeqState;
+pub use state::{SeqState, StateSnapshot};
 pub use weights::{TensorGroup, Weight};
 
 #[derive(Debug, thiserror::Error)]

@@ -71,3 +71,58 @@ impl SeqState {
             .sum()
     }
 }
+
+/// A copy of a sequence's state after `n_past` tokens: the KV rows 0..n_past and the DeltaNet
+/// conv + recurrent states. DeltaNet state cannot be rewound, so restoring a prefix needs the
+/// snapshot taken exactly at its end (qwen35moe.md §8).
+#[derive(Debug, Clone)]
+pub struct StateSnapshot {
+    n_past: usize,
+    layers: Vec<LayerState>,
+}
+
+impl StateSnapshot {
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// Bytes held by the snapshot.
+    pub fn bytes(&self) -> usize {
+        SeqState { n_past: self.n_past, n_ctx: 0, layers: self.layers.clone() }.bytes()
+    }
+}
+
+impl SeqState {
+    /// Copies the current state.
+    pub fn snapshot(&self) -> StateSnapshot {
+        StateSnapshot { n_past: self.n_past, layers: self.layers.clone() }
+    }
+
+    /// Replaces this state by a snapshot (of a sequence of the same model and KV type).
+    pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), Error> {
+        if snap.layers.len() != self.layers.len() {
+            return Err(Error::BadBatch(format!("snapshot has {} layers, state {}", snap.layers.len(), self.layers.len())));
+        }
+        if snap.n_past > self.n_ctx {
+            return Err(Error::ContextFull { n_past: 0, n_new: snap.n_past, n_ctx: self.n_ctx });
+        }
+        for (dst, src) in self.layers.iter_mut().zip(&snap.layers) {
+            match (dst, src) {
+                (LayerState::Attention { k, v }, LayerState::Attention { k: sk, v: sv }) => {
+                    if k.ty != sk.ty || k.width != sk.width {
+                        return Err(Error::BadBatch("snapshot KV cache type or width differs".into()));
+                    }
+                    k.clone_from(sk);
+                    v.clone_from(sv);
+                }
+                (LayerState::DeltaNet { conv, s }, LayerState::DeltaNet { conv: sc, s: ss }) => {
+                    conv.copy_from_slice(sc);
+                    s.copy_from_slice(ss);
+                }
+                _ => return Err(Error::BadBatch("snapshot layer kinds differ from the model's".into())),
+            }
+        }
+        self.n_past = snap.n_past;
+        Ok(())
+    }
+}

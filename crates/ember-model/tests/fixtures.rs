@@ -253,3 +253,24 @@ fn batched_sequences_equal_separate_calls() {
     }
     assert_eq!((t1.n_past, t2.n_past), (41, 50));
 }
+
+/// Snapshot after a prefix, run on, restore, continue differently: the logits equal a run from
+/// scratch over the whole new prompt (float32 bounds vs HF float64 on p130, which shares the
+/// first 64 tokens with p65).
+#[test]
+fn snapshot_restore_continues_exactly() {
+    let m = model("BF16");
+    let ops = exact();
+    let ids = tiny_case_ids("p130");
+    let mut st = SeqState::new(&m.config, 200, KvType::F32).unwrap();
+    m.forward(&ops, &ids[..50], &mut st, Forward::default()).unwrap();
+    let snap = st.snapshot();
+    assert_eq!(snap.n_past(), 50);
+    assert!(snap.bytes() > 0);
+    m.forward(&ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap(); // a different continuation
+    st.restore(&snap).unwrap();
+    let rest = m.forward(&ops, &ids[50..], &mut st, Forward::default()).unwrap();
+    let want = &refs("hf")["logits.p130.f64"];
+    let want_tail = RefTensor { shape: vec![80, want.shape[1]], data: want.data[50 * want.shape[1]..].to_vec() };
+    assert_f32_bounds("restored p130[50..]", &LogitStats::compare(&rest.data, &want_tail));
+}
