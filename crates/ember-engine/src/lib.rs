@@ -6,6 +6,7 @@
 //! upgrades, and the hot path is one reusable buffer with no allocation per token.
 #![forbid(unsafe_code)]
 
+pub mod prefix_cache;
 pub mod sampler;
 
 pub use sampler::{Sampler, SamplerConfig};

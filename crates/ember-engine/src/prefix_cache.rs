@@ -1,0 +1,300 @@
+//! A prefix cache over token sequences: a radix tree whose nodes may hold a state checkpoint
+//! taken exactly after that node's tokens, in a byte budget with least-recently-used eviction.
+//!
+//! Attention KV could be truncated to any length, but DeltaNet state cannot be rewound, so a
+//! prefix is reusable only where a checkpoint exists: [`PrefixCache::lookup`] returns the longest
+//! stored checkpoint whose tokens are a prefix of the query. The cache is generic over the
+//! checkpoint type so it stays pure data (the engine stores model snapshots in it).
+
+use std::collections::HashMap;
+
+/// What the cache needs to know about a checkpoint.
+pub trait Checkpoint {
+    /// Bytes it holds (for the budget).
+    fn bytes(&self) -> usize;
+}
+
+/// Counters for /metrics and logs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub insertions: u64,
+    pub evictions: u64,
+    pub entries: usize,
+    pub bytes: usize,
+}
+
+struct Node<S> {
+    /// Tokens on the edge from the parent to this node.
+    edge: Vec<u32>,
+    children: HashMap<u32, usize>,
+    parent: Option<usize>,
+    checkpoint: Option<S>,
+    last_used: u64,
+}
+
+/// The radix tree; node 0 is the root (empty prefix). Freed nodes are recycled.
+pub struct PrefixCache<S> {
+    nodes: Vec<Option<Node<S>>>,
+    free: Vec<usize>,
+    budget_bytes: usize,
+    clock: u64,
+    stats: CacheStats,
+}
+
+impl<S: Checkpoint> PrefixCache<S> {
+    pub fn new(budget_bytes: usize) -> Self {
+        let root = Node { edge: Vec::new(), children: HashMap::new(), parent: None, checkpoint: None, last_used: 0 };
+        PrefixCache { nodes: vec![Some(root)], free: Vec::new(), budget_bytes, clock: 0, stats: CacheStats::default() }
+    }
+
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    fn node(&self, i: usize) -> &Node<S> {
+        // unwrap: indices reachable from the tree always point at live nodes.
+        self.nodes[i].as_ref().unwrap()
+    }
+
+    fn node_mut(&mut self, i: usize) -> &mut Node<S> {
+        // unwrap: as in `node`.
+        self.nodes[i].as_mut().unwrap()
+    }
+
+    /// The longest checkpointed prefix of `tokens`: its length and checkpoint. Counts a hit or
+    /// a miss and marks the entry as recently used.
+    pub fn lookup(&mut self, tokens: &[u32]) -> Option<(usize, &S)> {
+        let mut at = 0usize; // node
+        let mut depth = 0usize; // tokens matched so far
+        let mut best: Option<(usize, usize)> = None; // (node, depth)
+        loop {
+            if self.node(at).checkpoint.is_some() && depth > 0 {
+                best = Some((at, depth));
+            }
+            let Some(&next) = tokens.get(depth).and_then(|t| self.node(at).children.get(t)) else { break };
+            let edge = &self.node(next).edge;
+            if tokens.len() - depth < edge.len() || tokens[depth..depth + edge.len()] != edge[..] {
+                break; // the query diverges inside this edge
+            }
+            depth += edge.len();
+            at = next;
+        }
+        self.clock += 1;
+        match best {
+            Some((n, d)) => {
+                self.stats.hits += 1;
+                let clock = self.clock;
+                self.node_mut(n).last_used = clock;
+                // unwrap: `best` only records nodes holding a checkpoint.
+                Some((d, self.node(n).checkpoint.as_ref().unwrap()))
+            }
+            None => {
+                self.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// Stores a checkpoint taken after exactly `tokens`; replaces an existing one. Evicts least
+    /// recently used checkpoints until the budget holds; a checkpoint larger than the whole
+    /// budget is not stored. Returns the number of evictions.
+    pub fn insert(&mut self, tokens: &[u32], checkpoint: S) -> usize {
+        let size = checkpoint.bytes();
+        if size > self.budget_bytes || tokens.is_empty() {
+            return 0;
+        }
+        let node = self.find_or_split(tokens);
+        self.clock += 1;
+        let clock = self.clock;
+        let n = self.node_mut(node);
+        n.last_used = clock;
+        let old = n.checkpoint.replace(checkpoint);
+        match old {
+            Some(o) => self.stats.bytes -= o.bytes(),
+            None => self.stats.entries += 1,
+        }
+        self.stats.bytes += size;
+        self.stats.insertions += 1;
+        let mut evicted = 0;
+        while self.stats.bytes > self.budget_bytes {
+            if !self.evict_lru(node) {
+                break;
+            }
+            evicted += 1;
+        }
+        evicted
+    }
+
+    /// The node for exactly `tokens`, creating (and splitting edges) as needed.
+    fn find_or_split(&mut self, tokens: &[u32]) -> usize {
+        let mut at = 0usize;
+        let mut depth = 0usize;
+        while depth < tokens.len() {
+            let first = tokens[depth];
+            let Some(&child) = self.node(at).children.get(&first) else {
+                let leaf = self.alloc(Node { edge: tokens[depth..].to_vec(), children: HashMap::new(), parent: Some(at), checkpoint: None, last_used: 0 });
+                self.node_mut(at).children.insert(first, leaf);
+                return leaf;
+            };
+            let edge_len = self.node(child).edge.len();
+            let common = self.node(child).edge.iter().zip(&tokens[depth..]).take_while(|(a, b)| a == b).count();
+            if common == edge_len {
+                at = child;
+                depth += edge_len;
+                continue;
+            }
+            // Split the edge at `common`: parent -> mid -> child.
+            let child_edge = self.node(child).edge.clone();
+            let mid = self.alloc(Node { edge: child_edge[..common].to_vec(), children: HashMap::new(), parent: Some(at), checkpoint: None, last_used: 0 });
+            {
+                let c = self.node_mut(child);
+                c.edge = child_edge[common..].to_vec();
+                c.parent = Some(mid);
+            }
+            self.node_mut(mid).children.insert(child_edge[common], child);
+            self.node_mut(at).children.insert(first, mid);
+            at = mid;
+            depth += common;
+        }
+        at
+    }
+
+    fn alloc(&mut self, n: Node<S>) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i] = Some(n);
+                i
+            }
+            None => {
+                self.nodes.push(Some(n));
+                self.nodes.len() - 1
+            }
+        }
+    }
+
+    /// Drops the least recently used checkpoint other than `keep`; false if there is none.
+    fn evict_lru(&mut self, keep: usize) -> bool {
+        let victim = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.as_ref().filter(|n| n.checkpoint.is_some() && i != keep).map(|n| (n.last_used, i)))
+            .min();
+        let Some((_, v)) = victim else { return false };
+        // unwrap: the victim holds a checkpoint by the filter above.
+        let cp = self.node_mut(v).checkpoint.take().unwrap();
+        self.stats.bytes -= cp.bytes();
+        self.stats.entries -= 1;
+        self.stats.evictions += 1;
+        self.prune(v);
+        true
+    }
+
+    /// Removes `i` and empty ancestors that no longer lead to a checkpoint; merges a node left
+    /// with one child and no checkpoint into that child.
+    fn prune(&mut self, mut i: usize) {
+        while i != 0 {
+            let n = self.node(i);
+            if n.checkpoint.is_some() {
+                return;
+            }
+            match n.children.len() {
+                0 => {
+                    // unwrap: every non-root node has a parent.
+                    let parent = n.parent.unwrap();
+                    let first = n.edge[0];
+                    self.node_mut(parent).children.remove(&first);
+                    self.nodes[i] = None;
+                    self.free.push(i);
+                    i = parent;
+                }
+                1 => {
+                    let (&_, &only) = n.children.iter().next().expect("one child");
+                    let (parent, edge) = (n.parent.unwrap(), n.edge.clone());
+                    let c = self.node_mut(only);
+                    let mut merged = edge.clone();
+                    merged.extend_from_slice(&c.edge);
+                    c.edge = merged;
+                    c.parent = Some(parent);
+                    self.node_mut(parent).children.insert(edge[0], only);
+                    self.nodes[i] = None;
+                    self.free.push(i);
+                    return;
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Clone, PartialEq)]
+    struct Cp(&'static str, usize);
+    impl Checkpoint for Cp {
+        fn bytes(&self) -> usize {
+            self.1
+        }
+    }
+
+    #[test]
+    fn longest_checkpointed_prefix() {
+        let mut c = PrefixCache::new(1000);
+        assert!(c.lookup(&[1, 2, 3]).is_none());
+        c.insert(&[1, 2, 3], Cp("a", 10));
+        c.insert(&[1, 2, 3, 4, 5], Cp("b", 10));
+        c.insert(&[1, 2, 9], Cp("c", 10));
+        assert_eq!(c.lookup(&[1, 2, 3, 4, 5, 6]).map(|(n, s)| (n, s.0)), Some((5, "b")));
+        assert_eq!(c.lookup(&[1, 2, 3, 4]).map(|(n, s)| (n, s.0)), Some((3, "a")));
+        assert_eq!(c.lookup(&[1, 2, 9, 9]).map(|(n, s)| (n, s.0)), Some((3, "c")));
+        assert_eq!(c.lookup(&[1, 2]).map(|(n, _)| n), None, "no checkpoint at [1, 2]");
+        assert_eq!(c.lookup(&[7]).map(|(n, _)| n), None);
+        let s = c.stats();
+        assert_eq!((s.hits, s.misses, s.entries, s.bytes), (3, 3, 3, 30));
+    }
+
+    #[test]
+    fn lru_eviction_under_budget() {
+        let mut c = PrefixCache::new(25);
+        c.insert(&[1, 1], Cp("a", 10));
+        c.insert(&[2, 2], Cp("b", 10));
+        c.lookup(&[1, 1, 5]); // a is now more recent than b
+        let ev = c.insert(&[3, 3], Cp("c", 10));
+        assert_eq!(ev, 1);
+        assert!(c.lookup(&[2, 2]).is_none(), "b (least recently used) evicted");
+        assert!(c.lookup(&[1, 1]).is_some());
+        assert!(c.lookup(&[3, 3]).is_some());
+        assert_eq!(c.stats().bytes, 20);
+        assert_eq!(c.insert(&[4], Cp("huge", 26)), 0, "larger than the budget: not stored");
+        assert!(c.lookup(&[4]).is_none());
+    }
+
+    #[test]
+    fn replace_and_prune_keep_the_tree_consistent() {
+        let mut c = PrefixCache::new(100);
+        c.insert(&[1, 2, 3, 4], Cp("a", 10));
+        c.insert(&[1, 2, 3, 4], Cp("a2", 20));
+        assert_eq!(c.stats().bytes, 20);
+        c.insert(&[1, 2, 5], Cp("b", 10));
+        c.insert(&[1, 2], Cp("p", 10));
+        // Evict everything but the last insert by shrinking through inserts.
+        let mut small = PrefixCache::new(10);
+        for i in 0..50u32 {
+            small.insert(&[i % 7, i, i + 1], Cp("x", 10));
+            assert_eq!(small.stats().entries, 1);
+            assert!(small.lookup(&[i % 7, i, i + 1, 0]).is_some());
+        }
+        assert!(small.nodes.iter().filter(|n| n.is_some()).count() <= 3, "pruned nodes are recycled");
+        assert_eq!(c.lookup(&[1, 2, 3, 4, 0]).map(|(n, s)| (n, s.0)), Some((4, "a2")));
+        assert_eq!(c.lookup(&[1, 2, 5]).map(|(n, s)| (n, s.0)), Some((3, "b")));
+        assert_eq!(c.lookup(&[1, 2, 7]).map(|(n, s)| (n, s.0)), Some((2, "p")));
+    }
+}
