@@ -1,5 +1,6 @@
-//! ember-chat: messages -> prompt text (the GGUF's Jinja chat template), and later the
-//! model's streamed text -> content, reasoning and tool calls. No HTTP, no token ids.
+//! ember-chat: messages -> prompt text (the GGUF's Jinja chat template), and the model's
+//! streamed text -> content, reasoning and tool calls (`OutputParser`, `src/parse.rs`).
+//! No HTTP, no token ids.
 //!
 //! The decision a reader would question: templates run on minijinja, a reimplementation of
 //! Jinja2, yet prompts must be byte-identical to HF transformers' Python Jinja2. minijinja with
@@ -12,9 +13,11 @@
 //! `Display` (`0.0000001`, Python `1e-07`); no known Qwen template concatenates floats.
 #![forbid(unsafe_code)]
 
+mod parse;
 mod python;
 mod template;
 
+pub use parse::{OutputParser, ParseEvent, ParsedOutput, ParsedToolCall, ParserOptions, ToolSpec, parse_complete};
 pub use template::{ChatTemplate, RenderRequest};
 
 /// Errors of template compilation and rendering.
@@ -39,6 +42,9 @@ pub enum Error {
         call: usize,
         reason: String,
     },
+    /// A request's `tools` entry is not an OpenAI function tool (`field` is its JSON path).
+    #[error("{field} {reason}")]
+    Tools { field: String, reason: String },
     /// `chat_template_kwargs` tried to set a name the renderer owns.
     #[error("chat_template_kwargs may not set `{0}`")]
     ReservedKwarg(String),
