@@ -87,7 +87,13 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let file = std::fs::File::open(path).map_err(|source| Error::Open { path: path.to_owned(), source })?;
-        let len = file.metadata()?.len();
+        let meta = file.metadata().map_err(|source| Error::Open { path: path.to_owned(), source })?;
+        if !meta.is_file() {
+            // open(2) succeeds on a directory; mmap would then fail with a bare ENODEV.
+            let kind = if meta.is_dir() { "is a directory" } else { "is not a regular file" };
+            return Err(Error::Open { path: path.to_owned(), source: std::io::Error::new(std::io::ErrorKind::InvalidInput, kind) });
+        }
+        let len = meta.len();
         if len == 0 {
             return Err(Error::Truncated { what: "magic".into(), offset: 0, needed: 4, file_len: 0 });
         }
@@ -95,7 +101,7 @@ impl GgufFile {
         // file while it is mapped, reads may fault or see new bytes; that is the documented
         // contract of memory-mapped model files (llama.cpp has the same), and the parser below
         // never trusts the bytes: every read is bounds-checked against the length seen here.
-        let map = unsafe { memmap2::MmapOptions::new().map(&file)? };
+        let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|source| Error::Open { path: path.to_owned(), source })?;
         Self::parse(Backing::Mmap(map))
     }
 
@@ -245,6 +251,7 @@ impl GgufFile {
 
         let mut metadata = Vec::with_capacity(n_kv as usize);
         let mut key_index = HashMap::with_capacity(n_kv as usize);
+        let mut alignment_at = 0;
         for i in 0..n_kv {
             let at = c.pos as u64;
             let key = c.string(&format!("key of metadata pair {i}"))?;
@@ -252,9 +259,12 @@ impl GgufFile {
             let vt = c.u32(&format!("value type of '{key}'"))?;
             let vt = ValueType::from_id(vt)
                 .ok_or_else(|| Error::malformed(format!("value type of '{key}'"), vt_at, format!("unknown type id {vt}")))?;
-            let value = c.value(vt, &key)?;
+            let value = c.value(vt, &format!("value of '{key}'"))?;
             if key_index.insert(key.clone(), metadata.len()).is_some() {
                 return Err(Error::malformed("metadata key", at, format!("duplicate key '{key}'")));
+            }
+            if key == "general.alignment" {
+                alignment_at = at;
             }
             metadata.push((key, value));
         }
@@ -263,7 +273,13 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(Value::U32(a)) if *a > 0 && a.is_power_of_two() => *a as u64,
             Some(v) => {
-                return Err(Error::malformed("general.alignment", 0, format!("must be a power-of-two u32, got {v:?}")));
+                // Numbers are shown; anything else is named by type only (it may be huge).
+                let got = match (v.as_int(), v.as_f64()) {
+                    (Some(i), _) => format!("{} {i}", v.type_name()),
+                    (None, Some(f)) => format!("{} {f}", v.type_name()),
+                    _ => v.type_name(),
+                };
+                return Err(Error::malformed("general.alignment", alignment_at, format!("must be a power-of-two u32, got {got}")));
             }
         };
 
@@ -291,6 +307,13 @@ impl GgufFile {
             let offset_at = c.pos as u64;
             let offset = c.u64(&format!("offset of '{name}'"))?;
             let bad = |msg: String| Error::malformed(format!("tensor '{name}'"), info_offset, msg);
+            // ggml stores ne as int64. Bounding the product of the non-zero dimensions bounds
+            // every partial product, so n_elements() and n_rows() cannot overflow even when a
+            // zero dimension makes the tensor empty.
+            let n_nonzero = ne.iter().filter(|&&d| d != 0).try_fold(1u64, |a, &d| a.checked_mul(d));
+            if n_nonzero.is_none_or(|n| n > i64::MAX as u64) {
+                return Err(bad(format!("element count of shape {:?} overflows", &ne[..n_dims as usize])));
+            }
             if ne[0] % ggml_type.block_size() as u64 != 0 {
                 return Err(bad(format!("ne[0] = {} is not a multiple of the {} block size {}", ne[0], ggml_type, ggml_type.block_size())));
             }
@@ -301,9 +324,6 @@ impl GgufFile {
                 .and_then(|b| b.checked_mul(ne[3]))
                 .filter(|&b| b <= bytes.len() as u64)
                 .ok_or_else(|| bad(format!("shape {:?} of type {} is larger than the file", &ne[..n_dims as usize], ggml_type)))?;
-            if ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).is_none() {
-                return Err(bad(format!("element count of shape {:?} overflows", &ne[..n_dims as usize])));
-            }
             if offset % alignment != 0 {
                 return Err(Error::malformed(format!("offset of '{name}'"), offset_at, format!("{offset} is not a multiple of the alignment {alignment}")));
             }
@@ -314,16 +334,35 @@ impl GgufFile {
         }
 
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
-        let data_len = (bytes.len() as u64).saturating_sub(data_offset);
+        let file_len = bytes.len() as u64;
+        // Tensors are checked against the file length, not a saturated data length: the padded
+        // data start may lie past the end of a short file, and even an empty tensor there would
+        // make tensor_data() slice out of bounds.
+        let data_len = file_len.checked_sub(data_offset);
         for t in &tensors {
-            let end = t.offset.checked_add(t.n_bytes);
-            if end.is_none_or(|e| e > data_len) {
-                return Err(Error::Truncated {
-                    what: format!("data of tensor '{}'", t.name),
-                    offset: data_offset + t.offset,
-                    needed: t.n_bytes,
-                    file_len: bytes.len() as u64,
-                });
+            match data_len {
+                Some(data_len) if t.offset <= data_len => {
+                    if t.n_bytes > data_len - t.offset {
+                        return Err(Error::Truncated {
+                            what: format!("data of tensor '{}'", t.name),
+                            offset: data_offset + t.offset,
+                            needed: t.n_bytes,
+                            file_len,
+                        });
+                    }
+                }
+                _ => {
+                    return Err(Error::malformed(
+                        format!("offset of '{}'", t.name),
+                        t.info_offset,
+                        format!(
+                            "data offset {} is beyond the end of the data section \
+                             ({} bytes from file offset {data_offset}; file is {file_len} bytes)",
+                            t.offset,
+                            data_len.unwrap_or(0),
+                        ),
+                    ));
+                }
             }
         }
         let mut by_offset: Vec<&TensorInfo> = tensors.iter().filter(|t| t.n_bytes > 0).collect();
@@ -385,46 +424,47 @@ impl<'a> Cursor<'a> {
         String::from_utf8(raw.to_vec()).map_err(|e| Error::malformed(what, at + 8, format!("invalid UTF-8: {e}")))
     }
 
-    fn value(&mut self, vt: ValueType, key: &str) -> Result<Value> {
-        let what = || format!("value of '{key}'");
+    /// One value; `what` names it in errors. It is formatted once by the caller, not per
+    /// array element: a long key times a long array would otherwise cost quadratic time.
+    fn value(&mut self, vt: ValueType, what: &str) -> Result<Value> {
         Ok(match vt {
-            ValueType::U8 => Value::U8(self.array::<1>(&what())?[0]),
-            ValueType::I8 => Value::I8(self.array::<1>(&what())?[0] as i8),
-            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what())?)),
-            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what())?)),
-            ValueType::U32 => Value::U32(self.u32(&what())?),
-            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what())?)),
-            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what())?)),
-            ValueType::U64 => Value::U64(self.u64(&what())?),
-            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
-            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
+            ValueType::U8 => Value::U8(self.array::<1>(what)?[0]),
+            ValueType::I8 => Value::I8(self.array::<1>(what)?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(what)?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(what)?)),
+            ValueType::U32 => Value::U32(self.u32(what)?),
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(what)?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(what)?)),
+            ValueType::U64 => Value::U64(self.u64(what)?),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(what)?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(what)?)),
             ValueType::Bool => {
                 let at = self.pos as u64;
-                match self.array::<1>(&what())?[0] {
+                match self.array::<1>(what)?[0] {
                     0 => Value::Bool(false),
                     1 => Value::Bool(true),
-                    b => return Err(Error::malformed(what(), at, format!("bool byte is {b}, expected 0 or 1"))),
+                    b => return Err(Error::malformed(what, at, format!("bool byte is {b}, expected 0 or 1"))),
                 }
             }
-            ValueType::String => Value::String(self.string(&what())?),
+            ValueType::String => Value::String(self.string(what)?),
             ValueType::Array => {
                 let at = self.pos as u64;
-                let et = self.u32(&what())?;
+                let et = self.u32(what)?;
                 let et = ValueType::from_id(et)
-                    .ok_or_else(|| Error::malformed(what(), at, format!("unknown array element type id {et}")))?;
+                    .ok_or_else(|| Error::malformed(what, at, format!("unknown array element type id {et}")))?;
                 if et == ValueType::Array {
-                    return Err(Error::malformed(what(), at, "nested arrays are not allowed"));
+                    return Err(Error::malformed(what, at, "nested arrays are not allowed"));
                 }
                 let count_at = self.pos as u64;
-                let count = self.u64(&what())?;
+                let count = self.u64(what)?;
                 // Strings need at least 8 bytes each; scalars their size.
                 let min = et.scalar_size().unwrap_or(8) as u64;
                 if count.checked_mul(min).is_none_or(|b| b > self.remaining()) {
-                    return Err(Error::malformed(what(), count_at, format!("array of {count} elements cannot fit in the {} bytes left", self.remaining())));
+                    return Err(Error::malformed(what, count_at, format!("array of {count} elements cannot fit in the {} bytes left", self.remaining())));
                 }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
-                    items.push(self.value(et, key)?);
+                    items.push(self.value(et, what)?);
                 }
                 Value::Array(et, items)
             }

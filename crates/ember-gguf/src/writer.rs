@@ -24,7 +24,10 @@ impl TensorSpec {
             name: self.name.clone(),
             msg: format!("ne[0] = {ne0} is not a multiple of the {} block size {}", self.ggml_type, self.ggml_type.block_size()),
         })?;
-        Ok(self.ne[1..].iter().product::<u64>() * row as u64)
+        self.ne[1..]
+            .iter()
+            .try_fold(row as u64, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| Error::BadTensor { name: self.name.clone(), msg: format!("shape {:?} overflows the byte size", self.ne) })
     }
 }
 
