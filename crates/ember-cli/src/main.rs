@@ -5,6 +5,7 @@ mod inspect;
 mod load;
 mod logits;
 mod run;
+mod serve;
 mod tokenize;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,8 @@ enum Cmd {
     Logits(logits::Args),
     /// Generate a continuation of a prompt, streamed to stdout.
     Run(run::Args),
+    /// OpenAI-compatible HTTP server (chat, completions, tools, streaming, /metrics).
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -38,6 +41,7 @@ fn main() {
         Cmd::Detokenize(a) => tokenize::detokenize(a),
         Cmd::Logits(a) => logits::main(a),
         Cmd::Run(a) => run::main(a),
+        Cmd::Serve(a) => serve::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,130 @@
+//! The engine thread: scheduling, finish reasons, queue limits and cancellation on a scripted
+//! backend; seeded reproducibility under batching on the tiny fixture model.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use ember_engine::{EngineConfig, Error, Event, EventSink, FinishReason, GenRequest, ModelBackend, SamplerConfig, ScriptBackend};
+
+/// A sink over a std channel; `closed` simulates a client that left.
+struct TestSink {
+    tx: mpsc::Sender<Event>,
+    closed: Arc<AtomicBool>,
+}
+
+impl EventSink for TestSink {
+    fn send(&mut self, ev: Event) -> bool {
+        !self.closed.load(Ordering::SeqCst) && self.tx.send(ev).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+}
+
+fn sink() -> (Box<TestSink>, mpsc::Receiver<Event>, Arc<AtomicBool>) {
+    let (tx, rx) = mpsc::channel();
+    let closed = Arc::new(AtomicBool::new(false));
+    (Box::new(TestSink { tx, closed: closed.clone() }), rx, closed)
+}
+
+fn req(prompt: Vec<u32>, max_tokens: usize, seed: u64) -> GenRequest {
+    GenRequest {
+        prompt,
+        sampler: SamplerConfig { seed: Some(seed), temperature: 1.0, ..Default::default() },
+        max_tokens,
+        eog: vec![99],
+        n_logprobs: None,
+    }
+}
+
+/// All events of one request, until it finishes.
+fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
+    let mut ids = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).expect("engine event") {
+            Event::Started { .. } => {}
+            Event::Token { id, .. } => ids.push(id),
+            ev => return (ids, ev),
+        }
+    }
+}
+
+fn script(tokens: &[u32]) -> ScriptBackend {
+    ScriptBackend { n_vocab: 100, script: tokens.to_vec(), eog: 99 }
+}
+
+#[test]
+fn finish_reasons() {
+    let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 16, n_batch: 4 };
+    let (h, _t) = ember_engine::start(script(&[5, 6, 7]), cfg).unwrap();
+    // EOG after the script: Eog, the EOG token counted but not sent.
+    let (s, rx, _) = sink();
+    h.submit(req(vec![1; 10], 100, 1), s).unwrap();
+    let (ids, end) = collect(&rx);
+    assert_eq!(ids, [5, 6, 7]);
+    assert_eq!(end, Event::Finished { reason: FinishReason::Eog, n_prompt: 10, n_generated: 4 });
+    // max_tokens.
+    let (s, rx, _) = sink();
+    h.submit(req(vec![1; 3], 2, 1), s).unwrap();
+    let (ids, end) = collect(&rx);
+    assert_eq!(ids, [5, 6]);
+    assert_eq!(end, Event::Finished { reason: FinishReason::MaxTokens, n_prompt: 3, n_generated: 2 });
+    // Context end: 14 prompt tokens + 2 generated = 16.
+    let (s, rx, _) = sink();
+    h.submit(req(vec![1; 14], 100, 1), s).unwrap();
+    let (ids, end) = collect(&rx);
+    assert_eq!(ids, [5, 6]);
+    assert_eq!(end, Event::Finished { reason: FinishReason::ContextFull, n_prompt: 14, n_generated: 2 });
+    // Refused at submit.
+    let (s, _rx, _) = sink();
+    assert!(matches!(h.submit(req(vec![1; 16], 1, 1), s), Err(Error::PromptTooLong { n_prompt: 16, n_ctx: 16 })));
+    let (s, _rx, _) = sink();
+    assert!(matches!(h.submit(req(vec![100], 1, 1), s), Err(Error::TokenOutOfRange { id: 100, .. })));
+}
+
+#[test]
+fn full_queue_is_refused_and_closed_sinks_free_their_slot() {
+    // An endless script: sequences run until cancelled.
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: 1 << 20, n_batch: 8 };
+    let (h, _t) = ember_engine::start(script(&[7; 1 << 16]), cfg).unwrap();
+    let (s1, rx1, closed1) = sink();
+    h.submit(req(vec![1], usize::MAX, 1), s1).unwrap();
+    assert!(matches!(rx1.recv().unwrap(), Event::Started { .. }));
+    let (s2, rx2, _) = sink();
+    h.submit(req(vec![1], 3, 1), s2).unwrap();
+    let (s3, _rx3, _) = sink();
+    assert!(matches!(h.submit(req(vec![1], 3, 1), s3), Err(Error::QueueFull { n_queue: 1 })));
+    assert_eq!(h.stats().n_waiting.load(Ordering::SeqCst), 1);
+    // The first client leaves: the waiting request gets the slot and completes.
+    closed1.store(true, Ordering::SeqCst);
+    let (ids, end) = collect(&rx2);
+    assert_eq!(ids, [7, 7, 7]);
+    assert!(matches!(end, Event::Finished { reason: FinishReason::MaxTokens, .. }));
+    assert_eq!(h.stats().n_cancelled.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn seeded_tokens_do_not_depend_on_batching() {
+    let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());
+    let model = ember_model::Model::load(file, |_, _| {}).unwrap();
+    let ops = ember_cpu::CpuOps::new(ember_cpu::Precision::Fast, 1);
+    let cfg = EngineConfig { n_parallel: 4, n_queue: 16, n_ctx: 256, n_batch: 7 };
+    let (h, _t) = ember_engine::start(ModelBackend { model, ops, kv_type: ember_ops::KvType::F16 }, cfg).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (0..10 + 3 * i).map(|j| (j * 37 + i * 11) % 600).collect()).collect();
+    let run = |i: usize| {
+        let (s, rx, _) = sink();
+        let mut r = req(prompts[i].clone(), 20, i as u64);
+        r.eog = Vec::new();
+        r.n_logprobs = Some(2);
+        h.submit(r, s).unwrap();
+        rx
+    };
+    // Alone, one at a time.
+    let alone: Vec<_> = (0..4).map(|i| collect(&run(i)).0).collect();
+    // All four at once: prompts (in chunks of 7) and decodes share forward passes.
+    let rxs: Vec<_> = (0..4).map(run).collect();
+    let batched: Vec<_> = rxs.iter().map(|rx| collect(rx).0).collect();
+    assert_eq!(alone, batched);
+}
