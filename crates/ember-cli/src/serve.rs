@@ -49,6 +49,12 @@ pub struct Args {
     threads: usize,
     #[arg(long, value_parser = load::parse_kv_type, default_value = "f16")]
     kv_type: KvType,
+    /// RAM for the prompt cache in MiB (state checkpoints reused by follow-up requests; 0: off).
+    #[arg(long, default_value_t = 2048)]
+    cache_ram: usize,
+    /// During long prompts, also checkpoint the state every this many tokens.
+    #[arg(long, default_value_t = 2048)]
+    checkpoint_every: usize,
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
@@ -83,7 +89,23 @@ pub fn main(a: Args) -> Result<()> {
         None => "ember-demo-tiny-a".into(),
     });
     let meta = json!({ "n_ctx": n_ctx, "n_ctx_train": n_ctx_train, "n_vocab": model.config.n_vocab, "n_parallel": a.parallel });
-    let cfg = EngineConfig { n_parallel: a.parallel, n_queue: a.queue, n_ctx, n_batch: a.batch };
+    let cfg = EngineConfig {
+        n_parallel: a.parallel,
+        n_queue: a.queue,
+        n_ctx,
+        n_batch: a.batch,
+        cache_bytes: a.cache_ram << 20,
+        checkpoint_every: a.checkpoint_every,
+    };
+    if a.cache_ram > 0 {
+        tracing::info!(
+            "prompt cache: {} MiB, checkpoints at message ends, prompt and generation ends, and every {} prompt tokens",
+            a.cache_ram,
+            a.checkpoint_every
+        );
+    } else {
+        tracing::info!("prompt cache off (--cache-ram 0)");
+    }
     let engine = match &a.script {
         Some(text) => {
             tracing::warn!("--script: every response is the given text, not the model's output");

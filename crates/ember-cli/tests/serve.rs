@@ -157,7 +157,12 @@ fn chat_stream_equals_non_stream_with_same_seed() {
     assert_eq!(fin.as_deref(), Some("length"));
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"], json!([]));
-    assert_eq!(&last["usage"], usage, "streamed usage equals the non-streamed one");
+    let mut streamed_usage = last["usage"].clone();
+    // The same prompt again: everything but its last token comes from the prompt cache.
+    let n_prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(streamed_usage["prompt_tokens_details"]["cached_tokens"], n_prompt - 1);
+    streamed_usage["prompt_tokens_details"]["cached_tokens"] = json!(0);
+    assert_eq!(&streamed_usage, usage, "streamed usage equals the non-streamed one");
     for ch in &chunks {
         assert_eq!(ch["id"], chunks[0]["id"]);
         assert_eq!(ch["object"], "chat.completion.chunk");
@@ -586,4 +591,42 @@ fn openai_python_client() {
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "openai client test failed:\n{text}");
     assert!(text.contains("ALL OK"), "{text}");
+}
+
+/// A five-turn chat through the HTTP API: every follow-up restores the conversation so far
+/// from the prompt cache (`usage.prompt_tokens_details.cached_tokens`) and computes only the
+/// new tokens; with the cache off nothing is reused; /metrics counts the hits.
+#[test]
+fn multi_turn_chat_reuses_the_conversation() {
+    let s = Server::start(&[]);
+    let off = Server::start(&["--cache-ram", "0"]);
+    let mut messages = vec![json!({ "role": "system", "content": "You are terse." })];
+    let mut prev_prompt = 0u64;
+    for turn in 0..5 {
+        messages.push(json!({ "role": "user", "content": format!("Question number {turn}: what is the sea made of?") }));
+        let body = json!({ "messages": messages, "max_tokens": 8, "seed": 3, "temperature": 0,
+                           "chat_template_kwargs": { "enable_thinking": false } });
+        let (status, r) = s.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{r}");
+        let usage = &r["usage"];
+        let (n_prompt, cached) = (usage["prompt_tokens"].as_u64().unwrap(), usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
+        if turn == 0 {
+            assert_eq!(cached, 0);
+        } else {
+            // Everything up to the end of the previous turn's last message is reused: at least
+            // the previous prompt minus its generation prompt (`<|im_start|>assistant\n<think>\n\n</think>\n\n`).
+            assert!(cached + 12 >= prev_prompt && cached < n_prompt, "turn {turn}: cached {cached} of {n_prompt} (previous prompt {prev_prompt})");
+        }
+        let (status, r_off) = off.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200);
+        assert_eq!(r_off["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "cache off");
+        assert_eq!(r["choices"][0]["message"], r_off["choices"][0]["message"], "turn {turn}: same answer with and without the cache");
+        prev_prompt = n_prompt;
+        let reply = r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        messages.push(json!({ "role": "assistant", "content": reply }));
+    }
+    let (_, m) = s.get("/metrics");
+    assert_eq!(metric(&m, "ember_prompt_cache_hits_total"), 4.0, "{m}");
+    assert!(metric(&m, "ember_prompt_cache_tokens_total") > 0.0);
+    assert!(metric(&m, "ember_prompt_cache_bytes") > 0.0);
 }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
+use crate::prefix_cache::{Checkpoint, PrefixCache};
 use crate::{Error, Sampler, SamplerConfig};
 
 /// One forward item: new tokens of one sequence and its state.
@@ -28,6 +29,8 @@ pub struct Step<'a, S> {
 /// script one.
 pub trait Backend: Send + 'static {
     type State: Send;
+    /// A copy of a sequence's state after some tokens, for the prompt cache.
+    type Snapshot: Checkpoint + Send;
     /// Logit row width.
     fn n_vocab(&self) -> usize;
     /// A fresh sequence state able to hold `n_ctx` tokens.
@@ -35,6 +38,16 @@ pub trait Backend: Send + 'static {
     /// One forward pass over several sequences. Returns, in order, the last-token logits of
     /// every item with `want_logits` (and `None` for the others).
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error>;
+    /// Copies a sequence's state.
+    fn snapshot(&self, state: &Self::State) -> Self::Snapshot;
+    /// A sequence state (able to hold `n_ctx` tokens) continuing from a snapshot.
+    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error>;
+}
+
+impl Checkpoint for ember_model::StateSnapshot {
+    fn bytes(&self) -> usize {
+        ember_model::StateSnapshot::bytes(self)
+    }
 }
 
 /// [`Backend`] over the qwen35moe model and an op set.
@@ -46,6 +59,17 @@ pub struct ModelBackend<O> {
 
 impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     type State = ember_model::SeqState;
+    type Snapshot = ember_model::StateSnapshot;
+
+    fn snapshot(&self, state: &Self::State) -> Self::Snapshot {
+        state.snapshot()
+    }
+
+    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
+        let mut st = self.new_state(n_ctx)?;
+        st.restore(snap).map_err(|e| Error::Backend(e.to_string()))?;
+        Ok(st)
+    }
 
     fn n_vocab(&self) -> usize {
         self.model.config.n_vocab
@@ -82,11 +106,15 @@ pub struct EngineConfig {
     /// Most prompt tokens of one sequence per step: bounds how long a new prompt stalls the
     /// decode steps of the others.
     pub n_batch: usize,
+    /// RAM budget of the prompt cache in bytes (0: no cache).
+    pub cache_bytes: usize,
+    /// During long prompts, also checkpoint every this many tokens (0: never).
+    pub checkpoint_every: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { n_parallel: 4, n_queue: 64, n_ctx: 4096, n_batch: 512 }
+        EngineConfig { n_parallel: 4, n_queue: 64, n_ctx: 4096, n_batch: 512, cache_bytes: 0, checkpoint_every: 2048 }
     }
 }
 
@@ -103,6 +131,10 @@ pub struct GenRequest {
     pub eog: Vec<u32>,
     /// `Some(k)`: report each token's logprob and the `k` most likely alternatives.
     pub n_logprobs: Option<usize>,
+    /// Prompt positions where a follow-up request may diverge (e.g. the end of every chat
+    /// message): the state after that many tokens is checkpointed into the prompt cache. The
+    /// prompt minus its last token and the end of the generation are always checkpointed.
+    pub checkpoints: Vec<usize>,
 }
 
 /// Why a sequence stopped.
@@ -129,8 +161,8 @@ pub struct TokenLogprobs {
 /// `Finished` or `Failed`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// The request got a slot. `n_cached`: prompt tokens restored instead of computed (0 until
-    /// a prompt cache exists).
+    /// The request got a slot. `n_cached`: prompt tokens restored from a prompt-cache
+    /// checkpoint instead of computed.
     Started {
         n_prompt: usize,
         n_cached: usize,
@@ -165,6 +197,16 @@ pub struct EngineStats {
     pub tokens_prompt: AtomicU64,
     pub tokens_generated: AtomicU64,
     pub n_cancelled: AtomicU64,
+    /// Prompt cache: lookups that found a checkpoint / found none.
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    pub cache_evictions: AtomicU64,
+    pub cache_checkpoints: AtomicU64,
+    /// Prompt tokens restored from checkpoints instead of computed.
+    pub tokens_cached: AtomicU64,
+    pub cache_entries: AtomicUsize,
+    pub cache_bytes: AtomicUsize,
+    pub cache_budget_bytes: AtomicUsize,
 }
 
 struct Job {
@@ -239,9 +281,11 @@ pub fn start<B: Backend>(backend: B, cfg: EngineConfig) -> Result<(EngineHandle,
     let stats = Arc::new(EngineStats::default());
     let n_vocab = backend.n_vocab();
     let handle = EngineHandle { tx, stats: stats.clone(), cfg: Arc::new(cfg.clone()), n_vocab };
+    let cache = (cfg.cache_bytes > 0).then(|| PrefixCache::new(cfg.cache_bytes));
+    stats.cache_budget_bytes.store(cfg.cache_bytes, Ordering::Relaxed);
     let thread = std::thread::Builder::new()
         .name("ember-engine".into())
-        .spawn(move || Scheduler { backend, cfg, stats, rx, active: Vec::new() }.run())
+        .spawn(move || Scheduler { backend, cfg, stats, rx, active: Vec::new(), cache }.run())
         .map_err(|e| Error::Backend(format!("spawning the engine thread: {e}")))?;
     Ok((handle, thread))
 }
@@ -253,9 +297,30 @@ struct Seq<S> {
     sampler: Sampler,
     /// Prompt then generated tokens (the penalties' history).
     history: Vec<u32>,
-    /// Prompt tokens fed so far.
+    /// Prompt tokens fed so far (restored ones included).
     n_fed: usize,
+    /// Tokens the state covers: `history[..n_done]`.
+    n_done: usize,
     n_generated: usize,
+}
+
+impl<S> Seq<S> {
+    /// Checkpoint positions of the prompt: the ones the request names, every `every` tokens,
+    /// and the prompt minus its last token (a repeated or extended prompt restores there and
+    /// recomputes from the last token, whose logits it needs anyway).
+    fn is_checkpoint(&self, pos: usize, every: usize) -> bool {
+        let n_prompt = self.job.req.prompt.len();
+        pos > 0 && pos < n_prompt && (pos == n_prompt - 1 || (every > 0 && pos % every == 0) || self.job.req.checkpoints.contains(&pos))
+    }
+
+    /// Where the current prompt chunk must end so that the next checkpoint is hit exactly.
+    fn next_checkpoint(&self, every: usize) -> usize {
+        let n_prompt = self.job.req.prompt.len();
+        let periodic = if every > 0 { (self.n_fed / every + 1) * every } else { n_prompt };
+        let asked = self.job.req.checkpoints.iter().copied().filter(|&p| p > self.n_fed).min().unwrap_or(n_prompt);
+        let last = if self.n_fed < n_prompt - 1 { n_prompt - 1 } else { n_prompt };
+        periodic.min(asked).min(last).min(n_prompt)
+    }
 }
 
 struct Scheduler<B: Backend> {
@@ -264,6 +329,7 @@ struct Scheduler<B: Backend> {
     stats: Arc<EngineStats>,
     rx: mpsc::Receiver<Msg>,
     active: Vec<Seq<B::State>>,
+    cache: Option<PrefixCache<B::Snapshot>>,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -312,15 +378,26 @@ impl<B: Backend> Scheduler<B> {
             self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        // A prompt cache will hand over a restored state (and the number of tokens it covers)
-        // here instead of a fresh one; the rest of the loop only looks at `n_fed`.
-        let state = match self.backend.new_state(self.cfg.n_ctx) {
-            Ok(s) => s,
-            Err(e) => {
-                job.sink.send(Event::Failed(e.to_string()));
+        // The longest cached prefix that ends at a checkpoint; at least the last prompt token is
+        // always computed, since its logits are needed.
+        let prompt = &job.req.prompt;
+        let restored = self.cache.as_mut().and_then(|c| c.lookup(&prompt[..prompt.len() - 1])).map(|(n, snap)| (n, self.backend.restore(snap, self.cfg.n_ctx)));
+        self.update_cache_stats();
+        let (state, n_cached) = match restored {
+            Some((n, Ok(s))) => (s, n),
+            Some((_, Err(e))) => {
+                job.sink.send(Event::Failed(format!("restoring a prompt-cache checkpoint: {e}")));
                 return;
             }
+            None => match self.backend.new_state(self.cfg.n_ctx) {
+                Ok(s) => (s, 0),
+                Err(e) => {
+                    job.sink.send(Event::Failed(e.to_string()));
+                    return;
+                }
+            },
         };
+        self.stats.tokens_cached.fetch_add(n_cached as u64, Ordering::Relaxed);
         let sampler = match Sampler::new(job.req.sampler.clone()) {
             Ok(s) => s,
             Err(e) => {
@@ -329,12 +406,12 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         let n_prompt = job.req.prompt.len();
-        if !job.sink.send(Event::Started { n_prompt, n_cached: 0 }) {
+        if !job.sink.send(Event::Started { n_prompt, n_cached }) {
             self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
             return;
         }
         let history = job.req.prompt.clone();
-        self.active.push(Seq { job, state, sampler, history, n_fed: 0, n_generated: 0 });
+        self.active.push(Seq { job, state, sampler, history, n_fed: n_cached, n_done: n_cached, n_generated: 0 });
     }
 
     /// One forward pass over every active sequence, then sampling.
@@ -347,14 +424,17 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let n_batch = self.cfg.n_batch;
-        // Which tokens each sequence feeds this step.
+        let caching = self.cache.is_some();
+        let every = if caching { self.cfg.checkpoint_every } else { 0 };
+        // Which tokens each sequence feeds this step; prompt chunks end at checkpoint positions.
         let spans: Vec<(usize, usize, bool)> = self
             .active
             .iter()
             .map(|s| {
                 let n_prompt = s.job.req.prompt.len();
                 if s.n_fed < n_prompt {
-                    let end = (s.n_fed + n_batch).min(n_prompt);
+                    let cut = if caching { s.next_checkpoint(every) } else { n_prompt };
+                    let end = (s.n_fed + n_batch).min(cut);
                     (s.n_fed, end, end == n_prompt)
                 } else {
                     // Decoding: feed the last sampled token.
@@ -386,18 +466,27 @@ impl<B: Backend> Scheduler<B> {
         };
         let n_ctx = self.cfg.n_ctx;
         let mut done = vec![false; self.active.len()];
-        for (i, ((s, row), &(_, b, _))) in self.active.iter_mut().zip(logits).zip(&spans).enumerate() {
+        let mut to_checkpoint = Vec::new();
+        // Finished events go out after the end-of-generation checkpoint is taken and the slot
+        // is freed, so a client that sees the end also sees the cache and slot counts updated.
+        let mut finished: Vec<(usize, Event)> = Vec::new();
+        for (i, ((s, row), &(a, b, _))) in self.active.iter_mut().zip(logits).zip(&spans).enumerate() {
             let n_prompt = s.job.req.prompt.len();
+            s.n_done += b - a;
             if s.n_fed < n_prompt {
                 s.n_fed = b;
+                if self.cache.is_some() && s.is_checkpoint(b, every) {
+                    to_checkpoint.push(i);
+                }
             }
             let Some(row) = row else { continue };
             let id = s.sampler.sample(&row, &s.history);
             s.n_generated += 1;
             self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
             if s.job.req.eog.contains(&id) {
-                s.job.sink.send(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
+                finished.push((i, Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated }));
                 done[i] = true;
+                to_checkpoint.push(i);
                 continue;
             }
             let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(&row, id, k));
@@ -416,15 +505,58 @@ impl<B: Backend> Scheduler<B> {
                 None
             };
             if let Some(r) = reason {
-                s.job.sink.send(Event::Finished { reason: r, n_prompt, n_generated: s.n_generated });
+                finished.push((i, Event::Finished { reason: r, n_prompt, n_generated: s.n_generated }));
                 done[i] = true;
+                to_checkpoint.push(i);
             }
         }
-        let mut i = 0;
-        self.active.retain(|_| {
-            i += 1;
-            !done[i - 1]
-        });
+        for i in to_checkpoint {
+            self.checkpoint(i);
+        }
+        let mut sinks: Vec<(Box<dyn EventSink>, Event)> = Vec::with_capacity(finished.len());
+        let mut events = finished.into_iter().peekable();
+        let mut kept = Vec::with_capacity(self.active.len());
+        for (i, s) in self.active.drain(..).enumerate() {
+            if !done[i] {
+                kept.push(s);
+            } else if events.peek().is_some_and(|(j, _)| *j == i) {
+                // unwrap: peeked just above.
+                sinks.push((s.job.sink, events.next().unwrap().1));
+            }
+        }
+        self.active = kept;
+        self.stats.n_active.store(self.active.len(), Ordering::Relaxed);
+        for (mut sink, ev) in sinks {
+            sink.send(ev);
+        }
+    }
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// Stores the state of active sequence `i` (covering `history[..n_done]`) in the prompt
+    /// cache, unless that exact prefix is already there.
+    fn checkpoint(&mut self, i: usize) {
+        let Some(cache) = self.cache.as_mut() else { return };
+        let s = &self.active[i];
+        let key = &s.history[..s.n_done];
+        if key.is_empty() || cache.contains(key) {
+            return;
+        }
+        let snap = self.backend.snapshot(&s.state);
+        let evicted = cache.insert(key, snap);
+        self.stats.cache_checkpoints.fetch_add(1, Ordering::Relaxed);
+        self.stats.cache_evictions.fetch_add(evicted as u64, Ordering::Relaxed);
+        self.update_cache_stats();
+    }
+
+    fn update_cache_stats(&self) {
+        if let Some(c) = &self.cache {
+            let st = c.stats();
+            self.stats.cache_hits.store(st.hits, Ordering::Relaxed);
+            self.stats.cache_misses.store(st.misses, Ordering::Relaxed);
+            self.stats.cache_entries.store(st.entries, Ordering::Relaxed);
+            self.stats.cache_bytes.store(st.bytes, Ordering::Relaxed);
+        }
     }
 }
 
@@ -465,8 +597,28 @@ pub struct ScriptState {
     n_sampled: usize,
 }
 
+/// Snapshot of a [`ScriptBackend`] sequence: only its length.
+pub struct ScriptSnapshot {
+    n_past: usize,
+}
+
+impl Checkpoint for ScriptSnapshot {
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+    }
+}
+
 impl Backend for ScriptBackend {
     type State = ScriptState;
+    type Snapshot = ScriptSnapshot;
+
+    fn snapshot(&self, state: &ScriptState) -> ScriptSnapshot {
+        ScriptSnapshot { n_past: state.n_past }
+    }
+
+    fn restore(&self, snap: &ScriptSnapshot, n_ctx: usize) -> Result<ScriptState, Error> {
+        Ok(ScriptState { n_past: snap.n_past, n_ctx, n_sampled: 0 })
+    }
 
     fn n_vocab(&self) -> usize {
         self.n_vocab

@@ -67,6 +67,21 @@ impl<S: Checkpoint> PrefixCache<S> {
         self.nodes[i].as_mut().unwrap()
     }
 
+    /// Whether a checkpoint for exactly `tokens` is stored (no statistics, no LRU update).
+    pub fn contains(&self, tokens: &[u32]) -> bool {
+        let (mut at, mut depth) = (0usize, 0usize);
+        while depth < tokens.len() {
+            let Some(&next) = self.node(at).children.get(&tokens[depth]) else { return false };
+            let edge = &self.node(next).edge;
+            if tokens.len() - depth < edge.len() || tokens[depth..depth + edge.len()] != edge[..] {
+                return false;
+            }
+            depth += edge.len();
+            at = next;
+        }
+        depth > 0 && self.node(at).checkpoint.is_some()
+    }
+
     /// The longest checkpointed prefix of `tokens`: its length and checkpoint. Counts a hit or
     /// a miss and marks the entry as recently used.
     pub fn lookup(&mut self, tokens: &[u32]) -> Option<(usize, &S)> {
@@ -257,6 +272,7 @@ mod tests {
         assert_eq!(c.lookup(&[1, 2, 9, 9]).map(|(n, s)| (n, s.0)), Some((3, "c")));
         assert_eq!(c.lookup(&[1, 2]).map(|(n, _)| n), None, "no checkpoint at [1, 2]");
         assert_eq!(c.lookup(&[7]).map(|(n, _)| n), None);
+        assert!(c.contains(&[1, 2, 3]) && c.contains(&[1, 2, 3, 4, 5]) && !c.contains(&[1, 2]) && !c.contains(&[1, 2, 3, 4]));
         let s = c.stats();
         assert_eq!((s.hits, s.misses, s.entries, s.bytes), (3, 3, 3, 30));
     }

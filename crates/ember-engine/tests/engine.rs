@@ -36,6 +36,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize, seed: u64) -> GenRequest {
         max_tokens,
         eog: vec![99],
         n_logprobs: None,
+        checkpoints: vec![],
     }
 }
 
@@ -57,7 +58,7 @@ fn script(tokens: &[u32]) -> ScriptBackend {
 
 #[test]
 fn finish_reasons() {
-    let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 16, n_batch: 4 };
+    let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 16, n_batch: 4, ..Default::default() };
     let (h, _t) = ember_engine::start(script(&[5, 6, 7]), cfg).unwrap();
     // EOG after the script: Eog, the EOG token counted but not sent.
     let (s, rx, _) = sink();
@@ -87,7 +88,7 @@ fn finish_reasons() {
 #[test]
 fn full_queue_is_refused_and_closed_sinks_free_their_slot() {
     // An endless script: sequences run until cancelled.
-    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: 1 << 20, n_batch: 8 };
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: 1 << 20, n_batch: 8, ..Default::default() };
     let (h, _t) = ember_engine::start(script(&[7; 1 << 16]), cfg).unwrap();
     let (s1, rx1, closed1) = sink();
     h.submit(req(vec![1], usize::MAX, 1), s1).unwrap();
@@ -110,7 +111,7 @@ fn seeded_tokens_do_not_depend_on_batching() {
     let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());
     let model = ember_model::Model::load(file, |_, _| {}).unwrap();
     let ops = ember_cpu::CpuOps::new(ember_cpu::Precision::Fast, 1);
-    let cfg = EngineConfig { n_parallel: 4, n_queue: 16, n_ctx: 256, n_batch: 7 };
+    let cfg = EngineConfig { n_parallel: 4, n_queue: 16, n_ctx: 256, n_batch: 7, ..Default::default() };
     let (h, _t) = ember_engine::start(ModelBackend { model, ops, kv_type: ember_ops::KvType::F16 }, cfg).unwrap();
     let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (0..10 + 3 * i).map(|j| (j * 37 + i * 11) % 600).collect()).collect();
     let run = |i: usize| {

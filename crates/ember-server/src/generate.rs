@@ -59,6 +59,22 @@ enum Step {
     Finish { events: Vec<ParseEvent>, reason: &'static str, usage: Usage },
 }
 
+/// Where chat messages end in a prompt: after each `<|im_end|>` and the newline that follows
+/// it. A follow-up turn re-renders the same messages, so these are the places where its prompt
+/// can diverge from this one (the prompt cache checkpoints them).
+pub fn message_ends(tok: &ember_tokenizer::Tokenizer, ids: &[u32]) -> Vec<usize> {
+    let Some(end) = tok.token_id("<|im_end|>") else { return Vec::new() };
+    let newline = tok.encode("\n", false);
+    let mut out = Vec::new();
+    for (i, &t) in ids.iter().enumerate() {
+        if t == end {
+            let after = if newline.len() == 1 && ids.get(i + 1) == Some(&newline[0]) { i + 2 } else { i + 1 };
+            out.push(after);
+        }
+    }
+    out
+}
+
 /// One generation in flight.
 struct Run {
     rx: mpsc::UnboundedReceiver<Event>,
@@ -88,12 +104,14 @@ impl Run {
         }
         let room = n_ctx - ids.len();
         let max_tokens = params.max_tokens.map_or(room, |m| m.min(room));
+        let prompt_ids = ids;
         let req = GenRequest {
-            prompt: ids,
+            prompt: prompt_ids.clone(),
             sampler: params.sampler.clone(),
             max_tokens,
             eog: st.tokenizer.eog_ids().to_vec(),
             n_logprobs: params.logprobs,
+            checkpoints: message_ends(&st.tokenizer, &prompt_ids),
         };
         let (tx, rx) = mpsc::unbounded_channel();
         st.engine.submit(req, Box::new(ChannelSink(tx))).map_err(|e| match e {
@@ -162,6 +180,7 @@ impl Run {
             };
             match ev {
                 Event::Started { n_prompt, n_cached } => {
+                    tracing::debug!(id = %self.id, "prompt {n_prompt} tokens: {n_cached} reused from the prompt-cache checkpoint at token {n_cached}, {} computed", n_prompt - n_cached);
                     self.usage.prompt = n_prompt;
                     self.usage.cached = n_cached;
                 }
