@@ -136,6 +136,13 @@ fn print_text(r: &serde_json::Value) {
     } else {
         print_tree(&r["tokenizer"], 2);
     }
+    let synthetic: Vec<_> = r["metadata"].as_object().into_iter().flatten().filter(|(k, _)| k.starts_with("ember.synthetic.")).collect();
+    if !synthetic.is_empty() {
+        println!("\nsynthetic model (ember synth: random weights, real tokenizer; for speed measurement only):");
+        for (k, v) in synthetic {
+            println!("  {} = {}", k.trim_start_matches("ember.synthetic."), compact(v));
+        }
+    }
     println!("\nmetadata:");
     for (k, v) in r["metadata"].as_object().into_iter().flatten() {
         if k.starts_with("tokenizer.ggml.") && v.is_string() && v.as_str().is_some_and(|s| s.starts_with('[')) {

@@ -6,6 +6,9 @@ mod load;
 mod logits;
 mod run;
 mod serve;
+mod synth;
+mod bench;
+mod bench_http;
 mod tokenize;
 
 use clap::{Parser, Subcommand};
@@ -31,6 +34,12 @@ enum Cmd {
     Run(run::Args),
     /// OpenAI-compatible HTTP server (chat, completions, tools, streaming, /metrics).
     Serve(serve::Args),
+    /// Write a synthetic qwen35moe GGUF (random weights, real tokenizer) of any shape.
+    Synth(synth::Args),
+    /// Prompt and generation throughput at depths, in process (llama-bench style names).
+    Bench(bench::Args),
+    /// Prompt and generation throughput of an OpenAI-compatible server, as a user sees it.
+    BenchHttp(bench_http::Args),
 }
 
 fn main() {
@@ -42,6 +51,9 @@ fn main() {
         Cmd::Logits(a) => logits::main(a),
         Cmd::Run(a) => run::main(a),
         Cmd::Serve(a) => serve::main(a),
+        Cmd::Synth(a) => synth::main(a),
+        Cmd::Bench(a) => bench::main(a),
+        Cmd::BenchHttp(a) => bench_http::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,251 @@
+//! `ember bench`: in-process prompt (pp) and generation (tg) throughput at context depths, in
+//! the manner of llama-bench so the two can be compared on the same file: the same test names
+//! (`pp512`, `tg128`, `pp512@d8192`), a warm-up run before timing, the depth filled untimed
+//! once and restored for every repetition, mean and standard deviation over repetitions.
+//!
+//! Beyond llama-bench: `--prompts real` feeds rotating real text (bench/corpus) instead of
+//! random ids, since random ids route to experts unlike text; and each tg row reports the
+//! weight bytes one generated token reads and the bandwidth that achieves.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use ember_cpu::{CpuOps, Precision};
+use ember_model::{Forward, Logits, Model, SeqState, TensorGroup};
+use ember_ops::KvType;
+use ember_synth::rng::Rng;
+use serde_json::json;
+
+use crate::load;
+
+/// The bundled real-text corpus (see bench/corpus/README.md).
+pub const CORPUS: &str = include_str!("../../../bench/corpus/corpus.txt");
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Prompts {
+    /// Uniformly random token ids, as llama-bench uses.
+    Synthetic,
+    /// Rotating real text from the bundled corpus.
+    Real,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Md,
+    Json,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model GGUF.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Prompt sizes (comma-separated; 0 skips the pp tests).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    n_prompt: Vec<usize>,
+    /// Generation lengths (comma-separated; 0 skips the tg tests).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    n_gen: Vec<usize>,
+    /// Context depths: tokens already in the context before timing (comma-separated).
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    n_depth: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    reps: usize,
+    /// Threads (default: physical cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    threads: usize,
+    /// Token source for prompts, depth and generation.
+    #[arg(long, value_enum, default_value = "synthetic")]
+    prompts: Prompts,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "md")]
+    output: Format,
+    /// Prompt tokens per forward call when filling the depth (llama-bench's n_ubatch).
+    #[arg(long, default_value_t = 512)]
+    ubatch: usize,
+    #[arg(long, value_parser = load::parse_kv_type, default_value = "f16")]
+    kv_type: KvType,
+    /// Skip the warm-up run.
+    #[arg(long)]
+    no_warmup: bool,
+}
+
+/// The llama-bench name of a test: `pp512`, `tg128`, with `@d<depth>` when the depth is not 0
+/// (llama-bench's markdown writes the same with spaces: `pp512 @ d8192`).
+pub fn test_name(n_prompt: usize, n_gen: usize, n_depth: usize) -> String {
+    let base = match (n_prompt, n_gen) {
+        (p, 0) => format!("pp{p}"),
+        (0, g) => format!("tg{g}"),
+        (p, g) => format!("pp{p}+tg{g}"),
+    };
+    if n_depth > 0 { format!("{base}@d{n_depth}") } else { base }
+}
+
+/// Where test tokens come from: random ids or a cursor rotating through the corpus.
+struct TokenSource {
+    kind: Prompts,
+    rng: Rng,
+    n_vocab: u32,
+    corpus: Vec<u32>,
+    at: usize,
+}
+
+impl TokenSource {
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        match self.kind {
+            Prompts::Synthetic => (0..n).map(|_| (self.rng.next_u64() % self.n_vocab as u64) as u32).collect(),
+            Prompts::Real => (0..n)
+                .map(|_| {
+                    let t = self.corpus[self.at % self.corpus.len()];
+                    self.at += 1;
+                    t
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Weight bytes one decoded token reads: every trunk tensor (mixers, norms, router, shared
+/// expert, LM head), the k routed experts of each layer, and one embedding row. A single token
+/// always reads exactly k experts per layer, so this needs no routing statistics.
+pub fn bytes_per_token(model: &Model) -> u64 {
+    let c = &model.config;
+    let mut total = 0u64;
+    for t in model.file().tensors() {
+        match TensorGroup::of(&t.name, c.n_layer) {
+            TensorGroup::Trunk => total += t.n_bytes,
+            TensorGroup::RoutedExperts => total += t.n_bytes / c.n_expert as u64 * c.n_expert_used as u64,
+            TensorGroup::Embeddings => total += t.n_bytes / c.n_vocab.max(1) as u64,
+            TensorGroup::Mtp => {}
+        }
+    }
+    total
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 { xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+pub fn main(a: Args) -> Result<()> {
+    if a.reps == 0 {
+        bail!("-r must be at least 1");
+    }
+    let model = load::open_model(Some(&a.model))?;
+    let c = model.config.clone();
+    let ops = CpuOps::new(Precision::Fast, a.threads);
+    let n_threads = ops.n_threads();
+    let corpus = match a.prompts {
+        Prompts::Real => {
+            let tok = load::tokenizer(model.file())?;
+            tok.encode(CORPUS, false)
+        }
+        Prompts::Synthetic => Vec::new(),
+    };
+    let mut src = TokenSource { kind: a.prompts, rng: Rng::new(1234), n_vocab: c.n_vocab as u32, corpus, at: 0 };
+
+    let file = model.file();
+    let model_size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
+    let n_params: u64 = file.tensors().iter().map(|t| t.n_elements()).sum();
+    let model_type = file.get_str("general.name").unwrap_or("qwen35moe").to_owned();
+    let bpt = bytes_per_token(&model);
+    let cpu = cpu_name();
+    let filename = a.model.display().to_string();
+
+    let mut rows = Vec::new();
+    for &d in &a.n_depth {
+        let tests: Vec<(usize, usize)> =
+            a.n_prompt.iter().filter(|&&p| p > 0).map(|&p| (p, 0)).chain(a.n_gen.iter().filter(|&&g| g > 0).map(|&g| (0, g))).collect();
+        if tests.is_empty() {
+            continue;
+        }
+        let n_ctx = d + tests.iter().map(|&(p, g)| p + g).max().unwrap_or(0) + 1;
+        // The depth is filled once, untimed, and the state cloned for every run (llama-bench
+        // restores a saved state the same way).
+        let mut base = SeqState::new(&c, n_ctx, a.kv_type)?;
+        if d > 0 {
+            let t0 = Instant::now();
+            let toks = src.take(d);
+            for chunk in toks.chunks(a.ubatch.max(1)) {
+                model.forward(&ops, chunk, &mut base, Forward { logits: Some(Logits::None), ..Default::default() })?;
+            }
+            eprintln!("depth {d}: filled in {:.1} s", t0.elapsed().as_secs_f64());
+        }
+        for (p, g) in tests {
+            let name = test_name(p, g, d);
+            let run = |toks: &[u32], st: &mut SeqState| -> Result<f64> {
+                let t0 = Instant::now();
+                if p > 0 {
+                    model.forward(&ops, toks, st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
+                } else {
+                    for t in toks {
+                        model.forward(&ops, &[*t], st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
+                    }
+                }
+                Ok(t0.elapsed().as_nanos() as f64)
+            };
+            if !a.no_warmup {
+                // llama-bench: the whole prompt for pp, one token for tg.
+                let toks = src.take(if p > 0 { p } else { 1 });
+                run(&toks, &mut base.clone())?;
+            }
+            let mut samples_ns = Vec::with_capacity(a.reps);
+            for r in 0..a.reps {
+                let toks = src.take(p + g);
+                let ns = run(&toks, &mut base.clone())?;
+                eprintln!("{name}: run {}/{}: {:.2} tokens/s", r + 1, a.reps, (p + g) as f64 / (ns / 1e9));
+                samples_ns.push(ns);
+            }
+            let samples_ts: Vec<f64> = samples_ns.iter().map(|ns| (p + g) as f64 / (ns / 1e9)).collect();
+            let (avg_ns, stddev_ns) = mean_std(&samples_ns);
+            let (avg_ts, stddev_ts) = mean_std(&samples_ts);
+            let gbps = if g > 0 { Some(bpt as f64 * avg_ts / 1e9) } else { None };
+            rows.push(json!({
+                "name": name, "engine": "ember", "model_filename": filename, "model_type": model_type,
+                "model_size": model_size, "model_n_params": n_params, "cpu_info": cpu, "n_threads": n_threads,
+                "n_ubatch": a.ubatch, "type_k": format!("{:?}", a.kv_type).to_lowercase(), "prompts": format!("{:?}", a.prompts).to_lowercase(),
+                "n_prompt": p, "n_gen": g, "n_depth": d, "reps": a.reps,
+                "avg_ns": avg_ns as u64, "stddev_ns": stddev_ns as u64, "avg_ts": avg_ts, "stddev_ts": stddev_ts,
+                "samples_ns": samples_ns.iter().map(|x| *x as u64).collect::<Vec<_>>(), "samples_ts": samples_ts,
+                "bytes_per_token": if g > 0 { json!(bpt) } else { json!(null) },
+                "gb_per_s": gbps,
+            }));
+        }
+    }
+    match a.output {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        Format::Md => print_md(&rows),
+    }
+    Ok(())
+}
+
+fn print_md(rows: &[serde_json::Value]) {
+    println!("| model | size | params | threads | prompts | test | t/s | B/token | GB/s |");
+    println!("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |");
+    for r in rows {
+        let gib = r["model_size"].as_f64().unwrap_or(0.0) / 1073741824.0;
+        let params = r["model_n_params"].as_f64().unwrap_or(0.0) / 1e9;
+        let bpt = r["bytes_per_token"].as_u64().map_or(String::new(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
+        let gbps = r["gb_per_s"].as_f64().map_or(String::new(), |g| format!("{g:.2}"));
+        println!(
+            "| {} | {gib:.2} GiB | {params:.2} B | {} | {} | {} | {:.2} ± {:.2} | {bpt} | {gbps} |",
+            r["model_type"].as_str().unwrap_or(""),
+            r["n_threads"],
+            r["prompts"].as_str().unwrap_or(""),
+            r["name"].as_str().unwrap_or(""),
+            r["avg_ts"].as_f64().unwrap_or(0.0),
+            r["stddev_ts"].as_f64().unwrap_or(0.0),
+        );
+    }
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_owned()))
+        .unwrap_or_default()
+}
