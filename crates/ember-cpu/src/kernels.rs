@@ -8,8 +8,7 @@
 //!
 //! Every weight block is viewed as groups of 16 weights `y = s·q + o` with integer `q`
 //! ([`Groups`]); a group's contribution is `dx · (s·Σq·a + o·Σa)`. The per-type unpackers follow
-//! shared/spec/gguf-format.md §4–5. This file is the scalar version; SIMD paths come with the
-//! CPU performance work and are tested against it.
+//! shared/spec/gguf-format.md §4–5. This file is the scalar reference; the SIMD kernels in [`crate::simd`] are tested against it.
 
 use ember_gguf::GgmlType;
 
@@ -20,6 +19,10 @@ pub struct ActRow {
     pub q: Vec<i8>,
     /// Σq over each group of 16 (two per block).
     pub sum16: Vec<i32>,
+    /// `d·Σq` over each group of 16, and over each block of 32: the activation sums that
+    /// weight offsets (K-quant mins, Q6_K's −32) multiply, pre-scaled for the SIMD kernels.
+    pub ds16: Vec<f32>,
+    pub ds32: Vec<f32>,
 }
 
 impl ActRow {
@@ -27,9 +30,7 @@ impl ActRow {
     /// from zero), d kept in f32.
     pub fn quantize(x: &[f32], out: &mut ActRow) {
         let nb = x.len() / 32;
-        out.d.resize(nb, 0.0);
-        out.q.resize(nb * 32, 0);
-        out.sum16.resize(nb * 2, 0);
+        out.resize(nb);
         for b in 0..nb {
             let xs = &x[b * 32..(b + 1) * 32];
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -39,10 +40,39 @@ impl ActRow {
             for (q, v) in qs.iter_mut().zip(xs) {
                 *q = (v * id).round().clamp(-127.0, 127.0) as i8;
             }
-            out.d[b] = d;
-            out.sum16[2 * b] = qs[..16].iter().map(|&v| v as i32).sum();
-            out.sum16[2 * b + 1] = qs[16..].iter().map(|&v| v as i32).sum();
+            let s0 = qs[..16].iter().map(|&v| v as i32).sum();
+            let s1 = qs[16..].iter().map(|&v| v as i32).sum();
+            out.set_block(b, d, s0, s1);
         }
+    }
+
+    /// Sizes the buffers for `nb` blocks (no allocation once they are large enough).
+    pub fn resize(&mut self, nb: usize) {
+        self.d.resize(nb, 0.0);
+        self.q.resize(nb * 32, 0);
+        self.sum16.resize(nb * 2, 0);
+        self.ds16.resize(nb * 2, 0.0);
+        self.ds32.resize(nb, 0.0);
+    }
+
+    /// Stores block `b`'s scale and the sums of its two halves.
+    #[inline]
+    pub fn set_block(&mut self, b: usize, d: f32, s0: i32, s1: i32) {
+        self.d[b] = d;
+        self.sum16[2 * b] = s0;
+        self.sum16[2 * b + 1] = s1;
+        self.ds16[2 * b] = d * s0 as f32;
+        self.ds16[2 * b + 1] = d * s1 as f32;
+        self.ds32[b] = d * (s0 + s1) as f32;
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
     }
 }
 

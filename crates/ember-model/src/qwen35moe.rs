@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ember_gguf::GgufFile;
 use ember_ops::reference::{l2_norm, sigmoid, silu, softplus};
-use ember_ops::{AttnShape, DeltaShape, Mat, Ops};
+use ember_ops::{AttnShape, DeltaShape, ExpertView, Mat, MoeSlot, Ops};
 
 use crate::state::LayerState;
 use crate::weights::Loader;
@@ -301,7 +301,8 @@ impl Attention {
     /// the attention itself per sequence.
     fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
-        let qg = ops.matmul(&self.wq.view(), x); // [ΣT, nh·2·hd]: per head [q | gate]
+        let [qg, k, v]: [Mat; 3] = take(ops.matmul_many(&[self.wq.view(), self.wk.view(), self.wv.view()], x)); // one pass over x
+        // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
         let mut q = Mat::zeros(x.n, nh * hd);
         let mut gate = Mat::zeros(x.n, nh * hd);
         for t in 0..x.n {
@@ -311,8 +312,7 @@ impl Attention {
             }
         }
         let q = ops.rms_norm(&q, &self.q_norm, c.rms_eps); // per head
-        let k = ops.rms_norm(&ops.matmul(&self.wk.view(), x), &self.k_norm, c.rms_eps); // [ΣT, hk·hd]
-        let v = ops.matmul(&self.wv.view(), x);
+        let k = ops.rms_norm(&k, &self.k_norm, c.rms_eps); // per head
         let mut a = Mat::zeros(x.n, nh * hd);
         for (sp, st) in spans.iter().zip(states.iter_mut()) {
             let LayerState::Attention { k: kc, v: vc } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
@@ -334,10 +334,9 @@ impl DeltaNet {
     /// per sequence on its carried state.
     fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
-        let u = ops.matmul(&self.qkv.view(), x); // [ΣT, 2·nk·dk + nv·dv]
-        let z = ops.matmul(&self.gate.view(), x); // [ΣT, nv·dv]
-        let b = ops.matmul(&self.beta.view(), x); // [ΣT, nv]
-        let a = ops.matmul(&self.alpha.view(), x); // [ΣT, nv]
+        let proj = [self.qkv.view(), self.gate.view(), self.beta.view(), self.alpha.view()];
+        let [u, z, b, a]: [Mat; 4] = take(ops.matmul_many(&proj, x)); // one pass over x
+        // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
         let mut cu = Mat::zeros(u.n, u.d);
         for (sp, st) in spans.iter().zip(states.iter_mut()) {
             let LayerState::DeltaNet { conv, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
@@ -378,63 +377,68 @@ impl DeltaNet {
 
 impl Moe {
     /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
-    /// qwen35moe.md §6.6.
+    /// qwen35moe.md §6.6; the expert FFNs themselves are one `moe` op.
     fn forward(&self, c: &Config, ops: &dyn Ops, f: &Mat) -> Mat {
-        let (d, k) = (c.n_embd, c.n_expert_used);
-        let logits = ops.matmul(&self.router.view(), f); // [T, E], F32 router
+        let k = c.n_expert_used;
+        let [logits, gs]: [Mat; 2] = take(ops.matmul_many(&[self.router.view(), self.shared_gate_inp.view()], f));
+        // logits [T, E] (F32 router), gs [T, 1]: scalar gate of the shared expert
         // Per expert: the tokens routed to it and their weights.
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.n_expert];
+        let mut p = vec![0f32; c.n_expert];
+        let mut sel = vec![0usize; k];
         for t in 0..f.n {
-            let p = softmax(logits.row(t));
-            let mut idx: Vec<usize> = (0..p.len()).collect();
-            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            let sel = &idx[..k];
+            softmax(logits.row(t), &mut p);
+            top_k(&p, &mut sel);
             let sum: f32 = sel.iter().map(|&e| p[e]).sum();
             let norm = sum.max(6.103_515_6e-5); // llama.cpp clamps the sum to the smallest normal f16
-            for &e in sel {
+            for &e in &sel {
                 routed[e].push((t, p[e] / norm));
             }
         }
-        let mut out = Mat::zeros(f.n, d);
-        for (e, toks) in routed.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
-            }
-            let mut xe = Mat::zeros(toks.len(), d);
-            for (r, &(t, _)) in toks.iter().enumerate() {
-                xe.row_mut(r).copy_from_slice(f.row(t));
-            }
+        let shared: Vec<(usize, f32)> = (0..f.n).map(|t| (t, sigmoid(gs.row(t)[0]))).collect();
+        let mut slots: Vec<MoeSlot> = Vec::with_capacity(k * f.n + 1);
+        for (e, toks) in routed.iter().enumerate().filter(|(_, toks)| !toks.is_empty()) {
             let (gate, up) = match &self.gate_up {
-                ExpertsGateUp::Separate { gate, up } => (ops.matmul(&gate.expert(e), &xe), ops.matmul(&up.expert(e), &xe)),
-                ExpertsGateUp::Fused(w) => {
-                    let gu = ops.matmul(&w.expert(e), &xe);
-                    (gu.cols(0, c.n_ff_exp), gu.cols(c.n_ff_exp, c.n_ff_exp))
-                }
+                ExpertsGateUp::Separate { gate, up } => (gate.expert(e), up.expert(e)),
+                ExpertsGateUp::Fused(w) => (w.expert(e).rows(0, c.n_ff_exp), w.expert(e).rows(c.n_ff_exp, c.n_ff_exp)),
             };
-            let y = ops.matmul(&self.down.expert(e), &swiglu(gate, &up)); // [n_e, D]
-            for (r, &(t, w)) in toks.iter().enumerate() {
-                out.row_mut(t).iter_mut().zip(y.row(r)).for_each(|(o, v)| *o += w * v);
-            }
+            slots.push(MoeSlot { expert: ExpertView { gate, up, down: self.down.expert(e) }, tokens: toks });
         }
-        let gs = ops.matmul(&self.shared_gate_inp.view(), f); // [T, 1]
-        let sh = swiglu(ops.matmul(&self.shared_gate.view(), f), &ops.matmul(&self.shared_up.view(), f));
-        let s = ops.matmul(&self.shared_down.view(), &sh); // [T, D]
-        for t in 0..f.n {
-            let sg = sigmoid(gs.row(t)[0]);
-            out.row_mut(t).iter_mut().zip(s.row(t)).for_each(|(o, v)| *o += sg * v);
-        }
-        out
+        let shared_expert = ExpertView { gate: self.shared_gate.view(), up: self.shared_up.view(), down: self.shared_down.view() };
+        slots.push(MoeSlot { expert: shared_expert, tokens: &shared });
+        ops.moe(&slots, f) // [T, D] = Σ_e w_e·y_e + σ·s
     }
 }
 
-fn swiglu(mut gate: Mat, up: &Mat) -> Mat {
-    gate.data.iter_mut().zip(&up.data).for_each(|(g, u)| *g = silu(*g) * u);
-    gate
+/// The outputs of a `matmul_many` as an array.
+fn take<const N: usize>(v: Vec<Mat>) -> [Mat; N] {
+    v.try_into().unwrap_or_else(|v: Vec<Mat>| panic!("expected {N} outputs, got {}", v.len()))
 }
 
-fn softmax(x: &[f32]) -> Vec<f32> {
+fn softmax(x: &[f32], out: &mut [f32]) {
     let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = x.iter().map(|v| (v - m).exp()).collect();
-    let s: f64 = e.iter().map(|v| *v as f64).sum();
-    e.iter().map(|v| (*v as f64 / s) as f32).collect()
+    out.iter_mut().zip(x).for_each(|(o, v)| *o = (v - m).exp());
+    let s: f64 = out.iter().map(|v| *v as f64).sum();
+    out.iter_mut().for_each(|v| *v = (*v as f64 / s) as f32);
+}
+
+/// The `sel.len()` largest entries of `p`, largest first, ties to the lower index (the order a
+/// stable descending sort gives).
+fn top_k(p: &[f32], sel: &mut [usize]) {
+    if sel.is_empty() {
+        return;
+    }
+    let mut n = 0;
+    for (e, &v) in p.iter().enumerate() {
+        if n == sel.len() && p[sel[n - 1]].total_cmp(&v).is_ge() {
+            continue;
+        }
+        let mut i = n.min(sel.len() - 1);
+        while i > 0 && p[sel[i - 1]].total_cmp(&v).is_lt() {
+            sel[i] = sel[i - 1];
+            i -= 1;
+        }
+        sel[i] = e;
+        n = (n + 1).min(sel.len());
+    }
 }

@@ -206,6 +206,23 @@ impl KvRows {
     }
 }
 
+/// One expert of a mixture-of-experts FFN: gate and up {D -> n_ff}, down {n_ff -> D}
+/// (qwen35moe.md §6.6 step 4). For a fused gate_up tensor, `gate` and `up` are its two row
+/// ranges.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertView<'a> {
+    pub gate: WeightView<'a>,
+    pub up: WeightView<'a>,
+    pub down: WeightView<'a>,
+}
+
+/// An expert and the tokens routed to it: `(row of x, weight)`, rows in increasing order.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeSlot<'a> {
+    pub expert: ExpertView<'a>,
+    pub tokens: &'a [(usize, f32)],
+}
+
 /// Shape of a gated delta rule call (DeltaNet, qwen35moe.md §6.4).
 #[derive(Debug, Clone, Copy)]
 pub struct DeltaShape {
@@ -237,6 +254,19 @@ pub trait Ops: Send + Sync {
     /// `y[t] = W·x[t]` for every row of `x` ([n, w.k] -> [n, w.n_rows]).
     fn matmul(&self, w: &WeightView, x: &Mat) -> Mat {
         reference::matmul(w, x)
+    }
+
+    /// `[W_i·x]` for several weights that read the same input (e.g. the four DeltaNet input
+    /// projections): a backend quantises `x` once and runs them as one parallel region.
+    fn matmul_many(&self, ws: &[WeightView], x: &Mat) -> Vec<Mat> {
+        ws.iter().map(|w| self.matmul(w, x)).collect()
+    }
+
+    /// Mixture-of-experts FFN over already routed tokens (qwen35moe.md §6.6 steps 4–7):
+    /// `y[t] = Σ_{slots s routing t with weight ω} ω · down_s(silu(gate_s·x_t) ⊙ (up_s·x_t))`,
+    /// summed in slot order. The shared expert is one more slot. Returns [x.n, D].
+    fn moe(&self, slots: &[MoeSlot], x: &Mat) -> Mat {
+        reference::moe(|w, x| self.matmul(w, x), slots, x)
     }
 
     /// Rows `ids` of an embedding table, dequantised ([ids.len(), w.k]).

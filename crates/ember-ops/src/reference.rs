@@ -1,7 +1,7 @@
 //! Scalar reference ops: straightforward, single-threaded, f32 storage with f64 sums where a
 //! reduction is long. This is the spec in code; fast backends are tested against it.
 
-use crate::{AttnShape, DeltaShape, KvRows, Mat, WeightView};
+use crate::{AttnShape, DeltaShape, KvRows, Mat, MoeSlot, WeightView};
 
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -49,6 +49,27 @@ pub fn matmul(w: &WeightView, x: &Mat) -> Mat {
         }
     }
     y
+}
+
+/// The MoE FFN of [`crate::Ops::moe`], composed of `matmul` calls: per slot, gather its tokens,
+/// SwiGLU of gate and up, down, and add `weight · y` to each token's row, in slot order.
+pub fn moe(matmul: impl Fn(&WeightView, &Mat) -> Mat, slots: &[MoeSlot], x: &Mat) -> Mat {
+    let d = slots.first().map_or(x.d, |s| s.expert.down.n_rows);
+    let mut out = Mat::zeros(x.n, d);
+    for slot in slots.iter().filter(|s| !s.tokens.is_empty()) {
+        let mut xe = Mat::zeros(slot.tokens.len(), x.d);
+        for (r, &(t, _)) in slot.tokens.iter().enumerate() {
+            xe.row_mut(r).copy_from_slice(x.row(t));
+        }
+        let mut h = matmul(&slot.expert.gate, &xe); // [n_e, n_ff]
+        let up = matmul(&slot.expert.up, &xe);
+        h.data.iter_mut().zip(&up.data).for_each(|(g, u)| *g = silu(*g) * u);
+        let y = matmul(&slot.expert.down, &h); // [n_e, D]
+        for (r, &(t, w)) in slot.tokens.iter().enumerate() {
+            out.row_mut(t).iter_mut().zip(y.row(r)).for_each(|(o, v)| *o += w * v);
+        }
+    }
+    out
 }
 
 pub fn get_rows(w: &WeightView, ids: &[u32]) -> Mat {

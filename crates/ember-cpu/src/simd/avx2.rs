@@ -1,0 +1,622 @@
+//! AVX2 + FMA + F16C kernels, and the macro that writes the x86 kernel bodies once for both
+//! x86 instruction sets ([`super::avx512`] instantiates it with the VNNI product).
+//!
+//! Every quantised format is a 32-weight block of small integers: the integer product of a
+//! block with 32 activation bytes is one `dp` (u8 × i8, summed in groups of four into eight
+//! i32 lanes), converted to f32 and scaled by `d_w · d_a` of the block with one FMA. Unsigned
+//! weight codes go straight into `dp` (Q4_K, Q5_K, Q6_K with their offsets folded into the
+//! per-16 activation sums `ds16`/`ds32`); signed ones (Q8_0, IQ4_XS) use |w| and sign(a, w).
+
+use std::arch::x86_64::*;
+
+use super::Kernels;
+
+/// The AVX2 kernel token: exists only on CPUs with AVX2, FMA and F16C.
+#[derive(Debug, Clone, Copy)]
+pub struct Avx2 {
+    _private: (),
+}
+
+impl Avx2 {
+    pub fn new() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx2 { _private: () })
+    }
+}
+
+/// Σ of four neighbouring u8·i8 products into each i32 lane. `maddubs` saturates its i16 pair
+/// sums, which the callers never reach: |u| ≤ 128 and |s| ≤ 127 give at most 2·128·127 = 32512.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dp(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// The kernel bodies for one x86 instruction set: `$feat` is its target-feature list and the
+/// invoking module provides `fn dp(u8 x32, i8 x32) -> i32 x8` with the same features.
+macro_rules! x86_kernels {
+    ($token:ident, $feat:literal) => {
+        use ember_gguf::GgmlType;
+
+        use crate::kernels::{self, ActRow};
+
+        impl Kernels for $token {
+            #[inline]
+            fn dot_q<const NT: usize>(self, ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+                // SAFETY: a token exists only if the CPU has every feature in `$feat` (new()).
+                unsafe { dot_q::<NT>(ty, w, a) }
+            }
+
+            #[inline]
+            fn dot_float<const NT: usize>(self, ty: GgmlType, w: &[u8], x: [&[f32]; NT]) -> [f32; NT] {
+                // SAFETY: as above.
+                unsafe { dot_float::<NT>(ty, w, x) }
+            }
+
+            #[inline]
+            fn quantize(self, x: &[f32], out: &mut ActRow) {
+                // SAFETY: as above.
+                unsafe { quantize(x, out) }
+            }
+
+            #[inline]
+            fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+                // SAFETY: as above.
+                unsafe { dot_f32(a, b) }
+            }
+
+            #[inline]
+            fn axpy(self, a: f32, x: &[f32], y: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { axpy(a, x, y) }
+            }
+
+            #[inline]
+            fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
+                // SAFETY: as above.
+                unsafe { exp_sum(x, sub) }
+            }
+
+            #[inline]
+            fn silu(self, x: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { silu(x) }
+            }
+
+            #[inline]
+            fn f16_to_f32(self, src: &[u8], dst: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { f16_to_f32(src, dst) }
+            }
+
+            #[inline]
+            fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
+                if k.len() % 8 != 0 {
+                    return super::delta_step_scalar(st, q, k, v, decay, beta, o);
+                }
+                // SAFETY: as above.
+                unsafe { delta_step(st, q, k, v, decay, beta, o) }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn stps(x: &mut [f32], at: usize, v: __m256) {
+            let s = &mut x[at..at + 8];
+            // SAFETY: `s` is 8 writable f32; storeu has no alignment requirement.
+            unsafe { _mm256_storeu_ps(s.as_mut_ptr(), v) }
+        }
+
+        #[target_feature(enable = $feat)]
+        fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+            let n = x.len().min(y.len());
+            let av = _mm256_set1_ps(a);
+            let mut i = 0;
+            while i + 8 <= n {
+                let r = _mm256_fmadd_ps(av, ldps(x, i), ldps(y, i));
+                stps(y, i, r);
+                i += 8;
+            }
+            for j in i..n {
+                y[j] += a * x[j];
+            }
+        }
+
+        /// e^x for x ≤ 88.3 (Cephes expf: x = n·ln2 + r, degree-6 polynomial in r, 2^n from the
+        /// exponent bits); x below −87.3 gives 0.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn exp8(x: __m256) -> __m256 {
+            let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
+            let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
+            let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+            let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm256_set1_ps(1.987_569_2e-4);
+            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let r2 = _mm256_mul_ps(r, r);
+            let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+            let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127))));
+            _mm256_andnot_ps(under, _mm256_mul_ps(y, pow2))
+        }
+
+        #[target_feature(enable = $feat)]
+        fn exp_sum(x: &mut [f32], sub: f32) -> f32 {
+            let n = x.len();
+            let sv = _mm256_set1_ps(sub);
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + 8 <= n {
+                let e = exp8(_mm256_sub_ps(ldps(x, i), sv));
+                stps(x, i, e);
+                acc = _mm256_add_ps(acc, e);
+                i += 8;
+            }
+            let mut tail = 0f32;
+            if i < n {
+                let mut buf = [0f32; 8];
+                buf[..n - i].copy_from_slice(&x[i..]);
+                let e = exp8(_mm256_sub_ps(ldps(&buf, 0), sv));
+                stps(&mut buf, 0, e);
+                x[i..].copy_from_slice(&buf[..n - i]);
+                tail = buf[..n - i].iter().sum();
+            }
+            hsum(acc) + tail
+        }
+
+        #[target_feature(enable = $feat)]
+        fn silu(x: &mut [f32]) {
+            let n = x.len();
+            let one = _mm256_set1_ps(1.0);
+            let neg = _mm256_set1_ps(-0.0);
+            let mut i = 0;
+            while i + 8 <= n {
+                let v = ldps(x, i);
+                stps(x, i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_xor_ps(v, neg)))));
+                i += 8;
+            }
+            for v in &mut x[i..] {
+                *v = ember_ops::reference::silu(*v);
+            }
+        }
+
+        #[target_feature(enable = $feat)]
+        fn f16_to_f32(src: &[u8], dst: &mut [f32]) {
+            let n = dst.len().min(src.len() / 2);
+            let mut i = 0;
+            while i + 8 <= n {
+                stps(dst, i, _mm256_cvtph_ps(ld128(src, 2 * i)));
+                i += 8;
+            }
+            for j in i..n {
+                dst[j] = f16(src, 2 * j);
+            }
+        }
+
+        /// [`super::delta_step_scalar`] with each state row read and written once.
+        #[target_feature(enable = $feat)]
+        fn delta_step(st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
+            let dk = k.len();
+            let dc = _mm256_set1_ps(decay);
+            for (jv, row) in st.chunks_exact_mut(dk).enumerate() {
+                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut i = 0;
+                while i + 16 <= dk {
+                    a0 = _mm256_fmadd_ps(ldps(row, i), ldps(k, i), a0);
+                    a1 = _mm256_fmadd_ps(ldps(row, i + 8), ldps(k, i + 8), a1);
+                    i += 16;
+                }
+                if i < dk {
+                    a0 = _mm256_fmadd_ps(ldps(row, i), ldps(k, i), a0);
+                }
+                let r = decay * hsum(_mm256_add_ps(a0, a1));
+                let dv = _mm256_set1_ps(beta * (v[jv] - r));
+                let mut acc = _mm256_setzero_ps();
+                let mut i = 0;
+                while i < dk {
+                    let nr = _mm256_fmadd_ps(ldps(k, i), dv, _mm256_mul_ps(ldps(row, i), dc));
+                    stps(row, i, nr);
+                    acc = _mm256_fmadd_ps(nr, ldps(q, i), acc);
+                    i += 8;
+                }
+                o[jv] = hsum(acc);
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ld256(b: &[u8], at: usize) -> __m256i {
+            let s = &b[at..at + 32];
+            // SAFETY: `s` is 32 readable bytes; loadu has no alignment requirement.
+            unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ld256i(b: &[i8], at: usize) -> __m256i {
+            let s = &b[at..at + 32];
+            // SAFETY: `s` is 32 readable bytes; loadu has no alignment requirement.
+            unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ld128(b: &[u8], at: usize) -> __m128i {
+            let s = &b[at..at + 16];
+            // SAFETY: `s` is 16 readable bytes; loadu has no alignment requirement.
+            unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ldps(x: &[f32], at: usize) -> __m256 {
+            let s = &x[at..at + 8];
+            // SAFETY: `s` is 8 readable f32; loadu has no alignment requirement.
+            unsafe { _mm256_loadu_ps(s.as_ptr()) }
+        }
+
+        /// 8 floats of a float weight row starting at element `at`, as f32.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ldw<const TY: u8>(w: &[u8], at: usize) -> __m256 {
+            match TY {
+                F32 => {
+                    let s = &w[4 * at..4 * at + 32];
+                    // SAFETY: `s` is 32 readable bytes (8 f32); loadu is unaligned.
+                    unsafe { _mm256_loadu_ps(s.as_ptr().cast()) }
+                }
+                F16 => _mm256_cvtph_ps(ld128(w, 2 * at)),
+                _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(ld128(w, 2 * at)))),
+            }
+        }
+
+        const F32: u8 = 0;
+        const F16: u8 = 1;
+        const BF16: u8 = 2;
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn f16(b: &[u8], at: usize) -> f32 {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[at], b[at + 1]]) as i32)))
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn hsum(v: __m256) -> f32 {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+        }
+
+        /// Lane `j` of `v` in every lane.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn lane(v: __m256, j: usize) -> __m256 {
+            _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j as i32))
+        }
+
+        /// Eight u8 as f32.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn cvt8u(b: [u8; 8]) -> __m256 {
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(b))))
+        }
+
+        /// Eight i8 as f32.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn cvt8i(b: &[u8]) -> __m256 {
+            let a: [u8; 8] = [b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]];
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(i64::from_le_bytes(a))))
+        }
+
+        /// The eight 6-bit scales and mins of a Q4_K/Q5_K block from its 12 scale bytes
+        /// (gguf-format.md §5; llama.cpp's `utmp` shuffle).
+        #[inline]
+        fn k4_scales(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+            const K1: u32 = 0x3f3f3f3f;
+            const K2: u32 = 0x0f0f0f0f;
+            const K3: u32 = 0x03030303;
+            let u = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+            let (u0, u1, u2) = (u(0), u(1), u(2));
+            let m_hi = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
+            let m_lo = u1 & K1;
+            let s_hi = (u2 & K2) | (((u0 >> 6) & K3) << 4);
+            let s_lo = u0 & K1;
+            let cat = |a: u32, b: u32| -> [u8; 8] { ((a as u64) | ((b as u64) << 32)).to_le_bytes() };
+            (cat(s_lo, s_hi), cat(m_lo, m_hi))
+        }
+
+        #[target_feature(enable = $feat)]
+        fn dot_q<const NT: usize>(ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            match ty {
+                GgmlType::Q4K => dot_q4k::<NT, false>(w, a),
+                GgmlType::Q5K => dot_q4k::<NT, true>(w, a),
+                GgmlType::Q6K => dot_q6k::<NT>(w, a),
+                GgmlType::Q8_0 => dot_q8_0::<NT>(w, a),
+                GgmlType::IQ4XS => dot_iq4xs::<NT>(w, a),
+                _ => {
+                    let mut out = [0f32; NT];
+                    for t in 0..NT {
+                        out[t] = kernels::dot(ty, w, a[t]);
+                    }
+                    out
+                }
+            }
+        }
+
+        /// Q4_K (and Q5_K with `Q5`): 8 sub-blocks of 32 with 6-bit scale and min.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_q4k<const NT: usize, const Q5: bool>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            let bs = if Q5 { 176 } else { 144 };
+            let qs0 = if Q5 { 48 } else { 16 };
+            let m4 = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut accm = [_mm256_setzero_ps(); NT];
+            for (i, b) in w.chunks_exact(bs).enumerate() {
+                let (sc, mn) = k4_scales(&b[4..16]);
+                let scv = _mm256_mul_ps(_mm256_set1_ps(f16(b, 0)), cvt8u(sc));
+                let mnv = _mm256_mul_ps(_mm256_set1_ps(f16(b, 2)), cvt8u(mn));
+                let mut s = [_mm256_setzero_ps(); NT];
+                for t in 0..NT {
+                    s[t] = _mm256_mul_ps(scv, ldps(&a[t].d, 8 * i));
+                    accm[t] = _mm256_fmadd_ps(mnv, ldps(&a[t].ds32, 8 * i), accm[t]);
+                }
+                let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
+                for p in 0..4 {
+                    let q = ld256(b, qs0 + 32 * p);
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    if Q5 {
+                        // bit 2p of qh is the fifth bit of sub-block 2p, bit 2p+1 of 2p+1.
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(1))));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(hb, _mm256_set1_epi8(2))));
+                        hb = _mm256_srli_epi16::<2>(hb);
+                    }
+                    let base = 256 * i + 64 * p;
+                    for t in 0..NT {
+                        let p0 = _mm256_cvtepi32_ps(dp(lo, ld256i(&a[t].q, base)));
+                        let p1 = _mm256_cvtepi32_ps(dp(hi, ld256i(&a[t].q, base + 32)));
+                        acc[t] = _mm256_fmadd_ps(p0, lane(s[t], 2 * p), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(p1, lane(s[t], 2 * p + 1), acc[t]);
+                    }
+                }
+            }
+            let mut out = [0f32; NT];
+            for t in 0..NT {
+                out[t] = hsum(acc[t]) - hsum(accm[t]);
+            }
+            out
+        }
+
+        /// Q6_K: 16 groups of 16 with i8 scales; codes 0..63 with offset 32 (folded into ds16).
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_q6k<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let m3 = _mm256_set1_epi8(3);
+            let idx_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            let idx_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut accm = [_mm256_setzero_ps(); NT];
+            for (i, b) in w.chunks_exact(210).enumerate() {
+                let d = _mm256_set1_ps(f16(b, 208));
+                let sc = [_mm256_mul_ps(d, cvt8i(&b[192..200])), _mm256_mul_ps(d, cvt8i(&b[200..208]))];
+                // Per token: group scale times the activation scale of its 32-block.
+                let mut s = [[_mm256_setzero_ps(); 2]; NT];
+                for t in 0..NT {
+                    let ad = ldps(&a[t].d, 8 * i);
+                    s[t][0] = _mm256_mul_ps(sc[0], _mm256_permutevar8x32_ps(ad, idx_lo));
+                    s[t][1] = _mm256_mul_ps(sc[1], _mm256_permutevar8x32_ps(ad, idx_hi));
+                    accm[t] = _mm256_fmadd_ps(sc[0], ldps(&a[t].ds16, 16 * i), accm[t]);
+                    accm[t] = _mm256_fmadd_ps(sc[1], ldps(&a[t].ds16, 16 * i + 8), accm[t]);
+                }
+                for n in 0..2 {
+                    let ql0 = ld256(b, 64 * n);
+                    let ql1 = ld256(b, 64 * n + 32);
+                    let qh = ld256(b, 128 + 32 * n);
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m3))),
+                        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3))),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3))),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m3))),
+                    ];
+                    for (j, qj) in q.iter().enumerate() {
+                        let base = 256 * i + 128 * n + 32 * j;
+                        let j2 = 2 * j as i32;
+                        let sel = _mm256_setr_epi32(j2, j2, j2, j2, j2 + 1, j2 + 1, j2 + 1, j2 + 1);
+                        for t in 0..NT {
+                            let p = _mm256_cvtepi32_ps(dp(*qj, ld256i(&a[t].q, base)));
+                            acc[t] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(s[t][n], sel), acc[t]);
+                        }
+                    }
+                }
+            }
+            let mut out = [0f32; NT];
+            for t in 0..NT {
+                out[t] = hsum(acc[t]) - 32.0 * hsum(accm[t]);
+            }
+            out
+        }
+
+        /// Q8_0: 32 signed bytes and an f16 scale per block.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_q8_0<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            let mut acc = [_mm256_setzero_ps(); NT];
+            for (j, b) in w.chunks_exact(34).enumerate() {
+                let d = f16(b, 0);
+                let q = ld256(b, 2);
+                let u = _mm256_abs_epi8(q);
+                for t in 0..NT {
+                    let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 32 * j), q);
+                    let p = _mm256_cvtepi32_ps(dp(u, sgn));
+                    acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a[t].d[j]), acc[t]);
+                }
+            }
+            let mut out = [0f32; NT];
+            for t in 0..NT {
+                out[t] = hsum(acc[t]);
+            }
+            out
+        }
+
+        /// IQ4_XS: 8 sub-blocks of 32 non-linear 4-bit codes with 6-bit scales.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_iq4xs<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            let table = _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+            let m4 = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); NT];
+            for (i, b) in w.chunks_exact(136).enumerate() {
+                let d = f16(b, 0);
+                let sh = u16::from_le_bytes([b[2], b[3]]);
+                let mut sc = [0f32; 8];
+                for (sub, v) in sc.iter_mut().enumerate() {
+                    let ls = ((b[4 + sub / 2] >> (4 * (sub % 2))) & 0xF) as i32 | ((((sh >> (2 * sub)) & 3) as i32) << 4);
+                    *v = d * (ls - 32) as f32;
+                }
+                let scv = ldps(&sc, 0);
+                let mut s = [_mm256_setzero_ps(); NT];
+                for t in 0..NT {
+                    s[t] = _mm256_mul_ps(scv, ldps(&a[t].d, 8 * i));
+                }
+                for sub in 0..8 {
+                    let q = ld128(b, 8 + 16 * sub);
+                    let idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), m4);
+                    let v = _mm256_shuffle_epi8(table, idx);
+                    let u = _mm256_abs_epi8(v);
+                    for t in 0..NT {
+                        let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 256 * i + 32 * sub), v);
+                        let p = _mm256_cvtepi32_ps(dp(u, sgn));
+                        acc[t] = _mm256_fmadd_ps(p, lane(s[t], sub), acc[t]);
+                    }
+                }
+            }
+            let mut out = [0f32; NT];
+            for t in 0..NT {
+                out[t] = hsum(acc[t]);
+            }
+            out
+        }
+
+        #[target_feature(enable = $feat)]
+        fn dot_float<const NT: usize>(ty: GgmlType, w: &[u8], x: [&[f32]; NT]) -> [f32; NT] {
+            match ty {
+                GgmlType::F32 => dot_float_t::<F32, NT>(w, x),
+                GgmlType::F16 => dot_float_t::<F16, NT>(w, x),
+                _ => dot_float_t::<BF16, NT>(w, x),
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_float_t<const TY: u8, const NT: usize>(w: &[u8], x: [&[f32]; NT]) -> [f32; NT] {
+            let n = x[0].len();
+            let mut acc = [[_mm256_setzero_ps(); 2]; NT];
+            let mut i = 0;
+            while i + 16 <= n {
+                let (w0, w1) = (ldw::<TY>(w, i), ldw::<TY>(w, i + 8));
+                for t in 0..NT {
+                    acc[t][0] = _mm256_fmadd_ps(w0, ldps(x[t], i), acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(w1, ldps(x[t], i + 8), acc[t][1]);
+                }
+                i += 16;
+            }
+            if i + 8 <= n {
+                let w0 = ldw::<TY>(w, i);
+                for t in 0..NT {
+                    acc[t][0] = _mm256_fmadd_ps(w0, ldps(x[t], i), acc[t][0]);
+                }
+                i += 8;
+            }
+            let ty = match TY {
+                F32 => GgmlType::F32,
+                F16 => GgmlType::F16,
+                _ => GgmlType::BF16,
+            };
+            let mut out = [0f32; NT];
+            for t in 0..NT {
+                let mut tail = 0f32;
+                for j in i..n {
+                    tail += super::float_at(ty, w, j) * x[t][j];
+                }
+                out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + tail;
+            }
+            out
+        }
+
+        #[target_feature(enable = $feat)]
+        fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+            let n = a.len().min(b.len());
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 32 <= n {
+                for (l, v) in acc.iter_mut().enumerate() {
+                    *v = _mm256_fmadd_ps(ldps(a, i + 8 * l), ldps(b, i + 8 * l), *v);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(ldps(a, i), ldps(b, i), acc[0]);
+                i += 8;
+            }
+            let mut tail = 0f32;
+            for j in i..n {
+                tail += a[j] * b[j];
+            }
+            hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + tail
+        }
+
+        /// `f32::round` (half away from zero) on 8 lanes: trunc, plus ±1 where |frac| ≥ 0.5.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn round_away(y: __m256) -> __m256 {
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let sign = _mm256_set1_ps(-0.0);
+            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
+            let up = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, _mm256_set1_ps(0.5));
+            let one = _mm256_or_ps(_mm256_and_ps(y, sign), _mm256_set1_ps(1.0));
+            _mm256_add_ps(t, _mm256_and_ps(up, one))
+        }
+
+        #[target_feature(enable = $feat)]
+        fn quantize(x: &[f32], out: &mut ActRow) {
+            let nb = x.len() / 32;
+            out.resize(nb);
+            let sign = _mm256_set1_ps(-0.0);
+            let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+            let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for b in 0..nb {
+                let v = [ldps(x, 32 * b), ldps(x, 32 * b + 8), ldps(x, 32 * b + 16), ldps(x, 32 * b + 24)];
+                let m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])), _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+                let d = amax / 127.0;
+                let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+                let mut r = [_mm256_setzero_ps(); 4];
+                for k in 0..4 {
+                    r[k] = _mm256_min_ps(_mm256_max_ps(round_away(_mm256_mul_ps(v[k], id)), lo), hi);
+                }
+                let i = [_mm256_cvttps_epi32(r[0]), _mm256_cvttps_epi32(r[1]), _mm256_cvttps_epi32(r[2]), _mm256_cvttps_epi32(r[3])];
+                let p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+                let p = _mm256_permutevar8x32_epi32(p, perm);
+                let dst = &mut out.q[32 * b..32 * b + 32];
+                // SAFETY: `dst` is 32 writable bytes; storeu has no alignment requirement.
+                unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), p) };
+                // Sums of integers below 2^24 are exact in f32.
+                let s0 = hsum(_mm256_add_ps(r[0], r[1])) as i32;
+                let s1 = hsum(_mm256_add_ps(r[2], r[3])) as i32;
+                out.set_block(b, d, s0, s1);
+            }
+        }
+    };
+}
+pub(crate) use x86_kernels;
+
+x86_kernels!(Avx2, "avx2,fma,f16c");

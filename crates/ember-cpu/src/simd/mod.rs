@@ -1,0 +1,515 @@
+//! SIMD kernels behind one small trait ([`Kernels`]), with the instruction set chosen once at
+//! run time ([`Isa::detect`]).
+//!
+//! Every kernel has the same meaning as its scalar reference: the quantised dots equal
+//! [`crate::kernels::dot`] (same integer sums, f32 scaling in another order), the activation
+//! quantiser is bit-identical to [`ActRow::quantize`], the float dots sum f32 products. Tests at
+//! the bottom check each instruction set the CPU has against the reference on random data with
+//! odd sizes.
+//!
+//! Kernels take `NT` activation rows at once (`NT` = 1 for decode, 4 for prompt tiles) so a
+//! weight block is loaded and unpacked once and used for `NT` tokens.
+//!
+//! The decision a reader may question: the x86 kernels are written once (a macro in
+//! [`avx2`]) and instantiated twice, with the AVX2 `maddubs` product and with the AVX-512 VNNI
+//! `dpbusd` product, both on 256-bit vectors: 32 weights is the block size of every format, a
+//! 256-bit vector holds one block, and decode is bound by memory, not by vector width.
+
+use ember_gguf::GgmlType;
+
+use crate::kernels::{self, ActRow};
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
+
+/// An instruction set with kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/VL + VNNI (plus everything of AVX2).
+    Avx512,
+    /// aarch64 NEON (float kernels; quantised dots use the scalar path for now).
+    Neon,
+}
+
+impl Isa {
+    /// The best instruction set this CPU has; `EMBER_ISA=scalar|avx2|avx512` caps it (for
+    /// measurements and tests). Detected once.
+    pub fn detect() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| {
+            let best = Isa::available().into_iter().max().unwrap_or(Isa::Scalar);
+            match std::env::var("EMBER_ISA").ok().as_deref() {
+                Some("scalar") => Isa::Scalar,
+                Some("avx2") if best >= Isa::Avx2 => Isa::Avx2,
+                _ => best,
+            }
+        })
+    }
+
+    /// Every instruction set this CPU can run, scalar first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::Avx2::new().is_some() {
+                v.push(Isa::Avx2);
+            }
+            if avx512::Avx512::new().is_some() {
+                v.push(Isa::Avx512);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        if neon::Neon::new().is_some() {
+            v.push(Isa::Neon);
+        }
+        v
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512-vnni",
+            Isa::Neon => "neon",
+        }
+    }
+}
+
+/// Calls `$body` with `$k` bound to the kernel token of `$isa` (a zero-sized type), so the
+/// generic code behind it is compiled once per instruction set and dispatched once per op.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_kernels {
+    ($isa:expr, |$k:ident| $body:expr) => {{
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            $crate::simd::Isa::Avx512 => {
+                // unwrap: Isa::Avx512 is produced only by detection that found the features.
+                let $k = $crate::simd::avx512::Avx512::new().unwrap();
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            $crate::simd::Isa::Avx2 => {
+                // unwrap: as above.
+                let $k = $crate::simd::avx2::Avx2::new().unwrap();
+                $body
+            }
+            #[cfg(target_arch = "aarch64")]
+            $crate::simd::Isa::Neon => {
+                // unwrap: as above.
+                let $k = $crate::simd::neon::Neon::new().unwrap();
+                $body
+            }
+            _ => {
+                let $k = $crate::simd::Scalar;
+                $body
+            }
+        }
+    }};
+}
+pub use with_kernels;
+
+/// The kernels one instruction set provides. Implemented by zero-sized tokens that can only be
+/// made when the CPU has the instruction set.
+pub trait Kernels: Copy + Send + Sync + 'static {
+    /// `out[t] = Σ_j W[j]·a[t][j]` for one weight row of quantised type `ty`
+    /// ([`kernels::supported`]) and `NT` activation rows of the same length.
+    fn dot_q<const NT: usize>(self, ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT];
+
+    /// `out[t] = Σ_j W[j]·x[t][j]` for one weight row of type F32, F16 or BF16, in f32.
+    fn dot_float<const NT: usize>(self, ty: GgmlType, w: &[u8], x: [&[f32]; NT]) -> [f32; NT];
+
+    /// [`ActRow::quantize`], bit for bit.
+    fn quantize(self, x: &[f32], out: &mut ActRow);
+
+    /// Σ a·b in f32.
+    fn dot_f32(self, a: &[f32], b: &[f32]) -> f32;
+
+    /// `y += a·x`.
+    fn axpy(self, a: f32, x: &[f32], y: &mut [f32]);
+
+    /// `x[i] = exp(x[i] − sub)`; returns Σ x[i] (f32). Max relative error of exp ~2 ulp.
+    fn exp_sum(self, x: &mut [f32], sub: f32) -> f32;
+
+    /// `x ← x·sigmoid(x)` (SiLU) in place.
+    fn silu(self, x: &mut [f32]);
+
+    /// f16 values (little-endian bytes) to f32.
+    fn f16_to_f32(self, src: &[u8], dst: &mut [f32]);
+
+    /// One token of the gated delta rule for one value head (qwen35moe.md §6.4 step 8), with
+    /// the state stored transposed (`st[jv·d_k + i] = S[i][jv]`, a row per value index):
+    /// `S ← decay·S;  δ = β(v − Sᵀk);  S ← S + kδᵀ;  o = Sᵀq`.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]);
+}
+
+/// [`Kernels::delta_step`] in plain f32 (the scalar kernel, and the reference of the tests).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_step_scalar(st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
+    let dk = k.len();
+    for (jv, row) in st.chunks_exact_mut(dk).enumerate() {
+        let r = decay * dot_f32_scalar(row, k);
+        let delta = beta * (v[jv] - r);
+        row.iter_mut().zip(k).for_each(|(x, kk)| *x = *x * decay + kk * delta);
+        o[jv] = dot_f32_scalar(row, q);
+    }
+}
+
+/// The scalar kernels (the reference, and the fallback everywhere).
+#[derive(Debug, Clone, Copy)]
+pub struct Scalar;
+
+impl Kernels for Scalar {
+    fn dot_q<const NT: usize>(self, ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+        a.map(|a| kernels::dot(ty, w, a))
+    }
+
+    fn dot_float<const NT: usize>(self, ty: GgmlType, w: &[u8], x: [&[f32]; NT]) -> [f32; NT] {
+        x.map(|x| dot_float_scalar(ty, w, x))
+    }
+
+    fn quantize(self, x: &[f32], out: &mut ActRow) {
+        ActRow::quantize(x, out)
+    }
+
+    fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+        dot_f32_scalar(a, b)
+    }
+
+    fn axpy(self, a: f32, x: &[f32], y: &mut [f32]) {
+        y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+    }
+
+    fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
+        x.iter_mut().map(|v| {
+            *v = (*v - sub).exp();
+            *v
+        }).sum()
+    }
+
+    fn silu(self, x: &mut [f32]) {
+        x.iter_mut().for_each(|v| *v = ember_ops::reference::silu(*v));
+    }
+
+    fn f16_to_f32(self, src: &[u8], dst: &mut [f32]) {
+        for (d, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+            *d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        }
+    }
+
+    fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
+        delta_step_scalar(st, q, k, v, decay, beta, o)
+    }
+}
+
+/// Asks the CPU to start loading `b` into L2 (a hint: no effect on results). Used a few weight
+/// rows ahead of the GEMV, whose loads would otherwise wait on DRAM latency in turn.
+#[inline]
+pub fn prefetch(b: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in b.chunks(64) {
+        // SAFETY: prefetch is a hint that never faults; the address is inside `b` anyway.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = b;
+}
+
+/// Prefetch distance in bytes (`EMBER_PF_BYTES` overrides; read once).
+pub static PF_BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Weight `i` of a float row.
+#[inline]
+pub fn float_at(ty: GgmlType, w: &[u8], i: usize) -> f32 {
+    match ty {
+        GgmlType::F32 => f32::from_le_bytes([w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]]),
+        GgmlType::F16 => half::f16::from_le_bytes([w[2 * i], w[2 * i + 1]]).to_f32(),
+        _ => f32::from_bits((u16::from_le_bytes([w[2 * i], w[2 * i + 1]]) as u32) << 16), // BF16
+    }
+}
+
+/// Float weight row · f32 activations, 8 partial sums.
+pub fn dot_float_scalar(ty: GgmlType, w: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let n8 = x.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        for l in 0..8 {
+            acc[l] += float_at(ty, w, i + l) * x[i + l];
+        }
+    }
+    let tail: f32 = (n8..x.len()).map(|i| float_at(ty, w, i) * x[i]).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// f32 dot product with 8 independent partial sums.
+pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, ar) = a.split_at(a.len() / 8 * 8);
+    let (bc, br) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ar.iter().zip(br).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    /// Random valid weight bytes of `t` (scales small normal f16 values, other bytes random).
+    pub(crate) fn random_row(t: GgmlType, n: usize, seed: &mut u64) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..t.row_bytes(n).unwrap()).map(|_| lcg(seed) as u8).collect();
+        match t {
+            GgmlType::F32 => {
+                for c in w.chunks_exact_mut(4) {
+                    c.copy_from_slice(&((lcg(seed) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes());
+                }
+                return w;
+            }
+            GgmlType::F16 => {
+                for c in w.chunks_exact_mut(2) {
+                    c.copy_from_slice(&half::f16::from_f32((lcg(seed) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes());
+                }
+                return w;
+            }
+            GgmlType::BF16 => {
+                for c in w.chunks_exact_mut(2) {
+                    c.copy_from_slice(&half::bf16::from_f32((lcg(seed) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes());
+                }
+                return w;
+            }
+            _ => {}
+        }
+        let offs: &[usize] = match t {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4NL | GgmlType::IQ4XS => &[0],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+            GgmlType::Q6K => &[208],
+            GgmlType::Q3K => &[108],
+            GgmlType::Q2K => &[80, 82],
+            _ => &[],
+        };
+        for block in w.chunks_exact_mut(t.type_size()) {
+            for &o in offs {
+                let v = half::f16::from_f32(0.001 + (lcg(seed) % 1000) as f32 * 1e-5);
+                block[o..o + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// Activations with a few large outliers and exact zeros, like real hidden states.
+    pub(crate) fn random_acts(n: usize, seed: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| match lcg(seed) % 50 {
+                0 => 0.0,
+                1 => (lcg(seed) % 2001) as f32 / 10.0 - 100.0,
+                _ => (lcg(seed) % 2001) as f32 / 1000.0 - 1.0 + (i % 7) as f32 * 1e-3,
+            })
+            .collect()
+    }
+
+    fn quant_types() -> Vec<GgmlType> {
+        GgmlType::all().filter(|t| kernels::supported(*t)).collect()
+    }
+
+    /// |got − want| ≤ 1e-5 · Σ|w_j·a_j| (the integer sums are exact; only the f32 scaling order
+    /// differs, measured < 1e-6).
+    fn check_q<K: Kernels>(k: K, t: GgmlType, n_blocks: usize, seed: &mut u64) {
+        let n = n_blocks * t.block_size();
+        let w = random_row(t, n, seed);
+        let rows: Vec<ActRow> = (0..4)
+            .map(|_| {
+                let mut a = ActRow::default();
+                ActRow::quantize(&random_acts(n, seed), &mut a);
+                a
+            })
+            .collect();
+        let mut wf = vec![0f32; n];
+        ember_gguf::quant::dequantize(t, &w, &mut wf).unwrap();
+        let norm = |a: &ActRow| -> f64 { (0..n).map(|i| (wf[i] as f64 * a.d[i / 32] as f64 * a.q[i] as f64).abs()).sum() };
+        let got1 = k.dot_q::<1>(t, &w, [&rows[0]]);
+        let got4 = k.dot_q::<4>(t, &w, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+        for (i, a) in rows.iter().enumerate() {
+            let want = kernels::dot(t, &w, a) as f64;
+            let tol = 1e-5 * norm(a).max(1e-20);
+            assert!((got4[i] as f64 - want).abs() <= tol, "{t} n={n} token {i}/4: got {} want {want}", got4[i]);
+        }
+        let want = kernels::dot(t, &w, &rows[0]) as f64;
+        assert!((got1[0] as f64 - want).abs() <= 1e-5 * norm(&rows[0]).max(1e-20), "{t} n={n}: got {} want {want}", got1[0]);
+    }
+
+    fn check_float<K: Kernels>(k: K, t: GgmlType, n: usize, seed: &mut u64) {
+        let w = random_row(t, n, seed);
+        let xs: Vec<Vec<f32>> = (0..4).map(|_| random_acts(n, seed)).collect();
+        let got1 = k.dot_float::<1>(t, &w, [&xs[0]]);
+        let got4 = k.dot_float::<4>(t, &w, [&xs[0], &xs[1], &xs[2], &xs[3]]);
+        for (i, x) in xs.iter().enumerate() {
+            let want: f64 = (0..n).map(|j| float_at(t, &w, j) as f64 * x[j] as f64).sum();
+            let norm: f64 = (0..n).map(|j| (float_at(t, &w, j) as f64 * x[j] as f64).abs()).sum();
+            let tol = 1e-5 * norm.max(1e-20);
+            assert!((got4[i] as f64 - want).abs() <= tol, "{t} n={n} token {i}: got {} want {want}", got4[i]);
+            if i == 0 {
+                assert!((got1[0] as f64 - want).abs() <= tol, "{t} n={n}: got {} want {want}", got1[0]);
+            }
+        }
+        let a = &xs[0];
+        let b = &xs[1];
+        let want: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let norm: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+        assert!((k.dot_f32(a, b) as f64 - want).abs() <= 1e-5 * norm.max(1e-20), "dot_f32 n={n}");
+    }
+
+    fn check_quantize<K: Kernels>(k: K, n_blocks: usize, seed: &mut u64) {
+        let x = random_acts(n_blocks * 32, seed);
+        let (mut want, mut got) = (ActRow::default(), ActRow::default());
+        ActRow::quantize(&x, &mut want);
+        k.quantize(&x, &mut got);
+        assert_eq!(got.q, want.q);
+        assert_eq!(got.d, want.d);
+        assert_eq!(got.sum16, want.sum16);
+        assert_eq!(got.ds16, want.ds16);
+        assert_eq!(got.ds32, want.ds32);
+    }
+
+    fn check_vector_ops<K: Kernels>(k: K, n: usize, seed: &mut u64) {
+        let x = random_acts(n, seed);
+        let mut y = random_acts(n, seed);
+        let mut want = y.clone();
+        k.axpy(0.37, &x, &mut y);
+        Scalar.axpy(0.37, &x, &mut want);
+        for (g, w) in y.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "axpy n={n}");
+        }
+        // exp over the range softmax uses (x − max ≤ 0), down to underflow.
+        let mut e: Vec<f32> = (0..n).map(|i| -((lcg(seed) % 100_000) as f32) / 1000.0 - (i % 3) as f32).collect();
+        let want: Vec<f32> = e.iter().map(|v| (v - 0.5).exp()).collect();
+        let sum = k.exp_sum(&mut e, 0.5);
+        for (g, w) in e.iter().zip(&want) {
+            assert!((g - w).abs() <= 4e-7 * w.abs() + 1e-37, "exp n={n}: {g} vs {w}");
+        }
+        let ws: f64 = want.iter().map(|v| *v as f64).sum();
+        assert!((sum as f64 - ws).abs() <= 1e-5 * ws.abs() + 1e-30, "exp sum");
+        let mut sx: Vec<f32> = x.iter().map(|v| v * 30.0).collect();
+        let want: Vec<f32> = sx.iter().map(|v| ember_ops::reference::silu(*v)).collect();
+        k.silu(&mut sx);
+        for (g, w) in sx.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs() + 1e-30, "silu n={n}: {g} vs {w}");
+        }
+        let h: Vec<u8> = x.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let (mut got, mut want) = (vec![0f32; n], vec![0f32; n]);
+        k.f16_to_f32(&h, &mut got);
+        Scalar.f16_to_f32(&h, &mut want);
+        assert_eq!(got, want);
+    }
+
+    fn check_delta<K: Kernels>(k: K, dk: usize, dv: usize, seed: &mut u64) {
+        let mut st: Vec<f32> = random_acts(dk * dv, seed).iter().map(|v| v * 0.1).collect();
+        let mut want_st = st.clone();
+        let unit = |seed: &mut u64| {
+            let mut v = random_acts(dk, seed);
+            let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+            v.iter_mut().for_each(|x| *x /= n);
+            v
+        };
+        for _ in 0..3 {
+            let (q, kk) = (unit(seed), unit(seed));
+            let v = random_acts(dv, seed);
+            let (mut o, mut want_o) = (vec![0f32; dv], vec![0f32; dv]);
+            k.delta_step(&mut st, &q, &kk, &v, 0.93, 0.6, &mut o);
+            delta_step_scalar(&mut want_st, &q, &kk, &v, 0.93, 0.6, &mut want_o);
+            for (g, w) in o.iter().zip(&want_o).chain(st.iter().zip(&want_st)) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "delta dk={dk}: {g} vs {w}");
+            }
+        }
+    }
+
+    fn for_each_isa(mut f: impl FnMut(Isa)) {
+        for isa in Isa::available() {
+            f(isa);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+        #[test]
+        fn quantised_dots_match_reference(n_blocks in 1usize..12, seed in any::<u64>()) {
+            let mut seed = seed;
+            for_each_isa(|isa| {
+                for t in quant_types() {
+                    // 32-blocks: odd counts of blocks, also beyond one 256 super-block.
+                    let nb = if t.block_size() == 32 { 2 * n_blocks + 1 } else { n_blocks };
+                    with_kernels!(isa, |k| check_q(k, t, nb, &mut seed));
+                }
+            });
+        }
+
+        #[test]
+        fn float_dots_match_reference(n in 1usize..300, seed in any::<u64>()) {
+            let mut seed = seed;
+            for_each_isa(|isa| {
+                for t in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+                    with_kernels!(isa, |k| check_float(k, t, n, &mut seed));
+                }
+            });
+        }
+
+        #[test]
+        fn vector_ops_match_reference(n in 1usize..700, seed in any::<u64>()) {
+            let mut seed = seed;
+            for_each_isa(|isa| with_kernels!(isa, |k| check_vector_ops(k, n, &mut seed)));
+        }
+
+        #[test]
+        fn delta_step_matches_reference(dk in 1usize..20, dv in 1usize..40, seed in any::<u64>()) {
+            let mut seed = seed;
+            for dk in [dk, 8 * dk, 128] {
+                for_each_isa(|isa| with_kernels!(isa, |k| check_delta(k, dk, dv, &mut seed)));
+            }
+        }
+
+        #[test]
+        fn activation_quantiser_is_bit_exact(n_blocks in 1usize..20, seed in any::<u64>()) {
+            let mut seed = seed;
+            for_each_isa(|isa| with_kernels!(isa, |k| check_quantize(k, n_blocks, &mut seed)));
+        }
+    }
+
+    /// Rounding ties go away from zero in every quantiser, as in the reference.
+    #[test]
+    fn quantiser_ties() {
+        let mut x = vec![0f32; 32];
+        x[0] = 127.0;
+        for (i, v) in x.iter_mut().enumerate().skip(1) {
+            *v = (i as f32 - 16.0) + 0.5; // d = 1: exact .5 ties
+        }
+        for_each_isa(|isa| {
+            let (mut want, mut got) = (ActRow::default(), ActRow::default());
+            ActRow::quantize(&x, &mut want);
+            with_kernels!(isa, |k| k.quantize(&x, &mut got));
+            assert_eq!(got.q, want.q, "{isa:?}");
+        });
+    }
+
+    #[test]
+    fn detect_is_available() {
+        assert!(Isa::available().contains(&Isa::detect()));
+    }
+}
