@@ -1,0 +1,156 @@
+//! End-to-end CPU throughput on a synthetic model, llama-bench style: `pp<N>` (one prompt batch
+//! of N tokens) and `tg<N>` (N single-token steps), optionally after a prompt of `depth` tokens.
+//! Writes the model with ember-synth first if the file does not exist.
+//!
+//! `cargo run --release -p ember-cpu --example model_bench -- FILE [preset quant] [pp] [tg] [depth] [threads]`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ember_cpu::{CpuOps, Precision};
+use ember_gguf::GgufFile;
+use ember_model::{Forward, Logits, Model, SeqState};
+use ember_ops::{KvType, Ops};
+
+/// Wraps the backend and adds up the time of each op (`EMBER_PROFILE=1`).
+struct Timed {
+    inner: CpuOps,
+    times: std::sync::Mutex<std::collections::BTreeMap<String, (f64, usize)>>,
+}
+
+impl Timed {
+    fn time<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        let dt = t.elapsed().as_secs_f64();
+        let mut m = self.times.lock().unwrap();
+        let e = m.entry(name()).or_default();
+        e.0 += dt;
+        e.1 += 1;
+        r
+    }
+
+    fn report(&self, steps: usize) {
+        let m = self.times.lock().unwrap();
+        let total: f64 = m.values().map(|v| v.0).sum();
+        let mut v: Vec<_> = m.iter().collect();
+        v.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        println!("ops total {:.2} ms per step", total * 1e3 / steps as f64);
+        for (k, (t, n)) in v.iter().take(25) {
+            println!("  {k:50} {:8.3} ms/step {:6} calls/step {:8.1} us/call", t * 1e3 / steps as f64, n / steps, t * 1e6 / *n as f64);
+        }
+    }
+}
+
+impl Ops for Timed {
+    fn name(&self) -> &'static str {
+        "timed"
+    }
+    fn matmul(&self, w: &ember_ops::WeightView, x: &ember_ops::Mat) -> ember_ops::Mat {
+        self.time(|| format!("matmul {} {}x{} n={}", w.ty, w.n_rows, w.k, x.n.min(2)), || self.inner.matmul(w, x))
+    }
+    fn matmul_many(&self, ws: &[ember_ops::WeightView], x: &ember_ops::Mat) -> Vec<ember_ops::Mat> {
+        self.time(|| format!("matmul_many {} rows {} n={}", ws.len(), ws.iter().map(|w| w.n_rows).sum::<usize>(), x.n.min(2)), || self.inner.matmul_many(ws, x))
+    }
+    fn moe(&self, slots: &[ember_ops::MoeSlot], x: &ember_ops::Mat) -> ember_ops::Mat {
+        self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(slots, x))
+    }
+    fn get_rows(&self, w: &ember_ops::WeightView, ids: &[u32]) -> ember_ops::Mat {
+        self.time(|| "get_rows".into(), || self.inner.get_rows(w, ids))
+    }
+    fn rms_norm(&self, x: &ember_ops::Mat, weight: &[f32], eps: f32) -> ember_ops::Mat {
+        self.time(|| "rms_norm".into(), || self.inner.rms_norm(x, weight, eps))
+    }
+    fn rope(&self, x: &mut ember_ops::Mat, head_dim: usize, n_rot: usize, pos0: usize, base: f32) {
+        self.time(|| "rope".into(), || self.inner.rope(x, head_dim, n_rot, pos0, base))
+    }
+    fn conv1d_silu(&self, x: &ember_ops::Mat, w: &[f32], state: &mut [f32]) -> ember_ops::Mat {
+        self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(x, w, state))
+    }
+    fn gated_delta_rule(&self, s: ember_ops::DeltaShape, q: &ember_ops::Mat, k: &ember_ops::Mat, v: &ember_ops::Mat, g: &ember_ops::Mat, beta: &ember_ops::Mat, state: &mut [f32], chunked: bool) -> ember_ops::Mat {
+        self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(s, q, k, v, g, beta, state, chunked))
+    }
+    fn attention(&self, s: ember_ops::AttnShape, q: &ember_ops::Mat, k: &ember_ops::KvRows, v: &ember_ops::KvRows) -> ember_ops::Mat {
+        self.time(|| "attention".into(), || self.inner.attention(s, q, k, v))
+    }
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().skip(1).collect();
+    let path = a.first().cloned().unwrap_or_else(|| "/tmp/perf/small-q4_k_m.gguf".into());
+    let preset = a.get(1).cloned().unwrap_or_else(|| "small".into());
+    let quant = a.get(2).cloned().unwrap_or_else(|| "q4_k_m".into());
+    let pp: usize = a.get(3).and_then(|s| s.parse().ok()).unwrap_or(512);
+    let tg: usize = a.get(4).and_then(|s| s.parse().ok()).unwrap_or(128);
+    let depth: usize = a.get(5).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let threads: usize = a.get(6).and_then(|s| s.parse().ok()).unwrap_or(0);
+    if !std::path::Path::new(&path).exists() {
+        let vocab = GgufFile::open(ember_synth::DEFAULT_VOCAB).unwrap();
+        let shape = ember_synth::Shape::preset(&preset).unwrap();
+        let recipe = ember_synth::Recipe::parse(&quant).unwrap();
+        let plan = ember_synth::Plan::new(ember_synth::SynthOptions { shape, recipe, seed: 0, skew: 0.0, preset: preset.clone() }, &vocab).unwrap();
+        let t = Instant::now();
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        ember_synth::write(&plan, &mut out, &mut |_, _| {}).unwrap();
+        eprintln!("wrote {path} in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let model = Model::load(file, |_, _| {}).unwrap();
+    let ops = Timed { inner: CpuOps::new(Precision::Fast, threads), times: Default::default() };
+    let profile = std::env::var("EMBER_PROFILE").is_ok();
+    println!("{path}: {} threads, isa {:?}", ops.inner.n_threads(), ops.inner.isa());
+    let n_vocab = model.config.n_vocab as u64;
+    let mut seed = 12345u64;
+    let mut tok = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 33) % n_vocab.min(150_000)) as u32
+    };
+    let ctx = depth + pp.max(1) + tg + 16;
+    // Warm-up: one short prompt and a few steps (page in the weights).
+    {
+        let mut st = SeqState::new(&model.config, 64, KvType::F16).unwrap();
+        let p: Vec<u32> = (0..16).map(|_| tok()).collect();
+        model.forward(&ops, &p, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        for _ in 0..4 {
+            let t = tok();
+            model.forward(&ops, &[t], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        }
+    }
+    let mut st = SeqState::new(&model.config, ctx, KvType::F16).unwrap();
+    if depth > 0 {
+        let t = Instant::now();
+        for chunk in (0..depth).collect::<Vec<_>>().chunks(512) {
+            let p: Vec<u32> = chunk.iter().map(|_| tok()).collect();
+            model.forward(&ops, &p, &mut st, Forward { logits: Some(Logits::None), ..Default::default() }).unwrap();
+        }
+        println!("depth {depth}: filled in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    if pp > 0 {
+        let mut s2 = SeqState::new(&model.config, ctx, KvType::F16).unwrap();
+        let p: Vec<u32> = (0..pp).map(|_| tok()).collect();
+        ops.times.lock().unwrap().clear();
+        let t = Instant::now();
+        model.forward(&ops, &p, &mut s2, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        let dt = t.elapsed().as_secs_f64();
+        println!("pp{pp}: {:.2} tok/s ({:.3} s)", pp as f64 / dt, dt);
+        if profile {
+            ops.report(1);
+        }
+    }
+    if tg > 0 {
+        ops.times.lock().unwrap().clear();
+        let mut times = Vec::with_capacity(tg);
+        for _ in 0..tg {
+            let t0 = tok();
+            let t = Instant::now();
+            model.forward(&ops, &[t0], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let total: f64 = times.iter().sum();
+        times.sort_by(f64::total_cmp);
+        if profile {
+            ops.report(tg);
+        }
+        println!("tg{tg}{}: {:.2} tok/s (median step {:.2} ms, best {:.2} ms)", if depth > 0 { format!("@d{depth}") } else { String::new() }, tg as f64 / total, times[tg / 2] * 1e3, times[0] * 1e3);
+    }
+}
