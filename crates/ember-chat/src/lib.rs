@@ -34,14 +34,8 @@ pub enum Error {
     #[error("chat template failed: {0}")]
     Render(String),
     /// A tool call's `arguments` string is not JSON.
-    #[error(
-        "messages[{message}].tool_calls[{call}].function.arguments is not valid JSON: {reason}"
-    )]
-    ToolCallArguments {
-        message: usize,
-        call: usize,
-        reason: String,
-    },
+    #[error("messages[{message}].tool_calls[{call}].function.arguments is not valid JSON: {reason}")]
+    ToolCallArguments { message: usize, call: usize, reason: String },
     /// A request's `tools` entry is not an OpenAI function tool (`field` is its JSON path).
     #[error("{field} {reason}")]
     Tools { field: String, reason: String },

@@ -63,22 +63,13 @@ pub fn write_float(out: &mut String, v: f64) {
             out.push('.');
             out.push_str(&digits[1..]);
         }
-        let _ = write!(
-            out,
-            "e{}{:02}",
-            if exp < 0 { '-' } else { '+' },
-            exp.unsigned_abs()
-        );
+        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.unsigned_abs());
     }
 }
 
 /// Float payload of a number value, `None` for integers.
 fn as_float(v: &Value) -> Option<f64> {
-    if v.kind() == ValueKind::Number && !v.is_integer() {
-        f64::try_from(v.clone()).ok()
-    } else {
-        None
-    }
+    if v.kind() == ValueKind::Number && !v.is_integer() { f64::try_from(v.clone()).ok() } else { None }
 }
 
 /// Python `str(v)`: strings as they are, everything else as `repr`.
@@ -143,11 +134,7 @@ pub fn write_repr(out: &mut String, v: &Value) {
 /// request plausibly contains (C0, DEL, C1, NBSP, soft hyphen, zero-width and bidi marks,
 /// line/paragraph separators, BOM); CPython's full `isprintable` table is not reproduced.
 fn write_str_repr(out: &mut String, s: &str) {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -162,10 +149,7 @@ fn write_str_repr(out: &mut String, s: &str) {
             '\0'..='\x1f' | '\x7f'..='\u{a0}' | '\u{ad}' => {
                 let _ = write!(out, "\\x{:02x}", c as u32);
             }
-            '\u{200b}'..='\u{200f}'
-            | '\u{2028}'..='\u{202e}'
-            | '\u{2060}'..='\u{2064}'
-            | '\u{feff}' => {
+            '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{feff}' => {
                 let _ = write!(out, "\\u{:04x}", c as u32);
             }
             c => out.push(c),
@@ -188,13 +172,7 @@ pub struct JsonOpts {
 
 impl Default for JsonOpts {
     fn default() -> Self {
-        JsonOpts {
-            ensure_ascii: false,
-            indent: None,
-            item_sep: ", ".into(),
-            key_sep: ": ".into(),
-            sort_keys: false,
-        }
+        JsonOpts { ensure_ascii: false, indent: None, item_sep: ", ".into(), key_sep: ": ".into(), sort_keys: false }
     }
 }
 
@@ -206,9 +184,7 @@ pub fn write_json(out: &mut String, v: &Value, opts: &JsonOpts, level: usize) ->
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => match as_float(v) {
             Some(f) if f.is_nan() => out.push_str("NaN"),
-            Some(f) if f.is_infinite() => {
-                out.push_str(if f < 0.0 { "-Infinity" } else { "Infinity" })
-            }
+            Some(f) if f.is_infinite() => out.push_str(if f < 0.0 { "-Infinity" } else { "Infinity" }),
             Some(f) => write_float(out, f),
             None => {
                 let _ = write!(out, "{v}");
@@ -259,10 +235,7 @@ pub fn write_json(out: &mut String, v: &Value, opts: &JsonOpts, level: usize) ->
             out.push('}');
         }
         kind => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                format!("Object of type {kind} is not JSON serializable"),
-            ));
+            return Err(Error::new(ErrorKind::InvalidOperation, format!("Object of type {kind} is not JSON serializable")));
         }
     }
     Ok(())
@@ -286,10 +259,7 @@ fn json_key(key: &Value) -> Result<String, Error> {
             write_json(&mut s, key, &JsonOpts::default(), 0)?;
             Ok(s)
         }
-        kind => Err(Error::new(
-            ErrorKind::InvalidOperation,
-            format!("keys must be str, int, float, bool or None, not {kind}"),
-        )),
+        kind => Err(Error::new(ErrorKind::InvalidOperation, format!("keys must be str, int, float, bool or None, not {kind}"))),
     }
 }
 
@@ -324,29 +294,9 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
 /// (`%Y %m %d %H %M %S %y %b %B %a %A %j %p %I %e %Z %z %%` and glibc's `%-d`-style
 /// unpadded forms); any other directive is copied through, as glibc does.
 pub fn strftime_utc(fmt: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Sunday",
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-    ];
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
     let days = unix_secs.div_euclid(86_400);
     let secs = unix_secs.rem_euclid(86_400);
     let (year, month, day) = civil_from_days(days);

@@ -48,11 +48,7 @@ pub struct RenderRequest<'a> {
 impl<'a> RenderRequest<'a> {
     /// Messages only, with the generation prompt on: the common case.
     pub fn new(messages: &'a [Json]) -> Self {
-        RenderRequest {
-            messages,
-            add_generation_prompt: true,
-            ..Default::default()
-        }
+        RenderRequest { messages, add_generation_prompt: true, ..Default::default() }
     }
 }
 
@@ -83,18 +79,10 @@ impl ChatTemplate {
         env.add_filter("string", string);
         // minijinja's `none is iterable` is true; Jinja2's is false (STACK.md: Qwen3-Coder
         // depends on it).
-        env.add_test("iterable", |v: Value| {
-            !v.is_none() && !v.is_undefined() && v.try_iter().is_ok()
-        });
+        env.add_test("iterable", |v: Value| !v.is_none() && !v.is_undefined() && v.try_iter().is_ok());
         // Jinja2 `test_sequence`: has len() and __getitem__ -> str, list, dict.
-        env.add_test("sequence", |v: Value| {
-            matches!(
-                v.kind(),
-                ValueKind::String | ValueKind::Seq | ValueKind::Map
-            )
-        });
-        env.add_template_owned(NAME, source.to_string())
-            .map_err(|e| Error::Syntax(e.to_string()))?;
+        env.add_test("sequence", |v: Value| matches!(v.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map));
+        env.add_template_owned(NAME, source.to_string()).map_err(|e| Error::Syntax(e.to_string()))?;
         Ok(ChatTemplate { env })
     }
 
@@ -102,16 +90,10 @@ impl ChatTemplate {
     /// [`Error::Template`] carrying `msg` verbatim.
     pub fn render(&self, req: &RenderRequest<'_>) -> Result<String, Error> {
         let mut ctx = serde_json::Map::new();
-        ctx.insert(
-            "messages".into(),
-            Json::Array(normalize_messages(req.messages)?),
-        );
+        ctx.insert("messages".into(), Json::Array(normalize_messages(req.messages)?));
         ctx.insert("tools".into(), req.tools.cloned().unwrap_or(Json::Null));
         ctx.insert("documents".into(), Json::Null);
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(req.add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Json::Bool(req.add_generation_prompt));
         if let Some(t) = &req.bos_token {
             ctx.insert("bos_token".into(), Json::String(t.clone()));
         }
@@ -124,10 +106,7 @@ impl ChatTemplate {
             }
             ctx.insert(key.clone(), value.clone());
         }
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| Error::Syntax(e.to_string()))?;
+        let tmpl = self.env.get_template(NAME).map_err(|e| Error::Syntax(e.to_string()))?;
         tmpl.render(Value::from(Serde(&ctx))).map_err(render_error)
     }
 }
@@ -142,22 +121,14 @@ fn normalize_messages(messages: &[Json]) -> Result<Vec<Json>, Error> {
             continue;
         };
         for (i_call, call) in calls.iter_mut().enumerate() {
-            let target = if call.get("function").is_some_and(Json::is_object) {
-                &mut call["function"]
-            } else {
-                call
-            };
+            let target = if call.get("function").is_some_and(Json::is_object) { &mut call["function"] } else { call };
             let Some(Json::String(text)) = target.get("arguments") else {
                 continue;
             };
             let parsed = if text.trim().is_empty() {
                 Json::Object(Default::default())
             } else {
-                serde_json::from_str(text).map_err(|e| Error::ToolCallArguments {
-                    message: i_msg,
-                    call: i_call,
-                    reason: e.to_string(),
-                })?
+                serde_json::from_str(text).map_err(|e| Error::ToolCallArguments { message: i_msg, call: i_call, reason: e.to_string() })?
             };
             target["arguments"] = parsed;
         }
@@ -179,19 +150,14 @@ impl fmt::Display for Raised {
 impl std::error::Error for Raised {}
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
-            .with_source(Raised(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
 }
 
 fn render_error(err: minijinja::Error) -> Error {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<Raised>() {
-            return Error::Template {
-                message: raised.0.clone(),
-            };
+            return Error::Template { message: raised.0.clone() };
         }
         source = e.source();
     }
@@ -201,10 +167,7 @@ fn render_error(err: minijinja::Error) -> Error {
 /// HF: `datetime.now().strftime(format)`. We use UTC (servers run in UTC; the local zone of
 /// the machine is not part of the request).
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     python::strftime_utc(&format, secs)
 }
 
@@ -217,18 +180,13 @@ fn tojson(
     separators: Option<Value>,
     kwargs: Kwargs,
 ) -> Result<Value, minijinja::Error> {
-    let ensure_ascii = kwargs
-        .get::<Option<Value>>("ensure_ascii")?
-        .or(ensure_ascii);
+    let ensure_ascii = kwargs.get::<Option<Value>>("ensure_ascii")?.or(ensure_ascii);
     let indent = kwargs.get::<Option<Value>>("indent")?.or(indent);
     let separators = kwargs.get::<Option<Value>>("separators")?.or(separators);
     let sort_keys = kwargs.get::<Option<Value>>("sort_keys")?;
     kwargs.assert_all_used()?;
 
-    let mut opts = JsonOpts {
-        ensure_ascii: ensure_ascii.is_some_and(|v| v.is_true()),
-        ..Default::default()
-    };
+    let mut opts = JsonOpts { ensure_ascii: ensure_ascii.is_some_and(|v| v.is_true()), ..Default::default() };
     match indent {
         Some(v) if v.is_none() || v.is_undefined() => {}
         None => {}

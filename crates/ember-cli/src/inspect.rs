@@ -123,7 +123,14 @@ fn value_json(v: &Value) -> serde_json::Value {
 
 fn print_text(r: &serde_json::Value) {
     let file = &r["file"];
-    println!("file: {} bytes ({:.2} GiB), GGUF v{}, {} tensors, {} metadata keys", file["bytes"], gib(&file["bytes"]), file["gguf_version"], file["n_tensors"], file["n_kv"]);
+    println!(
+        "file: {} bytes ({:.2} GiB), GGUF v{}, {} tensors, {} metadata keys",
+        file["bytes"],
+        gib(&file["bytes"]),
+        file["gguf_version"],
+        file["n_tensors"],
+        file["n_kv"]
+    );
     println!("architecture: {}", r["architecture"].as_str().unwrap_or("(none)"));
     println!("\nhyper-parameters:");
     match r["config"].get("error") {
@@ -153,7 +160,14 @@ fn print_text(r: &serde_json::Value) {
     }
     println!("\n{:<48} {:<7} {:<22} {:>14}  group", "tensor", "type", "shape", "bytes");
     for t in r["tensors"].as_array().into_iter().flatten() {
-        println!("{:<48} {:<7} {:<22} {:>14}  {}", t["name"].as_str().unwrap_or(""), t["type"].as_str().unwrap_or(""), compact(&t["shape"]), t["bytes"], t["group"].as_str().unwrap_or(""));
+        println!(
+            "{:<48} {:<7} {:<22} {:>14}  {}",
+            t["name"].as_str().unwrap_or(""),
+            t["type"].as_str().unwrap_or(""),
+            compact(&t["shape"]),
+            t["bytes"],
+            t["group"].as_str().unwrap_or("")
+        );
     }
     println!("\nbytes by group and type:");
     let total: f64 = r["bytes_by_group"].as_object().into_iter().flatten().map(|(_, g)| g["bytes"].as_f64().unwrap_or(0.0)).sum();

@@ -1,14 +1,14 @@
 //! `ember`: the command-line front end. Flags, wiring and output formatting only; everything
 //! worth testing lives in the library crates.
 
+mod bench;
+mod bench_http;
 mod inspect;
 mod load;
 mod logits;
 mod run;
 mod serve;
 mod synth;
-mod bench;
-mod bench_http;
 mod tokenize;
 
 use clap::{Parser, Subcommand};

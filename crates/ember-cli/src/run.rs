@@ -81,9 +81,22 @@ pub fn main(a: Args) -> Result<()> {
     let ops = CpuOps::new(Precision::Fast, a.threads);
     let mut st = SeqState::new(&model.config, n_ctx, a.kv_type)?;
     let seed = a.seed;
-    let cfg = SamplerConfig { temperature: a.temp, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, repeat_penalty: a.repeat_penalty, seed, ..Default::default() };
+    let cfg = SamplerConfig {
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        seed,
+        ..Default::default()
+    };
     let mut sampler = Sampler::new(cfg).context("sampling parameters")?;
-    eprintln!("loaded in {:.2} s, {} threads, prompt {} tokens, context {n_ctx}", t_load.elapsed().as_secs_f64(), ops.n_threads(), ids.len());
+    eprintln!(
+        "loaded in {:.2} s, {} threads, prompt {} tokens, context {n_ctx}",
+        t_load.elapsed().as_secs_f64(),
+        ops.n_threads(),
+        ids.len()
+    );
 
     let mut out = std::io::stdout().lock();
     let mut history = ids.clone();

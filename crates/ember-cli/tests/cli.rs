@@ -68,7 +68,15 @@ fn logits_command_matches_reference() {
     let want = &read_safetensors(&fixture("tiny-a/refs/hf-refs.safetensors"))["logits.p37.f64"];
     for extra in [vec!["--exact"], vec!["--exact", "--prefill", "20"], vec!["--kv-type", "f32"]] {
         let out = dir.join("l.safetensors");
-        let mut args = vec!["logits", "-m", &*Box::leak(path("tiny-a/gguf/tiny-a-BF16.gguf").into_boxed_str()), "--tokens", &tokens, "-o", out.to_str().unwrap()];
+        let mut args = vec![
+            "logits",
+            "-m",
+            &*Box::leak(path("tiny-a/gguf/tiny-a-BF16.gguf").into_boxed_str()),
+            "--tokens",
+            &tokens,
+            "-o",
+            out.to_str().unwrap(),
+        ];
         args.extend(extra.iter());
         ok(&args);
         let got = &read_safetensors(&out)["logits"];

@@ -609,13 +609,17 @@ fn multi_turn_chat_reuses_the_conversation() {
         let (status, r) = s.post("/v1/chat/completions", &body);
         assert_eq!(status, 200, "{r}");
         let usage = &r["usage"];
-        let (n_prompt, cached) = (usage["prompt_tokens"].as_u64().unwrap(), usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
+        let (n_prompt, cached) =
+            (usage["prompt_tokens"].as_u64().unwrap(), usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
         if turn == 0 {
             assert_eq!(cached, 0);
         } else {
             // Everything up to the end of the previous turn's last message is reused: at least
             // the previous prompt minus its generation prompt (`<|im_start|>assistant\n<think>\n\n</think>\n\n`).
-            assert!(cached + 12 >= prev_prompt && cached < n_prompt, "turn {turn}: cached {cached} of {n_prompt} (previous prompt {prev_prompt})");
+            assert!(
+                cached + 12 >= prev_prompt && cached < n_prompt,
+                "turn {turn}: cached {cached} of {n_prompt} (previous prompt {prev_prompt})"
+            );
         }
         let (status, r_off) = off.post("/v1/chat/completions", &body);
         assert_eq!(status, 200);

@@ -23,7 +23,8 @@ fn main() {
         for _ in 0..7 {
             let t = Instant::now();
             let s: f32 = std::thread::scope(|sc| {
-                let hs: Vec<_> = a.chunks_mut(chunk).zip(b.chunks(chunk)).zip(c.chunks(chunk)).map(|((a, b), c)| sc.spawn(move || f(a, b, c))).collect();
+                let hs: Vec<_> =
+                    a.chunks_mut(chunk).zip(b.chunks(chunk)).zip(c.chunks(chunk)).map(|((a, b), c)| sc.spawn(move || f(a, b, c))).collect();
                 hs.into_iter().map(|h| h.join().unwrap()).sum()
             });
             std::hint::black_box(s);
@@ -35,23 +36,38 @@ fn main() {
         let gb = (n * bytes_per_elem) as f64 / 1e9;
         println!("{name:6} best {:6.2} GB/s  median {:6.2} GB/s", gb / best, gb / all[all.len() / 2]);
     };
-    run("read", 4, &|_a, b, _c| {
-        let mut acc = [0f32; 16];
-        for x in b.chunks_exact(16) {
-            for i in 0..16 {
-                acc[i] += x[i];
+    run(
+        "read",
+        4,
+        &|_a, b, _c| {
+            let mut acc = [0f32; 16];
+            for x in b.chunks_exact(16) {
+                for i in 0..16 {
+                    acc[i] += x[i];
+                }
             }
-        }
-        acc.iter().sum()
-    }, &mut a);
-    run("copy", 8, &|a, b, _c| {
-        a.copy_from_slice(b);
-        0.0
-    }, &mut a);
-    run("triad", 12, &|a, b, c| {
-        for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
-            *x = y + 3.0 * z;
-        }
-        0.0
-    }, &mut a);
+            acc.iter().sum()
+        },
+        &mut a,
+    );
+    run(
+        "copy",
+        8,
+        &|a, b, _c| {
+            a.copy_from_slice(b);
+            0.0
+        },
+        &mut a,
+    );
+    run(
+        "triad",
+        12,
+        &|a, b, c| {
+            for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
+                *x = y + 3.0 * z;
+            }
+            0.0
+        },
+        &mut a,
+    );
 }

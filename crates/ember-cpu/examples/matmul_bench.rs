@@ -103,7 +103,12 @@ fn main() {
             ts.push(t.elapsed().as_secs_f64());
         }
         let m = median(ts);
-        println!("{name:18} {ty:>6} {rows:>6}x{k:<5} n={n:<4} {:>10.1} us {:>7.2} GB/s {:>8.1} GFLOP/s", m * 1e6, bytes / m / 1e9, flops / m / 1e9);
+        println!(
+            "{name:18} {ty:>6} {rows:>6}x{k:<5} n={n:<4} {:>10.1} us {:>7.2} GB/s {:>8.1} GFLOP/s",
+            m * 1e6,
+            bytes / m / 1e9,
+            flops / m / 1e9
+        );
     }
 
     // A decode-step-like sequence: 1000 small parallel regions (expert-sized GEMVs over 40

@@ -50,7 +50,10 @@ impl Ops for Timed {
         self.time(|| format!("matmul {} {}x{} n={}", w.ty, w.n_rows, w.k, x.n.min(2)), || self.inner.matmul(w, x))
     }
     fn matmul_many(&self, ws: &[ember_ops::WeightView], x: &ember_ops::Mat) -> Vec<ember_ops::Mat> {
-        self.time(|| format!("matmul_many {} rows {} n={}", ws.len(), ws.iter().map(|w| w.n_rows).sum::<usize>(), x.n.min(2)), || self.inner.matmul_many(ws, x))
+        self.time(
+            || format!("matmul_many {} rows {} n={}", ws.len(), ws.iter().map(|w| w.n_rows).sum::<usize>(), x.n.min(2)),
+            || self.inner.matmul_many(ws, x),
+        )
     }
     fn moe(&self, slots: &[ember_ops::MoeSlot], x: &ember_ops::Mat) -> ember_ops::Mat {
         self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(slots, x))
@@ -67,7 +70,17 @@ impl Ops for Timed {
     fn conv1d_silu(&self, x: &ember_ops::Mat, w: &[f32], state: &mut [f32]) -> ember_ops::Mat {
         self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(x, w, state))
     }
-    fn gated_delta_rule(&self, s: ember_ops::DeltaShape, q: &ember_ops::Mat, k: &ember_ops::Mat, v: &ember_ops::Mat, g: &ember_ops::Mat, beta: &ember_ops::Mat, state: &mut [f32], chunked: bool) -> ember_ops::Mat {
+    fn gated_delta_rule(
+        &self,
+        s: ember_ops::DeltaShape,
+        q: &ember_ops::Mat,
+        k: &ember_ops::Mat,
+        v: &ember_ops::Mat,
+        g: &ember_ops::Mat,
+        beta: &ember_ops::Mat,
+        state: &mut [f32],
+        chunked: bool,
+    ) -> ember_ops::Mat {
         self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(s, q, k, v, g, beta, state, chunked))
     }
     fn attention(&self, s: ember_ops::AttnShape, q: &ember_ops::Mat, k: &ember_ops::KvRows, v: &ember_ops::KvRows) -> ember_ops::Mat {
@@ -88,7 +101,8 @@ fn main() {
         let vocab = GgufFile::open(ember_synth::DEFAULT_VOCAB).unwrap();
         let shape = ember_synth::Shape::preset(&preset).unwrap();
         let recipe = ember_synth::Recipe::parse(&quant).unwrap();
-        let plan = ember_synth::Plan::new(ember_synth::SynthOptions { shape, recipe, seed: 0, skew: 0.0, preset: preset.clone() }, &vocab).unwrap();
+        let plan = ember_synth::Plan::new(ember_synth::SynthOptions { shape, recipe, seed: 0, skew: 0.0, preset: preset.clone() }, &vocab)
+            .unwrap();
         let t = Instant::now();
         let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
         ember_synth::write(&plan, &mut out, &mut |_, _| {}).unwrap();
@@ -151,6 +165,12 @@ fn main() {
         if profile {
             ops.report(tg);
         }
-        println!("tg{tg}{}: {:.2} tok/s (median step {:.2} ms, best {:.2} ms)", if depth > 0 { format!("@d{depth}") } else { String::new() }, tg as f64 / total, times[tg / 2] * 1e3, times[0] * 1e3);
+        println!(
+            "tg{tg}{}: {:.2} tok/s (median step {:.2} ms, best {:.2} ms)",
+            if depth > 0 { format!("@d{depth}") } else { String::new() },
+            tg as f64 / total,
+            times[tg / 2] * 1e3,
+            times[0] * 1e3
+        );
     }
 }

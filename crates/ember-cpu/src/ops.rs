@@ -36,7 +36,11 @@ pub struct CpuOps {
 
 impl std::fmt::Debug for CpuOps {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuOps").field("precision", &self.precision).field("isa", &self.isa).field("n_threads", &self.pool.n_threads()).finish()
+        f.debug_struct("CpuOps")
+            .field("precision", &self.precision)
+            .field("isa", &self.isa)
+            .field("n_threads", &self.pool.n_threads())
+            .finish()
     }
 }
 

@@ -166,7 +166,14 @@ impl Pool {
     }
 
     /// [`Pool::split_mut`] over two slices at once: part `p` of each goes to the same call.
-    pub fn split_mut2<A: Send, B: Send, F: Fn(usize, &mut [A], &mut [B]) + Sync>(&self, a: &mut [A], bounds_a: &[usize], b: &mut [B], bounds_b: &[usize], f: F) {
+    pub fn split_mut2<A: Send, B: Send, F: Fn(usize, &mut [A], &mut [B]) + Sync>(
+        &self,
+        a: &mut [A],
+        bounds_a: &[usize],
+        b: &mut [B],
+        bounds_b: &[usize],
+        f: F,
+    ) {
         assert_eq!(bounds_a.len(), bounds_b.len(), "split_mut2: part counts differ");
         check_bounds(a.len(), bounds_a);
         check_bounds(b.len(), bounds_b);

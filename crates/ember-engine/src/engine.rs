@@ -381,7 +381,11 @@ impl<B: Backend> Scheduler<B> {
         // The longest cached prefix that ends at a checkpoint; at least the last prompt token is
         // always computed, since its logits are needed.
         let prompt = &job.req.prompt;
-        let restored = self.cache.as_mut().and_then(|c| c.lookup(&prompt[..prompt.len() - 1])).map(|(n, snap)| (n, self.backend.restore(snap, self.cfg.n_ctx)));
+        let restored = self
+            .cache
+            .as_mut()
+            .and_then(|c| c.lookup(&prompt[..prompt.len() - 1]))
+            .map(|(n, snap)| (n, self.backend.restore(snap, self.cfg.n_ctx)));
         self.update_cache_stats();
         let (state, n_cached) = match restored {
             Some((n, Ok(s))) => (s, n),

@@ -24,11 +24,7 @@ pub use sampler::{Sampler, SamplerConfig};
 pub enum Error {
     /// A sampling parameter is out of range.
     #[error("`{field}` must be {limit}, got {got}")]
-    Config {
-        field: &'static str,
-        limit: &'static str,
-        got: String,
-    },
+    Config { field: &'static str, limit: &'static str, got: String },
     #[error("the prompt is empty")]
     EmptyPrompt,
     /// The prompt leaves no room to generate.

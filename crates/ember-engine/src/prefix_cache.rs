@@ -153,7 +153,13 @@ impl<S: Checkpoint> PrefixCache<S> {
         while depth < tokens.len() {
             let first = tokens[depth];
             let Some(&child) = self.node(at).children.get(&first) else {
-                let leaf = self.alloc(Node { edge: tokens[depth..].to_vec(), children: HashMap::new(), parent: Some(at), checkpoint: None, last_used: 0 });
+                let leaf = self.alloc(Node {
+                    edge: tokens[depth..].to_vec(),
+                    children: HashMap::new(),
+                    parent: Some(at),
+                    checkpoint: None,
+                    last_used: 0,
+                });
                 self.node_mut(at).children.insert(first, leaf);
                 return leaf;
             };
@@ -166,7 +172,13 @@ impl<S: Checkpoint> PrefixCache<S> {
             }
             // Split the edge at `common`: parent -> mid -> child.
             let child_edge = self.node(child).edge.clone();
-            let mid = self.alloc(Node { edge: child_edge[..common].to_vec(), children: HashMap::new(), parent: Some(at), checkpoint: None, last_used: 0 });
+            let mid = self.alloc(Node {
+                edge: child_edge[..common].to_vec(),
+                children: HashMap::new(),
+                parent: Some(at),
+                checkpoint: None,
+                last_used: 0,
+            });
             {
                 let c = self.node_mut(child);
                 c.edge = child_edge[common..].to_vec();

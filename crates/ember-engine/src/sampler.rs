@@ -53,13 +53,7 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     /// Checks every field's range; the error names the field and the limit.
     pub fn validate(&self) -> Result<(), Error> {
-        let bad = |field: &'static str, limit: &'static str, got: f32| {
-            Err(Error::Config {
-                field,
-                limit,
-                got: got.to_string(),
-            })
-        };
+        let bad = |field: &'static str, limit: &'static str, got: f32| Err(Error::Config { field, limit, got: got.to_string() });
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return bad("temperature", "a finite number >= 0", self.temperature);
         }
@@ -108,13 +102,7 @@ impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Self, Error> {
         cfg.validate()?;
         let seed = cfg.seed.unwrap_or_else(random_seed);
-        Ok(Sampler {
-            cfg,
-            seed,
-            rng: Xoshiro256::new(seed),
-            cands: Vec::new(),
-            window: Vec::new(),
-        })
+        Ok(Sampler { cfg, seed, rng: Xoshiro256::new(seed), cands: Vec::new(), window: Vec::new() })
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -131,10 +119,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         self.cands.clear();
         self.cands
-            .extend(logits.iter().enumerate().map(|(i, &l)| Cand {
-                id: i as u32,
-                logit: if l.is_nan() { f32::NEG_INFINITY } else { l },
-            }));
+            .extend(logits.iter().enumerate().map(|(i, &l)| Cand { id: i as u32, logit: if l.is_nan() { f32::NEG_INFINITY } else { l } }));
         self.apply_penalties(history);
 
         if self.cfg.temperature <= 0.0 {
@@ -143,10 +128,7 @@ impl Sampler {
         // Tokens at -inf can never be drawn; dropping them keeps the softmax finite.
         self.cands.retain(|c| c.logit > f32::NEG_INFINITY);
         if self.cands.len() <= 1 {
-            return self
-                .cands
-                .first()
-                .map_or_else(|| Self::greedy(logits), |c| c.id);
+            return self.cands.first().map_or_else(|| Self::greedy(logits), |c| c.id);
         }
         self.top_k();
         self.top_p();
@@ -170,14 +152,12 @@ impl Sampler {
     /// then logit -= n * frequency + presence.
     fn apply_penalties(&mut self, history: &[u32]) {
         let c = &self.cfg;
-        let off =
-            c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
+        let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
         if c.penalty_last_n == 0 || off || history.is_empty() {
             return;
         }
         self.window.clear();
-        self.window
-            .extend_from_slice(&history[history.len().saturating_sub(c.penalty_last_n)..]);
+        self.window.extend_from_slice(&history[history.len().saturating_sub(c.penalty_last_n)..]);
         self.window.sort_unstable();
         // Candidates are still indexed by id here (penalties run first).
         for run in self.window.chunk_by(|a, b| a == b) {
@@ -210,15 +190,8 @@ impl Sampler {
         if p >= 1.0 {
             return;
         }
-        let max = self
-            .cands
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
-        let total: f64 = self
-            .cands
-            .iter()
-            .map(|c| f64::from((c.logit - max).exp()))
-            .sum();
+        let max = self.cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
+        let total: f64 = self.cands.iter().map(|c| f64::from((c.logit - max).exp())).sum();
         let target = f64::from(p) * total;
         let n = self.cands.len();
         let (mut sorted, mut cum) = (0usize, 0.0f64);
@@ -252,10 +225,7 @@ impl Sampler {
         if p <= 0.0 {
             return;
         }
-        let max = self
-            .cands
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
+        let max = self.cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
         let threshold = max + p.ln();
         self.cands.retain(|c| c.logit >= threshold);
     }
@@ -263,10 +233,7 @@ impl Sampler {
     /// Temperature, softmax, one draw (inverse CDF in candidate order).
     fn draw(&mut self) -> u32 {
         let inv_t = 1.0 / self.cfg.temperature;
-        let max = self
-            .cands
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
+        let max = self.cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
         let mut total = 0.0f64;
         for c in self.cands.iter_mut() {
             // Reuse the logit slot for the unnormalised probability.
@@ -281,11 +248,7 @@ impl Sampler {
             }
         }
         // Rounding left r >= 0 after the last one: take the last token with mass.
-        self.cands
-            .iter()
-            .rev()
-            .find(|c| c.logit > 0.0)
-            .map_or(self.cands[0].id, |c| c.id)
+        self.cands.iter().rev().find(|c| c.logit > 0.0).map_or(self.cands[0].id, |c| c.id)
     }
 }
 
@@ -330,9 +293,7 @@ impl Xoshiro256 {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         };
-        Xoshiro256 {
-            s: [splitmix(), splitmix(), splitmix(), splitmix()],
-        }
+        Xoshiro256 { s: [splitmix(), splitmix(), splitmix(), splitmix()] }
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -376,11 +337,7 @@ mod penalty_tests {
     fn penalised(cfg: SamplerConfig, logits: &[f32], history: &[u32]) -> Vec<f32> {
         let mut s = Sampler::new(cfg).unwrap();
         s.cands.clear();
-        s.cands
-            .extend(logits.iter().enumerate().map(|(i, &logit)| Cand {
-                id: i as u32,
-                logit,
-            }));
+        s.cands.extend(logits.iter().enumerate().map(|(i, &logit)| Cand { id: i as u32, logit }));
         s.apply_penalties(history);
         s.cands.iter().map(|c| c.logit).collect()
     }
@@ -398,11 +355,7 @@ mod penalty_tests {
 
     #[test]
     fn repeat_penalty_divides_positive_multiplies_negative() {
-        let got = penalised(
-            cfg(2.0, 0.0, 0.0, 64),
-            &[4.0, -1.0, 3.0, 0.0],
-            &[0, 1, 1, 3, 99],
-        );
+        let got = penalised(cfg(2.0, 0.0, 0.0, 64), &[4.0, -1.0, 3.0, 0.0], &[0, 1, 1, 3, 99]);
         // id 99 is outside the row and ignored; id 2 is not in the history.
         assert_eq!(got, [2.0, -2.0, 3.0, 0.0]);
     }

@@ -156,8 +156,14 @@ fn divergence_inside_a_message_restores_the_previous_boundary() {
     let s = setup();
     let cached = engine(&s, 512 << 20);
     let fresh = engine(&s, 0);
-    let a = prompt(&s, json!([{ "role": "system", "content": "You are terse." }, { "role": "user", "content": "Tell me about the moon and the tides." }]));
-    let b = prompt(&s, json!([{ "role": "system", "content": "You are terse." }, { "role": "user", "content": "Tell me about the sun and the wind." }]));
+    let a = prompt(
+        &s,
+        json!([{ "role": "system", "content": "You are terse." }, { "role": "user", "content": "Tell me about the moon and the tides." }]),
+    );
+    let b = prompt(
+        &s,
+        json!([{ "role": "system", "content": "You are terse." }, { "role": "user", "content": "Tell me about the sun and the wind." }]),
+    );
     run(&s, &cached, &a, 2);
     let got = run(&s, &cached, &b, 6);
     let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();

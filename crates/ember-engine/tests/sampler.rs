@@ -5,14 +5,7 @@ use ember_engine::{Error, Sampler, SamplerConfig};
 use proptest::prelude::*;
 
 fn cfg(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplerConfig {
-    SamplerConfig {
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        seed: Some(seed),
-        ..Default::default()
-    }
+    SamplerConfig { temperature, top_k, top_p, min_p, seed: Some(seed), ..Default::default() }
 }
 
 /// Reference argmax: first index of the maximum, NaN ignored.
@@ -28,10 +21,7 @@ fn argmax(logits: &[f32]) -> u32 {
 
 /// Logit rows with ties and a wide range (ties exercise the lowest-id rule).
 fn logits_strategy() -> impl Strategy<Value = Vec<f32>> {
-    prop::collection::vec(
-        prop_oneof![-20.0f32..20.0, Just(5.0f32), Just(-3.0f32)],
-        1..300,
-    )
+    prop::collection::vec(prop_oneof![-20.0f32..20.0, Just(5.0f32), Just(-3.0f32)], 1..300)
 }
 
 proptest! {
@@ -108,10 +98,7 @@ proptest! {
 
 fn softmax(logits: &[f32], t: f32) -> Vec<f64> {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f64> = logits
-        .iter()
-        .map(|&l| (((l - max) / t) as f64).exp())
-        .collect();
+    let e: Vec<f64> = logits.iter().map(|&l| (((l - max) / t) as f64).exp()).collect();
     let sum: f64 = e.iter().sum();
     e.iter().map(|x| x / sum).collect()
 }
@@ -129,10 +116,7 @@ fn check_distribution(temperature: f32) {
     }
     for (i, (&c, &p)) in counts.iter().zip(&want).enumerate() {
         let f = c as f64 / n as f64;
-        assert!(
-            (f - p).abs() < 0.015,
-            "T={temperature} token {i}: frequency {f:.4}, softmax {p:.4}"
-        );
+        assert!((f - p).abs() < 0.015, "T={temperature} token {i}: frequency {f:.4}, softmax {p:.4}");
     }
 }
 
@@ -149,12 +133,7 @@ fn distribution_matches_softmax_t2() {
 #[test]
 fn top_p_keeps_the_nucleus() {
     // probabilities 0.5, 0.25, 0.125, 0.125: top_p 0.7 keeps {0, 1}, renormalised to 2/3, 1/3.
-    let logits = [
-        0.0f32,
-        -std::f32::consts::LN_2,
-        -2.0 * std::f32::consts::LN_2,
-        -2.0 * std::f32::consts::LN_2,
-    ];
+    let logits = [0.0f32, -std::f32::consts::LN_2, -2.0 * std::f32::consts::LN_2, -2.0 * std::f32::consts::LN_2];
     let mut s = Sampler::new(cfg(1.0, 0, 0.7, 0.0, 3)).unwrap();
     let mut counts = [0usize; 4];
     for _ in 0..20_000 {
@@ -174,10 +153,7 @@ fn min_p_filters() {
     for _ in 0..5_000 {
         counts[s.sample(&logits, &[]) as usize] += 1;
     }
-    assert!(
-        counts[0] > 0 && counts[1] > 0 && counts[2] == 0 && counts[3] == 0,
-        "{counts:?}"
-    );
+    assert!(counts[0] > 0 && counts[1] > 0 && counts[2] == 0 && counts[3] == 0, "{counts:?}");
 }
 
 #[test]
@@ -185,9 +161,7 @@ fn large_vocab_top_p_without_top_k() {
     // 248k-row logits with a long flat tail: the lazily sorted top-p prefix must grow past its
     // first block and still keep the right number of tokens.
     let n = 248_320;
-    let logits: Vec<f32> = (0..n)
-        .map(|i| if i % 1000 == 0 { 5.0 } else { 0.0 })
-        .collect();
+    let logits: Vec<f32> = (0..n).map(|i| if i % 1000 == 0 { 5.0 } else { 0.0 }).collect();
     // 249 tokens at e^5 hold 249*148.4/(249*148.4 + 248071) = 13% of the mass: top_p 0.1 stays
     // among them; top_p 0.5 reaches into the flat tail.
     let mut s = Sampler::new(cfg(1.0, 0, 0.1, 0.0, 5)).unwrap();
@@ -195,13 +169,8 @@ fn large_vocab_top_p_without_top_k() {
         assert_eq!(s.sample(&logits, &[]) % 1000, 0);
     }
     let mut s = Sampler::new(cfg(1.0, 0, 0.5, 0.0, 5)).unwrap();
-    let tail = (0..200)
-        .filter(|_| !s.sample(&logits, &[]).is_multiple_of(1000))
-        .count();
-    assert!(
-        tail > 100,
-        "top_p 0.5 should mostly sample the tail, got {tail}/200"
-    );
+    let tail = (0..200).filter(|_| !s.sample(&logits, &[]).is_multiple_of(1000)).count();
+    assert!(tail > 100, "top_p 0.5 should mostly sample the tail, got {tail}/200");
 }
 
 #[test]
@@ -215,9 +184,7 @@ fn penalties_steer_greedy() {
         seed: Some(0),
         ..Default::default()
     };
-    let pick = |c: SamplerConfig, logits: &[f32], history: &[u32]| {
-        Sampler::new(c).unwrap().sample(logits, history)
-    };
+    let pick = |c: SamplerConfig, logits: &[f32], history: &[u32]| Sampler::new(c).unwrap().sample(logits, history);
     // 2.0 / 1.1 = 1.82 < 1.9
     assert_eq!(pick(pen(1.1, 0.0, 0.0), &[2.0, 1.9], &[0]), 1);
     assert_eq!(pick(pen(1.1, 0.0, 0.0), &[2.0, 1.9], &[1]), 0);
@@ -235,50 +202,14 @@ fn penalties_steer_greedy() {
 fn config_errors_name_field_and_limit() {
     let bad = |c: SamplerConfig| Sampler::new(c).unwrap_err().to_string();
     let d = SamplerConfig::default;
-    assert_eq!(
-        bad(SamplerConfig {
-            temperature: -0.5,
-            ..d()
-        }),
-        "`temperature` must be a finite number >= 0, got -0.5"
-    );
-    assert!(
-        bad(SamplerConfig {
-            temperature: f32::NAN,
-            ..d()
-        })
-        .starts_with("`temperature`")
-    );
-    assert_eq!(
-        bad(SamplerConfig { top_p: 0.0, ..d() }),
-        "`top_p` must be in (0, 1], got 0"
-    );
-    assert_eq!(
-        bad(SamplerConfig { top_p: 1.5, ..d() }),
-        "`top_p` must be in (0, 1], got 1.5"
-    );
-    assert_eq!(
-        bad(SamplerConfig { min_p: -0.1, ..d() }),
-        "`min_p` must be in [0, 1], got -0.1"
-    );
-    assert_eq!(
-        bad(SamplerConfig {
-            repeat_penalty: 0.0,
-            ..d()
-        }),
-        "`repeat_penalty` must be a finite number > 0, got 0"
-    );
-    assert!(
-        bad(SamplerConfig {
-            frequency_penalty: f32::INFINITY,
-            ..d()
-        })
-        .starts_with("`frequency_penalty`")
-    );
-    assert!(matches!(
-        Sampler::new(SamplerConfig { top_p: 2.0, ..d() }),
-        Err(Error::Config { field: "top_p", .. })
-    ));
+    assert_eq!(bad(SamplerConfig { temperature: -0.5, ..d() }), "`temperature` must be a finite number >= 0, got -0.5");
+    assert!(bad(SamplerConfig { temperature: f32::NAN, ..d() }).starts_with("`temperature`"));
+    assert_eq!(bad(SamplerConfig { top_p: 0.0, ..d() }), "`top_p` must be in (0, 1], got 0");
+    assert_eq!(bad(SamplerConfig { top_p: 1.5, ..d() }), "`top_p` must be in (0, 1], got 1.5");
+    assert_eq!(bad(SamplerConfig { min_p: -0.1, ..d() }), "`min_p` must be in [0, 1], got -0.1");
+    assert_eq!(bad(SamplerConfig { repeat_penalty: 0.0, ..d() }), "`repeat_penalty` must be a finite number > 0, got 0");
+    assert!(bad(SamplerConfig { frequency_penalty: f32::INFINITY, ..d() }).starts_with("`frequency_penalty`"));
+    assert!(matches!(Sampler::new(SamplerConfig { top_p: 2.0, ..d() }), Err(Error::Config { field: "top_p", .. })));
 }
 
 #[test]
@@ -289,11 +220,7 @@ fn unseeded_samplers_differ_and_report_their_seed() {
     // Replaying with the reported seed reproduces the draws.
     let logits = [0.0f32, 0.1, 0.2, 0.3];
     let mut a = a;
-    let mut r = Sampler::new(SamplerConfig {
-        seed: Some(a.seed()),
-        ..SamplerConfig::default()
-    })
-    .unwrap();
+    let mut r = Sampler::new(SamplerConfig { seed: Some(a.seed()), ..SamplerConfig::default() }).unwrap();
     for _ in 0..10 {
         assert_eq!(a.sample(&logits, &[]), r.sample(&logits, &[]));
     }
@@ -301,16 +228,9 @@ fn unseeded_samplers_differ_and_report_their_seed() {
 
 #[test]
 fn empty_and_single_rows() {
-    let mut s = Sampler::new(SamplerConfig {
-        seed: Some(1),
-        ..Default::default()
-    })
-    .unwrap();
+    let mut s = Sampler::new(SamplerConfig { seed: Some(1), ..Default::default() }).unwrap();
     assert_eq!(s.sample(&[], &[]), 0);
     assert_eq!(s.sample(&[1.0], &[0]), 0);
-    assert_eq!(
-        s.sample(&[f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY], &[]),
-        1
-    );
+    assert_eq!(s.sample(&[f32::NEG_INFINITY, 2.0, f32::NEG_INFINITY], &[]), 1);
     assert_eq!(Sampler::greedy(&[]), 0);
 }

@@ -155,16 +155,12 @@ impl GgufFile {
     /// An integer key of any integer type, checked to fit in u64.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         let v = self.require(key)?;
-        v.as_int()
-            .and_then(|i| u64::try_from(i).ok())
-            .ok_or_else(|| wrong_type(key, "non-negative integer", v))
+        v.as_int().and_then(|i| u64::try_from(i).ok()).ok_or_else(|| wrong_type(key, "non-negative integer", v))
     }
 
     pub fn get_u32(&self, key: &str) -> Result<u32> {
         let v = self.require(key)?;
-        v.as_int()
-            .and_then(|i| u32::try_from(i).ok())
-            .ok_or_else(|| wrong_type(key, "u32", v))
+        v.as_int().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| wrong_type(key, "u32", v))
     }
 
     pub fn get_f32(&self, key: &str) -> Result<f32> {
@@ -193,10 +189,7 @@ impl GgufFile {
     pub fn get_int_array(&self, key: &str) -> Result<Vec<i64>> {
         let v = self.require(key)?;
         let items = v.as_array().ok_or_else(|| wrong_type(key, "array<int>", v))?;
-        items
-            .iter()
-            .map(|x| x.as_int().and_then(|i| i64::try_from(i).ok()).ok_or_else(|| wrong_type(key, "array<int>", v)))
-            .collect()
+        items.iter().map(|x| x.as_int().and_then(|i| i64::try_from(i).ok()).ok_or_else(|| wrong_type(key, "array<int>", v))).collect()
     }
 
     pub fn tensors(&self) -> &[TensorInfo] {
@@ -246,7 +239,11 @@ impl GgufFile {
             return Err(Error::malformed("metadata count", n_kv_at, format!("{n_kv} pairs cannot fit in the {remaining} bytes left")));
         }
         if n_tensors.checked_mul(32).is_none_or(|b| b > remaining) {
-            return Err(Error::malformed("tensor count", n_tensors_at, format!("{n_tensors} tensors cannot fit in the {remaining} bytes left")));
+            return Err(Error::malformed(
+                "tensor count",
+                n_tensors_at,
+                format!("{n_tensors} tensors cannot fit in the {remaining} bytes left"),
+            ));
         }
 
         let mut metadata = Vec::with_capacity(n_kv as usize);
@@ -302,8 +299,9 @@ impl GgufFile {
             }
             let type_at = c.pos as u64;
             let type_id = c.u32(&format!("type of '{name}'"))?;
-            let ggml_type = GgmlType::from_id(type_id)
-                .ok_or_else(|| Error::malformed(format!("type of '{name}'"), type_at, format!("unknown or unsupported ggml type id {type_id}")))?;
+            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
+                Error::malformed(format!("type of '{name}'"), type_at, format!("unknown or unsupported ggml type id {type_id}"))
+            })?;
             let offset_at = c.pos as u64;
             let offset = c.u64(&format!("offset of '{name}'"))?;
             let bad = |msg: String| Error::malformed(format!("tensor '{name}'"), info_offset, msg);
@@ -325,7 +323,11 @@ impl GgufFile {
                 .filter(|&b| b <= bytes.len() as u64)
                 .ok_or_else(|| bad(format!("shape {:?} of type {} is larger than the file", &ne[..n_dims as usize], ggml_type)))?;
             if offset % alignment != 0 {
-                return Err(Error::malformed(format!("offset of '{name}'"), offset_at, format!("{offset} is not a multiple of the alignment {alignment}")));
+                return Err(Error::malformed(
+                    format!("offset of '{name}'"),
+                    offset_at,
+                    format!("{offset} is not a multiple of the alignment {alignment}"),
+                ));
             }
             if tensor_index.insert(name.clone(), tensors.len()).is_some() {
                 return Err(Error::malformed("tensor name", info_offset, format!("duplicate tensor '{name}'")));
@@ -372,7 +374,14 @@ impl GgufFile {
                 return Err(Error::malformed(
                     format!("tensor '{}'", w[1].name),
                     w[1].info_offset,
-                    format!("data at {}..{} overlaps tensor '{}' at {}..{}", w[1].offset, w[1].offset + w[1].n_bytes, w[0].name, w[0].offset, w[0].offset + w[0].n_bytes),
+                    format!(
+                        "data at {}..{} overlaps tensor '{}' at {}..{}",
+                        w[1].offset,
+                        w[1].offset + w[1].n_bytes,
+                        w[0].name,
+                        w[0].offset,
+                        w[0].offset + w[0].n_bytes
+                    ),
                 ));
             }
         }
@@ -450,8 +459,7 @@ impl<'a> Cursor<'a> {
             ValueType::Array => {
                 let at = self.pos as u64;
                 let et = self.u32(what)?;
-                let et = ValueType::from_id(et)
-                    .ok_or_else(|| Error::malformed(what, at, format!("unknown array element type id {et}")))?;
+                let et = ValueType::from_id(et).ok_or_else(|| Error::malformed(what, at, format!("unknown array element type id {et}")))?;
                 if et == ValueType::Array {
                     return Err(Error::malformed(what, at, "nested arrays are not allowed"));
                 }
@@ -460,7 +468,11 @@ impl<'a> Cursor<'a> {
                 // Strings need at least 8 bytes each; scalars their size.
                 let min = et.scalar_size().unwrap_or(8) as u64;
                 if count.checked_mul(min).is_none_or(|b| b > self.remaining()) {
-                    return Err(Error::malformed(what, count_at, format!("array of {count} elements cannot fit in the {} bytes left", self.remaining())));
+                    return Err(Error::malformed(
+                        what,
+                        count_at,
+                        format!("array of {count} elements cannot fit in the {} bytes left", self.remaining()),
+                    ));
                 }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {

@@ -106,7 +106,10 @@ impl GgufWriter {
             let mut counter = CountingWriter { inner: &mut *out, n: 0 };
             data(i, &mut counter)?;
             if counter.n != n {
-                return Err(Error::BadTensor { name: self.tensors[i].name.clone(), msg: format!("wrote {} bytes, expected {n}", counter.n) });
+                return Err(Error::BadTensor {
+                    name: self.tensors[i].name.clone(),
+                    msg: format!("wrote {} bytes, expected {n}", counter.n),
+                });
             }
             let pad = n.div_ceil(align) * align - n;
             if i + 1 < sizes.len() {

@@ -27,9 +27,7 @@ impl Rng {
 
 /// quantize_row_q8_0_ref for one block: (d as f16 bits, qs).
 fn ref_q8_0(x: &[f32]) -> (u16, Vec<i8>) {
-    let amax = x
-        .iter()
-        .fold(0f32, |a, v| if v.abs() > a { v.abs() } else { a });
+    let amax = x.iter().fold(0f32, |a, v| if v.abs() > a { v.abs() } else { a });
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let qs = x.iter().map(|&v| roundf(v * id)).collect();
@@ -39,11 +37,7 @@ fn ref_q8_0(x: &[f32]) -> (u16, Vec<i8>) {
 /// C `roundf`: half away from zero (the fractional part `v − trunc(v)` is exact in f32).
 fn roundf(v: f32) -> i8 {
     let t = v.trunc();
-    if (v - t).abs() >= 0.5 {
-        (t + v.signum()) as i8
-    } else {
-        t as i8
-    }
+    if (v - t).abs() >= 0.5 { (t + v.signum()) as i8 } else { t as i8 }
 }
 
 /// nearest_int from ggml-quants.c, written via f64 round-half-even.
@@ -53,11 +47,7 @@ fn nearest_even(v: f32) -> i32 {
     if (v - v.trunc()).abs() == 0.5 {
         // tie: pick the even neighbour
         let lo = v.floor();
-        if lo % 2.0 == 0.0 {
-            lo as i32
-        } else {
-            (lo + 1.0) as i32
-        }
+        if lo % 2.0 == 0.0 { lo as i32 } else { (lo + 1.0) as i32 }
     } else {
         r as i32
     }
@@ -76,14 +66,8 @@ fn ref_q8_k(x: &[f32]) -> (f32, Vec<i8>, Vec<i16>) {
         return (0.0, vec![0; 256], vec![0; 16]);
     }
     let iscale = -127.0f32 / max;
-    let qs: Vec<i8> = x
-        .iter()
-        .map(|&v| nearest_even(iscale * v).min(127) as i8)
-        .collect();
-    let bsums = qs
-        .chunks(16)
-        .map(|c| c.iter().map(|&q| q as i16).sum())
-        .collect();
+    let qs: Vec<i8> = x.iter().map(|&v| nearest_even(iscale * v).min(127) as i8).collect();
+    let bsums = qs.chunks(16).map(|c| c.iter().map(|&q| q as i16).sum()).collect();
     (1.0 / iscale, qs, bsums)
 }
 
@@ -104,11 +88,7 @@ fn check_q8_0(x: &[f32]) {
         assert_eq!(&blk1[4..], &blk[2..], "Q8_1 block {b} quants");
         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
         let s = qs.iter().map(|&q| q as i32).sum::<i32>() as f32 * (amax / 127.0);
-        assert_eq!(
-            u16::from_le_bytes([blk1[2], blk1[3]]),
-            half::f16::from_f32(s).to_bits(),
-            "Q8_1 block {b} s"
-        );
+        assert_eq!(u16::from_le_bytes([blk1[2], blk1[3]]), half::f16::from_f32(s).to_bits(), "Q8_1 block {b} s");
     }
 }
 
@@ -118,17 +98,10 @@ fn check_q8_k(x: &[f32]) {
     for (b, xb) in x.chunks(256).enumerate() {
         let (d, qs, bsums) = ref_q8_k(xb);
         let blk = &got[292 * b..292 * b + 292];
-        assert_eq!(
-            f32::from_le_bytes(blk[0..4].try_into().unwrap()).to_bits(),
-            d.to_bits(),
-            "Q8_K block {b} d"
-        );
+        assert_eq!(f32::from_le_bytes(blk[0..4].try_into().unwrap()).to_bits(), d.to_bits(), "Q8_K block {b} d");
         let gq: Vec<i8> = blk[4..260].iter().map(|&v| v as i8).collect();
         assert_eq!(gq, qs, "Q8_K block {b} quants");
-        let gs: Vec<i16> = blk[260..]
-            .chunks(2)
-            .map(|c| i16::from_le_bytes([c[0], c[1]]))
-            .collect();
+        let gs: Vec<i16> = blk[260..].chunks(2).map(|c| i16::from_le_bytes([c[0], c[1]])).collect();
         assert_eq!(gs, bsums, "Q8_K block {b} bsums");
     }
 }
@@ -231,9 +204,7 @@ fn bf16_rounding_and_nan() {
 #[test]
 fn f16_round_trip_is_exact_for_f16_values() {
     let mut rng = Rng(7);
-    let x: Vec<f32> = (0..1000)
-        .map(|_| half::f16::from_f32(rng.normal() * 100.0).to_f32())
-        .collect();
+    let x: Vec<f32> = (0..1000).map(|_| half::f16::from_f32(rng.normal() * 100.0).to_f32()).collect();
     let mut b = vec![0u8; 2000];
     quantize(GgmlType::F16, &x, &mut b).unwrap();
     let mut y = vec![0f32; 1000];

@@ -63,9 +63,7 @@ fn random_row(rng: &mut Rng, t: GgmlType, n: usize) -> Vec<u8> {
         }
         _ => {}
     }
-    let mut b: Vec<u8> = (0..t.row_bytes(n).unwrap())
-        .map(|_| rng.next() as u8)
-        .collect();
+    let mut b: Vec<u8> = (0..t.row_bytes(n).unwrap()).map(|_| rng.next() as u8).collect();
     for blk in b.chunks_mut(t.type_size()) {
         for &off in f16_fields(t) {
             let v = half::f16::from_f32(rng.scale(-12.0, -4.0));
@@ -151,40 +149,18 @@ fn max_rel_err(t: GgmlType, n_trials: usize, real_weights: bool) -> f64 {
             if matches!(t, GgmlType::Q4_1 | GgmlType::Q5_1) {
                 exact += q8_1_s_correction(t, &w, &x);
             }
-            let mag: f64 = wd
-                .iter()
-                .zip(&xd)
-                .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                .sum();
+            let mag: f64 = wd.iter().zip(&xd).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             let got = vec_dot(t, n, &w, &x) as f64;
-            let rel = if mag > 0.0 {
-                (got - exact).abs() / mag
-            } else {
-                got.abs()
-            };
-            assert!(
-                rel <= 1e-5,
-                "{t} n={n}: vec_dot {got} vs f64 {exact} (Σ|wx| {mag}): rel {rel:e}"
-            );
+            let rel = if mag > 0.0 { (got - exact).abs() / mag } else { got.abs() };
+            assert!(rel <= 1e-5, "{t} n={n}: vec_dot {got} vs f64 {exact} (Σ|wx| {mag}): rel {rel:e}");
             worst = worst.max(rel);
 
             // vec_dot_f32 against the f32 activations themselves.
             let exact: f64 = wd.iter().zip(&xf).map(|(&a, &b)| a as f64 * b as f64).sum();
-            let mag: f64 = wd
-                .iter()
-                .zip(&xf)
-                .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                .sum();
+            let mag: f64 = wd.iter().zip(&xf).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             let got = vec_dot_f32(t, n, &w, &xf) as f64;
-            let rel = if mag > 0.0 {
-                (got - exact).abs() / mag
-            } else {
-                got.abs()
-            };
-            assert!(
-                rel <= 1e-5,
-                "{t} n={n}: vec_dot_f32 {got} vs f64 {exact} (Σ|wx| {mag}): rel {rel:e}"
-            );
+            let rel = if mag > 0.0 { (got - exact).abs() / mag } else { got.abs() };
+            assert!(rel <= 1e-5, "{t} n={n}: vec_dot_f32 {got} vs f64 {exact} (Σ|wx| {mag}): rel {rel:e}");
             worst = worst.max(rel);
         }
     }

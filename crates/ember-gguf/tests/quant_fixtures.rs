@@ -23,40 +23,25 @@ struct Fixture {
 }
 
 fn load(name: &str, magic: u32) -> Fixture {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/quant")
-        .join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quant").join(name);
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let word = |i: usize| u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
     assert_eq!(word(0), magic, "{name}: bad magic");
-    let t =
-        GgmlType::from_id(word(1)).unwrap_or_else(|| panic!("{name}: unknown type {}", word(1)));
+    let t = GgmlType::from_id(word(1)).unwrap_or_else(|| panic!("{name}: unknown type {}", word(1)));
     let (n_blocks, block_size, type_size) = (word(2) as usize, word(3) as usize, word(4) as usize);
-    assert_eq!(
-        (block_size, type_size),
-        (t.block_size(), t.type_size()),
-        "{name}"
-    );
+    assert_eq!((block_size, type_size), (t.block_size(), t.type_size()), "{name}");
     let n_values = n_blocks * block_size;
     let body = bytes[20..].to_vec();
-    assert_eq!(
-        body.len(),
-        n_blocks * type_size + 4 * n_values,
-        "{name}: size"
-    );
+    assert_eq!(body.len(), n_blocks * type_size + 4 * n_values, "{name}: size");
     Fixture { t, n_values, body }
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
-const DEQ_TYPES: &[&str] = &[
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-    "Q6_K", "IQ4_NL", "IQ4_XS",
-];
+const DEQ_TYPES: &[&str] =
+    &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"];
 
 #[test]
 fn dequantize_matches_gguf_py_bit_exact() {
@@ -69,19 +54,10 @@ fn dequantize_matches_gguf_py_bit_exact() {
         let mut got = vec![0f32; f.n_values];
         dequantize(f.t, raw, &mut got).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(
-                g.to_bits(),
-                w.to_bits(),
-                "{name} value {i} (block {}): got {g}, gguf-py {w}",
-                i / f.t.block_size()
-            );
+            assert_eq!(g.to_bits(), w.to_bits(), "{name} value {i} (block {}): got {g}, gguf-py {w}", i / f.t.block_size());
         }
         // Row by row (one block at a time) gives the same values.
-        for (b, (raw_b, want_b)) in raw
-            .chunks(f.t.type_size())
-            .zip(want.chunks(f.t.block_size()))
-            .enumerate()
-        {
+        for (b, (raw_b, want_b)) in raw.chunks(f.t.type_size()).zip(want.chunks(f.t.block_size())).enumerate() {
             let mut one = vec![0f32; f.t.block_size()];
             dequantize(f.t, raw_b, &mut one).unwrap();
             assert_eq!(one, want_b, "{name} block {b}");
@@ -97,11 +73,7 @@ fn reference_quantizers_match_gguf_py_bit_exact() {
         let x = f32s(x);
         let mut got = vec![0u8; want.len()];
         quantize(f.t, &x, &mut got).unwrap();
-        for (b, (g, w)) in got
-            .chunks(f.t.type_size())
-            .zip(want.chunks(f.t.type_size()))
-            .enumerate()
-        {
+        for (b, (g, w)) in got.chunks(f.t.type_size()).zip(want.chunks(f.t.type_size())).enumerate() {
             let xs = &x[b * f.t.block_size()..(b + 1) * f.t.block_size()];
             assert_eq!(g, w, "{name} block {b}, input {xs:?}");
         }

@@ -59,11 +59,7 @@ fn relative_rmse(t: GgmlType, x: &[f32]) -> f64 {
     quantize(t, x, &mut q).unwrap();
     let mut y = vec![0f32; x.len()];
     dequantize(t, &q, &mut y).unwrap();
-    let se: f64 = x
-        .iter()
-        .zip(&y)
-        .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-        .sum();
+    let se: f64 = x.iter().zip(&y).map(|(&a, &b)| (a as f64 - b as f64).powi(2)).sum();
     let ss: f64 = x.iter().map(|&a| (a as f64).powi(2)).sum();
     (se / ss).sqrt()
 }
@@ -84,14 +80,9 @@ fn round_trip_error_bounds() {
             worst = worst.max(e);
             total += e;
         }
-        println!(
-            "{t:7} RMSE/RMS: mean {:.3e}, max {worst:.3e} (bound {bound:.1e})",
-            total / n_rows as f64
-        );
+        println!("{t:7} RMSE/RMS: mean {:.3e}, max {worst:.3e} (bound {bound:.1e})", total / n_rows as f64);
         if worst > bound {
-            failures.push(format!(
-                "{t}: round-trip RMSE/RMS {worst:.3e} > {bound:.1e}"
-            ));
+            failures.push(format!("{t}: round-trip RMSE/RMS {worst:.3e} > {bound:.1e}"));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
@@ -120,26 +111,15 @@ fn round_trip_special_blocks() {
                 assert!(y.iter().all(|&v| v == 0.0), "{t}: zero row");
                 continue;
             }
-            let se: f64 = x
-                .iter()
-                .zip(&y)
-                .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-                .sum();
+            let se: f64 = x.iter().zip(&y).map(|(&a, &b)| (a as f64 - b as f64).powi(2)).sum();
             let ss: f64 = x.iter().map(|&a| (a as f64).powi(2)).sum();
             let e = (se / ss).sqrt();
             // The outlier row has most of its energy in one value. Formats whose sub-block
             // scales are quantised against the outlier's (IQ4_XS, K-quants) may flush the other
             // sub-blocks to 0: error ≤ RMS of the small values / RMS of the row ≈ 0.056 (Q2_K: 0.078,
             // its 4-bit sub-scales flush more; its Gaussian bound covers that).
-            let limit = if r == 3 {
-                bound.max(0.06)
-            } else {
-                2.0 * bound + 1e-3
-            };
-            assert!(
-                e <= limit,
-                "{t} special row {r}: RMSE/RMS {e:.3e} > {limit:.1e}"
-            );
+            let limit = if r == 3 { bound.max(0.06) } else { 2.0 * bound + 1e-3 };
+            assert!(e <= limit, "{t} special row {r}: RMSE/RMS {e:.3e} > {limit:.1e}");
         }
     }
 }
@@ -173,66 +153,25 @@ fn malformed_lengths_are_errors() {
         // Byte count one short / one long / one block long.
         for bad in [w.len() - 1, w.len() + 1, w.len() + ts] {
             let src = vec![0u8; bad];
-            assert!(
-                dequantize(t, &src, &mut y).is_err(),
-                "{t} dequantize {bad} bytes"
-            );
+            assert!(dequantize(t, &src, &mut y).is_err(), "{t} dequantize {bad} bytes");
             let mut dst = vec![0u8; bad];
-            assert!(
-                quantize(t, &xf, &mut dst).is_err(),
-                "{t} quantize into {bad} bytes"
-            );
-            assert!(
-                try_vec_dot(t, n, &src, &x).is_err(),
-                "{t} vec_dot w {bad} bytes"
-            );
-            assert!(
-                vec_dot(t, n, &src, &x).is_nan(),
-                "{t} vec_dot w {bad} bytes"
-            );
-            assert!(
-                try_vec_dot_f32(t, n, &src, &xf).is_err(),
-                "{t} vec_dot_f32 w {bad} bytes"
-            );
-            assert!(
-                vec_dot_f32(t, n, &src, &xf).is_nan(),
-                "{t} vec_dot_f32 w {bad} bytes"
-            );
+            assert!(quantize(t, &xf, &mut dst).is_err(), "{t} quantize into {bad} bytes");
+            assert!(try_vec_dot(t, n, &src, &x).is_err(), "{t} vec_dot w {bad} bytes");
+            assert!(vec_dot(t, n, &src, &x).is_nan(), "{t} vec_dot w {bad} bytes");
+            assert!(try_vec_dot_f32(t, n, &src, &xf).is_err(), "{t} vec_dot_f32 w {bad} bytes");
+            assert!(vec_dot_f32(t, n, &src, &xf).is_nan(), "{t} vec_dot_f32 w {bad} bytes");
         }
         // Activation row of the wrong length.
-        assert!(
-            try_vec_dot(t, n, &w, &x[..x.len() - 1]).is_err(),
-            "{t} vec_dot short x"
-        );
-        assert!(
-            vec_dot(t, n, &w, &x[..x.len() - 1]).is_nan(),
-            "{t} vec_dot short x"
-        );
-        assert!(
-            try_vec_dot_f32(t, n, &w, &xf[..n - 1]).is_err(),
-            "{t} vec_dot_f32 short x"
-        );
+        assert!(try_vec_dot(t, n, &w, &x[..x.len() - 1]).is_err(), "{t} vec_dot short x");
+        assert!(vec_dot(t, n, &w, &x[..x.len() - 1]).is_nan(), "{t} vec_dot short x");
+        assert!(try_vec_dot_f32(t, n, &w, &xf[..n - 1]).is_err(), "{t} vec_dot_f32 short x");
         // Value counts that are not whole blocks.
         if bs > 1 {
             let mut y_bad = vec![0f32; n - 1];
-            assert!(
-                dequantize(t, &w, &mut y_bad).is_err(),
-                "{t} dequantize {} values",
-                n - 1
-            );
-            assert!(
-                quantize(t, &xf[..n - 1], &mut vec![0u8; w.len()]).is_err(),
-                "{t}"
-            );
-            assert!(
-                try_vec_dot(t, n - 1, &w, &x).is_err(),
-                "{t} vec_dot n={}",
-                n - 1
-            );
-            assert!(
-                vec_dot(t, bs / 2, &w[..ts], &x).is_nan(),
-                "{t} vec_dot partial block"
-            );
+            assert!(dequantize(t, &w, &mut y_bad).is_err(), "{t} dequantize {} values", n - 1);
+            assert!(quantize(t, &xf[..n - 1], &mut vec![0u8; w.len()]).is_err(), "{t}");
+            assert!(try_vec_dot(t, n - 1, &w, &x).is_err(), "{t} vec_dot n={}", n - 1);
+            assert!(vec_dot(t, bs / 2, &w[..ts], &x).is_nan(), "{t} vec_dot partial block");
         }
         // The well-formed call succeeds, and empty rows are fine.
         assert!(dequantize(t, &w, &mut y).is_ok());
@@ -248,12 +187,8 @@ fn garbage_blocks_do_not_panic() {
     let mut rng = Rng(9);
     for t in GgmlType::all() {
         let n = 512;
-        let w: Vec<u8> = (0..t.row_bytes(n).unwrap())
-            .map(|_| rng.next() as u8)
-            .collect();
-        let x: Vec<u8> = (0..t.vec_dot_type().row_bytes(n).unwrap())
-            .map(|_| rng.next() as u8)
-            .collect();
+        let w: Vec<u8> = (0..t.row_bytes(n).unwrap()).map(|_| rng.next() as u8).collect();
+        let x: Vec<u8> = (0..t.vec_dot_type().row_bytes(n).unwrap()).map(|_| rng.next() as u8).collect();
         let mut y = vec![0f32; n];
         dequantize(t, &w, &mut y).unwrap();
         let _ = vec_dot(t, n, &w, &x);

@@ -102,9 +102,15 @@ impl Config {
 
         let layer_kinds = match f.get(&key("attention.recurrent_layers")) {
             Some(v) => {
-                let a = v.as_array().ok_or_else(|| Error::BadConfig(format!("{} must be an array of bool", key("attention.recurrent_layers"))))?;
+                let a = v
+                    .as_array()
+                    .ok_or_else(|| Error::BadConfig(format!("{} must be an array of bool", key("attention.recurrent_layers"))))?;
                 if a.len() < n_layer {
-                    return Err(Error::BadConfig(format!("{} has {} entries for {n_layer} layers", key("attention.recurrent_layers"), a.len())));
+                    return Err(Error::BadConfig(format!(
+                        "{} has {} entries for {n_layer} layers",
+                        key("attention.recurrent_layers"),
+                        a.len()
+                    )));
                 }
                 a[..n_layer]
                     .iter()

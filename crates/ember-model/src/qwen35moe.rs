@@ -65,7 +65,10 @@ enum Mixer {
 }
 
 enum ExpertsGateUp {
-    Separate { gate: Weight, up: Weight },
+    Separate {
+        gate: Weight,
+        up: Weight,
+    },
     /// {D, 2·n_ff, E}: rows 0..n_ff gate, n_ff..2·n_ff up.
     Fused(Weight),
 }
@@ -73,7 +76,7 @@ enum ExpertsGateUp {
 struct Moe {
     router: Weight, // {D, n_expert}
     gate_up: ExpertsGateUp,
-    down: Weight, // {n_ff, D, n_expert}
+    down: Weight,            // {n_ff, D, n_expert}
     shared_gate_inp: Weight, // {D}: scalar gate of the shared expert
     shared_gate: Weight,
     shared_up: Weight,
@@ -151,7 +154,10 @@ impl Model {
             let (e, f, fs) = (c.n_expert, c.n_ff_exp, c.n_ff_shexp);
             let gate_up = match ld.try_get(&n("ffn_gate_up_exps.weight"), &[d, 2 * f, e])? {
                 Some(w) => ExpertsGateUp::Fused(w),
-                None => ExpertsGateUp::Separate { gate: ld.get(&n("ffn_gate_exps.weight"), &[d, f, e])?, up: ld.get(&n("ffn_up_exps.weight"), &[d, f, e])? },
+                None => ExpertsGateUp::Separate {
+                    gate: ld.get(&n("ffn_gate_exps.weight"), &[d, f, e])?,
+                    up: ld.get(&n("ffn_up_exps.weight"), &[d, f, e])?,
+                },
             };
             let shared_gate_inp = match ld.try_get(&n("ffn_gate_inp_shexp.weight"), &[d])? {
                 Some(w) => w,
@@ -166,7 +172,12 @@ impl Model {
                 shared_up: ld.get(&n("ffn_up_shexp.weight"), &[d, fs])?,
                 shared_down: ld.get(&n("ffn_down_shexp.weight"), &[fs, d])?,
             };
-            layers.push(Layer { attn_norm: ld.vec(&n("attn_norm.weight"), d)?, post_norm: ld.vec(&n("post_attention_norm.weight"), d)?, mixer, moe });
+            layers.push(Layer {
+                attn_norm: ld.vec(&n("attn_norm.weight"), d)?,
+                post_norm: ld.vec(&n("post_attention_norm.weight"), d)?,
+                mixer,
+                moe,
+            });
             progress(i + 1, c.n_layer);
         }
         Ok(Model { config, file, tok_embd, output_norm, output, layers })
@@ -321,7 +332,8 @@ impl Attention {
             ops.rope(&mut ks, hd, c.n_rot, sp.pos0, c.rope_base);
             kc.push(&ks)?;
             vc.push(&v.rows(sp.row0, sp.n))?;
-            let shape = AttnShape { n_tok: sp.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0: sp.pos0, scale: 1.0 / (hd as f32).sqrt() };
+            let shape =
+                AttnShape { n_tok: sp.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0: sp.pos0, scale: 1.0 / (hd as f32).sqrt() };
             a.set_rows(sp.row0, &ops.attention(shape, &qs, kc, vc)); // [T, nh·hd]
         }
         a.data.iter_mut().zip(&gate.data).for_each(|(v, g)| *v *= sigmoid(*g));

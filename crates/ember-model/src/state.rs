@@ -7,10 +7,16 @@ use crate::{Config, Error, LayerKind};
 
 #[derive(Debug, Clone)]
 pub(crate) enum LayerState {
-    Attention { k: KvRows, v: KvRows },
+    Attention {
+        k: KvRows,
+        v: KvRows,
+    },
     /// conv: the last `conv_kernel − 1` pre-conv inputs, oldest first ([hist][channels]);
     /// s: one d_v × d_k matrix per value head, stored transposed (row = value index).
-    DeltaNet { conv: Vec<f32>, s: Vec<f32> },
+    DeltaNet {
+        conv: Vec<f32>,
+        s: Vec<f32>,
+    },
 }
 
 /// Everything a sequence carries between forward calls.

@@ -137,7 +137,12 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
             let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             eprintln!("{q} fast vs llama.cpp {case}: {}", LogitStats::compare(&got, l));
         }
-        assert!(o.percentile(50.0) <= t.percentile(50.0), "{q}: median rel {:.4} > llama.cpp's {:.4}", o.percentile(50.0), t.percentile(50.0));
+        assert!(
+            o.percentile(50.0) <= t.percentile(50.0),
+            "{q}: median rel {:.4} > llama.cpp's {:.4}",
+            o.percentile(50.0),
+            t.percentile(50.0)
+        );
         assert!(o.top1 >= t.top1, "{q}: top-1 {:.4} < llama.cpp's {:.4}", o.top1, t.top1);
     }
     // BF16: llama.cpp's BF16 path (bf16 activations) reaches p50 rel 5.2e-3 and top-1 0.9969 vs
@@ -248,7 +253,10 @@ fn batched_sequences_equal_separate_calls() {
     // Batched: the same prefixes, then both continuations in one call.
     let (mut t1, mut t2) = (new_state(), new_state());
     m.forward(&ops, &a[..40], &mut t1, Forward::default()).unwrap();
-    let mut seqs = [SeqBatch { tokens: &a[40..41], state: &mut t1, logits: Logits::All }, SeqBatch { tokens: &b, state: &mut t2, logits: Logits::All }];
+    let mut seqs = [
+        SeqBatch { tokens: &a[40..41], state: &mut t1, logits: Logits::All },
+        SeqBatch { tokens: &b, state: &mut t2, logits: Logits::All },
+    ];
     let got = m.forward_batch(&ops, &mut seqs, DeltaMode::Auto, None).unwrap();
     for (g, w) in got.iter().zip([&want_a, &want_b]) {
         let wt = RefTensor { shape: vec![w.n, w.d], data: w.data.iter().map(|&x| x as f64).collect() };

@@ -7,7 +7,11 @@ use ember_model::Model;
 use ember_testkit::fixture;
 
 /// Rewrites the tiny Q8_0 fixture: `keep_key`/`keep_tensor` filter, `edit` adjusts the writer.
-fn variant(keep_key: impl Fn(&str) -> bool, keep_tensor: impl Fn(&str) -> bool, edit: impl FnOnce(&mut GgufWriter) -> Vec<Vec<u8>>) -> Result<Model, String> {
+fn variant(
+    keep_key: impl Fn(&str) -> bool,
+    keep_tensor: impl Fn(&str) -> bool,
+    edit: impl FnOnce(&mut GgufWriter) -> Vec<Vec<u8>>,
+) -> Result<Model, String> {
     let src = GgufFile::open(fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap();
     let mut w = GgufWriter::new();
     for (k, v) in src.metadata() {
@@ -41,10 +45,14 @@ fn unchanged_copy_loads() {
 
 #[test]
 fn wrong_architecture() {
-    let e = err(variant(|_| true, |_| true, |w| {
-        w.set("general.architecture", Value::String("llama".into()));
-        vec![]
-    }));
+    let e = err(variant(
+        |_| true,
+        |_| true,
+        |w| {
+            w.set("general.architecture", Value::String("llama".into()));
+            vec![]
+        },
+    ));
     assert!(e.contains("unsupported architecture 'llama'") && e.contains("qwen35moe"), "{e}");
 }
 
@@ -62,18 +70,26 @@ fn missing_tensor_is_named() {
 
 #[test]
 fn wrong_shape_is_named() {
-    let e = err(variant(|_| true, |t| t != "blk.0.attn_norm.weight", |w| {
-        w.add_tensor(TensorSpec::new("blk.0.attn_norm.weight", ember_gguf::GgmlType::F32, &[128]));
-        vec![vec![0u8; 512]]
-    }));
+    let e = err(variant(
+        |_| true,
+        |t| t != "blk.0.attn_norm.weight",
+        |w| {
+            w.add_tensor(TensorSpec::new("blk.0.attn_norm.weight", ember_gguf::GgmlType::F32, &[128]));
+            vec![vec![0u8; 512]]
+        },
+    ));
     assert!(e.contains("blk.0.attn_norm.weight") && e.contains("shape [128], expected [256]"), "{e}");
 }
 
 #[test]
 fn wrong_key_type_is_named() {
-    let e = err(variant(|_| true, |_| true, |w| {
-        w.set("qwen35moe.embedding_length", Value::String("256".into()));
-        vec![]
-    }));
+    let e = err(variant(
+        |_| true,
+        |_| true,
+        |w| {
+            w.set("qwen35moe.embedding_length", Value::String("256".into()));
+            vec![]
+        },
+    ));
     assert!(e.contains("qwen35moe.embedding_length") && e.contains("string"), "{e}");
 }

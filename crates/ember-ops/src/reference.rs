@@ -115,9 +115,8 @@ pub fn conv1d_silu(x: &Mat, w: &[f32], state: &mut [f32]) -> Mat {
     let hist = kernel - 1;
     assert_eq!(state.len(), hist * c, "conv state holds {} values, expected {}", state.len(), hist * c);
     // u(i) for i in -hist..n: the state, then the inputs.
-    let input = |i: isize, ch: usize| -> f32 {
-        if i < 0 { state[(hist as isize + i) as usize * c + ch] } else { x.data[i as usize * c + ch] }
-    };
+    let input =
+        |i: isize, ch: usize| -> f32 { if i < 0 { state[(hist as isize + i) as usize * c + ch] } else { x.data[i as usize * c + ch] } };
     let mut out = Mat::zeros(x.n, c);
     for t in 0..x.n {
         for ch in 0..c {

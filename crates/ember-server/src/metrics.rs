@@ -133,12 +133,22 @@ impl Metrics {
         );
         counter(&mut out, "ember_prompt_cache_hits_total", "Requests that restored a prompt-cache checkpoint.", ld(&engine.cache_hits));
         counter(&mut out, "ember_prompt_cache_misses_total", "Requests that found no usable checkpoint.", ld(&engine.cache_misses));
-        counter(&mut out, "ember_prompt_cache_evictions_total", "Checkpoints evicted to stay in the RAM budget.", ld(&engine.cache_evictions));
+        counter(
+            &mut out,
+            "ember_prompt_cache_evictions_total",
+            "Checkpoints evicted to stay in the RAM budget.",
+            ld(&engine.cache_evictions),
+        );
         counter(&mut out, "ember_prompt_cache_checkpoints_total", "Checkpoints stored.", ld(&engine.cache_checkpoints));
         counter(&mut out, "ember_prompt_cache_tokens_total", "Prompt tokens restored instead of computed.", ld(&engine.tokens_cached));
         gauge(&mut out, "ember_prompt_cache_entries", "Checkpoints held.", engine.cache_entries.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_prompt_cache_bytes", "Bytes held by checkpoints.", engine.cache_bytes.load(Ordering::Relaxed) as u64);
-        gauge(&mut out, "ember_prompt_cache_budget_bytes", "RAM budget of the prompt cache (--cache-ram).", engine.cache_budget_bytes.load(Ordering::Relaxed) as u64);
+        gauge(
+            &mut out,
+            "ember_prompt_cache_budget_bytes",
+            "RAM budget of the prompt cache (--cache-ram).",
+            engine.cache_budget_bytes.load(Ordering::Relaxed) as u64,
+        );
         self.ttft.write(&mut out, "ember_time_to_first_token_seconds", "Time from request arrival to the first generated token.");
         self.per_token.write(&mut out, "ember_time_per_output_token_seconds", "Time between consecutive generated tokens of a request.");
         gauge(&mut out, "ember_queue_depth", "Requests waiting for a sequence slot.", engine.n_waiting.load(Ordering::Relaxed) as u64);

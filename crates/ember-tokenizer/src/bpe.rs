@@ -81,17 +81,13 @@ pub(crate) struct Merges {
 
 impl Merges {
     pub(crate) fn with_capacity(n: usize) -> Self {
-        Self {
-            map: HashMap::with_capacity_and_hasher(n, FxBuild::default()),
-        }
+        Self { map: HashMap::with_capacity_and_hasher(n, FxBuild::default()) }
     }
 
     /// Adds a merge unless the pair already has one (llama.cpp keeps the first, i.e. the
     /// best rank, of duplicated merges).
     pub(crate) fn insert(&mut self, left: u32, right: u32, rank: u32, merged: u32) {
-        self.map
-            .entry(pair_key(left, right))
-            .or_insert((rank, merged));
+        self.map.entry(pair_key(left, right)).or_insert((rank, merged));
     }
 
     #[inline]
@@ -132,13 +128,7 @@ pub(crate) struct Scratch {
 const NONE: u32 = u32::MAX;
 
 /// Encodes one pre-token's bytes, appending its ids to `out`.
-pub(crate) fn encode_word(
-    merges: &Merges,
-    byte_ids: &[u32; 256],
-    word: &[u8],
-    out: &mut Vec<u32>,
-    sc: &mut Scratch,
-) {
+pub(crate) fn encode_word(merges: &Merges, byte_ids: &[u32; 256], word: &[u8], out: &mut Vec<u32>, sc: &mut Scratch) {
     match word {
         [] => return,
         [b] => {
@@ -164,13 +154,7 @@ pub(crate) fn encode_word(
     let push = |sc: &mut Scratch, l: u32, r: u32| {
         let (lid, rid) = (sc.syms[l as usize].id, sc.syms[r as usize].id);
         if let Some((rank, merged)) = merges.get(lid, rid) {
-            sc.heap.push(Reverse(Candidate {
-                rank,
-                left: l,
-                left_id: lid,
-                right_id: rid,
-                merged,
-            }));
+            sc.heap.push(Reverse(Candidate { rank, left: l, left_id: lid, right_id: rid, merged }));
         }
     };
     for i in 0..n - 1 {

@@ -64,10 +64,7 @@ pub(crate) struct PreTokenizer {
 
 impl PreTokenizer {
     pub(crate) fn new(kind: PreTokenizerKind) -> Result<Self, Error> {
-        let re = Regex::new(&kind.plain_pattern()).map_err(|e| Error::Regex {
-            pre: kind.gguf_name(),
-            msg: e.to_string(),
-        })?;
+        let re = Regex::new(&kind.plain_pattern()).map_err(|e| Error::Regex { pre: kind.gguf_name(), msg: e.to_string() })?;
         Ok(Self { re })
     }
 
@@ -114,11 +111,7 @@ fn lookahead_fixup(text: &str, start: usize, end: usize) -> usize {
     let Some((last_at, last)) = m.char_indices().next_back() else {
         return end;
     };
-    if last_at == 0
-        || !m
-            .chars()
-            .all(|c| c.is_whitespace() && c != '\r' && c != '\n')
-    {
+    if last_at == 0 || !m.chars().all(|c| c.is_whitespace() && c != '\r' && c != '\n') {
         return end;
     }
     debug_assert!(last.is_whitespace());
@@ -131,10 +124,7 @@ mod tests {
 
     fn words(kind: PreTokenizerKind, text: &str) -> Vec<String> {
         static P: std::sync::OnceLock<[PreTokenizer; 2]> = std::sync::OnceLock::new();
-        let p = P.get_or_init(|| {
-            [PreTokenizerKind::Qwen35, PreTokenizerKind::Qwen2]
-                .map(|k| PreTokenizer::new(k).unwrap())
-        });
+        let p = P.get_or_init(|| [PreTokenizerKind::Qwen35, PreTokenizerKind::Qwen2].map(|k| PreTokenizer::new(k).unwrap()));
         let mut out = Vec::new();
         p[kind as usize].split(text, |w| out.push(w.to_string()));
         out
@@ -156,13 +146,9 @@ mod tests {
     /// The by-hand lookahead equals fancy-regex running the original pattern.
     fn reference(kind: PreTokenizerKind, text: &str) -> Vec<String> {
         static R: std::sync::OnceLock<[Regex; 2]> = std::sync::OnceLock::new();
-        let re = &R.get_or_init(|| {
-            [PreTokenizerKind::Qwen35, PreTokenizerKind::Qwen2]
-                .map(|k| Regex::new(k.pattern()).unwrap())
-        })[kind as usize];
-        re.find_iter(text)
-            .map(|m| m.unwrap().as_str().to_string())
-            .collect()
+        let re =
+            &R.get_or_init(|| [PreTokenizerKind::Qwen35, PreTokenizerKind::Qwen2].map(|k| Regex::new(k.pattern()).unwrap()))[kind as usize];
+        re.find_iter(text).map(|m| m.unwrap().as_str().to_string()).collect()
     }
 
     proptest::proptest! {

@@ -17,10 +17,7 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     /// `render_special`: CONTROL tokens (`<|im_end|>`, …) appear as their text.
     pub fn new(render_special: bool) -> Self {
-        Self {
-            pending: Vec::new(),
-            render_special,
-        }
+        Self { pending: Vec::new(), render_special }
     }
 
     /// Adds one token; returns the text that is now complete (possibly empty).

@@ -23,13 +23,7 @@ const KEY_EOM: &str = "tokenizer.ggml.eom_token_id";
 
 /// Token texts llama.cpp adds to the end-of-generation set when present (llama.cpp `src/llama-vocab.cpp`): the ChatML
 /// turn end, the document end, and the FIM pad / repo / file-separator tokens.
-const EOG_TEXTS: &[&str] = &[
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-];
+const EOG_TEXTS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
 
 /// `tokenizer.ggml.token_type` values (gguf-py `TokenType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,30 +94,13 @@ pub struct TokenizerSummary {
 impl fmt::Display for TokenizerSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let id = |v: Option<u32>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
-        writeln!(
-            f,
-            "tokenizer: {} / pre {}, n_vocab {}, n_merges {}",
-            self.model, self.pre, self.n_vocab, self.n_merges
-        )?;
+        writeln!(f, "tokenizer: {} / pre {}, n_vocab {}, n_merges {}", self.model, self.pre, self.n_vocab, self.n_merges)?;
         writeln!(
             f,
             "  types: normal {}, control {}, user_defined {}, unused {}, byte {}, unknown {}, undefined {}",
-            self.n_normal,
-            self.n_control,
-            self.n_user_defined,
-            self.n_unused,
-            self.n_byte,
-            self.n_unknown,
-            self.n_undefined
+            self.n_normal, self.n_control, self.n_user_defined, self.n_unused, self.n_byte, self.n_unknown, self.n_undefined
         )?;
-        write!(
-            f,
-            "  bos {}, eos {}, pad {}, eog {:?}",
-            id(self.bos_id),
-            id(self.eos_id),
-            id(self.pad_id),
-            self.eog_ids
-        )
+        write!(f, "  bos {}, eos {}, pad {}, eog {:?}", id(self.bos_id), id(self.eos_id), id(self.pad_id), self.eog_ids)
     }
 }
 
@@ -171,15 +148,10 @@ impl Tokenizer {
     pub fn from_gguf(f: &GgufFile) -> Result<Self, Error> {
         let model = f.get_str(KEY_MODEL)?;
         if model != "gpt2" {
-            return Err(Error::UnsupportedModel {
-                found: model.to_string(),
-            });
+            return Err(Error::UnsupportedModel { found: model.to_string() });
         }
         let pre_name = f.get_str(KEY_PRE)?;
-        let pre_kind =
-            PreTokenizerKind::from_gguf_name(pre_name).ok_or_else(|| Error::UnsupportedPre {
-                found: pre_name.to_string(),
-            })?;
+        let pre_kind = PreTokenizerKind::from_gguf_name(pre_name).ok_or_else(|| Error::UnsupportedPre { found: pre_name.to_string() })?;
 
         let tokens = f.get_str_array(KEY_TOKENS)?;
         let n_vocab = tokens.len();
@@ -188,11 +160,7 @@ impl Tokenizer {
         }
         // Ids are u32 and u32::MAX is our "no token" marker.
         if n_vocab >= NO_TOKEN as usize {
-            return Err(Error::LengthMismatch {
-                key: KEY_TOKENS,
-                found: n_vocab,
-                expected: NO_TOKEN as usize - 1,
-            });
+            return Err(Error::LengthMismatch { key: KEY_TOKENS, found: n_vocab, expected: NO_TOKEN as usize - 1 });
         }
 
         let mut types = match f.get(KEY_TYPES) {
@@ -200,23 +168,16 @@ impl Tokenizer {
             Some(_) => {
                 let raw = f.get_int_array(KEY_TYPES)?;
                 if raw.len() != n_vocab {
-                    return Err(Error::LengthMismatch {
-                        key: KEY_TYPES,
-                        found: raw.len(),
-                        expected: n_vocab,
-                    });
+                    return Err(Error::LengthMismatch { key: KEY_TYPES, found: raw.len(), expected: n_vocab });
                 }
                 raw.iter()
                     .enumerate()
-                    .map(|(index, &value)| {
-                        TokenType::from_i64(value).ok_or(Error::BadTokenType { index, value })
-                    })
+                    .map(|(index, &value)| TokenType::from_i64(value).ok_or(Error::BadTokenType { index, value }))
                     .collect::<Result<Vec<_>, _>>()?
             }
         };
 
-        let mut text_to_id: HashMap<Box<str>, u32, FxBuild> =
-            HashMap::with_capacity_and_hasher(n_vocab, FxBuild::default());
+        let mut text_to_id: HashMap<Box<str>, u32, FxBuild> = HashMap::with_capacity_and_hasher(n_vocab, FxBuild::default());
         let mut piece_data = Vec::with_capacity(tokens.iter().map(|t| t.len()).sum());
         let mut piece_off = Vec::with_capacity(n_vocab + 1);
         piece_off.push(0);
@@ -242,11 +203,7 @@ impl Tokenizer {
         let merge_texts = f.get_str_array(KEY_MERGES)?;
         let mut merges = Merges::with_capacity(merge_texts.len());
         for (rank, &m) in merge_texts.iter().enumerate() {
-            let bad = |msg: String| Error::BadMerge {
-                index: rank,
-                merge: m.to_string(),
-                msg,
-            };
+            let bad = |msg: String| Error::BadMerge { index: rank, merge: m.to_string(), msg };
             // llama.cpp splits at the first space after the first byte.
             let Some(sp) = m.as_bytes().iter().skip(1).position(|&c| c == b' ') else {
                 return Err(bad("expected two token texts separated by a space".into()));
@@ -255,12 +212,7 @@ impl Tokenizer {
             if right.is_empty() {
                 return Err(bad("the right-hand token text is empty".into()));
             }
-            let lookup = |t: &str, side: &str| {
-                text_to_id
-                    .get(t)
-                    .copied()
-                    .ok_or_else(|| bad(format!("{side} {t:?} is not a token")))
-            };
+            let lookup = |t: &str, side: &str| text_to_id.get(t).copied().ok_or_else(|| bad(format!("{side} {t:?} is not a token")));
             let l = lookup(left, "left")?;
             let r = lookup(right, "right")?;
             buf.clear();
@@ -276,11 +228,7 @@ impl Tokenizer {
             }
             let id = f.get_u32(key)?;
             if id as usize >= n_vocab {
-                return Err(Error::BadSpecialId {
-                    key,
-                    id: id as i128,
-                    n_vocab,
-                });
+                return Err(Error::BadSpecialId { key, id: id as i128, n_vocab });
             }
             Ok(Some(id))
         };
@@ -307,11 +255,7 @@ impl Tokenizer {
             .iter()
             .enumerate()
             .filter(|(id, t)| t.is_added() && !tokens[*id].is_empty())
-            .map(|(id, t)| Added {
-                text: tokens[id].into(),
-                id: id as u32,
-                special: t.is_special(),
-            })
+            .map(|(id, t)| Added { text: tokens[id].into(), id: id as u32, special: t.is_special() })
             .collect();
         added.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
 
@@ -456,10 +400,7 @@ impl Tokenizer {
     /// The token's type; [`TokenType::Undefined`] for ids >= `n_vocab`. EOG tokens found by
     /// text report CONTROL even if the file said otherwise (as llama.cpp treats them).
     pub fn token_type(&self, id: u32) -> TokenType {
-        self.types
-            .get(id as usize)
-            .copied()
-            .unwrap_or(TokenType::Undefined)
+        self.types.get(id as usize).copied().unwrap_or(TokenType::Undefined)
     }
 
     pub fn model(&self) -> &str {

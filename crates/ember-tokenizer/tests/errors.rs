@@ -4,10 +4,7 @@ use ember_gguf::{GgufFile, GgufWriter, Value, ValueType};
 use ember_tokenizer::{Error, Tokenizer};
 
 fn strs(v: &[&str]) -> Value {
-    Value::Array(
-        ValueType::String,
-        v.iter().map(|s| Value::String(s.to_string())).collect(),
-    )
+    Value::Array(ValueType::String, v.iter().map(|s| Value::String(s.to_string())).collect())
 }
 
 /// A 6-token vocab: bytes `a`, `b`, `Ġ`, merges `a b`, `ab Ġ`... built with the given edits.
@@ -16,17 +13,8 @@ fn build(edit: impl FnOnce(&mut GgufWriter)) -> Result<Tokenizer, Error> {
     w.set("general.architecture", Value::String("qwen35moe".into()));
     w.set("tokenizer.ggml.model", Value::String("gpt2".into()));
     w.set("tokenizer.ggml.pre", Value::String("qwen35".into()));
-    w.set(
-        "tokenizer.ggml.tokens",
-        strs(&["a", "b", "Ġ", "ab", "Ġab", "<|im_end|>"]),
-    );
-    w.set(
-        "tokenizer.ggml.token_type",
-        Value::Array(
-            ValueType::I32,
-            [1, 1, 1, 1, 1, 3].into_iter().map(Value::I32).collect(),
-        ),
-    );
+    w.set("tokenizer.ggml.tokens", strs(&["a", "b", "Ġ", "ab", "Ġab", "<|im_end|>"]));
+    w.set("tokenizer.ggml.token_type", Value::Array(ValueType::I32, [1, 1, 1, 1, 1, 3].into_iter().map(Value::I32).collect()));
     w.set("tokenizer.ggml.merges", strs(&["a b", "Ġ ab"]));
     w.set("tokenizer.ggml.eos_token_id", Value::U32(5));
     edit(&mut w);
@@ -53,13 +41,7 @@ fn unsupported_pre_lists_supported() {
     let e = err(|w| {
         w.set("tokenizer.ggml.pre", Value::String("llama-bpe".into()));
     });
-    assert!(
-        e.contains("tokenizer.ggml.pre")
-            && e.contains("llama-bpe")
-            && e.contains("qwen35")
-            && e.contains("qwen2"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.pre") && e.contains("llama-bpe") && e.contains("qwen35") && e.contains("qwen2"), "{e}");
     let tok = build(|w| {
         w.set("tokenizer.ggml.pre", Value::String("qwen2".into()));
     })
@@ -72,10 +54,7 @@ fn unsupported_model() {
     let e = err(|w| {
         w.set("tokenizer.ggml.model", Value::String("llama".into()));
     });
-    assert!(
-        e.contains("tokenizer.ggml.model") && e.contains("gpt2"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.model") && e.contains("gpt2"), "{e}");
 }
 
 #[test]
@@ -83,17 +62,11 @@ fn merge_naming_unknown_token() {
     let e = err(|w| {
         w.set("tokenizer.ggml.merges", strs(&["a b", "Ġ zz"]));
     });
-    assert!(
-        e.contains("tokenizer.ggml.merges") && e.contains("[1]") && e.contains("\"zz\""),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.merges") && e.contains("[1]") && e.contains("\"zz\""), "{e}");
     let e = err(|w| {
         w.set("tokenizer.ggml.merges", strs(&["ab"]));
     });
-    assert!(
-        e.contains("tokenizer.ggml.merges") && e.contains("[0]"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.merges") && e.contains("[0]"), "{e}");
     // Both sides are tokens but their concatenation is not.
     let e = err(|w| {
         w.set("tokenizer.ggml.merges", strs(&["b a"]));
@@ -108,32 +81,17 @@ fn missing_keys_and_lengths() {
     });
     assert!(e.contains("tokenizer.ggml.pre"), "{e}");
     let e = err(|w| {
-        w.set(
-            "tokenizer.ggml.token_type",
-            Value::Array(ValueType::I32, vec![Value::I32(1); 3]),
-        );
+        w.set("tokenizer.ggml.token_type", Value::Array(ValueType::I32, vec![Value::I32(1); 3]));
     });
-    assert!(
-        e.contains("tokenizer.ggml.token_type") && e.contains("3") && e.contains("6"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.token_type") && e.contains("3") && e.contains("6"), "{e}");
     let e = err(|w| {
-        w.set(
-            "tokenizer.ggml.token_type",
-            Value::Array(ValueType::I32, vec![Value::I32(9); 6]),
-        );
+        w.set("tokenizer.ggml.token_type", Value::Array(ValueType::I32, vec![Value::I32(9); 6]));
     });
-    assert!(
-        e.contains("tokenizer.ggml.token_type") && e.contains("9"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.token_type") && e.contains("9"), "{e}");
     let e = err(|w| {
         w.set("tokenizer.ggml.eos_token_id", Value::U32(6));
     });
-    assert!(
-        e.contains("tokenizer.ggml.eos_token_id") && e.contains("6"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.eos_token_id") && e.contains("6"), "{e}");
     let e = err(|w| {
         w.set("tokenizer.ggml.tokens", strs(&[]));
     });
@@ -148,8 +106,5 @@ fn missing_required_key() {
     w.set("tokenizer.ggml.tokens", strs(&["a"]));
     let f = GgufFile::from_bytes(w.to_bytes(&[]).unwrap()).unwrap();
     let e = Tokenizer::from_gguf(&f).unwrap_err().to_string();
-    assert!(
-        e.contains("tokenizer.ggml.merges") && e.contains("missing"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.ggml.merges") && e.contains("missing"), "{e}");
 }

@@ -7,10 +7,7 @@ use ember_gguf::GgufFile;
 use ember_tokenizer::Tokenizer;
 
 fn load() -> (Tokenizer, Duration) {
-    let f = GgufFile::open(ember_testkit::fixture(
-        "qwen36-vocab/ggml-vocab-qwen36.gguf",
-    ))
-    .unwrap();
+    let f = GgufFile::open(ember_testkit::fixture("qwen36-vocab/ggml-vocab-qwen36.gguf")).unwrap();
     let t = Instant::now();
     let tok = Tokenizer::from_gguf(&f).unwrap();
     (tok, t.elapsed())
@@ -32,21 +29,14 @@ fn build_and_encode_speed() {
         let t = Instant::now();
         let ids = tok.encode(&text, true);
         let dt = t.elapsed();
-        println!(
-            "{name}: {} tokens in {:.1} ms",
-            ids.len(),
-            dt.as_secs_f64() * 1e3
-        );
+        println!("{name}: {} tokens in {:.1} ms", ids.len(), dt.as_secs_f64() * 1e3);
         assert_eq!(tok.decode(&ids, true), text.as_bytes());
         assert!(dt < Duration::from_secs(1), "{name}: {dt:?}");
     }
 
     // Mixed text: the fixture READMEs and spec-like prose, repeated to ~1 MB.
     let base = std::fs::read_to_string(ember_testkit::fixture("qwen36-vocab/README.md")).unwrap()
-        + &std::fs::read_to_string(ember_testkit::fixture(
-            "qwen36-vocab/ggml-vocab-qwen36.gguf.inp",
-        ))
-        .unwrap();
+        + &std::fs::read_to_string(ember_testkit::fixture("qwen36-vocab/ggml-vocab-qwen36.gguf.inp")).unwrap();
     let text = base.repeat(1_000_000 / base.len() + 1);
     let t = Instant::now();
     let ids = tok.encode(&text, false);

@@ -16,39 +16,15 @@ fn vectors_json_both_parse_modes_and_roundtrip() {
     for (i, c) in cases.iter().enumerate() {
         let text = c["text"].as_str().unwrap();
         let want = ids(&c["ids"]);
-        assert_eq!(
-            tok.encode(text, false),
-            want,
-            "case {i} {text:?} parse_special=false"
-        );
+        assert_eq!(tok.encode(text, false), want, "case {i} {text:?} parse_special=false");
         let want_ps = c.get("ids_parse_special").map_or_else(|| want.clone(), ids);
-        assert_eq!(
-            tok.encode(text, true),
-            want_ps,
-            "case {i} {text:?} parse_special=true"
-        );
+        assert_eq!(tok.encode(text, true), want_ps, "case {i} {text:?} parse_special=true");
 
-        assert_eq!(
-            tok.decode(&want, false),
-            text.as_bytes(),
-            "case {i} decode ids"
-        );
-        assert_eq!(
-            tok.decode(&want, true),
-            text.as_bytes(),
-            "case {i} decode ids (special)"
-        );
-        assert_eq!(
-            tok.decode(&want_ps, true),
-            text.as_bytes(),
-            "case {i} decode ids_parse_special"
-        );
+        assert_eq!(tok.decode(&want, false), text.as_bytes(), "case {i} decode ids");
+        assert_eq!(tok.decode(&want, true), text.as_bytes(), "case {i} decode ids (special)");
+        assert_eq!(tok.decode(&want_ps, true), text.as_bytes(), "case {i} decode ids_parse_special");
         if let Some(hidden) = c.get("detok_parse_special_hidden") {
-            assert_eq!(
-                tok.decode(&want_ps, false),
-                hidden.as_str().unwrap().as_bytes(),
-                "case {i} hidden"
-            );
+            assert_eq!(tok.decode(&want_ps, false), hidden.as_str().unwrap().as_bytes(), "case {i} hidden");
         }
         // We do not normalise (NFC); HF does, and matches every added token.
         if c.get("ids_hf").is_some_and(|hf| ids(hf) != want_ps) {
@@ -63,24 +39,15 @@ fn vectors_json_both_parse_modes_and_roundtrip() {
 #[test]
 fn llama_cpp_inp_out_pair() {
     let tok = qwen36();
-    let inp = std::fs::read_to_string(ember_testkit::fixture(
-        "qwen36-vocab/ggml-vocab-qwen36.gguf.inp",
-    ))
-    .unwrap();
-    let out = std::fs::read_to_string(ember_testkit::fixture(
-        "qwen36-vocab/ggml-vocab-qwen36.gguf.out",
-    ))
-    .unwrap();
+    let inp = std::fs::read_to_string(ember_testkit::fixture("qwen36-vocab/ggml-vocab-qwen36.gguf.inp")).unwrap();
+    let out = std::fs::read_to_string(ember_testkit::fixture("qwen36-vocab/ggml-vocab-qwen36.gguf.out")).unwrap();
     let mut texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
     assert_eq!(texts.pop(), Some(""), "remainder after the last separator");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(texts.len(), 66);
     assert_eq!(lines.len(), texts.len());
     for (i, (text, line)) in texts.iter().zip(&lines).enumerate() {
-        let want: Vec<u32> = line
-            .split_whitespace()
-            .map(|x| x.parse().unwrap())
-            .collect();
+        let want: Vec<u32> = line.split_whitespace().map(|x| x.parse().unwrap()).collect();
         assert_eq!(tok.encode(text, false), want, "test {i} {text:?}");
     }
 }
@@ -93,16 +60,8 @@ fn detok_json_exact_bytes() {
     assert_eq!(cases.len(), 38);
     for (i, c) in cases.iter().enumerate() {
         let id = ids(&c["ids"]);
-        assert_eq!(
-            tok.decode(&id, true),
-            unhex(c["bytes_hex"].as_str().unwrap()),
-            "case {i} {id:?}"
-        );
-        assert_eq!(
-            tok.decode(&id, false),
-            unhex(c["bytes_hex_no_special"].as_str().unwrap()),
-            "case {i} {id:?}"
-        );
+        assert_eq!(tok.decode(&id, true), unhex(c["bytes_hex"].as_str().unwrap()), "case {i} {id:?}");
+        assert_eq!(tok.decode(&id, false), unhex(c["bytes_hex_no_special"].as_str().unwrap()), "case {i} {id:?}");
     }
 }
 
@@ -112,18 +71,10 @@ fn anchors_types_and_special_ids() {
     let s = tok.summary();
     assert_eq!((s.model.as_str(), s.pre.as_str()), ("gpt2", "qwen35"));
     assert_eq!((s.n_vocab, s.n_merges), (248_320, 247_587));
-    assert_eq!(
-        (s.n_normal, s.n_control, s.n_user_defined, s.n_unused),
-        (248_044, 27, 6, 243)
-    );
-    assert_eq!(
-        (s.bos_id, s.eos_id, s.pad_id),
-        (Some(248044), Some(248046), Some(248044))
-    );
+    assert_eq!((s.n_normal, s.n_control, s.n_user_defined, s.n_unused), (248_044, 27, 6, 243));
+    assert_eq!((s.bos_id, s.eos_id, s.pad_id), (Some(248044), Some(248046), Some(248044)));
     assert_eq!(tok.eog_ids(), &[248044, 248046, 248063, 248064, 248065]);
-    assert!(
-        tok.is_eog(248046) && tok.is_eog(248044) && !tok.is_eog(248045) && !tok.is_eog(u32::MAX)
-    );
+    assert!(tok.is_eog(248046) && tok.is_eog(248044) && !tok.is_eog(248045) && !tok.is_eog(u32::MAX));
     for (text, id, ty) in [
         ("<|endoftext|>", 248044, TokenType::Control),
         ("<|im_start|>", 248045, TokenType::Control),
@@ -158,10 +109,7 @@ fn no_whole_word_shortcut() {
 fn partition_edge_cases() {
     let tok = qwen36();
     // Added token glued to text on both sides, repeated, and inside a word.
-    assert_eq!(
-        tok.encode("a<think>b<think><think>", false),
-        [64, 248068, 65, 248068, 248068]
-    );
+    assert_eq!(tok.encode("a<think>b<think><think>", false), [64, 248068, 65, 248068, 248068]);
     // CONTROL text is plain text without parse_special, a token with it.
     let plain = tok.encode("x<|im_end|>y", false);
     assert!(!plain.contains(&248046));

@@ -24,21 +24,10 @@ fn vectors_stream_equals_decode() {
             let id = ids(v);
             for special in [false, true] {
                 let chunks = stream(tok, &id, special);
-                assert_eq!(
-                    chunks.concat().as_bytes(),
-                    tok.decode(&id, special).as_slice()
-                );
-                assert_eq!(
-                    chunks.last().map(String::as_str),
-                    Some(""),
-                    "nothing left to flush"
-                );
+                assert_eq!(chunks.concat().as_bytes(), tok.decode(&id, special).as_slice());
+                assert_eq!(chunks.last().map(String::as_str), Some(""), "nothing left to flush");
                 // A token that ends inside a UTF-8 sequence yields a shorter chunk than its bytes.
-                n_held += id
-                    .iter()
-                    .zip(&chunks)
-                    .filter(|(i, ch)| tok.piece(**i, special).len() != ch.len())
-                    .count();
+                n_held += id.iter().zip(&chunks).filter(|(i, ch)| tok.piece(**i, special).len() != ch.len()).count();
             }
         }
     }
@@ -53,11 +42,7 @@ fn detok_partial_utf8_ranks() {
         let id = ids(&c["ids"]);
         for special in [false, true] {
             let chunks = stream(tok, &id, special);
-            assert_eq!(
-                chunks.concat(),
-                String::from_utf8_lossy(&tok.decode(&id, special)),
-                "{id:?}"
-            );
+            assert_eq!(chunks.concat(), String::from_utf8_lossy(&tok.decode(&id, special)), "{id:?}");
         }
     }
 }

@@ -22,18 +22,10 @@ fn tokenizer_cases_match_llama_cpp() {
         let want = ids(&c["llama_cpp"]);
         let got = tok.encode(text, true);
         assert_eq!(got, want, "case {i} {text:?}");
-        assert_eq!(
-            tok.decode(&got, true),
-            text.as_bytes(),
-            "case {i} roundtrip"
-        );
+        assert_eq!(tok.decode(&got, true), text.as_bytes(), "case {i} roundtrip");
         if want.iter().any(|&id| id == 616 || id == 617 || id == 618) {
             n_with_control += 1;
-            assert_ne!(
-                tok.encode(text, false),
-                want,
-                "case {i}: CONTROL ids need parse_special"
-            );
+            assert_ne!(tok.encode(text, false), want, "case {i}: CONTROL ids need parse_special");
         }
         if ids(&c["hf"]) != want {
             n_hf_differs += 1;
@@ -58,15 +50,8 @@ fn chat_prompt_example() {
 fn special_ids_resolved_by_text() {
     let tok = tiny();
     let cases = json("tiny-a/cases.json");
-    for (text, id) in cases["tokenizer"]["special_and_added_tokens"]
-        .as_object()
-        .unwrap()
-    {
-        assert_eq!(
-            tok.token_id(text),
-            Some(id.as_u64().unwrap() as u32),
-            "{text}"
-        );
+    for (text, id) in cases["tokenizer"]["special_and_added_tokens"].as_object().unwrap() {
+        assert_eq!(tok.token_id(text), Some(id.as_u64().unwrap() as u32), "{text}");
     }
     assert!(tok.is_eog(618) && tok.is_eog(616) && !tok.is_eog(617));
     println!("{}", tok.summary());

@@ -130,7 +130,10 @@ macro_rules! x86_kernels {
             let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
             let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
             let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
-            let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+            let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+                x,
+                _mm256_set1_ps(std::f32::consts::LOG2_E),
+            ));
             let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
             let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
             let mut p = _mm256_set1_ps(1.987_569_2e-4);
@@ -421,9 +424,18 @@ macro_rules! x86_kernels {
                     let qh = ld256(b, 128 + 32 * n);
                     let q = [
                         _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m3))),
-                        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3))),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3))),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m3))),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m3)),
+                        ),
                     ];
                     for (j, qj) in q.iter().enumerate() {
                         let base = 256 * i + 128 * n + 32 * j;
@@ -469,7 +481,8 @@ macro_rules! x86_kernels {
         #[inline]
         #[target_feature(enable = $feat)]
         fn dot_iq4xs<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
-            let table = _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+            let table =
+                _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
             let m4 = _mm256_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); NT];
             for (i, b) in w.chunks_exact(136).enumerate() {
@@ -593,7 +606,10 @@ macro_rules! x86_kernels {
             let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
             for b in 0..nb {
                 let v = [ldps(x, 32 * b), ldps(x, 32 * b + 8), ldps(x, 32 * b + 16), ldps(x, 32 * b + 24)];
-                let m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])), _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+                let m = _mm256_max_ps(
+                    _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+                );
                 let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
                 let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
                 let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));

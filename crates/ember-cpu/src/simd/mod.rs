@@ -189,10 +189,12 @@ impl Kernels for Scalar {
     }
 
     fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
-        x.iter_mut().map(|v| {
-            *v = (*v - sub).exp();
-            *v
-        }).sum()
+        x.iter_mut()
+            .map(|v| {
+                *v = (*v - sub).exp();
+                *v
+            })
+            .sum()
     }
 
     fn silu(self, x: &mut [f32]) {

@@ -6,9 +6,7 @@ use super::fit::{fit_table, nearest_index, signed_absmax};
 use super::{f16_at, f32_at, idot, put_f16};
 
 /// ggml-common.h `kvalues_iq4nl`.
-pub(crate) const KVALUES: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
+pub(crate) const KVALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 const QK: usize = 32;
 const QK_K: usize = 256;
@@ -139,11 +137,7 @@ pub(super) fn quant_iq4xs(src: &[f32], dst: &mut [u8]) {
             let ls = (((scale[s] * id).round() as i32).clamp(-32, 31) + 32) as u8;
             l[s / 2] |= (ls & 0xF) << (4 * (s % 2));
             h |= ((ls >> 4) as u16) << (2 * s);
-            indices(
-                &x[32 * s..32 * s + 32],
-                d * (ls as i32 - 32) as f32,
-                &mut idx,
-            );
+            indices(&x[32 * s..32 * s + 32], d * (ls as i32 - 32) as f32, &mut idx);
             pack32(&idx, &mut b[8 + 16 * s..24 + 16 * s]);
         }
         b[2..4].copy_from_slice(&h.to_le_bytes());

@@ -31,10 +31,7 @@ fn q8k_parts(xb: &[u8]) -> (f32, &[u8], [i32; 16]) {
 /// Σ_i u_i·x_i for unsigned quants `u` against i8 activations in raw bytes.
 #[inline]
 fn udot(u: &[u8], x: &[u8]) -> i32 {
-    u.iter()
-        .zip(x)
-        .map(|(&p, &q)| p as i32 * q as i8 as i32)
-        .sum()
+    u.iter().zip(x).map(|(&p, &q)| p as i32 * q as i8 as i32).sum()
 }
 
 // ================================ Q4_K / Q5_K =================================
@@ -170,20 +167,9 @@ fn quant_scale_min(
     }
     let max_scale = scale[..n_sub].iter().fold(0f32, |a, &v| a.max(v));
     let max_min = min[..n_sub].iter().fold(0f32, |a, &v| a.max(v));
-    let inv_scale = if max_scale > 0.0 {
-        smax as f32 / max_scale
-    } else {
-        0.0
-    };
-    let inv_min = if max_min > 0.0 {
-        smax as f32 / max_min
-    } else {
-        0.0
-    };
-    let mut out = ScaleMin {
-        sc: [0; 16],
-        mn: [0; 16],
-    };
+    let inv_scale = if max_scale > 0.0 { smax as f32 / max_scale } else { 0.0 };
+    let inv_min = if max_min > 0.0 { smax as f32 / max_min } else { 0.0 };
+    let mut out = ScaleMin { sc: [0; 16], mn: [0; 16] };
     for b in 0..n_sub {
         out.sc[b] = (inv_scale * scale[b]).round().clamp(0.0, smax as f32) as u8;
         out.mn[b] = (inv_min * min[b]).round().clamp(0.0, smax as f32) as u8;
@@ -205,9 +191,7 @@ pub(super) fn quant_q4k(src: &[f32], dst: &mut [u8]) {
     let mut q = [0u8; QK_K];
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(TS_Q4K)) {
         let (head, qs) = b.split_at_mut(16);
-        let s = quant_scale_min(x, 8, 15, 63, &mut q, |d, dmin| {
-            (put_f16(head, 0, d), put_f16(head, 2, dmin))
-        });
+        let s = quant_scale_min(x, 8, 15, 63, &mut q, |d, dmin| (put_f16(head, 0, d), put_f16(head, 2, dmin)));
         pack_scales_k4(&s.sc, &s.mn, &mut head[4..16]);
         for p in 0..4 {
             for l in 0..32 {
@@ -222,9 +206,7 @@ pub(super) fn quant_q5k(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(TS_Q5K)) {
         let (head, rest) = b.split_at_mut(16);
         let (qh, qs) = rest.split_at_mut(32);
-        let s = quant_scale_min(x, 8, 31, 63, &mut q, |d, dmin| {
-            (put_f16(head, 0, d), put_f16(head, 2, dmin))
-        });
+        let s = quant_scale_min(x, 8, 31, 63, &mut q, |d, dmin| (put_f16(head, 0, d), put_f16(head, 2, dmin)));
         pack_scales_k4(&s.sc, &s.mn, &mut head[4..16]);
         qh.fill(0);
         for p in 0..4 {
@@ -278,8 +260,7 @@ pub(super) fn dot_q6k(w: &[u8], x: &[u8]) -> f32 {
         let (dx, xq, _) = q8k_parts(xb);
         let mut isum = 0i32;
         for g in 0..16 {
-            isum += (wb[192 + g] as i8) as i32
-                * idot(&qs[16 * g..16 * g + 16], &xq[16 * g..16 * g + 16]);
+            isum += (wb[192 + g] as i8) as i32 * idot(&qs[16 * g..16 * g + 16], &xq[16 * g..16 * g + 16]);
         }
         sum += (f16_at(wb, 208) * dx) * isum as f32;
     }
@@ -486,9 +467,7 @@ pub(super) fn quant_q2k(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(TS_Q2K)) {
         let (scales, rest) = b.split_at_mut(16);
         let (qs, dd) = rest.split_at_mut(64);
-        let s = quant_scale_min(x, 16, 3, 15, &mut q, |d, dmin| {
-            (put_f16(dd, 0, d), put_f16(dd, 2, dmin))
-        });
+        let s = quant_scale_min(x, 16, 3, 15, &mut q, |d, dmin| (put_f16(dd, 0, d), put_f16(dd, 2, dmin)));
         for g in 0..16 {
             scales[g] = s.sc[g] | (s.mn[g] << 4);
         }
@@ -518,11 +497,7 @@ pub(super) fn dequant_q8k(src: &[u8], dst: &mut [f32]) {
 pub(super) fn dot_q8k(w: &[u8], x: &[u8]) -> f32 {
     let mut sum = 0f32;
     for (wb, xb) in w.chunks_exact(TS_Q8K).zip(x.chunks_exact(TS_Q8K)) {
-        let isum: i32 = wb[4..260]
-            .iter()
-            .zip(&xb[4..260])
-            .map(|(&a, &b)| a as i8 as i32 * b as i8 as i32)
-            .sum();
+        let isum: i32 = wb[4..260].iter().zip(&xb[4..260]).map(|(&a, &b)| a as i8 as i32 * b as i8 as i32).sum();
         sum += (f32_at(wb, 0) * f32_at(xb, 0)) * isum as f32;
     }
     sum

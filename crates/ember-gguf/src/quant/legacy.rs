@@ -81,12 +81,7 @@ fn unpack_q8(qs: &[u8], q: &mut [i8; QK]) {
 
 // ---- dequantisation: y = q·d (+ m) ----
 
-fn dequant_sym(
-    src: &[u8],
-    dst: &mut [f32],
-    ts: usize,
-    unpack: impl Fn(&[u8], &mut [i8; QK]) -> f32,
-) {
+fn dequant_sym(src: &[u8], dst: &mut [f32], ts: usize, unpack: impl Fn(&[u8], &mut [i8; QK]) -> f32) {
     let mut q = [0i8; QK];
     for (b, y) in src.chunks_exact(ts).zip(dst.chunks_exact_mut(QK)) {
         let d = unpack(b, &mut q);
@@ -96,12 +91,7 @@ fn dequant_sym(
     }
 }
 
-fn dequant_min(
-    src: &[u8],
-    dst: &mut [f32],
-    ts: usize,
-    unpack: impl Fn(&[u8], &mut [i8; QK]) -> (f32, f32),
-) {
+fn dequant_min(src: &[u8], dst: &mut [f32], ts: usize, unpack: impl Fn(&[u8], &mut [i8; QK]) -> (f32, f32)) {
     let mut q = [0i8; QK];
     for (b, y) in src.chunks_exact(ts).zip(dst.chunks_exact_mut(QK)) {
         let (d, m) = unpack(b, &mut q);
@@ -144,12 +134,7 @@ pub(super) fn dequant_q5_1(src: &[u8], dst: &mut [f32]) {
 // ---- dot products with Q8_0 / Q8_1 activations (gguf-format.md §7.3) ----
 
 /// Σ_blocks d_w·d_x·Σ_j qw_j·qx_j against Q8_0 activations.
-fn dot_with_q8_0(
-    w: &[u8],
-    x: &[u8],
-    ts: usize,
-    unpack: impl Fn(&[u8], &mut [i8; QK]) -> f32,
-) -> f32 {
+fn dot_with_q8_0(w: &[u8], x: &[u8], ts: usize, unpack: impl Fn(&[u8], &mut [i8; QK]) -> f32) -> f32 {
     let mut q = [0i8; QK];
     let mut sum = 0f32;
     for (wb, xb) in w.chunks_exact(ts).zip(x.chunks_exact(TS_Q8_0)) {
@@ -160,12 +145,7 @@ fn dot_with_q8_0(
 }
 
 /// Σ_blocks (d_w·d_x·Σ qw·qx + m_w·s_x) against Q8_1 activations; `s_x = d_x·Σ qx`.
-fn dot_with_q8_1(
-    w: &[u8],
-    x: &[u8],
-    ts: usize,
-    unpack: impl Fn(&[u8], &mut [i8; QK]) -> (f32, f32),
-) -> f32 {
+fn dot_with_q8_1(w: &[u8], x: &[u8], ts: usize, unpack: impl Fn(&[u8], &mut [i8; QK]) -> (f32, f32)) -> f32 {
     let mut q = [0i8; QK];
     let mut sum = 0f32;
     for (wb, xb) in w.chunks_exact(ts).zip(x.chunks_exact(TS_Q8_1)) {

@@ -145,10 +145,7 @@ pub fn vec_dot_f32(t: GgmlType, n: usize, w: &[u8], x: &[f32]) -> f32 {
 pub fn try_vec_dot_f32(t: GgmlType, n: usize, w: &[u8], x: &[f32]) -> Result<f32> {
     check_len(t, w.len(), n)?;
     if x.len() != n {
-        return Err(Error::Quant(format!(
-            "vec_dot_f32 {t}: {n} weights but {} activations",
-            x.len()
-        )));
+        return Err(Error::Quant(format!("vec_dot_f32 {t}: {n} weights but {} activations", x.len())));
     }
     // 256 is a multiple of every block size, so chunks hold whole blocks; the last one may be
     // shorter (e.g. 3 blocks of 32) but is still whole blocks because n is.
@@ -168,12 +165,7 @@ pub fn try_vec_dot_f32(t: GgmlType, n: usize, w: &[u8], x: &[f32]) -> Result<f32
                 acc[l] += a[l] * b[l];
             }
         }
-        let mut part: f32 = yi
-            .remainder()
-            .iter()
-            .zip(xi.remainder())
-            .map(|(a, b)| a * b)
-            .sum();
+        let mut part: f32 = yi.remainder().iter().zip(xi.remainder()).map(|(a, b)| a * b).sum();
         part += acc.iter().sum::<f32>();
         sum += part;
     }
@@ -185,9 +177,7 @@ fn check_len(t: GgmlType, n_bytes: usize, n_values: usize) -> Result<()> {
         Some(b) if b == n_bytes => Ok(()),
         _ => Err(Error::Quant(format!(
             "{t}: {n_values} values need {} bytes in blocks of {}, got {n_bytes}",
-            t.row_bytes(n_values)
-                .map_or("a multiple of the block size".to_string(), |b| b
-                    .to_string()),
+            t.row_bytes(n_values).map_or("a multiple of the block size".to_string(), |b| b.to_string()),
             t.block_size()
         ))),
     }
@@ -216,8 +206,5 @@ fn f32_at(b: &[u8], off: usize) -> f32 {
 /// Σ a_i·b_i over two equally long runs of quants; `b` holds i8 activations as raw bytes.
 #[inline]
 fn idot(a: &[i8], b: &[u8]) -> i32 {
-    a.iter()
-        .zip(b)
-        .map(|(&p, &q)| p as i32 * q as i8 as i32)
-        .sum()
+    a.iter().zip(b).map(|(&p, &q)| p as i32 * q as i8 as i32).sum()
 }

@@ -9,10 +9,7 @@ use ember_tokenizer::Tokenizer;
 pub fn qwen36() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let f = GgufFile::open(ember_testkit::fixture(
-            "qwen36-vocab/ggml-vocab-qwen36.gguf",
-        ))
-        .expect("open qwen36 vocab");
+        let f = GgufFile::open(ember_testkit::fixture("qwen36-vocab/ggml-vocab-qwen36.gguf")).expect("open qwen36 vocab");
         Tokenizer::from_gguf(&f).expect("build qwen36 tokenizer")
     })
 }
@@ -20,8 +17,7 @@ pub fn qwen36() -> &'static Tokenizer {
 pub fn tiny() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let f = GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf"))
-            .expect("open tiny-a");
+        let f = GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).expect("open tiny-a");
         Tokenizer::from_gguf(&f).expect("build tiny-a tokenizer")
     })
 }
@@ -33,16 +29,9 @@ pub fn json(rel: &str) -> serde_json::Value {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
+    v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 pub fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
 }
