@@ -266,6 +266,13 @@ fn json_key(key: &Value) -> Result<String, Error> {
 /// `json.encoder.py_encode_basestring(_ascii)`: lowercase `\uXXXX`, surrogate pairs when ASCII.
 fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
+    write_json_str_body(out, s, ensure_ascii);
+    out.push('"');
+}
+
+/// The inside of a JSON string literal: `s` escaped, no quotes. Escaping is per char, so the
+/// escaped pieces of a split string concatenate to the escaped whole.
+pub(crate) fn write_json_str_body(out: &mut String, s: &str, ensure_ascii: bool) {
     for c in s.chars() {
         match c {
             '"' => out.push_str("\\\""),
@@ -287,7 +294,6 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
             c => out.push(c),
         }
     }
-    out.push('"');
 }
 
 /// `datetime.strftime` for a UTC Unix time. Supports the directives chat templates use

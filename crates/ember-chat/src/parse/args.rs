@@ -194,22 +194,7 @@ pub(crate) fn write_json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// The inside of a JSON string literal: `s` escaped, no quotes. Escaping is per char, so the
-/// escaped pieces of a split string concatenate to the escaped whole.
+/// The inside of a JSON string literal (`ensure_ascii=False`): see `python::write_json_str_body`.
 pub(crate) fn write_json_str_body(out: &mut String, s: &str) {
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
+    crate::python::write_json_str_body(out, s, false);
 }
