@@ -10,23 +10,8 @@
 use ember_gguf::GgmlType;
 use ember_gguf::quant::{dequantize, quantize, try_vec_dot, try_vec_dot_f32, vec_dot, vec_dot_f32};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let (u1, u2) = (self.uniform().max(1e-7), self.uniform());
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-    }
-}
+mod common;
+use common::Rng;
 
 /// (type, bound on RMSE / RMS). Measured max over the 64 rows (mean within 5% of it):
 /// F16 2.14e-4, BF16 1.71e-3, Q8_0 = Q8_1 5.51e-3, Q8_K 7.66e-3, Q6_K 1.80e-2,
