@@ -23,6 +23,9 @@ pub struct ActRow {
     /// weight offsets (K-quant mins, Q6_K's −32) multiply, pre-scaled for the SIMD kernels.
     pub ds16: Vec<f32>,
     pub ds32: Vec<f32>,
+    /// `q + 128` as unsigned bytes, for panel products ([`crate::panel`]); filled only by
+    /// [`ActRow::fill_unsigned`].
+    pub qu: Vec<u8>,
 }
 
 impl ActRow {
@@ -64,6 +67,12 @@ impl ActRow {
         self.ds16[2 * b] = d * s0 as f32;
         self.ds16[2 * b + 1] = d * s1 as f32;
         self.ds32[b] = d * (s0 + s1) as f32;
+    }
+
+    /// Fills [`ActRow::qu`] from `q`.
+    pub fn fill_unsigned(&mut self) {
+        self.qu.clear();
+        self.qu.extend(self.q.iter().map(|&v| (v as u8) ^ 0x80));
     }
 
     /// Number of values.
@@ -247,6 +256,17 @@ fn unpack(t: GgmlType, b: &[u8], g: &mut Groups) -> usize {
         }
         F32 | F16 | BF16 | Q8_1 | Q8K => unreachable!("dot() is only called for types where supported() is true"),
     }
+}
+
+/// Unpacks one block of `t` ([`supported`]) into integer codes `q`, and a scale `s` and an
+/// offset `o` per group of 16 (`y = s·q + o`); returns the number of weights.
+pub fn unpack_block(t: GgmlType, block: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f32]) -> usize {
+    let mut g = Groups::new();
+    let n = unpack(t, block, &mut g);
+    q[..n].copy_from_slice(&g.q[..n]);
+    s[..n / 16].copy_from_slice(&g.s[..n / 16]);
+    o[..n / 16].copy_from_slice(&g.o[..n / 16]);
+    n
 }
 
 /// Σ_j W[j]·x[j] for one weight row of type `t` and its activations `a` (same length).

@@ -12,8 +12,11 @@
 
 #![deny(unsafe_code)]
 
+#[allow(unsafe_code)]
+mod alloc;
 pub mod kernels;
 mod ops;
+pub mod panel;
 #[allow(unsafe_code)]
 pub mod pool;
 #[allow(unsafe_code)]

@@ -5,8 +5,9 @@ use ember_ops::reference::{self, silu};
 use ember_ops::{AttnShape, DeltaShape, KvRows, KvType, Mat, MoeSlot, Ops, WeightView};
 
 use crate::kernels::{self, ActRow};
+use crate::panel::{self, Panel};
 use crate::pool::{MAX_PARTS, Pool, even_bounds, parts_for};
-use crate::simd::{self, Isa, Kernels, with_kernels};
+use crate::simd::{self, DeltaIo, Isa, Kernels, with_kernels};
 
 /// How matmuls treat activations (see the crate docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +24,6 @@ pub enum Precision {
 struct Scratch {
     acts: Vec<ActRow>,
     acts2: Vec<ActRow>,
-    yt: Vec<f32>,
     gu: Vec<f32>,
 }
 
@@ -69,6 +69,7 @@ impl CpuOps {
     /// As [`CpuOps::new`] with a given instruction set (one of [`Isa::available`]).
     pub fn with_isa(precision: Precision, n_threads: usize, isa: Isa) -> Self {
         let n_threads = if n_threads == 0 { crate::physical_cores() } else { n_threads };
+        crate::alloc::keep_freed_memory();
         let isa = if Isa::available().contains(&isa) { isa } else { Isa::Scalar };
         CpuOps { precision, isa, pool: Pool::new(n_threads), scratch: Mutex::new(Scratch::default()) }
     }
@@ -99,9 +100,14 @@ impl CpuOps {
             acts.resize_with(x.n, ActRow::default);
         }
         let acts = &mut acts[..x.n];
+        // Rows feed panels when some weight may see enough tokens (a MoE slot, a prompt).
+        let unsigned = k.has_panels() && x.n >= panel_min_tokens();
         if x.n < 8 {
             for (t, a) in acts.iter_mut().enumerate() {
                 k.quantize(x.row(t), a);
+                if unsigned {
+                    a.fill_unsigned();
+                }
             }
             return;
         }
@@ -110,33 +116,44 @@ impl CpuOps {
         self.pool.split_mut(acts, &b[..=parts], |p, part| {
             for (i, a) in part.iter_mut().enumerate() {
                 k.quantize(x.row(b[p] + i), a);
+                if unsigned {
+                    a.fill_unsigned();
+                }
             }
         });
     }
 
-    /// `W_i·x` for every weight into `yt` (rows of all weights concatenated, each row holding
-    /// its `x.n` outputs), one parallel region split by rows.
-    fn gemm<K: Kernels>(&self, k: K, ws: &[WeightView], x: &Mat, acts: &[ActRow], yt: &mut Vec<f32>) {
+    /// `W_i·x` for every weight ([n][rows] each); one parallel region split by weight rows,
+    /// each part writing its own columns of the outputs.
+    fn gemm<K: Kernels>(&self, k: K, ws: &[WeightView], x: &Mat, acts: &[ActRow]) -> Vec<Mat> {
         let n = x.n;
         let total: usize = ws.iter().map(|w| w.n_rows).sum();
-        yt.resize(total * n, 0.0);
+        let mut ys: Vec<Mat> = ws.iter().map(|w| Mat::zeros(n, w.n_rows)).collect();
         let mut b = [0usize; MAX_PARTS + 1];
         let parts = even_bounds(total, parts_for(self.n_threads()), ROW_TILE, &mut b);
-        let rb = b;
-        b.iter_mut().for_each(|e| *e *= n);
         let src = Acts { x, q: acts };
-        self.pool.split_mut(&mut yt[..total * n], &b[..=parts], |p, out| {
-            let mut g = rb[p]; // first global row of this part
-            let mut done = 0;
-            let n_rows = out.len() / n;
-            while done < n_rows {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y.data[..]).collect();
+        self.pool.split_cols(&mut outs, n, &b[..=parts], |p, out| {
+            let (mut g, end) = (b[p], b[p + 1]); // global rows of this part
+            let out = std::cell::RefCell::new(out);
+            while g < end {
                 let (wi, r) = locate(ws, g);
-                let m = (ws[wi].n_rows - r).min(n_rows - done).min(ROW_TILE);
-                tile(k, &ws[wi], r, m, &src, &ALL_TOKENS[..0], n, &mut out[done * n..(done + m) * n]);
-                done += m;
+                let m = (ws[wi].n_rows - r).min(end - g).min(ROW_TILE);
+                tile(
+                    k,
+                    &ws[wi],
+                    r,
+                    m,
+                    &src,
+                    &ALL_TOKENS[..0],
+                    n,
+                    &mut |t, j, v| *out.borrow_mut().at(t, g + j) = v,
+                    &mut |t, v| copy_small(out.borrow_mut().run(t, g, v.len()), v),
+                );
                 g += m;
             }
         });
+        ys
     }
 
     /// The exact path: each weight row dequantised, f32 dots.
@@ -166,16 +183,7 @@ impl CpuOps {
         if ws.iter().any(|w| kernels::supported(w.ty)) {
             self.quantize_rows(k, x, &mut s.acts);
         }
-        self.gemm(k, ws, x, &s.acts, &mut s.yt);
-        let n = x.n;
-        let mut at = 0;
-        ws.iter()
-            .map(|w| {
-                let part = &s.yt[at * n..(at + w.n_rows) * n];
-                at += w.n_rows;
-                transpose_into(part, n, w.n_rows)
-            })
-            .collect()
+        self.gemm(k, ws, x, &s.acts)
     }
 
     /// The fused MoE: (1) every slot's gate and up rows in one region, (2) SwiGLU and
@@ -208,7 +216,13 @@ impl CpuOps {
                 let (w, r) = if item < n_ff { (&sl.expert.gate, item) } else { (&sl.expert.up, item - n_ff) };
                 let m = (n_ff - r).min((end - e) / nt).min(ROW_TILE);
                 let o = e - b[p];
-                tile(k, w, r, m, &src, sl.tokens, nt, &mut out[o..o + m * nt]);
+                let block = std::cell::RefCell::new(&mut out[o..o + m * nt]);
+                tile(k, w, r, m, &src, sl.tokens, nt, &mut |i, j, v| block.borrow_mut()[j * nt + i] = v, &mut |i, v| {
+                    let mut b = block.borrow_mut();
+                    for (j, v) in v.iter().enumerate() {
+                        b[j * nt + i] = *v;
+                    }
+                });
                 e += m * nt;
             }
         });
@@ -223,6 +237,7 @@ impl CpuOps {
             s.acts2.resize_with(n_h, ActRow::default);
         }
         let gu = &s.gu;
+        let unsigned = k.has_panels() && slots.iter().any(|sl| sl.tokens.len() >= panel_min_tokens());
         let fill = |i: usize, a: &mut ActRow| {
             let si = hoffs[..=slots.len()].partition_point(|&o| o <= i) - 1;
             let (nt, n_ff) = (slots[si].tokens.len(), slots[si].expert.gate.n_rows);
@@ -234,6 +249,9 @@ impl CpuOps {
                 *v = silu(g[r * nt + j]) * u[r * nt + j];
             }
             k.quantize(&h[..n_ff], a);
+            if unsigned {
+                a.fill_unsigned();
+            }
         };
         if n_h < 8 {
             for (i, a) in s.acts2[..n_h].iter_mut().enumerate() {
@@ -250,44 +268,48 @@ impl CpuOps {
 
         // (3) down: output row r of token t = Σ_slots ω·(down_s row r · h_{s,t}).
         let n = x.n;
-        s.yt.resize(d * n, 0.0);
+        let mut y = Mat::zeros(n, d);
         let parts = even_bounds(d, parts_for(self.n_threads()), ROW_TILE, &mut b);
-        let rb = b;
-        b.iter_mut().for_each(|e| *e *= n);
         let acts2 = &s.acts2;
-        self.pool.split_mut(&mut s.yt[..d * n], &b[..=parts], |p, out| {
-            out.fill(0.0);
-            let r0 = rb[p];
-            let n_rows = out.len() / n;
-            for rt in (0..n_rows).step_by(ROW_TILE) {
-                let m = ROW_TILE.min(n_rows - rt);
+        self.pool.split_cols(&mut [&mut y.data[..]], n, &b[..=parts], |p, mut out| {
+            let (r0, r1) = (b[p], b[p + 1]);
+            for rt in (r0..r1).step_by(ROW_TILE) {
+                let m = ROW_TILE.min(r1 - rt);
                 for (si, sl) in slots.iter().enumerate() {
                     let h = &acts2[hoffs[si]..hoffs[si + 1]];
+                    if use_panel(k, sl.expert.down.ty, h.len()) {
+                        panel_rows(k, &sl.expert.down, rt, m, h.len(), |i| &h[i], |i, v| {
+                            let (t, w) = sl.tokens[i];
+                            for (o, v) in out.run(t, rt, v.len()).iter_mut().zip(v) {
+                                *o += w * v;
+                            }
+                        });
+                        continue;
+                    }
                     let ahead = prefetch_rows(sl.expert.down.row_bytes()) / slots.len() + 1;
                     for j in 0..m {
-                        if r0 + rt + j + ahead < sl.expert.down.n_rows {
-                            simd::prefetch(sl.expert.down.row(r0 + rt + j + ahead));
+                        if rt + j + ahead < sl.expert.down.n_rows {
+                            simd::prefetch(sl.expert.down.row(rt + j + ahead));
                         }
-                        let row = sl.expert.down.row(r0 + rt + j);
-                        let o = &mut out[(rt + j) * n..(rt + j + 1) * n];
+                        let row = sl.expert.down.row(rt + j);
                         let mut i = 0;
                         while i + 4 <= h.len() {
                             let v = k.dot_q::<4>(sl.expert.down.ty, row, [&h[i], &h[i + 1], &h[i + 2], &h[i + 3]]);
                             for (l, v) in v.iter().enumerate() {
                                 let (t, w) = sl.tokens[i + l];
-                                o[t] += w * v;
+                                *out.at(t, rt + j) += w * v;
                             }
                             i += 4;
                         }
                         for (i, a) in h.iter().enumerate().skip(i) {
                             let (t, w) = sl.tokens[i];
-                            o[t] += w * k.dot_q::<1>(sl.expert.down.ty, row, [a])[0];
+                            *out.at(t, rt + j) += w * k.dot_q::<1>(sl.expert.down.ty, row, [a])[0];
                         }
                     }
                 }
             }
         });
-        transpose_into(&s.yt[..d * n], n, d)
+        y
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -320,6 +342,7 @@ impl CpuOps {
     #[allow(clippy::too_many_arguments)]
     fn delta_fast<K: Kernels>(&self, kn: K, s: DeltaShape, q: &Mat, k: &Mat, v: &Mat, g: &Mat, beta: &Mat, state: &mut [f32]) -> Mat {
         let (dk, dv) = (s.d_k, s.d_v);
+        assert_eq!(q.d, k.d, "gated_delta_rule: q and k rows differ in width");
         let hs = dv * dk;
         let per = s.n_tok * dv;
         let mut heads = vec![0f32; s.n_v_head * per]; // [head][token][dv]
@@ -331,15 +354,27 @@ impl CpuOps {
             bo[p] = b[p] * per;
         }
         self.pool.split_mut2(state, &bs[..=parts], &mut heads, &bo[..=parts], |p, st, out| {
+            let (mut decay, mut beta_h) = (vec![0f32; s.n_tok], vec![0f32; s.n_tok]);
             for (i, (sth, oh)) in st.chunks_exact_mut(hs).zip(out.chunks_exact_mut(per)).enumerate() {
                 let h = b[p] + i;
                 let kh = h % s.n_k_head;
                 for t in 0..s.n_tok {
-                    let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
-                    let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
-                    let vt = &v.row(t)[h * dv..(h + 1) * dv];
-                    kn.delta_step(sth, qt, kt, vt, g.row(t)[h].exp(), beta.row(t)[h], &mut oh[t * dv..(t + 1) * dv]);
+                    decay[t] = g.row(t)[h].exp();
+                    beta_h[t] = beta.row(t)[h];
                 }
+                let io = DeltaIo {
+                    q: &q.data[kh * dk..],
+                    k: &k.data[kh * dk..],
+                    v: &v.data[h * dv..],
+                    sqk: q.d,
+                    sv: v.d,
+                    decay: &decay,
+                    beta: &beta_h,
+                    n: s.n_tok,
+                    dk,
+                    dv,
+                };
+                kn.delta_seq(sth, &io, oh);
             }
         });
         let mut out = Mat::zeros(s.n_tok, s.n_v_head * dv);
@@ -489,20 +524,34 @@ fn dot_row<K: Kernels, const NT: usize>(k: K, w: &WeightView, r: usize, src: &Ac
     }
 }
 
-/// Rows `r0..r0 + m` of `w` against `nt` tokens (`toks`, or 0..nt when empty) into `out`
-/// ([m][nt]): tokens in groups of 4 so each unpacked weight block serves four of them, while
-/// the `m` rows (a few KiB) stay in L1.
+/// Rows `r0..r0 + m` of `w` against `nt` tokens (`toks`, or 0..nt when empty); `put(i, j, v)`
+/// receives token i's dot with row r0 + j. Prompt-sized tiles go through a [`Panel`]; others
+/// take tokens in groups of 4 so each unpacked weight block serves four of them, while the `m`
+/// rows (a few KiB) stay in L1.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn tile<K: Kernels>(k: K, w: &WeightView, r0: usize, m: usize, src: &Acts, toks: &[(usize, f32)], nt: usize, out: &mut [f32]) {
+fn tile<K: Kernels>(
+    k: K,
+    w: &WeightView,
+    r0: usize,
+    m: usize,
+    src: &Acts,
+    toks: &[(usize, f32)],
+    nt: usize,
+    put: &mut impl FnMut(usize, usize, f32),
+    put_run: &mut impl FnMut(usize, &[f32]),
+) {
     let tok = |i: usize| if toks.is_empty() { i } else { toks[i].0 };
+    if use_panel(k, w.ty, nt) {
+        return panel_rows(k, w, r0, m, nt, |i| &src.q[tok(i)], put_run);
+    }
     if nt == 1 {
         let ahead = prefetch_rows(w.row_bytes());
-        for (j, o) in out[..m].iter_mut().enumerate() {
+        for j in 0..m {
             if r0 + j + ahead < w.n_rows {
                 simd::prefetch(w.row(r0 + j + ahead));
             }
-            *o = dot_row::<K, 1>(k, w, r0 + j, src, [tok(0)])[0];
+            put(0, j, dot_row::<K, 1>(k, w, r0 + j, src, [tok(0)])[0]);
         }
         return;
     }
@@ -511,13 +560,76 @@ fn tile<K: Kernels>(k: K, w: &WeightView, r0: usize, m: usize, src: &Acts, toks:
         let ids = [tok(t), tok(t + 1), tok(t + 2), tok(t + 3)];
         for j in 0..m {
             let v = dot_row::<K, 4>(k, w, r0 + j, src, ids);
-            out[j * nt + t..j * nt + t + 4].copy_from_slice(&v);
+            for (l, v) in v.iter().enumerate() {
+                put(t + l, j, *v);
+            }
         }
         t += 4;
     }
     for t in t..nt {
         for j in 0..m {
-            out[j * nt + t] = dot_row::<K, 1>(k, w, r0 + j, src, [tok(t)])[0];
+            put(t, j, dot_row::<K, 1>(k, w, r0 + j, src, [tok(t)])[0]);
+        }
+    }
+}
+
+/// Fewest tokens for which a weight tile goes through a [`Panel`] (`EMBER_PANEL_MIN`
+/// overrides; read once). Below it, unpacking 16 rows costs more than it saves.
+fn panel_min_tokens() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| std::env::var("EMBER_PANEL_MIN").ok().and_then(|s| s.parse().ok()).unwrap_or(PANEL_MIN_TOKENS))
+}
+
+const PANEL_MIN_TOKENS: usize = 8;
+
+#[inline]
+fn use_panel<K: Kernels>(k: K, ty: GgmlType, nt: usize) -> bool {
+    k.has_panels() && nt >= panel_min_tokens() && panel::supported(ty)
+}
+
+thread_local! {
+    /// Each worker's panel buffer (the pool's threads live as long as the backend).
+    static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+}
+
+/// Rows `r0..r0 + m` (m ≤ 16) of `w` against `nt` activation rows (`act(i)`, with
+/// [`ActRow::qu`] filled) through one panel; `put(i, v)` receives token i's dots with rows
+/// r0..r0 + m.
+#[inline]
+fn panel_rows<'a, K: Kernels>(
+    k: K,
+    w: &WeightView,
+    r0: usize,
+    m: usize,
+    nt: usize,
+    act: impl Fn(usize) -> &'a ActRow,
+    mut put: impl FnMut(usize, &[f32]),
+) {
+    let rb = w.row_bytes();
+    PANEL.with_borrow_mut(|p| {
+        k.panel_unpack(w.ty, w.k, &w.data[r0 * rb..(r0 + m) * rb], m, p);
+        let mut buf = [[0f32; panel::ROWS]; 8];
+        let mut t = 0;
+        while t < nt {
+            let c = (nt - t).min(8);
+            let a: [&ActRow; 8] = std::array::from_fn(|i| act(t + i.min(c - 1)));
+            k.panel_dot(p, &a[..c], &mut buf[..c]);
+            for (i, v) in buf[..c].iter().enumerate() {
+                put(t + i, &v[..m]);
+            }
+            t += c;
+        }
+    });
+}
+
+/// `dst.copy_from_slice(src)` for the ≤ 16 values of a panel row, without a call to memmove.
+#[inline]
+fn copy_small(dst: &mut [f32], src: &[f32]) {
+    if let (Ok(d), Ok(s)) = (<&mut [f32; panel::ROWS]>::try_from(&mut *dst), <&[f32; panel::ROWS]>::try_from(src)) {
+        *d = *s;
+    } else {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = *s;
         }
     }
 }
@@ -661,7 +773,7 @@ impl Ops for CpuOps {
                     let t = (tb[p] + i) as isize;
                     for j in 0..kernel {
                         let src = input(t - hist as isize + j as isize);
-                        o.iter_mut().zip(&wt[j * c..(j + 1) * c]).zip(src).for_each(|((o, w), v)| *o += w * v);
+                        kn.mul_add(&wt[j * c..(j + 1) * c], src, o);
                     }
                     kn.silu(o);
                 }

@@ -193,6 +193,82 @@ impl Pool {
     }
 }
 
+/// Most matrices one [`Pool::split_cols`] region writes side by side.
+pub const MAX_COL_MATS: usize = 8;
+
+/// Part `p` of a [`Pool::split_cols`] region: the global columns `c0..c1` of matrices laid side
+/// by side (global column c is column c − start of the matrix holding it), in every row. Every
+/// access is bounds-checked against those columns and the matrix.
+pub struct ColsMut<'a> {
+    mats: [(*mut f32, usize); MAX_COL_MATS], // (data, columns)
+    starts: [usize; MAX_COL_MATS + 1],
+    n_rows: usize,
+    c0: usize,
+    c1: usize,
+    _data: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+impl ColsMut<'_> {
+    /// Row t, global columns c..c + len, which must lie in this part's columns and in one
+    /// matrix.
+    #[inline]
+    pub fn run(&mut self, t: usize, c: usize, len: usize) -> &mut [f32] {
+        assert!(t < self.n_rows && c >= self.c0 && c + len <= self.c1, "ColsMut: row {t} columns {c}..{} outside {}..{}", c + len, self.c0, self.c1);
+        let mut i = 0;
+        while c >= self.starts[i + 1] {
+            i += 1;
+        }
+        let (ptr, ld) = self.mats[i];
+        let lc = c - self.starts[i];
+        assert!(lc + len <= ld, "ColsMut: columns {c}..{} cross a matrix boundary", c + len);
+        // SAFETY: row t < n_rows and columns lc..lc + len ≤ ld are inside matrix i, and they
+        // are in this part's global columns, which no other part touches while the region runs
+        // (split_cols).
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(t * ld + lc), len) }
+    }
+
+    /// The element (t, c).
+    #[inline]
+    pub fn at(&mut self, t: usize, c: usize) -> &mut f32 {
+        &mut self.run(t, c, 1)[0]
+    }
+}
+
+impl Pool {
+    /// Runs `f(part, cols)` for every part of the row-major matrices `mats` (each `n` rows;
+    /// matrix i has `mats[i].len() / n` columns), laid side by side and cut by global columns
+    /// at `bounds` (non-decreasing, first 0, last the total), in parallel: each part may write
+    /// its own columns of every row. For outputs laid out [token][row] whose weight rows are
+    /// split across workers.
+    pub fn split_cols<F: Fn(usize, ColsMut<'_>) + Sync>(&self, mats: &mut [&mut [f32]], n: usize, bounds: &[usize], f: F) {
+        assert!(n > 0 && !mats.is_empty() && mats.len() <= MAX_COL_MATS, "split_cols: {} matrices of {n} rows", mats.len());
+        let mut ptrs: [(SendPtr<f32>, usize); MAX_COL_MATS] = std::array::from_fn(|_| (SendPtr(std::ptr::null_mut()), 0));
+        let mut starts = [usize::MAX; MAX_COL_MATS + 1];
+        starts[0] = 0;
+        for (i, m) in mats.iter_mut().enumerate() {
+            assert!(m.len().is_multiple_of(n), "split_cols: {} values are not {n} rows", m.len());
+            ptrs[i] = (SendPtr(m.as_mut_ptr()), m.len() / n);
+            starts[i + 1] = starts[i] + m.len() / n;
+        }
+        let n_mats = mats.len();
+        check_bounds(starts[n_mats], bounds);
+        self.run(bounds.len().saturating_sub(1), |part| {
+            let ptrs = &ptrs;
+            f(
+                part,
+                ColsMut {
+                    mats: std::array::from_fn(|i| (ptrs[i].0.0, ptrs[i].1)),
+                    starts,
+                    n_rows: n,
+                    c0: bounds[part],
+                    c1: bounds[part + 1],
+                    _data: std::marker::PhantomData,
+                },
+            );
+        });
+    }
+}
+
 fn check_bounds(len: usize, bounds: &[usize]) {
     assert!(bounds.first() == Some(&0) && bounds.last() == Some(&len), "split: bounds must span the slice");
     assert!(bounds.windows(2).all(|w| w[0] <= w[1]), "split: bounds must not decrease");

@@ -35,7 +35,7 @@ fn dp(u: __m256i, s: __m256i) -> __m256i {
 /// The kernel bodies for one x86 instruction set: `$feat` is its target-feature list and the
 /// invoking module provides `fn dp(u8 x32, i8 x32) -> i32 x8` with the same features.
 macro_rules! x86_kernels {
-    ($token:ident, $feat:literal) => {
+    ($token:ident, $feat:literal $(, { $($extra:item)* })?) => {
         use ember_gguf::GgmlType;
 
         use crate::kernels::{self, ActRow};
@@ -72,6 +72,12 @@ macro_rules! x86_kernels {
             }
 
             #[inline]
+            fn mul_add(self, a: &[f32], x: &[f32], y: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { mul_add(a, x, y) }
+            }
+
+            #[inline]
             fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
                 // SAFETY: as above.
                 unsafe { exp_sum(x, sub) }
@@ -97,6 +103,8 @@ macro_rules! x86_kernels {
                 // SAFETY: as above.
                 unsafe { delta_step(st, q, k, v, decay, beta, o) }
             }
+
+            $($($extra)*)?
         }
 
         #[inline]
@@ -119,6 +127,20 @@ macro_rules! x86_kernels {
             }
             for j in i..n {
                 y[j] += a * x[j];
+            }
+        }
+
+        #[target_feature(enable = $feat)]
+        fn mul_add(a: &[f32], x: &[f32], y: &mut [f32]) {
+            let n = a.len().min(x.len()).min(y.len());
+            let mut i = 0;
+            while i + 8 <= n {
+                let r = _mm256_fmadd_ps(ldps(a, i), ldps(x, i), ldps(y, i));
+                stps(y, i, r);
+                i += 8;
+            }
+            for j in i..n {
+                y[j] += a[j] * x[j];
             }
         }
 
@@ -294,6 +316,23 @@ macro_rules! x86_kernels {
             _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
         }
 
+        /// Independent accumulators per token: with one token, the FMA latency (4 cycles)
+        /// rather than the loads would bound a single chain, so steps rotate over four; with
+        /// several tokens the tokens' own chains overlap and one each keeps registers free.
+        const CHAINS: usize = 4;
+
+        /// The chain of step `i`.
+        #[inline(always)]
+        const fn chain<const NT: usize>(i: usize) -> usize {
+            if NT == 1 { i % CHAINS } else { 0 }
+        }
+
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn sum_chains(a: [__m256; CHAINS]) -> __m256 {
+            _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))
+        }
+
         /// Lane `j` of `v` in every lane.
         #[inline]
         #[target_feature(enable = $feat)]
@@ -358,7 +397,7 @@ macro_rules! x86_kernels {
             let bs = if Q5 { 176 } else { 144 };
             let qs0 = if Q5 { 48 } else { 16 };
             let m4 = _mm256_set1_epi8(0x0F);
-            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
             let mut accm = [_mm256_setzero_ps(); NT];
             for (i, b) in w.chunks_exact(bs).enumerate() {
                 let (sc, mn) = k4_scales(&b[4..16]);
@@ -384,14 +423,15 @@ macro_rules! x86_kernels {
                     for t in 0..NT {
                         let p0 = _mm256_cvtepi32_ps(dp(lo, ld256i(&a[t].q, base)));
                         let p1 = _mm256_cvtepi32_ps(dp(hi, ld256i(&a[t].q, base + 32)));
-                        acc[t] = _mm256_fmadd_ps(p0, lane(s[t], 2 * p), acc[t]);
-                        acc[t] = _mm256_fmadd_ps(p1, lane(s[t], 2 * p + 1), acc[t]);
+                        let (c0, c1) = (chain::<NT>(2 * p), chain::<NT>(2 * p + 1));
+                        acc[t][c0] = _mm256_fmadd_ps(p0, lane(s[t], 2 * p), acc[t][c0]);
+                        acc[t][c1] = _mm256_fmadd_ps(p1, lane(s[t], 2 * p + 1), acc[t][c1]);
                     }
                 }
             }
             let mut out = [0f32; NT];
             for t in 0..NT {
-                out[t] = hsum(acc[t]) - hsum(accm[t]);
+                out[t] = hsum(sum_chains(acc[t])) - hsum(accm[t]);
             }
             out
         }
@@ -404,7 +444,7 @@ macro_rules! x86_kernels {
             let m3 = _mm256_set1_epi8(3);
             let idx_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
             let idx_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
             let mut accm = [_mm256_setzero_ps(); NT];
             for (i, b) in w.chunks_exact(210).enumerate() {
                 let d = _mm256_set1_ps(f16(b, 208));
@@ -443,14 +483,15 @@ macro_rules! x86_kernels {
                         let sel = _mm256_setr_epi32(j2, j2, j2, j2, j2 + 1, j2 + 1, j2 + 1, j2 + 1);
                         for t in 0..NT {
                             let p = _mm256_cvtepi32_ps(dp(*qj, ld256i(&a[t].q, base)));
-                            acc[t] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(s[t][n], sel), acc[t]);
+                            let c = chain::<NT>(j);
+                            acc[t][c] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(s[t][n], sel), acc[t][c]);
                         }
                     }
                 }
             }
             let mut out = [0f32; NT];
             for t in 0..NT {
-                out[t] = hsum(acc[t]) - 32.0 * hsum(accm[t]);
+                out[t] = hsum(sum_chains(acc[t])) - 32.0 * hsum(accm[t]);
             }
             out
         }
@@ -459,20 +500,30 @@ macro_rules! x86_kernels {
         #[inline]
         #[target_feature(enable = $feat)]
         fn dot_q8_0<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
-            let mut acc = [_mm256_setzero_ps(); NT];
-            for (j, b) in w.chunks_exact(34).enumerate() {
-                let d = f16(b, 0);
-                let q = ld256(b, 2);
-                let u = _mm256_abs_epi8(q);
-                for t in 0..NT {
-                    let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 32 * j), q);
-                    let p = _mm256_cvtepi32_ps(dp(u, sgn));
-                    acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a[t].d[j]), acc[t]);
+            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
+            // Four blocks per step, one accumulator chain each (for NT = 1).
+            let n_blocks = w.len() / 34;
+            let mut j = 0;
+            while j < n_blocks {
+                for u in 0..4 {
+                    if j + u < n_blocks {
+                        let b = &w[34 * (j + u)..34 * (j + u + 1)];
+                        let d = f16(b, 0);
+                        let q = ld256(b, 2);
+                        let qu = _mm256_abs_epi8(q);
+                        let c = chain::<NT>(u);
+                        for t in 0..NT {
+                            let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 32 * (j + u)), q);
+                            let p = _mm256_cvtepi32_ps(dp(qu, sgn));
+                            acc[t][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a[t].d[j + u]), acc[t][c]);
+                        }
+                    }
                 }
+                j += 4;
             }
             let mut out = [0f32; NT];
             for t in 0..NT {
-                out[t] = hsum(acc[t]);
+                out[t] = hsum(sum_chains(acc[t]));
             }
             out
         }
@@ -484,7 +535,7 @@ macro_rules! x86_kernels {
             let table =
                 _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
             let m4 = _mm256_set1_epi8(0x0F);
-            let mut acc = [_mm256_setzero_ps(); NT];
+            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
             for (i, b) in w.chunks_exact(136).enumerate() {
                 let d = f16(b, 0);
                 let sh = u16::from_le_bytes([b[2], b[3]]);
@@ -506,13 +557,14 @@ macro_rules! x86_kernels {
                     for t in 0..NT {
                         let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 256 * i + 32 * sub), v);
                         let p = _mm256_cvtepi32_ps(dp(u, sgn));
-                        acc[t] = _mm256_fmadd_ps(p, lane(s[t], sub), acc[t]);
+                        let c = chain::<NT>(sub);
+                        acc[t][c] = _mm256_fmadd_ps(p, lane(s[t], sub), acc[t][c]);
                     }
                 }
             }
             let mut out = [0f32; NT];
             for t in 0..NT {
-                out[t] = hsum(acc[t]);
+                out[t] = hsum(sum_chains(acc[t]));
             }
             out
         }

@@ -34,4 +34,434 @@ fn dp(u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
 }
 
-x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
+    #[inline]
+    fn has_panels(self) -> bool {
+        true
+    }
+
+    fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
+        if io.n < 2 || !io.dv.is_multiple_of(ROWS) || !io.dk.is_multiple_of(4) {
+            for t in 0..io.n {
+                let (q, k, v) = io.token(t);
+                self.delta_step(st, q, k, v, io.decay[t], io.beta[t], &mut o[t * io.dv..(t + 1) * io.dv]);
+            }
+            return;
+        }
+        assert!(st.len() >= io.dk * io.dv && o.len() >= io.n * io.dv && io.decay.len() >= io.n && io.beta.len() >= io.n);
+        // Bounds of the last token's reads (the kernel reads tokens 0..n through `token`).
+        let _ = io.token(io.n - 1);
+        let kq: Vec<f32> = (0..io.n).map(|t| {
+            let (q, k, _) = io.token(t);
+            q.iter().zip(k).map(|(a, b)| a * b).sum()
+        }).collect();
+        let mut buf = vec![Lanes::<f32>::default(); io.dk];
+        for c in 0..io.dv / ROWS {
+            // SAFETY: the CPU has the features (token); the lengths were checked above.
+            unsafe { delta_columns(st, io, &kq, c, &mut buf, o) };
+        }
+    }
+
+    fn panel_unpack(self, ty: GgmlType, k: usize, rows: &[u8], m: usize, p: &mut Panel) {
+        let rb = ty.row_bytes(k).expect("panel rows are whole blocks");
+        assert!((1..=ROWS).contains(&m) && rows.len() >= m * rb, "panel_unpack: {m} rows of {rb} bytes in {} bytes", rows.len());
+        assert!(ROWS * rb < i32::MAX as usize, "panel_unpack: rows of {rb} bytes are too long to gather");
+        if !matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q8_0 | GgmlType::IQ4XS) {
+            let rs: Vec<&[u8]> = (0..m).map(|r| &rows[r * rb..(r + 1) * rb]).collect();
+            return p.unpack_scalar(ty, k, &rs);
+        }
+        p.reset(ty, k, m);
+        // SAFETY: the CPU has the features (token); `rows` holds m rows of rb bytes (checked
+        // above), and every unpacker gathers only 4-byte words inside a block of a row.
+        unsafe {
+            let r = Gather::new(rows, rb, m);
+            match ty {
+                GgmlType::Q4K => unpack_k4::<false>(&r, k, p),
+                GgmlType::Q5K => unpack_k4::<true>(&r, k, p),
+                GgmlType::Q6K => unpack_q6k(&r, k, p),
+                GgmlType::Q8_0 => unpack_q8_0(&r, k, p),
+                _ => unpack_iq4xs(&r, k, p),
+            }
+            finish_corr(p);
+        }
+    }
+
+    fn panel_dot(self, p: &Panel, a: &[&ActRow], out: &mut [[f32; ROWS]]) {
+        assert!(out.len() >= a.len());
+        for a in a {
+            assert!(a.qu.len() >= p.k && a.d.len() >= p.k / 32 && a.ds16.len() >= p.k / 16, "panel_dot: activation row shorter than the panel");
+        }
+        assert!(p.q.len() >= p.k / 4 && p.sc.len() >= p.k / p.g && p.off.len() >= p.k / p.g && p.corr.len() >= p.k / p.g);
+        let mut i = 0;
+        while i < a.len() {
+            let n = (a.len() - i).min(8);
+            let (a, o) = (&a[i..i + n], &mut out[i..i + n]);
+            // SAFETY: the CPU has the features (token); the lengths were checked above.
+            unsafe {
+                match n {
+                    8 => panel_dot_g::<8>(p, a, o),
+                    7 => panel_dot_g::<7>(p, a, o),
+                    6 => panel_dot_g::<6>(p, a, o),
+                    5 => panel_dot_g::<5>(p, a, o),
+                    4 => panel_dot_g::<4>(p, a, o),
+                    3 => panel_dot_g::<3>(p, a, o),
+                    2 => panel_dot_g::<2>(p, a, o),
+                    _ => panel_dot_g::<1>(p, a, o),
+                }
+            }
+            i += n;
+        }
+    }
+});
+
+use super::DeltaIo;
+use crate::panel::{Lanes, Panel, ROWS};
+
+/// The delta rule for value columns `16c..16c + 16` of one head over all tokens, with those
+/// columns of the state held key-major in `buf` (`buf[i]` lane l = S[i][16c + l], 8 KiB at
+/// d_k = 128: it stays in L1 for the whole sequence). Per token, from `r = Sᵀk` and `u = Sᵀq`:
+/// `δ = β(v − decay·r)`, `o = decay·u + δ·(k·q)` (= the updated `Sᵀq`), then one pass
+/// `S ← decay·S + kδᵀ` that also accumulates the next token's `r` and `u`. No horizontal sums:
+/// the 16 lanes are 16 independent state columns.
+/// SAFETY (caller): `st` holds d_k·d_v values, `o` n·d_v, `kq`/`decay`/`beta` n, and every
+/// token's q, k, v are in bounds (checked by `delta_seq`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn delta_columns(st: &mut [f32], io: &DeltaIo<'_>, kq: &[f32], c: usize, buf: &mut [Lanes<f32>], o: &mut [f32]) {
+    let (dk, dv) = (io.dk, io.dv);
+    let col0 = c * ROWS;
+    let idx: [i32; ROWS] = std::array::from_fn(|l| (l * dk) as i32);
+    // SAFETY: `idx` is 16 readable i32.
+    let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
+    for (i, b) in buf.iter_mut().enumerate() {
+        // SAFETY: lane l reads st[(col0 + l)·dk + i] < dk·dv.
+        put_f(b, unsafe { _mm512_i32gather_ps::<4>(idx, st.as_ptr().add(col0 * dk + i).cast()) });
+    }
+    // r and u of token 0, four partial sums each (dk is a multiple of 4: `delta_seq`).
+    let (q0, k0, _) = io.token(0);
+    let (mut r, mut u) = ([_mm512_setzero_ps(); 4], [_mm512_setzero_ps(); 4]);
+    for ((b, kc), qc) in buf.chunks_exact(4).zip(k0.chunks_exact(4)).zip(q0.chunks_exact(4)) {
+        for j in 0..4 {
+            let s = get_f(&b[j]);
+            r[j] = _mm512_fmadd_ps(s, _mm512_set1_ps(kc[j]), r[j]);
+            u[j] = _mm512_fmadd_ps(s, _mm512_set1_ps(qc[j]), u[j]);
+        }
+    }
+    for t in 0..io.n {
+        let (_, k, v) = io.token(t);
+        let decay = _mm512_set1_ps(io.decay[t]);
+        let rs = _mm512_add_ps(_mm512_add_ps(r[0], r[1]), _mm512_add_ps(r[2], r[3]));
+        let us = _mm512_add_ps(_mm512_add_ps(u[0], u[1]), _mm512_add_ps(u[2], u[3]));
+        // SAFETY: v has dv ≥ col0 + 16 values.
+        let vv = unsafe { _mm512_loadu_ps(v.as_ptr().add(col0)) };
+        let delta = _mm512_mul_ps(_mm512_set1_ps(io.beta[t]), _mm512_fnmadd_ps(decay, rs, vv));
+        let ot = _mm512_fmadd_ps(delta, _mm512_set1_ps(kq[t]), _mm512_mul_ps(decay, us));
+        // SAFETY: o has n·dv values and t·dv + col0 + 16 ≤ n·dv.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(t * dv + col0), ot) };
+        let (qn, kn, _) = io.token((t + 1).min(io.n - 1));
+        r = [_mm512_setzero_ps(); 4];
+        u = [_mm512_setzero_ps(); 4];
+        for (((b, kc), knc), qnc) in buf.chunks_exact_mut(4).zip(k.chunks_exact(4)).zip(kn.chunks_exact(4)).zip(qn.chunks_exact(4)) {
+            for j in 0..4 {
+                let s = _mm512_fmadd_ps(get_f(&b[j]), decay, _mm512_mul_ps(_mm512_set1_ps(kc[j]), delta));
+                put_f(&mut b[j], s);
+                // For the last token these sums are not used (kn, qn repeat it).
+                r[j] = _mm512_fmadd_ps(s, _mm512_set1_ps(knc[j]), r[j]);
+                u[j] = _mm512_fmadd_ps(s, _mm512_set1_ps(qnc[j]), u[j]);
+            }
+        }
+    }
+    for (i, b) in buf.iter().enumerate() {
+        // SAFETY: as the gather above; distinct lanes write distinct addresses.
+        unsafe { _mm512_i32scatter_ps::<4>(st.as_mut_ptr().add(col0 * dk + i).cast(), idx, get_f(b)) };
+    }
+}
+
+/// Gathers of one 4-byte word from each of 16 rows (rows past the real ones repeat the last).
+struct Gather {
+    base: *const u8,
+    idx: __m512i,
+    #[cfg(debug_assertions)]
+    row_bytes: usize,
+}
+
+impl Gather {
+    /// SAFETY (caller): `rows` holds `m` ≥ 1 rows of `rb` bytes and 16·rb < 2^31.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn new(rows: &[u8], rb: usize, m: usize) -> Gather {
+        let o: [i32; ROWS] = std::array::from_fn(|r| (r.min(m - 1) * rb) as i32);
+        Gather {
+            base: rows.as_ptr(),
+            // SAFETY: `o` is 16 readable i32.
+            idx: unsafe { _mm512_loadu_si512(o.as_ptr().cast()) },
+            #[cfg(debug_assertions)]
+            row_bytes: rb,
+        }
+    }
+
+    /// Lane r = the 4 bytes at `at` of row r.
+    /// SAFETY (caller): `at + 4 ≤ rb`, so every lane reads inside its row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn at(&self, at: usize) -> __m512i {
+        #[cfg(debug_assertions)]
+        debug_assert!(at + 4 <= self.row_bytes);
+        // SAFETY: per the caller's promise, each lane's address is inside its row.
+        unsafe { _mm512_i32gather_epi32::<1>(self.idx, self.base.add(at).cast()) }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn put_i(dst: &mut Lanes<i32>, v: __m512i) {
+    // SAFETY: `Lanes` is 64 bytes aligned to 64.
+    unsafe { _mm512_store_si512((dst as *mut Lanes<i32>).cast(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn put_f(dst: &mut Lanes<f32>, v: __m512) {
+    // SAFETY: as above.
+    unsafe { _mm512_store_ps((dst as *mut Lanes<f32>).cast(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn get_i(src: &Lanes<i32>) -> __m512i {
+    // SAFETY: as above.
+    unsafe { _mm512_load_si512((src as *const Lanes<i32>).cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn get_f(src: &Lanes<f32>) -> __m512 {
+    // SAFETY: as above.
+    unsafe { _mm512_load_ps((src as *const Lanes<f32>).cast()) }
+}
+
+/// The low 16 bits of each lane as an f16, in f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn lo_f16(v: __m512i) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+}
+
+/// Byte `n` of each lane, zero-extended.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn byte(v: __m512i, n: usize) -> __m512i {
+    _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * n as i32)), _mm512_set1_epi32(0xFF))
+}
+
+/// Q4_K / Q5_K (`Q5`): per 256-block d, dmin, eight 6-bit scales and mins, 4-bit codes (+ a
+/// fifth bit from qh); panel codes 0..15 / 0..31, offsets −dmin·m.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_k4<const Q5: bool>(r: &Gather, k: usize, p: &mut Panel) {
+    let (ts, qs0) = if Q5 { (176, 48) } else { (144, 16) };
+    let m4 = _mm512_set1_epi32(0x0F0F_0F0F);
+    let one = _mm512_set1_epi32(0x0101_0101);
+    let (k1, k2, k3) = (_mm512_set1_epi32(0x3f3f_3f3f), _mm512_set1_epi32(0x0f0f_0f0f), _mm512_set1_epi32(0x0303_0303));
+    for b in 0..k / 256 {
+        let bb = b * ts;
+        // SAFETY (all gathers here): offsets are inside block b, which is inside every row.
+        let dd = unsafe { r.at(bb) };
+        let d = lo_f16(dd);
+        let dmin = lo_f16(_mm512_srli_epi32::<16>(dd));
+        let (u0, u1, u2) = unsafe { (r.at(bb + 4), r.at(bb + 8), r.at(bb + 12)) };
+        // gguf-format.md §5: scales 0..3 are the low 6 bits of bytes 0..3, mins 0..3 of bytes
+        // 4..7; 4..7 take their low nibbles from bytes 8..11 and high bits from 0..7.
+        let s_lo = _mm512_and_si512(u0, k1);
+        let s_hi = _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), k3)));
+        let m_lo = _mm512_and_si512(u1, k1);
+        let m_hi = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32::<4>(u2), k2),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), k3)),
+        );
+        for j in 0..8 {
+            let (sv, mv) = if j < 4 { (s_lo, m_lo) } else { (s_hi, m_hi) };
+            put_f(&mut p.sc[8 * b + j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte(sv, j % 4))));
+            put_f(&mut p.off[8 * b + j], _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(byte(mv, j % 4))));
+        }
+        let mut hb = [_mm512_setzero_si512(); 8];
+        if Q5 {
+            for (s, h) in hb.iter_mut().enumerate() {
+                *h = unsafe { r.at(bb + 16 + 4 * s) };
+            }
+        }
+        for pp in 0..4 {
+            for (s, h) in hb.iter().enumerate() {
+                let v = unsafe { r.at(bb + qs0 + 32 * pp + 4 * s) };
+                let mut lo = _mm512_and_si512(v, m4);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi32::<4>(v), m4);
+                if Q5 {
+                    // bit 2pp of qh byte l is the fifth bit of sub-block 2pp, bit 2pp+1 of 2pp+1.
+                    let h0 = _mm512_and_si512(_mm512_srl_epi32(*h, _mm_cvtsi32_si128(2 * pp as i32)), one);
+                    let h1 = _mm512_and_si512(_mm512_srl_epi32(*h, _mm_cvtsi32_si128(2 * pp as i32 + 1)), one);
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi32::<4>(h0));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi32::<4>(h1));
+                }
+                put_i(&mut p.q[64 * b + 16 * pp + s], lo);
+                put_i(&mut p.q[64 * b + 16 * pp + 8 + s], hi);
+            }
+        }
+    }
+}
+
+/// Q6_K: per 256-block an f16 d, sixteen i8 scales (one per 16), 6-bit codes − 32.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_q6k(r: &Gather, k: usize, p: &mut Panel) {
+    let m4 = _mm512_set1_epi32(0x0F0F_0F0F);
+    let m3 = _mm512_set1_epi32(0x0303_0303);
+    let off = _mm512_set1_epi8(32);
+    for b in 0..k / 256 {
+        let bb = b * 210;
+        // SAFETY (all gathers here): inside block b (d is the high half of the word at 206).
+        let d = lo_f16(_mm512_srli_epi32::<16>(unsafe { r.at(bb + 206) }));
+        for i in 0..4 {
+            let sv = unsafe { r.at(bb + 192 + 4 * i) };
+            for l in 0..4 {
+                // group 4i + l (weights 16·(4i+l)..) has scale byte 4i + l (kernels.rs).
+                let s = _mm512_srai_epi32::<24>(_mm512_sll_epi32(sv, _mm_cvtsi32_si128(24 - 8 * l as i32)));
+                put_f(&mut p.sc[16 * b + 4 * i + l], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+                put_f(&mut p.off[16 * b + 4 * i + l], _mm512_setzero_ps());
+            }
+        }
+        for n in 0..2 {
+            for s in 0..8 {
+                let (a, c, h) = unsafe { (r.at(bb + 64 * n + 4 * s), r.at(bb + 64 * n + 32 + 4 * s), r.at(bb + 128 + 32 * n + 4 * s)) };
+                let q = [
+                    _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi32::<4>(_mm512_and_si512(h, m3))),
+                    _mm512_or_si512(_mm512_and_si512(c, m4), _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<2>(h), m3))),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi32::<4>(a), m4),
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<4>(h), m3)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi32::<4>(c), m4),
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(h), m3)),
+                    ),
+                ];
+                for (i, qi) in q.iter().enumerate() {
+                    put_i(&mut p.q[64 * b + 32 * n + 8 * i + s], _mm512_sub_epi8(*qi, off));
+                }
+            }
+        }
+    }
+}
+
+/// Q8_0: per 32-block an f16 d and 32 signed bytes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_q8_0(r: &Gather, k: usize, p: &mut Panel) {
+    for b in 0..k / 32 {
+        let bb = b * 34;
+        // SAFETY (all gathers here): inside block b (34 bytes).
+        put_f(&mut p.sc[b], lo_f16(unsafe { r.at(bb) }));
+        put_f(&mut p.off[b], _mm512_setzero_ps());
+        for s in 0..8 {
+            put_i(&mut p.q[8 * b + s], unsafe { r.at(bb + 2 + 4 * s) });
+        }
+    }
+}
+
+/// IQ4_XS: per 256-block an f16 d, 6-bit scales (−32) per 32, 4-bit indices into the IQ4_NL table.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_iq4xs(r: &Gather, k: usize, p: &mut Panel) {
+    const VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+    // SAFETY: VALUES is 16 readable bytes.
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(VALUES.as_ptr().cast()) });
+    let m4 = _mm512_set1_epi32(0x0F0F_0F0F);
+    for b in 0..k / 256 {
+        let bb = b * 136;
+        // SAFETY (all gathers here): inside block b.
+        let w0 = unsafe { r.at(bb) };
+        let d = lo_f16(w0);
+        let sh = _mm512_srli_epi32::<16>(w0);
+        let sl = unsafe { r.at(bb + 4) };
+        for j in 0..8 {
+            let lo = _mm512_and_si512(_mm512_srl_epi32(sl, _mm_cvtsi32_si128(4 * j as i32)), _mm512_set1_epi32(0xF));
+            let hi = _mm512_and_si512(_mm512_srl_epi32(sh, _mm_cvtsi32_si128(2 * j as i32)), _mm512_set1_epi32(3));
+            let ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi)), _mm512_set1_epi32(32));
+            put_f(&mut p.sc[8 * b + j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls)));
+            put_f(&mut p.off[8 * b + j], _mm512_setzero_ps());
+            for s in 0..4 {
+                let v = unsafe { r.at(bb + 8 + 16 * j + 4 * s) };
+                put_i(&mut p.q[64 * b + 8 * j + s], _mm512_shuffle_epi8(table, _mm512_and_si512(v, m4)));
+                put_i(&mut p.q[64 * b + 8 * j + 4 + s], _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32::<4>(v), m4)));
+            }
+        }
+    }
+}
+
+/// `corr[g] = −128 · Σ q` over each group, per row (one `vpdpbusd` with unit bytes per word).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn finish_corr(p: &mut Panel) {
+    let ones = _mm512_set1_epi8(1);
+    let w = p.g / 4;
+    for gi in 0..p.k / p.g {
+        let mut s = _mm512_setzero_si512();
+        for q in &p.q[gi * w..(gi + 1) * w] {
+            s = _mm512_dpbusd_epi32(s, ones, get_i(q));
+        }
+        put_i(&mut p.corr[gi], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(s)));
+    }
+}
+
+/// Dispatch on the panel's group size and offsets.
+/// SAFETY (caller): the lengths checked in `panel_dot`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn panel_dot_g<const NT: usize>(p: &Panel, a: &[&ActRow], out: &mut [[f32; ROWS]]) {
+    let a: [&ActRow; NT] = std::array::from_fn(|t| a[t]);
+    // SAFETY: forwarded.
+    let o = unsafe {
+        match (p.g, p.has_off) {
+            (32, false) => panel_dot_nt::<NT, 32, false>(p, a),
+            (32, true) => panel_dot_nt::<NT, 32, true>(p, a),
+            (16, false) => panel_dot_nt::<NT, 16, false>(p, a),
+            _ => panel_dot_nt::<NT, 16, true>(p, a),
+        }
+    };
+    out[..NT].copy_from_slice(&o);
+}
+
+/// The panel product for NT tokens: per group of G weights, G/4 `vpdpbusd` per token into
+/// integer accumulators that start at `corr`, then one convert and one FMA with
+/// `sc · d_a` (and one with `off · d_a·Σqa`). Each weight vector load serves NT tokens.
+/// SAFETY (caller): every `a[t]` has ≥ k bytes in `qu`, ≥ k/32 scales and ≥ k/16 sums; the
+/// panel's buffers cover k (what `panel_dot` checks).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn panel_dot_nt<const NT: usize, const G: usize, const OFF: bool>(p: &Panel, a: [&ActRow; NT]) -> [[f32; ROWS]; NT] {
+    let au = a.map(|a| a.qu.as_ptr());
+    let ad = a.map(|a| a.d.as_ptr());
+    let ads = a.map(|a| if G == 32 { a.ds32.as_ptr() } else { a.ds16.as_ptr() });
+    let mut facc = [_mm512_setzero_ps(); NT];
+    for gi in 0..p.k / G {
+        let mut iacc = [get_i(&p.corr[gi]); NT];
+        for s in 0..G / 4 {
+            let w = get_i(&p.q[gi * G / 4 + s]);
+            for t in 0..NT {
+                // SAFETY: gi·G + 4s + 4 ≤ k ≤ qu.len().
+                let av = _mm512_set1_epi32(unsafe { au[t].add(gi * G + 4 * s).cast::<i32>().read_unaligned() });
+                iacc[t] = _mm512_dpbusd_epi32(iacc[t], av, w);
+            }
+        }
+        let sc = get_f(&p.sc[gi]);
+        for t in 0..NT {
+            // SAFETY: gi·G/32 < k/32 ≤ d.len().
+            let s = _mm512_mul_ps(sc, _mm512_set1_ps(unsafe { *ad[t].add(gi * G / 32) }));
+            facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[t]), s, facc[t]);
+        }
+        if OFF {
+            let off = get_f(&p.off[gi]);
+            for t in 0..NT {
+                // SAFETY: gi < k/G ≤ the length of ds32 (G = 32) or ds16 (G = 16).
+                facc[t] = _mm512_fmadd_ps(off, _mm512_set1_ps(unsafe { *ads[t].add(gi) }), facc[t]);
+            }
+        }
+    }
+    let mut out = [[0f32; ROWS]; NT];
+    for t in 0..NT {
+        // SAFETY: out[t] is 16 writable f32.
+        unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), facc[t]) };
+    }
+    out
+}

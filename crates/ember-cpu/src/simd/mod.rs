@@ -18,6 +18,7 @@
 use ember_gguf::GgmlType;
 
 use crate::kernels::{self, ActRow};
+use crate::panel::{self, Panel};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -135,6 +136,9 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// `y += a·x`.
     fn axpy(self, a: f32, x: &[f32], y: &mut [f32]);
 
+    /// `y[i] += a[i]·x[i]`.
+    fn mul_add(self, a: &[f32], x: &[f32], y: &mut [f32]);
+
     /// `x[i] = exp(x[i] − sub)`; returns Σ x[i] (f32). Max relative error of exp ~2 ulp.
     fn exp_sum(self, x: &mut [f32], sub: f32) -> f32;
 
@@ -149,6 +153,61 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// `S ← decay·S;  δ = β(v − Sᵀk);  S ← S + kδᵀ;  o = Sᵀq`.
     #[allow(clippy::too_many_arguments)]
     fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]);
+
+    /// The delta rule over the `io.n` tokens of one head: [`Kernels::delta_step`] for each
+    /// token in turn (state layout as there). The default does exactly that.
+    fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
+        for t in 0..io.n {
+            let (q, k, v) = io.token(t);
+            self.delta_step(st, q, k, v, io.decay[t], io.beta[t], &mut o[t * io.dv..(t + 1) * io.dv]);
+        }
+    }
+
+    /// Whether this instruction set has fast [`Panel`] kernels (worth using for prompts).
+    fn has_panels(self) -> bool {
+        false
+    }
+
+    /// Unpacks `m` (1..=16) consecutive rows of `ty` ([`panel::supported`]), `k` weights each,
+    /// stored back to back in `rows`, into `p`. The default is the scalar unpacker.
+    fn panel_unpack(self, ty: GgmlType, k: usize, rows: &[u8], m: usize, p: &mut Panel) {
+        let rb = ty.row_bytes(k).expect("panel rows are whole blocks");
+        let rs: Vec<&[u8]> = (0..m).map(|r| &rows[r * rb..(r + 1) * rb]).collect();
+        p.unpack_scalar(ty, k, &rs);
+    }
+
+    /// `out[t]` = the panel's 16 row dots with activation row `a[t]` (whose
+    /// [`ActRow::qu`] is filled). The default is the scalar product.
+    fn panel_dot(self, p: &Panel, a: &[&ActRow], out: &mut [[f32; panel::ROWS]]) {
+        for (o, a) in out.iter_mut().zip(a) {
+            *o = p.dot_scalar(a);
+        }
+    }
+}
+
+/// The inputs of [`Kernels::delta_seq`] for one head: token t's query and key are
+/// `q[t·sqk..][..dk]`, `k[t·sqk..][..dk]`, its value `v[t·sv..][..dv]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaIo<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub sqk: usize,
+    pub sv: usize,
+    pub decay: &'a [f32],
+    pub beta: &'a [f32],
+    pub n: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+impl<'a> DeltaIo<'a> {
+    /// Token t's (q, k, v).
+    #[inline]
+    pub fn token(&self, t: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
+        let (a, b) = (t * self.sqk, t * self.sv);
+        (&self.q[a..a + self.dk], &self.k[a..a + self.dk], &self.v[b..b + self.dv])
+    }
 }
 
 /// [`Kernels::delta_step`] in plain f32 (the scalar kernel, and the reference of the tests).
@@ -186,6 +245,10 @@ impl Kernels for Scalar {
 
     fn axpy(self, a: f32, x: &[f32], y: &mut [f32]) {
         y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+    }
+
+    fn mul_add(self, a: &[f32], x: &[f32], y: &mut [f32]) {
+        y.iter_mut().zip(a).zip(x).for_each(|((y, a), x)| *y += a * x);
     }
 
     fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
@@ -399,6 +462,13 @@ mod tests {
         for (g, w) in y.iter().zip(&want) {
             assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "axpy n={n}");
         }
+        let a = random_acts(n, seed);
+        k.mul_add(&a, &x, &mut y);
+        Scalar.mul_add(&a, &x, &mut want);
+        for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+            // A fused multiply-add rounds once, the scalar form twice: one ulp of a·x apart.
+            assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs() + (a[i] * x[i]).abs()), "mul_add n={n}: {g} vs {w}");
+        }
         // exp over the range softmax uses (x − max ≤ 0), down to underflow.
         let mut e: Vec<f32> = (0..n).map(|i| -((lcg(seed) % 100_000) as f32) / 1000.0 - (i % 3) as f32).collect();
         let want: Vec<f32> = e.iter().map(|v| (v - 0.5).exp()).collect();
@@ -442,6 +512,77 @@ mod tests {
         }
     }
 
+    /// A panel of `m` random rows: the instruction set's unpacker equals the scalar one bit for
+    /// bit, and its products equal [`kernels::dot`] row by row for `nt` tokens.
+    fn check_panel<K: Kernels>(k: K, t: GgmlType, n_blocks: usize, m: usize, nt: usize, seed: &mut u64) {
+        let n = n_blocks * t.block_size().max(panel::group(t));
+        let rows: Vec<Vec<u8>> = (0..m).map(|_| random_row(t, n, seed)).collect();
+        let flat: Vec<u8> = rows.concat();
+        let mut got = Panel::default();
+        k.panel_unpack(t, n, &flat, m, &mut got);
+        let mut want_p = Panel::default();
+        want_p.unpack_scalar(t, n, &rows.iter().map(|r| r.as_slice()).collect::<Vec<_>>());
+        assert_eq!(got.q, want_p.q, "{t} m={m}: codes");
+        assert_eq!(got.corr, want_p.corr, "{t} m={m}: corrections");
+        assert_eq!(got.sc, want_p.sc, "{t} m={m}: scales");
+        assert_eq!(got.off, want_p.off, "{t} m={m}: offsets");
+        let acts: Vec<ActRow> = (0..nt)
+            .map(|_| {
+                let mut a = ActRow::default();
+                ActRow::quantize(&random_acts(n, seed), &mut a);
+                a.fill_unsigned();
+                a
+            })
+            .collect();
+        let refs: Vec<&ActRow> = acts.iter().collect();
+        let mut out = vec![[0f32; panel::ROWS]; nt];
+        k.panel_dot(&got, &refs, &mut out);
+        let mut wf = vec![0f32; n];
+        for (r, row) in rows.iter().enumerate() {
+            ember_gguf::quant::dequantize(t, row, &mut wf).unwrap();
+            for (i, a) in acts.iter().enumerate() {
+                let want = kernels::dot(t, row, a) as f64;
+                let norm: f64 = (0..n).map(|j| (wf[j] as f64 * a.d[j / 32] as f64 * a.q[j] as f64).abs()).sum();
+                let scalar = want_p.dot_scalar(a)[r] as f64;
+                let tol = 1e-5 * norm.max(1e-20);
+                assert!((out[i][r] as f64 - want).abs() <= tol, "{t} n={n} row {r}/{m} token {i}/{nt}: got {} want {want}", out[i][r]);
+                assert!((scalar - want).abs() <= tol, "{t} scalar panel row {r} token {i}: got {scalar} want {want}");
+            }
+        }
+    }
+
+    /// `delta_seq` over n tokens equals `delta_step_scalar` token by token.
+    fn check_delta_seq<K: Kernels>(k: K, dk: usize, dv: usize, n: usize, seed: &mut u64) {
+        let st0: Vec<f32> = random_acts(dk * dv, seed).iter().map(|v| v * 0.1).collect();
+        let unit = |seed: &mut u64| {
+            let mut v = random_acts(dk, seed);
+            let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+            v.iter_mut().for_each(|x| *x /= n);
+            v
+        };
+        let (sqk, sv) = (dk + 3, dv + 5); // rows of a wider matrix, as in the model
+        let mut q = vec![0f32; n * sqk];
+        let mut kk = vec![0f32; n * sqk];
+        for t in 0..n {
+            q[t * sqk..t * sqk + dk].copy_from_slice(&unit(seed));
+            kk[t * sqk..t * sqk + dk].copy_from_slice(&unit(seed));
+        }
+        let v = random_acts(n * sv, seed);
+        let decay: Vec<f32> = (0..n).map(|t| 0.8 + 0.2 * ((t * 7) % 10) as f32 / 10.0).collect();
+        let beta: Vec<f32> = (0..n).map(|t| 0.1 + 0.8 * ((t * 3) % 10) as f32 / 10.0).collect();
+        let io = DeltaIo { q: &q, k: &kk, v: &v, sqk, sv, decay: &decay, beta: &beta, n, dk, dv };
+        let (mut st, mut want_st) = (st0.clone(), st0);
+        let (mut o, mut want_o) = (vec![0f32; n * dv], vec![0f32; n * dv]);
+        k.delta_seq(&mut st, &io, &mut o);
+        for t in 0..n {
+            let (qt, kt, vt) = io.token(t);
+            delta_step_scalar(&mut want_st, qt, kt, vt, decay[t], beta[t], &mut want_o[t * dv..(t + 1) * dv]);
+        }
+        for (g, w) in o.iter().zip(&want_o).chain(st.iter().zip(&want_st)) {
+            assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "delta_seq dk={dk} dv={dv} n={n}: {g} vs {w}");
+        }
+    }
+
     fn for_each_isa(mut f: impl FnMut(Isa)) {
         for isa in Isa::available() {
             f(isa);
@@ -459,6 +600,16 @@ mod tests {
                     // 32-blocks: odd counts of blocks, also beyond one 256 super-block.
                     let nb = if t.block_size() == 32 { 2 * n_blocks + 1 } else { n_blocks };
                     with_kernels!(isa, |k| check_q(k, t, nb, &mut seed));
+                }
+            });
+        }
+
+        #[test]
+        fn panels_match_reference(n_blocks in 1usize..5, m in 1usize..=16, nt in 1usize..12, seed in any::<u64>()) {
+            let mut seed = seed;
+            for_each_isa(|isa| {
+                for t in quant_types() {
+                    with_kernels!(isa, |k| check_panel(k, t, n_blocks, m, nt, &mut seed));
                 }
             });
         }
@@ -484,6 +635,14 @@ mod tests {
             let mut seed = seed;
             for dk in [dk, 8 * dk, 128] {
                 for_each_isa(|isa| with_kernels!(isa, |k| check_delta(k, dk, dv, &mut seed)));
+            }
+        }
+
+        #[test]
+        fn delta_seq_matches_reference(dk in 1usize..20, dv in 1usize..3, n in 1usize..40, seed in any::<u64>()) {
+            let mut seed = seed;
+            for (dk, dv) in [(dk, 16 * dv), (4 * dk, 16 * dv), (8 * dk, 16 * dv + 1), (128, 128)] {
+                for_each_isa(|isa| with_kernels!(isa, |k| check_delta_seq(k, dk, dv, n, &mut seed)));
             }
         }
 

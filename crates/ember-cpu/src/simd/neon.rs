@@ -42,6 +42,10 @@ impl Kernels for Neon {
         Scalar.axpy(a, x, y)
     }
 
+    fn mul_add(self, a: &[f32], x: &[f32], y: &mut [f32]) {
+        Scalar.mul_add(a, x, y)
+    }
+
     fn exp_sum(self, x: &mut [f32], sub: f32) -> f32 {
         Scalar.exp_sum(x, sub)
     }
