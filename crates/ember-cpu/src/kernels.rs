@@ -26,6 +26,10 @@ pub struct ActRow {
     /// `q + 128` as unsigned bytes, for panel products ([`crate::panel`]); filled only by
     /// [`ActRow::fill_unsigned`].
     pub qu: Vec<u8>,
+    /// The codes in Q4_K nibble order ([`ActRow::fill_k4_order`]): per 256, the 32-blocks
+    /// 0, 2, 1, 3, 4, 6, 5, 7, so that the low nibbles of two neighbouring 32-byte Q4_K chunks
+    /// meet their activations in one 64-byte load. Empty unless filled.
+    pub qk: Vec<i8>,
 }
 
 impl ActRow {
@@ -51,6 +55,9 @@ impl ActRow {
 
     /// Sizes the buffers for `nb` blocks (no allocation once they are large enough).
     pub fn resize(&mut self, nb: usize) {
+        // The derived forms describe the old codes: drop them (kernels check their length).
+        self.qu.clear();
+        self.qk.clear();
         self.d.resize(nb, 0.0);
         self.q.resize(nb * 32, 0);
         self.sum16.resize(nb * 2, 0);
@@ -67,6 +74,19 @@ impl ActRow {
         self.ds16[2 * b] = d * s0 as f32;
         self.ds16[2 * b + 1] = d * s1 as f32;
         self.ds32[b] = d * (s0 + s1) as f32;
+    }
+
+    /// Fills [`ActRow::qk`] from `q` (when the length is a multiple of 256).
+    pub fn fill_k4_order(&mut self) {
+        self.qk.clear();
+        if !self.q.len().is_multiple_of(256) {
+            return;
+        }
+        for sb in self.q.chunks_exact(256) {
+            for blk in [0, 2, 1, 3, 4, 6, 5, 7] {
+                self.qk.extend_from_slice(&sb[32 * blk..32 * blk + 32]);
+            }
+        }
     }
 
     /// Fills [`ActRow::qu`] from `q`.

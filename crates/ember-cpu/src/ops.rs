@@ -107,6 +107,8 @@ impl CpuOps {
                 k.quantize(x.row(t), a);
                 if unsigned {
                     a.fill_unsigned();
+                } else if k.has_panels() {
+                    a.fill_k4_order(); // for the single-token Q4_K kernel
                 }
             }
             return;
@@ -142,6 +144,7 @@ impl CpuOps {
                 tile(
                     k,
                     &ws[wi],
+                    ws.get(wi + 1),
                     r,
                     m,
                     &src,
@@ -214,10 +217,11 @@ impl CpuOps {
                 let n_ff = sl.expert.gate.n_rows;
                 let item = (e - offs[si]) / nt; // 0..2·n_ff
                 let (w, r) = if item < n_ff { (&sl.expert.gate, item) } else { (&sl.expert.up, item - n_ff) };
+                let next = if item < n_ff { Some(&sl.expert.up) } else { slots.get(si + 1).map(|s| &s.expert.gate) };
                 let m = (n_ff - r).min((end - e) / nt).min(ROW_TILE);
                 let o = e - b[p];
                 let block = std::cell::RefCell::new(&mut out[o..o + m * nt]);
-                tile(k, w, r, m, &src, sl.tokens, nt, &mut |i, j, v| block.borrow_mut()[j * nt + i] = v, &mut |i, v| {
+                tile(k, w, next, r, m, &src, sl.tokens, nt, &mut |i, j, v| block.borrow_mut()[j * nt + i] = v, &mut |i, v| {
                     let mut b = block.borrow_mut();
                     for (j, v) in v.iter().enumerate() {
                         b[j * nt + i] = *v;
@@ -251,6 +255,8 @@ impl CpuOps {
             k.quantize(&h[..n_ff], a);
             if unsigned {
                 a.fill_unsigned();
+            } else if k.has_panels() {
+                a.fill_k4_order();
             }
         };
         if n_h < 8 {
@@ -273,38 +279,53 @@ impl CpuOps {
         let acts2 = &s.acts2;
         self.pool.split_cols(&mut [&mut y.data[..]], n, &b[..=parts], |p, mut out| {
             let (r0, r1) = (b[p], b[p + 1]);
-            for rt in (r0..r1).step_by(ROW_TILE) {
-                let m = ROW_TILE.min(r1 - rt);
-                for (si, sl) in slots.iter().enumerate() {
-                    let h = &acts2[hoffs[si]..hoffs[si + 1]];
-                    if use_panel(k, sl.expert.down.ty, h.len()) {
-                        panel_rows(k, &sl.expert.down, rt, m, h.len(), |i| &h[i], |i, v| {
-                            let (t, w) = sl.tokens[i];
-                            for (o, v) in out.run(t, rt, v.len()).iter_mut().zip(v) {
-                                *o += w * v;
-                            }
-                        });
-                        continue;
+            // Slot by slot, so each expert's rows r0..r1 stream in order; the prefetch runs on
+            // into the next slot's rows near the end of each.
+            for (si, sl) in slots.iter().enumerate() {
+                let h = &acts2[hoffs[si]..hoffs[si + 1]];
+                let dw = &sl.expert.down;
+                if use_panel(k, dw.ty, h.len()) {
+                    for rt in (r0..r1).step_by(ROW_TILE) {
+                        let m = ROW_TILE.min(r1 - rt);
+                        panel_rows(
+                            k,
+                            dw,
+                            rt,
+                            m,
+                            h.len(),
+                            |i| &h[i],
+                            |i, v| {
+                                let (t, w) = sl.tokens[i];
+                                for (o, v) in out.run(t, rt, v.len()).iter_mut().zip(v) {
+                                    *o += w * v;
+                                }
+                            },
+                        );
                     }
-                    let ahead = prefetch_rows(sl.expert.down.row_bytes()) / slots.len() + 1;
-                    for j in 0..m {
-                        if rt + j + ahead < sl.expert.down.n_rows {
-                            simd::prefetch(sl.expert.down.row(rt + j + ahead));
+                    continue;
+                }
+                let next = slots.get(si + 1).map(|s| &s.expert.down);
+                let ahead = prefetch_rows(dw.row_bytes());
+                for r in r0..r1 {
+                    let ra = r + ahead;
+                    if ra < r1 {
+                        simd::prefetch(dw.row(ra));
+                    } else if let Some(nw) = next.filter(|nw| r0 + ra - r1 < r1.min(nw.n_rows)) {
+                        simd::prefetch(nw.row(r0 + ra - r1));
+                    }
+                    let row = dw.row(r);
+                    let mut i = 0;
+                    while i + 4 <= h.len() {
+                        let v = k.dot_q::<4>(dw.ty, row, [&h[i], &h[i + 1], &h[i + 2], &h[i + 3]]);
+                        for (l, v) in v.iter().enumerate() {
+                            let (t, w) = sl.tokens[i + l];
+                            *out.at(t, r) += w * v;
                         }
-                        let row = sl.expert.down.row(rt + j);
-                        let mut i = 0;
-                        while i + 4 <= h.len() {
-                            let v = k.dot_q::<4>(sl.expert.down.ty, row, [&h[i], &h[i + 1], &h[i + 2], &h[i + 3]]);
-                            for (l, v) in v.iter().enumerate() {
-                                let (t, w) = sl.tokens[i + l];
-                                *out.at(t, rt + j) += w * v;
-                            }
-                            i += 4;
-                        }
-                        for (i, a) in h.iter().enumerate().skip(i) {
-                            let (t, w) = sl.tokens[i];
-                            *out.at(t, rt + j) += w * k.dot_q::<1>(sl.expert.down.ty, row, [a])[0];
-                        }
+                        i += 4;
+                    }
+                    for (i, a) in h.iter().enumerate().skip(i) {
+                        let (t, w) = sl.tokens[i];
+                        *out.at(t, r) += w * k.dot_q::<1>(dw.ty, row, [a])[0];
                     }
                 }
             }
@@ -533,6 +554,7 @@ fn dot_row<K: Kernels, const NT: usize>(k: K, w: &WeightView, r: usize, src: &Ac
 fn tile<K: Kernels>(
     k: K,
     w: &WeightView,
+    next: Option<&WeightView>,
     r0: usize,
     m: usize,
     src: &Acts,
@@ -548,8 +570,12 @@ fn tile<K: Kernels>(
     if nt == 1 {
         let ahead = prefetch_rows(w.row_bytes());
         for j in 0..m {
-            if r0 + j + ahead < w.n_rows {
-                simd::prefetch(w.row(r0 + j + ahead));
+            let r = r0 + j + ahead;
+            if r < w.n_rows {
+                simd::prefetch(w.row(r));
+            } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
+                // Past this matrix: the start of the one read next (another expert's rows).
+                simd::prefetch(nw.row(r - w.n_rows));
             }
             put(0, j, dot_row::<K, 1>(k, w, r0 + j, src, [tok(0)])[0]);
         }
@@ -755,6 +781,28 @@ impl Ops for CpuOps {
             return reference::conv1d_silu(x, w, state);
         }
         let hist = kernel - 1;
+        if x.n < 8 {
+            // Decode: the taps in their stored order ([ch][j]), no transposed copy.
+            let mut out = Mat::zeros(x.n, c);
+            for t in 0..x.n {
+                let o = out.row_mut(t);
+                for j in 0..kernel {
+                    let i = t as isize - hist as isize + j as isize;
+                    let src = if i < 0 { &state[(hist as isize + i) as usize * c..][..c] } else { x.row(i as usize) };
+                    for ((o, v), w) in o.iter_mut().zip(src).zip(w.chunks_exact(kernel)) {
+                        *o += w[j] * v;
+                    }
+                }
+                with_kernels!(self.isa, |kn| kn.silu(o));
+            }
+            // New state: the last `hist` inputs of [old state; x], shifted in place.
+            let keep = hist.saturating_sub(x.n);
+            state.copy_within((hist - keep) * c..hist * c, 0);
+            for s in keep..hist {
+                state[s * c..(s + 1) * c].copy_from_slice(x.row(x.n + s - hist));
+            }
+            return out;
+        }
         let mut wt = vec![0f32; kernel * c]; // wt[j][ch]
         for ch in 0..c {
             for j in 0..kernel {

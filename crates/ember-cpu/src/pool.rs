@@ -213,7 +213,13 @@ impl ColsMut<'_> {
     /// matrix.
     #[inline]
     pub fn run(&mut self, t: usize, c: usize, len: usize) -> &mut [f32] {
-        assert!(t < self.n_rows && c >= self.c0 && c + len <= self.c1, "ColsMut: row {t} columns {c}..{} outside {}..{}", c + len, self.c0, self.c1);
+        assert!(
+            t < self.n_rows && c >= self.c0 && c + len <= self.c1,
+            "ColsMut: row {t} columns {c}..{} outside {}..{}",
+            c + len,
+            self.c0,
+            self.c1
+        );
         let mut i = 0;
         while c >= self.starts[i + 1] {
             i += 1;

@@ -43,7 +43,15 @@ macro_rules! x86_kernels {
         impl Kernels for $token {
             #[inline]
             fn dot_q<const NT: usize>(self, ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
-                // SAFETY: a token exists only if the CPU has every feature in `$feat` (new()).
+                if NT == 1 {
+                    // SAFETY: a token exists only if the CPU has every feature in `$feat` (new()).
+                    if let Some(v) = unsafe { dot1_wide(ty, w, a[0]) } {
+                        let mut out = [0f32; NT];
+                        out[0] = v;
+                        return out;
+                    }
+                }
+                // SAFETY: as above.
                 unsafe { dot_q::<NT>(ty, w, a) }
             }
 
@@ -688,3 +696,9 @@ macro_rules! x86_kernels {
 pub(crate) use x86_kernels;
 
 x86_kernels!(Avx2, "avx2,fma,f16c");
+
+/// AVX2 has no wider single-token kernels than the shared ones.
+#[inline(always)]
+unsafe fn dot1_wide(_ty: GgmlType, _w: &[u8], _a: &ActRow) -> Option<f32> {
+    None
+}

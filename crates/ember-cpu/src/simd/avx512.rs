@@ -51,10 +51,12 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         assert!(st.len() >= io.dk * io.dv && o.len() >= io.n * io.dv && io.decay.len() >= io.n && io.beta.len() >= io.n);
         // Bounds of the last token's reads (the kernel reads tokens 0..n through `token`).
         let _ = io.token(io.n - 1);
-        let kq: Vec<f32> = (0..io.n).map(|t| {
-            let (q, k, _) = io.token(t);
-            q.iter().zip(k).map(|(a, b)| a * b).sum()
-        }).collect();
+        let kq: Vec<f32> = (0..io.n)
+            .map(|t| {
+                let (q, k, _) = io.token(t);
+                q.iter().zip(k).map(|(a, b)| a * b).sum()
+            })
+            .collect();
         let mut buf = vec![Lanes::<f32>::default(); io.dk];
         for c in 0..io.dv / ROWS {
             // SAFETY: the CPU has the features (token); the lengths were checked above.
@@ -89,7 +91,10 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
     fn panel_dot(self, p: &Panel, a: &[&ActRow], out: &mut [[f32; ROWS]]) {
         assert!(out.len() >= a.len());
         for a in a {
-            assert!(a.qu.len() >= p.k && a.d.len() >= p.k / 32 && a.ds16.len() >= p.k / 16, "panel_dot: activation row shorter than the panel");
+            assert!(
+                a.qu.len() >= p.k && a.d.len() >= p.k / 32 && a.ds16.len() >= p.k / 16,
+                "panel_dot: activation row shorter than the panel"
+            );
         }
         assert!(p.q.len() >= p.k / 4 && p.sc.len() >= p.k / p.g && p.off.len() >= p.k / p.g && p.corr.len() >= p.k / p.g);
         let mut i = 0;
@@ -115,6 +120,231 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
 });
 
 use super::DeltaIo;
+
+/// Single-token (decode) dots on 512-bit vectors for the formats of real files: two 32-weight
+/// blocks per `vpdpbusd`, so the instructions per weight byte drop by about a third against
+/// the shared 256-bit kernels (decode on a fast memory bus is bound by them, not by DRAM).
+/// `None`: use the shared kernel.
+/// SAFETY (caller): the CPU has the features of this module's token.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot1_wide(ty: GgmlType, w: &[u8], a: &ActRow) -> Option<f32> {
+    match ty {
+        GgmlType::Q4K if a.qk.len() == a.q.len() => Some(dot1_q4k_ordered(w, a)),
+        GgmlType::Q4K => Some(dot1_k4::<false>(w, a)),
+        GgmlType::Q5K => Some(dot1_k4::<true>(w, a)),
+        GgmlType::Q6K => Some(dot1_q6k(w, a)),
+        GgmlType::Q8_0 => Some(dot1_q8_0(w, a)),
+        _ => None,
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn ld512i(b: &[i8], at: usize) -> __m512i {
+    let s = &b[at..at + 64];
+    // SAFETY: `s` is 64 readable bytes; loadu has no alignment requirement.
+    unsafe { _mm512_loadu_si512(s.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn ld512ps(x: &[f32], at: usize) -> __m512 {
+    let s = &x[at..at + 16];
+    // SAFETY: `s` is 16 readable f32; loadu has no alignment requirement.
+    unsafe { _mm512_loadu_ps(s.as_ptr()) }
+}
+
+/// Two 256-bit halves as one 512-bit vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn cat(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// The header of a Q4_K / Q5_K block in vector registers: the eight 6-bit scales and mins as
+/// f32, and d, dmin broadcast (gguf-format.md §5; the same unpacking as `k4_scales`, done
+/// with byte shuffles instead of ~50 scalar instructions per block).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn k4_header(b: &[u8]) -> (__m256, __m256, __m256, __m256) {
+    let h = &b[..16];
+    // SAFETY: `h` is 16 readable bytes.
+    let raw = unsafe { _mm_loadu_si128(h.as_ptr().cast()) }; // d, dmin, s[0..12]
+    let dm = _mm_cvtph_ps(raw);
+    let d = _mm256_broadcastss_ps(dm);
+    let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    // p = [s0..s3, s8..s11, s4..s7, s8..s11]: the low parts of sc0..3, sc4..7, mn0..3, mn4..7.
+    let p = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    let low = _mm_and_si128(p, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    let low = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16::<4>(p), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    // The top two bits of sc4..7 come from s0..s3, of mn4..7 from s4..s7.
+    let q = _mm_shuffle_epi8(raw, _mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
+    let high = _mm_slli_epi16::<4>(_mm_and_si128(_mm_srli_epi16::<6>(q), _mm_set1_epi8(3)));
+    let all = _mm_or_si128(low, high); // sc0..7, mn0..7 as bytes
+    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(all));
+    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(all)));
+    (sc, mn, d, dmin)
+}
+
+/// Q4_K / Q5_K, one token: per 32-byte chunk p, its low and high nibbles (sub-blocks 2p and
+/// 2p+1, i.e. activations 64p..64p+64) form one 512-bit operand.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn dot1_k4<const Q5: bool>(w: &[u8], a: &ActRow) -> f32 {
+    let bs = if Q5 { 176 } else { 144 };
+    let qs0 = if Q5 { 48 } else { 16 };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let idx: [__m512i; 4] = std::array::from_fn(|p| {
+        let (x, y) = (2 * p as i32, 2 * p as i32 + 1);
+        _mm512_setr_epi32(x, x, x, x, x, x, x, x, y, y, y, y, y, y, y, y)
+    });
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut accm = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(bs).enumerate() {
+        let (sc, mn, d, dmin) = k4_header(b);
+        let s8 = _mm256_mul_ps(_mm256_mul_ps(d, sc), ldps(&a.d, 8 * i));
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), ldps(&a.ds32, 8 * i), accm);
+        let s16 = _mm512_castps256_ps512(s8);
+        let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
+        for p in 0..4 {
+            let q = ld256(b, qs0 + 32 * p);
+            let mut lo = _mm256_and_si256(q, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            if Q5 {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(1))));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(hb, _mm256_set1_epi8(2))));
+                hb = _mm256_srli_epi16::<2>(hb);
+            }
+            let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cat(lo, hi), ld512i(&a.q, 256 * i + 64 * p));
+            acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_permutexvar_ps(idx[p], s16), acc[p]);
+        }
+    }
+    let acc = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(acc) - hsum(accm)
+}
+
+/// L1 prefetch distance of the single-token kernels, in bytes.
+const PF_L1: usize = 1152;
+
+/// Q4_K, one token, with the activations in Q4_K nibble order (`ActRow::qk`): one 64-byte
+/// load covers chunks 2pp and 2pp+1, whose low nibbles (sub-blocks 4pp, 4pp+2) and high
+/// nibbles (4pp+1, 4pp+3) each make one `vpdpbusd` with a plain 64-byte activation load.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn dot1_q4k_ordered(w: &[u8], a: &ActRow) -> f32 {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let lanes = |x: i32, y: i32| _mm512_setr_epi32(x, x, x, x, x, x, x, x, y, y, y, y, y, y, y, y);
+    let idx = [lanes(0, 2), lanes(1, 3), lanes(4, 6), lanes(5, 7)];
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut accm = _mm256_setzero_ps();
+    for (i, b) in w.chunks_exact(144).enumerate() {
+        // Into L1 a few blocks ahead (a hint: never faults, even past the row).
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1).cast());
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1 + 64).cast());
+        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1 + 128).cast());
+        let (sc, mn, d, dmin) = k4_header(b);
+        let s16 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(d, sc), ldps(&a.d, 8 * i)));
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), ldps(&a.ds32, 8 * i), accm);
+        for pp in 0..2 {
+            let qs = &b[16 + 64 * pp..16 + 64 * pp + 64];
+            // SAFETY: `qs` is 64 readable bytes.
+            let q = unsafe { _mm512_loadu_si512(qs.as_ptr().cast()) };
+            let lo = _mm512_and_si512(q, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+            let at = 256 * i + 128 * pp;
+            let plo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ld512i(&a.qk, at));
+            let phi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, ld512i(&a.qk, at + 64));
+            acc[2 * pp] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(plo), _mm512_permutexvar_ps(idx[2 * pp], s16), acc[2 * pp]);
+            acc[2 * pp + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(phi), _mm512_permutexvar_ps(idx[2 * pp + 1], s16), acc[2 * pp + 1]);
+        }
+    }
+    let acc = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(acc) - hsum(accm)
+}
+
+/// Q6_K, one token: codes of activations 128n + 64h .. + 64 (two of the four 32-code vectors
+/// of half n) form one 512-bit operand; the 16 group scales times the activation scales sit in
+/// one vector, permuted per operand (lanes 4m..4m+4 = group 4·(2n+h) + m).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn dot1_q6k(w: &[u8], a: &ActRow) -> f32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m3 = _mm256_set1_epi8(3);
+    // Activation scale of each 16-group: a.d[group / 2].
+    let dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    let idx: [__m512i; 4] = std::array::from_fn(|o| {
+        let g = |m: i32| 4 * o as i32 + m;
+        _mm512_setr_epi32(g(0), g(0), g(0), g(0), g(1), g(1), g(1), g(1), g(2), g(2), g(2), g(2), g(3), g(3), g(3), g(3))
+    });
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut accm = _mm512_setzero_ps();
+    for (i, b) in w.chunks_exact(210).enumerate() {
+        // SAFETY: b[192..208] are 16 readable bytes.
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b[192..208].as_ptr().cast()) }));
+        let scd = _mm512_mul_ps(sc, _mm512_set1_ps(f16(b, 208)));
+        accm = _mm512_fmadd_ps(scd, ld512ps(&a.ds16, 16 * i), accm);
+        let ad = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(ldps(&a.d, 8 * i)));
+        let s16 = _mm512_mul_ps(scd, ad);
+        for n in 0..2 {
+            let ql0 = ld256(b, 64 * n);
+            let ql1 = ld256(b, 64 * n + 32);
+            let qh = ld256(b, 128 + 32 * n);
+            let q0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m3)));
+            let q1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3)));
+            let q2 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3)),
+            );
+            let q3 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m3)),
+            );
+            for (h, (x, y)) in [(q0, q1), (q2, q3)].into_iter().enumerate() {
+                let o = 2 * n + h;
+                let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cat(x, y), ld512i(&a.q, 256 * i + 64 * o));
+                acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_permutexvar_ps(idx[o], s16), acc[o]);
+            }
+        }
+    }
+    let acc = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(acc) - 32.0 * _mm512_reduce_add_ps(accm)
+}
+
+/// Q8_0, one token: two blocks per 512-bit operand; signed weights through |w| and the
+/// activations negated where w < 0; four pairs (four accumulator chains) per step.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn dot1_q8_0(w: &[u8], a: &ActRow) -> f32 {
+    let n_blocks = w.len() / 34;
+    let pair = |j: usize, acc: __m512| -> __m512 {
+        let q = cat(ld256(w, 34 * j + 2), ld256(w, 34 * j + 36));
+        let av = ld512i(&a.q, 32 * j);
+        let sa = _mm512_mask_sub_epi8(av, _mm512_movepi8_mask(q), _mm512_setzero_si512(), av);
+        let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), sa);
+        let (s0, s1) = (f16(w, 34 * j) * a.d[j], f16(w, 34 * j + 34) * a.d[j + 1]);
+        let s =
+            _mm512_castsi512_ps(_mm512_inserti64x4::<1>(_mm512_castps_si512(_mm512_set1_ps(s0)), _mm256_castps_si256(_mm256_set1_ps(s1))));
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), s, acc)
+    };
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut j = 0;
+    while j + 8 <= n_blocks {
+        for (c, acc) in acc.iter_mut().enumerate() {
+            *acc = pair(j + 2 * c, *acc);
+        }
+        j += 8;
+    }
+    while j + 2 <= n_blocks {
+        acc[0] = pair(j, acc[0]);
+        j += 2;
+    }
+    let acc = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let mut sum = _mm512_reduce_add_ps(acc);
+    if j < n_blocks {
+        // An odd last block.
+        let qs = &w[34 * j + 2..34 * j + 34];
+        let isum: i32 = qs.iter().zip(&a.q[32 * j..32 * j + 32]).map(|(x, y)| *x as i8 as i32 * *y as i32).sum();
+        sum += f16(w, 34 * j) * a.d[j] * isum as f32;
+    }
+    sum
+}
 use crate::panel::{Lanes, Panel, ROWS};
 
 /// The delta rule for value columns `16c..16c + 16` of one head over all tokens, with those

@@ -418,6 +418,11 @@ mod tests {
         }
         let want = kernels::dot(t, &w, &rows[0]) as f64;
         assert!((got1[0] as f64 - want).abs() <= 1e-5 * norm(&rows[0]).max(1e-20), "{t} n={n}: got {} want {want}", got1[0]);
+        // The same row with the activations also in Q4_K nibble order (decode ops fill it).
+        let mut ordered = rows[0].clone();
+        ordered.fill_k4_order();
+        let got_k = k.dot_q::<1>(t, &w, [&ordered]);
+        assert!((got_k[0] as f64 - want).abs() <= 1e-5 * norm(&rows[0]).max(1e-20), "{t} n={n} (ordered): got {} want {want}", got_k[0]);
     }
 
     fn check_float<K: Kernels>(k: K, t: GgmlType, n: usize, seed: &mut u64) {

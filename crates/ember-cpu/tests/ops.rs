@@ -1,0 +1,72 @@
+//! The fast CPU ops against the scalar reference ops (ember_ops::reference) on random inputs,
+//! for token counts on both sides of the decode / prompt switch-overs (panels from 8 tokens,
+//! the column-block delta rule from 2, the transposed-tap conv from 8).
+
+use ember_cpu::{CpuOps, Precision};
+use ember_ops::{DeltaShape, Mat, Ops, reference};
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn random_mat(n: usize, d: usize, seed: &mut u64) -> Mat {
+    Mat::from_vec(n, d, (0..n * d).map(|_| lcg(seed)).collect())
+}
+
+fn max_rel(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// Causal conv + SiLU over several calls (the state carries across them): measured max
+/// relative error 1.3e-7 (the fast path uses FMA and a vectorised exp); bound 1e-5.
+#[test]
+fn conv1d_silu_matches_reference() {
+    let ops = CpuOps::new(Precision::Fast, 2);
+    let mut seed = 1;
+    let (c, kernel) = (72, 4);
+    let w: Vec<f32> = (0..c * kernel).map(|_| lcg(&mut seed)).collect();
+    let mut st_fast = vec![0f32; (kernel - 1) * c];
+    let mut st_ref = st_fast.clone();
+    for n in [1, 2, 5, 1, 9, 40, 3, 1] {
+        let x = random_mat(n, c, &mut seed);
+        let got = ops.conv1d_silu(&x, &w, &mut st_fast);
+        let want = reference::conv1d_silu(&x, &w, &mut st_ref);
+        eprintln!("conv1d n={n}: max rel {:.1e}", max_rel(&got.data, &want.data));
+        assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n}: {}", max_rel(&got.data, &want.data));
+        assert_eq!(st_fast, st_ref, "state after n={n}");
+    }
+}
+
+/// The gated delta rule over several calls against the reference recurrence: measured max
+/// relative error 3.4e-7 on outputs, 1.2e-7 on the state; bound 1e-5.
+#[test]
+fn gated_delta_rule_matches_reference() {
+    let ops = CpuOps::new(Precision::Fast, 2);
+    let mut seed = 7;
+    let (n_k_head, n_v_head, dk, dv) = (2, 4, 32, 48);
+    let mut st_fast = vec![0f32; n_v_head * dk * dv];
+    let mut st_ref = st_fast.clone();
+    for n in [1, 3, 1, 37, 2, 1] {
+        let s = DeltaShape { n_tok: n, n_k_head, n_v_head, d_k: dk, d_v: dv };
+        let unit = |m: Mat| {
+            let mut m = m;
+            for row in m.data.chunks_exact_mut(dk) {
+                let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                row.iter_mut().for_each(|x| *x /= norm);
+            }
+            m
+        };
+        let q = unit(random_mat(n, n_k_head * dk, &mut seed));
+        let k = unit(random_mat(n, n_k_head * dk, &mut seed));
+        let v = random_mat(n, n_v_head * dv, &mut seed);
+        let g = Mat::from_vec(n, n_v_head, (0..n * n_v_head).map(|_| -0.3 * (lcg(&mut seed) + 1.0)).collect());
+        let beta = Mat::from_vec(n, n_v_head, (0..n * n_v_head).map(|_| 0.5 * (lcg(&mut seed) + 1.0)).collect());
+        let got = ops.gated_delta_rule(s, &q, &k, &v, &g, &beta, &mut st_fast, false);
+        let want = reference::delta_rule_recurrent(s, &q, &k, &v, &g, &beta, &mut st_ref);
+        eprintln!("delta n={n}: out {:.1e} state {:.1e}", max_rel(&got.data, &want.data), max_rel(&st_fast, &st_ref));
+        assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n}: out {}", max_rel(&got.data, &want.data));
+        assert!(max_rel(&st_fast, &st_ref) < 1e-5, "n={n}: state {}", max_rel(&st_fast, &st_ref));
+    }
+}
