@@ -58,6 +58,11 @@ pub struct Args {
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace: u64,
+    /// Compute every token with the same kernels whatever the batch: a seeded request gives
+    /// the same tokens alone, batched with others, or with its prompt restored from the cache.
+    /// Prompt processing is several times slower (no prompt-sized kernels); decode is not.
+    #[arg(long)]
+    batch_invariant: bool,
     /// Testing aid: every response is this text (tokenized), whatever the prompt.
     #[arg(long, hide = true)]
     script: Option<String>,
@@ -117,7 +122,8 @@ pub fn main(a: Args) -> Result<()> {
             ember_engine::start(backend, cfg)
         }
         None => {
-            let ops = CpuOps::new(Precision::Fast, a.threads);
+            let precision = if a.batch_invariant { Precision::BatchInvariant } else { Precision::Fast };
+            let ops = CpuOps::new(precision, a.threads);
             tracing::info!("{} threads, {} sequences of {n_ctx} tokens, queue {}", ops.n_threads(), a.parallel, a.queue);
             ember_engine::start(ModelBackend { model, ops, kv_type: a.kv_type }, cfg)
         }

@@ -16,6 +16,13 @@ pub enum Precision {
     Exact,
     /// Activations quantised to 8 bits once per op, integer block dot products.
     Fast,
+    /// [`Precision::Fast`] numerics with every token computed by the same single-token kernels
+    /// whatever the batch: a request's results do not depend on what it was batched with or on
+    /// how much of its prompt came from the cache (bit for bit). Fast precision instead runs
+    /// prompt-sized batches through panels and the column-block delta rule, whose float
+    /// summation order differs (~1e-6 relative; enough to flip a near-tie, e.g. an MoE routing
+    /// choice). Prompts are several times slower; decode is unchanged.
+    BatchInvariant,
 }
 
 /// Buffers reused by every op, so the per-token path does not allocate once warm (only the
@@ -82,6 +89,10 @@ impl CpuOps {
         self.precision
     }
 
+    fn invariant(&self) -> bool {
+        self.precision == Precision::BatchInvariant
+    }
+
     pub fn isa(&self) -> Isa {
         self.isa
     }
@@ -101,15 +112,22 @@ impl CpuOps {
         }
         let acts = &mut acts[..x.n];
         // Rows feed panels when some weight may see enough tokens (a MoE slot, a prompt).
-        let unsigned = k.has_panels() && x.n >= panel_min_tokens();
+        let inv = self.invariant();
+        let unsigned = !inv && k.has_panels() && x.n >= panel_min_tokens();
+        // The single-token Q4_K kernel reads the nibble-ordered copy (batch-invariant mode runs
+        // every token through it).
+        let ordered = k.has_panels() && (inv || x.n < 8);
+        let fill = |t: usize, a: &mut ActRow| {
+            k.quantize(x.row(t), a);
+            if unsigned {
+                a.fill_unsigned();
+            } else if ordered {
+                a.fill_k4_order();
+            }
+        };
         if x.n < 8 {
             for (t, a) in acts.iter_mut().enumerate() {
-                k.quantize(x.row(t), a);
-                if unsigned {
-                    a.fill_unsigned();
-                } else if k.has_panels() {
-                    a.fill_k4_order(); // for the single-token Q4_K kernel
-                }
+                fill(t, a);
             }
             return;
         }
@@ -117,10 +135,7 @@ impl CpuOps {
         let parts = even_bounds(x.n, parts_for(self.n_threads()), 1, &mut b);
         self.pool.split_mut(acts, &b[..=parts], |p, part| {
             for (i, a) in part.iter_mut().enumerate() {
-                k.quantize(x.row(b[p] + i), a);
-                if unsigned {
-                    a.fill_unsigned();
-                }
+                fill(b[p] + i, a);
             }
         });
     }
@@ -134,6 +149,7 @@ impl CpuOps {
         let mut b = [0usize; MAX_PARTS + 1];
         let parts = even_bounds(total, parts_for(self.n_threads()), ROW_TILE, &mut b);
         let src = Acts { x, q: acts };
+        let inv = self.invariant();
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y.data[..]).collect();
         self.pool.split_cols(&mut outs, n, &b[..=parts], |p, out| {
             let (mut g, end) = (b[p], b[p + 1]); // global rows of this part
@@ -150,6 +166,7 @@ impl CpuOps {
                     &src,
                     &ALL_TOKENS[..0],
                     n,
+                    inv,
                     &mut |t, j, v| *out.borrow_mut().at(t, g + j) = v,
                     &mut |t, v| copy_small(out.borrow_mut().run(t, g, v.len()), v),
                 );
@@ -198,6 +215,7 @@ impl CpuOps {
         self.quantize_rows(k, x, &mut s.acts);
         let src = Acts { x, q: &s.acts };
 
+        let inv = self.invariant();
         // (1) gate/up: items are (slot, gate|up, row), each writing the slot's token count.
         let mut offs = [0usize; MAX_SLOTS + 1]; // start of each slot in gu
         for (i, sl) in slots.iter().enumerate() {
@@ -221,7 +239,7 @@ impl CpuOps {
                 let m = (n_ff - r).min((end - e) / nt).min(ROW_TILE);
                 let o = e - b[p];
                 let block = std::cell::RefCell::new(&mut out[o..o + m * nt]);
-                tile(k, w, next, r, m, &src, sl.tokens, nt, &mut |i, j, v| block.borrow_mut()[j * nt + i] = v, &mut |i, v| {
+                tile(k, w, next, r, m, &src, sl.tokens, nt, inv, &mut |i, j, v| block.borrow_mut()[j * nt + i] = v, &mut |i, v| {
                     let mut b = block.borrow_mut();
                     for (j, v) in v.iter().enumerate() {
                         b[j * nt + i] = *v;
@@ -241,7 +259,8 @@ impl CpuOps {
             s.acts2.resize_with(n_h, ActRow::default);
         }
         let gu = &s.gu;
-        let unsigned = k.has_panels() && slots.iter().any(|sl| sl.tokens.len() >= panel_min_tokens());
+        let unsigned = !inv && k.has_panels() && slots.iter().any(|sl| sl.tokens.len() >= panel_min_tokens());
+        let ordered = k.has_panels() && (inv || n_h < 8);
         let fill = |i: usize, a: &mut ActRow| {
             let si = hoffs[..=slots.len()].partition_point(|&o| o <= i) - 1;
             let (nt, n_ff) = (slots[si].tokens.len(), slots[si].expert.gate.n_rows);
@@ -255,7 +274,7 @@ impl CpuOps {
             k.quantize(&h[..n_ff], a);
             if unsigned {
                 a.fill_unsigned();
-            } else if k.has_panels() {
+            } else if ordered {
                 a.fill_k4_order();
             }
         };
@@ -284,7 +303,7 @@ impl CpuOps {
             for (si, sl) in slots.iter().enumerate() {
                 let h = &acts2[hoffs[si]..hoffs[si + 1]];
                 let dw = &sl.expert.down;
-                if use_panel(k, dw.ty, h.len()) {
+                if !inv && use_panel(k, dw.ty, h.len()) {
                     for rt in (r0..r1).step_by(ROW_TILE) {
                         let m = ROW_TILE.min(r1 - rt);
                         panel_rows(
@@ -315,7 +334,7 @@ impl CpuOps {
                     }
                     let row = dw.row(r);
                     let mut i = 0;
-                    while i + 4 <= h.len() {
+                    while !inv && i + 4 <= h.len() {
                         let v = k.dot_q::<4>(dw.ty, row, [&h[i], &h[i + 1], &h[i + 2], &h[i + 3]]);
                         for (l, v) in v.iter().enumerate() {
                             let (t, w) = sl.tokens[i + l];
@@ -363,6 +382,7 @@ impl CpuOps {
     #[allow(clippy::too_many_arguments)]
     fn delta_fast<K: Kernels>(&self, kn: K, s: DeltaShape, q: &Mat, k: &Mat, v: &Mat, g: &Mat, beta: &Mat, state: &mut [f32]) -> Mat {
         let (dk, dv) = (s.d_k, s.d_v);
+        let inv = self.invariant();
         assert_eq!(q.d, k.d, "gated_delta_rule: q and k rows differ in width");
         let hs = dv * dk;
         let per = s.n_tok * dv;
@@ -395,7 +415,15 @@ impl CpuOps {
                     dk,
                     dv,
                 };
-                kn.delta_seq(sth, &io, oh);
+                if inv {
+                    // The single-token step for every token, as in decode.
+                    for t in 0..io.n {
+                        let (qt, kt, vt) = io.token(t);
+                        kn.delta_step(sth, qt, kt, vt, io.decay[t], io.beta[t], &mut oh[t * dv..(t + 1) * dv]);
+                    }
+                } else {
+                    kn.delta_seq(sth, &io, oh);
+                }
             }
         });
         let mut out = Mat::zeros(s.n_tok, s.n_v_head * dv);
@@ -443,6 +471,12 @@ impl CpuOps {
                 let (m, t) = (item / s.n_tok, item % s.n_tok);
                 let npos = s.pos0 + t + 1;
                 let qs = &q.row(t)[m * gw..(m + 1) * gw]; // the g query heads of KV head m
+                if kc.ty == KvType::F16 && vc.ty == KvType::F16 {
+                    let rb = kc.row_bytes();
+                    if kn.attn_f16(qs, &kc.bytes, &vc.bytes, rb, m * hd, npos, hd, s.scale, &mut scores, o) {
+                        continue;
+                    }
+                }
                 for p in 0..npos {
                     kv_row(kn, kc, p, m * hd, &mut row);
                     for n in 0..g {
@@ -560,10 +594,20 @@ fn tile<K: Kernels>(
     src: &Acts,
     toks: &[(usize, f32)],
     nt: usize,
+    inv: bool,
     put: &mut impl FnMut(usize, usize, f32),
     put_run: &mut impl FnMut(usize, &[f32]),
 ) {
     let tok = |i: usize| if toks.is_empty() { i } else { toks[i].0 };
+    if inv && nt > 1 {
+        // Batch-invariant: each token through the single-token kernel, as in decode.
+        for t in 0..nt {
+            for j in 0..m {
+                put(t, j, dot_row::<K, 1>(k, w, r0 + j, src, [tok(t)])[0]);
+            }
+        }
+        return;
+    }
     if use_panel(k, w.ty, nt) {
         return panel_rows(k, w, r0, m, nt, |i| &src.q[tok(i)], put_run);
     }
@@ -708,6 +752,7 @@ impl Ops for CpuOps {
         match self.precision {
             Precision::Exact => "cpu-exact",
             Precision::Fast => "cpu",
+            Precision::BatchInvariant => "cpu-invariant",
         }
     }
 
@@ -733,7 +778,7 @@ impl Ops for CpuOps {
     }
 
     fn moe(&self, slots: &[MoeSlot], x: &Mat) -> Mat {
-        let fusable = self.precision == Precision::Fast
+        let fusable = self.precision != Precision::Exact
             && !slots.is_empty()
             && slots.len() <= MAX_SLOTS
             && slots.iter().all(|s| {
@@ -781,7 +826,7 @@ impl Ops for CpuOps {
             return reference::conv1d_silu(x, w, state);
         }
         let hist = kernel - 1;
-        if x.n < 8 {
+        if x.n < 8 || self.invariant() {
             // Decode: the taps in their stored order ([ch][j]), no transposed copy.
             let mut out = Mat::zeros(x.n, c);
             for t in 0..x.n {
@@ -843,7 +888,7 @@ impl Ops for CpuOps {
     }
 
     fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> Mat {
-        if self.precision == Precision::Fast && s.n_head.is_multiple_of(s.n_head_kv) {
+        if self.precision != Precision::Exact && s.n_head.is_multiple_of(s.n_head_kv) {
             return with_kernels!(self.isa, |kn| self.attention_fast(kn, s, q, k, v));
         }
         let per = s.n_tok * s.head_dim;

@@ -328,3 +328,38 @@ fn greedy_continuations() {
         }
     }
 }
+
+/// Batch-invariant precision: a 300-token prompt run whole, split 137 + 1 + 162, or split into
+/// single tokens gives bit-identical last logits (every token takes the single-token kernels).
+/// The default fast precision only agrees to rounding: prompt-sized batches use panels and the
+/// column-block delta rule (measured here: rel L2 up to ~1e-2 between the splits, the tiny
+/// random model turning rounding into an occasional MoE routing flip; bound 0.1).
+#[test]
+fn batch_invariant_precision_is_bitwise_invariant_to_splits() {
+    let ids = tiny_case_ids("p300");
+    let last = |m: &Model, ops: &CpuOps, parts: &[usize]| -> Vec<f32> {
+        let mut st = SeqState::new(&m.config, ids.len() + 8, KvType::F16).unwrap();
+        let mut at = 0;
+        let mut out = Vec::new();
+        for &n in parts {
+            let f = Forward { logits: Some(Logits::Last), delta: DeltaMode::Recurrent, ..Default::default() };
+            out = m.forward(ops, &ids[at..at + n], &mut st, f).unwrap().data;
+            at += n;
+        }
+        assert_eq!(at, ids.len());
+        out
+    };
+    let inv = CpuOps::new(Precision::BatchInvariant, 2);
+    for q in ["Q4_K_M", "Q8_0"] {
+        let m = model(q);
+        let whole = last(&m, &inv, &[300]);
+        assert_eq!(whole, last(&m, &inv, &[137, 1, 162]), "{q}: invariant, 137+1+162");
+        assert_eq!(whole, last(&m, &inv, &[1; 300]), "{q}: invariant, one token at a time");
+        let f = fast();
+        let (a, b) = (last(&m, &f, &[300]), last(&m, &f, &[137, 1, 162]));
+        let rel = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt()
+            / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        eprintln!("{q}: fast precision, whole vs 137+1+162: rel L2 {rel:.2e}");
+        assert!(rel < 0.1, "{q}: fast precision splits differ by rel L2 {rel}");
+    }
+}

@@ -40,6 +40,50 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         true
     }
 
+    fn attn_f16(
+        self,
+        q: &[f32],
+        k: &[u8],
+        v: &[u8],
+        rb: usize,
+        off: usize,
+        npos: usize,
+        hd: usize,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let heads = q.len() / hd.max(1);
+        if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
+            return false;
+        }
+        assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos);
+        // Every position's head slice lies inside both caches.
+        let last = (npos - 1) * rb + 2 * (off + hd);
+        assert!(k.len() >= last && v.len() >= last && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
+        let mut h0 = 0;
+        while h0 < heads {
+            let nh = (heads - h0).min(8);
+            let (qg, og) = (&q[h0 * hd..(h0 + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
+            let sg = &mut scores[h0 * npos..(h0 + nh) * npos];
+            // SAFETY: the CPU has the features (token); the bounds were checked above.
+            unsafe {
+                match nh {
+                    8 => attn_group::<8>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    7 => attn_group::<7>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    6 => attn_group::<6>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    5 => attn_group::<5>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    4 => attn_group::<4>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    3 => attn_group::<3>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    2 => attn_group::<2>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    _ => attn_group::<1>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                }
+            }
+            h0 += nh;
+        }
+        true
+    }
+
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
         if io.n < 2 || !io.dv.is_multiple_of(ROWS) || !io.dk.is_multiple_of(4) {
             for t in 0..io.n {
@@ -223,6 +267,81 @@ fn dot1_k4<const Q5: bool>(w: &[u8], a: &ActRow) -> f32 {
     _mm512_reduce_add_ps(acc) - hsum(accm)
 }
 
+/// Positions per block of the P·V pass: their V rows (`hd` f16 each) stay in L2 while every
+/// 32-value column strip of the output is accumulated over them.
+const ATTN_BLOCK: usize = 512;
+
+/// [`Kernels::attn_f16`] for NH (≤ 8) heads: each K row converted once and dotted with all NH
+/// queries (NH accumulators, one reduction each per position); softmax per head; then the
+/// output in strips of 32 values × NH heads held in registers across a block of positions.
+/// SAFETY (caller): bounds as checked in `attn_f16`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn attn_group<const NH: usize>(
+    q: &[f32],
+    k: &[u8],
+    v: &[u8],
+    rb: usize,
+    off: usize,
+    npos: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let f16x16 = |b: &[u8], at: usize| -> __m512 {
+        // SAFETY: the caller checked that every head slice (hd f16) is inside the cache.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
+    };
+    for p in 0..npos {
+        let base = p * rb + 2 * off;
+        let mut acc = [_mm512_setzero_ps(); NH];
+        for c in 0..hd / 16 {
+            let kc = f16x16(k, base + 32 * c);
+            for (n, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(kc, ld512ps(q, n * hd + 16 * c), *a);
+            }
+        }
+        for (n, a) in acc.iter().enumerate() {
+            scores[n * npos + p] = _mm512_reduce_add_ps(*a) * scale;
+        }
+    }
+    let mut inv = [0f32; NH];
+    for (n, iv) in inv.iter_mut().enumerate() {
+        let sc = &mut scores[n * npos..(n + 1) * npos];
+        let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        *iv = 1.0 / exp_sum(sc, mx);
+    }
+    out[..NH * hd].fill(0.0);
+    for b0 in (0..npos).step_by(ATTN_BLOCK) {
+        let b1 = (b0 + ATTN_BLOCK).min(npos);
+        for c in 0..hd / 32 {
+            let mut acc = [[_mm512_setzero_ps(); 2]; NH];
+            for p in b0..b1 {
+                let at = p * rb + 2 * (off + 32 * c);
+                let (v0, v1) = (f16x16(v, at), f16x16(v, at + 32));
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let s = _mm512_set1_ps(scores[n * npos + p]);
+                    a[0] = _mm512_fmadd_ps(s, v0, a[0]);
+                    a[1] = _mm512_fmadd_ps(s, v1, a[1]);
+                }
+            }
+            for (n, a) in acc.iter().enumerate() {
+                let o = &mut out[n * hd + 32 * c..n * hd + 32 * c + 32];
+                let (o0, o1) = (_mm512_add_ps(ld512ps(o, 0), a[0]), _mm512_add_ps(ld512ps(o, 16), a[1]));
+                // SAFETY: `o` is 32 writable f32.
+                unsafe {
+                    _mm512_storeu_ps(o.as_mut_ptr(), o0);
+                    _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
+                }
+            }
+        }
+    }
+    for (n, iv) in inv.iter().enumerate() {
+        out[n * hd..(n + 1) * hd].iter_mut().for_each(|x| *x *= iv);
+    }
+}
+
 /// L1 prefetch distance of the single-token kernels, in bytes.
 const PF_L1: usize = 1152;
 
@@ -266,8 +385,12 @@ fn dot1_q4k_ordered(w: &[u8], a: &ActRow) -> f32 {
 /// one vector, permuted per operand (lanes 4m..4m+4 = group 4·(2n+h) + m).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn dot1_q6k(w: &[u8], a: &ActRow) -> f32 {
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m3 = _mm256_set1_epi8(3);
+    let m4z = _mm512_set1_epi8(0x0F);
+    let m3z = _mm512_set1_epi8(3);
+    // 16-bit shift counts: operand 0 takes qh bits 0-1 (ql0 half) and 2-3 (ql1 half), operand 1
+    // bits 4-5 and 6-7.
+    let half = |x: i16, y: i16| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_set1_epi16(x)), _mm256_set1_epi16(y));
+    let shifts = [half(0, 2), half(4, 6)];
     // Activation scale of each 16-group: a.d[group / 2].
     let dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     let idx: [__m512i; 4] = std::array::from_fn(|o| {
@@ -284,22 +407,19 @@ fn dot1_q6k(w: &[u8], a: &ActRow) -> f32 {
         let ad = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(ldps(&a.d, 8 * i)));
         let s16 = _mm512_mul_ps(scd, ad);
         for n in 0..2 {
-            let ql0 = ld256(b, 64 * n);
-            let ql1 = ld256(b, 64 * n + 32);
+            // ql[64n..64n + 64] = [ql0 | ql1]; codes of operand h: nibble h of each byte, with
+            // two bits of qh: bits 2h.. for the ql0 half, 2h + 2.. for the ql1 half.
+            let qs = &b[64 * n..64 * n + 64];
+            // SAFETY: `qs` is 64 readable bytes.
+            let ql = unsafe { _mm512_loadu_si512(qs.as_ptr().cast()) };
             let qh = ld256(b, 128 + 32 * n);
-            let q0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m3)));
-            let q1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3)));
-            let q2 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3)),
-            );
-            let q3 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-                _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m3)),
-            );
-            for (h, (x, y)) in [(q0, q1), (q2, q3)].into_iter().enumerate() {
+            let qh2 = cat(qh, qh);
+            for h in 0..2 {
+                let nib = if h == 0 { _mm512_and_si512(ql, m4z) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4z) };
+                let hi = _mm512_and_si512(_mm512_srlv_epi16(qh2, shifts[h]), m3z);
+                let codes = _mm512_or_si512(nib, _mm512_slli_epi16::<4>(hi));
                 let o = 2 * n + h;
-                let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cat(x, y), ld512i(&a.q, 256 * i + 64 * o));
+                let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, ld512i(&a.q, 256 * i + 64 * o));
                 acc[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(prod), _mm512_permutexvar_ps(idx[o], s16), acc[o]);
             }
         }

@@ -163,6 +163,29 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         }
     }
 
+    /// Attention of the `q.len() / hd` query heads `q` ([head][hd]) that share one KV head,
+    /// over positions 0..npos of f16 caches (position p's values for this head start at byte
+    /// `p·rb + 2·off` of `k` and `v`): `out[n] = softmax(scale·q_n·Kᵀ)·V`. `scores` is scratch
+    /// of at least heads·npos values. Returns false when this instruction set has no such
+    /// kernel (the caller then runs the generic loop); the default has none.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_f16(
+        self,
+        q: &[f32],
+        k: &[u8],
+        v: &[u8],
+        rb: usize,
+        off: usize,
+        npos: usize,
+        hd: usize,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        let _ = (q, k, v, rb, off, npos, hd, scale, scores, out);
+        false
+    }
+
     /// Whether this instruction set has fast [`Panel`] kernels (worth using for prompts).
     fn has_panels(self) -> bool {
         false
