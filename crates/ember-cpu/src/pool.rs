@@ -244,7 +244,7 @@ impl Pool {
     /// Runs `f(part, cols)` for every part of the row-major matrices `mats` (each `n` rows;
     /// matrix i has `mats[i].len() / n` columns), laid side by side and cut by global columns
     /// at `bounds` (non-decreasing, first 0, last the total), in parallel: each part may write
-    /// its own columns of every row. For outputs laid out [token][row] whose weight rows are
+    /// its own columns of every row. For outputs laid out `[token][row]` whose weight rows are
     /// split across workers.
     pub fn split_cols<F: Fn(usize, ColsMut<'_>) + Sync>(&self, mats: &mut [&mut [f32]], n: usize, bounds: &[usize], f: F) {
         assert!(n > 0 && !mats.is_empty() && mats.len() <= MAX_COL_MATS, "split_cols: {} matrices of {n} rows", mats.len());

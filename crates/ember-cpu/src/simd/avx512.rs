@@ -40,19 +40,8 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         true
     }
 
-    fn attn_f16(
-        self,
-        q: &[f32],
-        k: &[u8],
-        v: &[u8],
-        rb: usize,
-        off: usize,
-        npos: usize,
-        hd: usize,
-        scale: f32,
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) -> bool {
+    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
+        let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
         let heads = q.len() / hd.max(1);
         if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
             return false;
@@ -69,14 +58,14 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
             // SAFETY: the CPU has the features (token); the bounds were checked above.
             unsafe {
                 match nh {
-                    8 => attn_group::<8>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    7 => attn_group::<7>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    6 => attn_group::<6>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    5 => attn_group::<5>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    4 => attn_group::<4>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    3 => attn_group::<3>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    2 => attn_group::<2>(qg, k, v, rb, off, npos, hd, scale, sg, og),
-                    _ => attn_group::<1>(qg, k, v, rb, off, npos, hd, scale, sg, og),
+                    8 => attn_group::<8>(&AttnIo { q: qg, ..*io }, sg, og),
+                    7 => attn_group::<7>(&AttnIo { q: qg, ..*io }, sg, og),
+                    6 => attn_group::<6>(&AttnIo { q: qg, ..*io }, sg, og),
+                    5 => attn_group::<5>(&AttnIo { q: qg, ..*io }, sg, og),
+                    4 => attn_group::<4>(&AttnIo { q: qg, ..*io }, sg, og),
+                    3 => attn_group::<3>(&AttnIo { q: qg, ..*io }, sg, og),
+                    2 => attn_group::<2>(&AttnIo { q: qg, ..*io }, sg, og),
+                    _ => attn_group::<1>(&AttnIo { q: qg, ..*io }, sg, og),
                 }
             }
             h0 += nh;
@@ -86,11 +75,7 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
 
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
         if io.n < 2 || !io.dv.is_multiple_of(ROWS) || !io.dk.is_multiple_of(4) {
-            for t in 0..io.n {
-                let (q, k, v) = io.token(t);
-                self.delta_step(st, q, k, v, io.decay[t], io.beta[t], &mut o[t * io.dv..(t + 1) * io.dv]);
-            }
-            return;
+            return super::delta_stepwise(self, st, io, o);
         }
         assert!(st.len() >= io.dk * io.dv && o.len() >= io.n * io.dv && io.decay.len() >= io.n && io.beta.len() >= io.n);
         // Bounds of the last token's reads (the kernel reads tokens 0..n through `token`).
@@ -163,7 +148,7 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
     }
 });
 
-use super::DeltaIo;
+use super::{AttnIo, DeltaIo};
 
 /// Single-token (decode) dots on 512-bit vectors for the formats of real files: two 32-weight
 /// blocks per `vpdpbusd`, so the instructions per weight byte drop by about a third against
@@ -275,20 +260,9 @@ const ATTN_BLOCK: usize = 512;
 /// queries (NH accumulators, one reduction each per position); softmax per head; then the
 /// output in strips of 32 values × NH heads held in registers across a block of positions.
 /// SAFETY (caller): bounds as checked in `attn_f16`.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn attn_group<const NH: usize>(
-    q: &[f32],
-    k: &[u8],
-    v: &[u8],
-    rb: usize,
-    off: usize,
-    npos: usize,
-    hd: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
+unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
+    let AttnIo { q, k, v, rb, off, npos, hd, scale } = *io;
     let f16x16 = |b: &[u8], at: usize| -> __m512 {
         // SAFETY: the caller checked that every head slice (hd f16) is inside the cache.
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
@@ -342,9 +316,6 @@ unsafe fn attn_group<const NH: usize>(
     }
 }
 
-/// L1 prefetch distance of the single-token kernels, in bytes.
-const PF_L1: usize = 1152;
-
 /// Q4_K, one token, with the activations in Q4_K nibble order (`ActRow::qk`): one 64-byte
 /// load covers chunks 2pp and 2pp+1, whose low nibbles (sub-blocks 4pp, 4pp+2) and high
 /// nibbles (4pp+1, 4pp+3) each make one `vpdpbusd` with a plain 64-byte activation load.
@@ -356,10 +327,6 @@ fn dot1_q4k_ordered(w: &[u8], a: &ActRow) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut accm = _mm256_setzero_ps();
     for (i, b) in w.chunks_exact(144).enumerate() {
-        // Into L1 a few blocks ahead (a hint: never faults, even past the row).
-        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1).cast());
-        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1 + 64).cast());
-        _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().wrapping_add(PF_L1 + 128).cast());
         let (sc, mn, d, dmin) = k4_header(b);
         let s16 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(d, sc), ldps(&a.d, 8 * i)));
         accm = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), ldps(&a.ds32, 8 * i), accm);

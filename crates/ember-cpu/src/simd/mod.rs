@@ -157,32 +157,15 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// The delta rule over the `io.n` tokens of one head: [`Kernels::delta_step`] for each
     /// token in turn (state layout as there). The default does exactly that.
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
-        for t in 0..io.n {
-            let (q, k, v) = io.token(t);
-            self.delta_step(st, q, k, v, io.decay[t], io.beta[t], &mut o[t * io.dv..(t + 1) * io.dv]);
-        }
+        delta_stepwise(self, st, io, o)
     }
 
-    /// Attention of the `q.len() / hd` query heads `q` ([head][hd]) that share one KV head,
-    /// over positions 0..npos of f16 caches (position p's values for this head start at byte
-    /// `p·rb + 2·off` of `k` and `v`): `out[n] = softmax(scale·q_n·Kᵀ)·V`. `scores` is scratch
-    /// of at least heads·npos values. Returns false when this instruction set has no such
-    /// kernel (the caller then runs the generic loop); the default has none.
-    #[allow(clippy::too_many_arguments)]
-    fn attn_f16(
-        self,
-        q: &[f32],
-        k: &[u8],
-        v: &[u8],
-        rb: usize,
-        off: usize,
-        npos: usize,
-        hd: usize,
-        scale: f32,
-        scores: &mut [f32],
-        out: &mut [f32],
-    ) -> bool {
-        let _ = (q, k, v, rb, off, npos, hd, scale, scores, out);
+    /// Attention of the query heads in `io` over their shared KV head (f16 caches):
+    /// `out[n] = softmax(scale·q_n·Kᵀ)·V`. `scores` is scratch of at least heads·npos values.
+    /// Returns false when this instruction set has no such kernel (the caller then runs the
+    /// generic loop); the default has none.
+    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
+        let _ = (io, scores, out);
         false
     }
 
@@ -230,6 +213,30 @@ impl<'a> DeltaIo<'a> {
     pub fn token(&self, t: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
         let (a, b) = (t * self.sqk, t * self.sv);
         (&self.q[a..a + self.dk], &self.k[a..a + self.dk], &self.v[b..b + self.dv])
+    }
+}
+
+/// The inputs of [`Kernels::attn_f16`]: the `q.len() / hd` query heads `q` (`[head][hd]`) that
+/// share one KV head, and positions 0..npos of the f16 caches `k`, `v`, where position p's
+/// values for this KV head start at byte `p·rb + 2·off`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnIo<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [u8],
+    pub v: &'a [u8],
+    pub rb: usize,
+    pub off: usize,
+    pub npos: usize,
+    pub hd: usize,
+    pub scale: f32,
+}
+
+/// [`Kernels::delta_step`] for each of the `io.n` tokens in turn (the default
+/// [`Kernels::delta_seq`], and the batch-invariant path).
+pub fn delta_stepwise<K: Kernels>(k: K, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
+    for t in 0..io.n {
+        let (qt, kt, vt) = io.token(t);
+        k.delta_step(st, qt, kt, vt, io.decay[t], io.beta[t], &mut o[t * io.dv..(t + 1) * io.dv]);
     }
 }
 

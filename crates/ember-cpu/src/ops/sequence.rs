@@ -1,0 +1,195 @@
+//! The sequence ops of the fast path: the gated delta rule (DeltaNet layers) and attention over
+//! the KV cache, each split across workers by heads.
+
+use ember_ops::reference;
+use ember_ops::{AttnShape, DeltaShape, KvRows, KvType, Mat};
+
+use std::sync::Mutex;
+
+use super::{CpuOps, lock};
+use crate::pool::{MAX_PARTS, even_bounds, parts_for};
+use crate::simd::{self, AttnIo, DeltaIo, Kernels};
+
+impl CpuOps {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_delta_rule_par(
+        &self,
+        s: DeltaShape,
+        q: &Mat,
+        k: &Mat,
+        v: &Mat,
+        g: &Mat,
+        beta: &Mat,
+        state: &mut [f32],
+        chunked: bool,
+    ) -> Mat {
+        let hs = s.d_v * s.d_k;
+        let mut heads = vec![0f32; s.n_v_head * s.n_tok * s.d_v];
+        let per = s.n_tok * s.d_v;
+        let mut b = [0usize; MAX_PARTS + 1];
+        let parts = even_bounds(s.n_v_head, parts_for(self.n_threads()), 1, &mut b);
+        let hb = b;
+        b.iter_mut().for_each(|e| *e *= hs);
+        // Heads are independent: worker p takes heads hb[p]..hb[p+1] (state and output).
+        let outs = Mutex::new(&mut heads[..]);
+        self.pool.split_mut(state, &b[..=parts], |p, st| {
+            for (i, sth) in st.chunks_exact_mut(hs).enumerate() {
+                let h = hb[p] + i;
+                let o = reference::delta_rule_head(s, h, q, k, v, g, beta, sth, chunked);
+                lock(&outs)[h * per..(h + 1) * per].copy_from_slice(&o);
+            }
+        });
+        let mut out = Mat::zeros(s.n_tok, s.n_v_head * s.d_v);
+        for (h, o) in heads.chunks_exact(per).enumerate() {
+            reference::scatter_head(&mut out, h, s.d_v, o);
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_fast<K: Kernels>(
+        &self,
+        kn: K,
+        s: DeltaShape,
+        q: &Mat,
+        k: &Mat,
+        v: &Mat,
+        g: &Mat,
+        beta: &Mat,
+        state: &mut [f32],
+    ) -> Mat {
+        let (dk, dv) = (s.d_k, s.d_v);
+        let inv = self.invariant();
+        assert_eq!(q.d, k.d, "gated_delta_rule: q and k rows differ in width");
+        let hs = dv * dk;
+        let per = s.n_tok * dv;
+        let mut heads = vec![0f32; s.n_v_head * per]; // [head][token][dv]
+        let mut b = [0usize; MAX_PARTS + 1];
+        let parts = even_bounds(s.n_v_head, parts_for(self.n_threads()), 1, &mut b);
+        let (mut bs, mut bo) = ([0usize; MAX_PARTS + 1], [0usize; MAX_PARTS + 1]);
+        for p in 0..=parts {
+            bs[p] = b[p] * hs;
+            bo[p] = b[p] * per;
+        }
+        self.pool.split_mut2(state, &bs[..=parts], &mut heads, &bo[..=parts], |p, st, out| {
+            let (mut decay, mut beta_h) = (vec![0f32; s.n_tok], vec![0f32; s.n_tok]);
+            for (i, (sth, oh)) in st.chunks_exact_mut(hs).zip(out.chunks_exact_mut(per)).enumerate() {
+                let h = b[p] + i;
+                let kh = h % s.n_k_head;
+                for t in 0..s.n_tok {
+                    decay[t] = g.row(t)[h].exp();
+                    beta_h[t] = beta.row(t)[h];
+                }
+                let io = DeltaIo {
+                    q: &q.data[kh * dk..],
+                    k: &k.data[kh * dk..],
+                    v: &v.data[h * dv..],
+                    sqk: q.d,
+                    sv: v.d,
+                    decay: &decay,
+                    beta: &beta_h,
+                    n: s.n_tok,
+                    dk,
+                    dv,
+                };
+                if inv {
+                    simd::delta_stepwise(kn, sth, &io, oh); // as in decode, for every batch size
+                } else {
+                    kn.delta_seq(sth, &io, oh);
+                }
+            }
+        });
+        let mut out = Mat::zeros(s.n_tok, s.n_v_head * dv);
+        for (h, o) in heads.chunks_exact(per).enumerate() {
+            reference::scatter_head(&mut out, h, dv, o);
+        }
+        out
+    }
+
+    /// Attention with each K and V row of a KV head converted to f32 once per query token and
+    /// used by all the query heads that share it (GQA); softmax with a vectorised exp. Work
+    /// items are (KV head, token), split across workers by their number of positions.
+    pub(super) fn attention_fast<K: Kernels>(&self, kn: K, s: AttnShape, q: &Mat, kc: &KvRows, vc: &KvRows) -> Mat {
+        let hd = s.head_dim;
+        let g = s.n_head / s.n_head_kv;
+        let gw = g * hd;
+        let n_items = s.n_head_kv * s.n_tok;
+        let mut ob = vec![0f32; n_items * gw]; // [kv head][token][g·hd]
+        // Split items by cost (positions + a constant), on item boundaries.
+        let cost = |i: usize| s.pos0 + i % s.n_tok + 1 + 16;
+        let total: usize = (0..n_items).map(cost).sum();
+        let parts = parts_for(self.n_threads()).min(n_items);
+        let mut b = [0usize; MAX_PARTS + 1];
+        let (mut acc, mut p) = (0usize, 1usize);
+        for i in 0..n_items {
+            if p < parts && acc >= total * p / parts {
+                b[p] = i;
+                p += 1;
+            }
+            acc += cost(i);
+        }
+        for e in b.iter_mut().take(parts).skip(p) {
+            *e = n_items;
+        }
+        b[parts] = n_items;
+        let ib = b;
+        b.iter_mut().for_each(|e| *e *= gw);
+        let max_pos = s.pos0 + s.n_tok;
+        self.pool.split_mut(&mut ob, &b[..=parts], |pi, out| {
+            let mut scores = vec![0f32; g * max_pos];
+            let mut row = vec![0f32; hd];
+            let mut inv = vec![0f32; g];
+            for (j, o) in out.chunks_exact_mut(gw).enumerate() {
+                let item = ib[pi] + j;
+                let (m, t) = (item / s.n_tok, item % s.n_tok);
+                let npos = s.pos0 + t + 1;
+                let qs = &q.row(t)[m * gw..(m + 1) * gw]; // the g query heads of KV head m
+                if kc.ty == KvType::F16 && vc.ty == KvType::F16 {
+                    let io = AttnIo { q: qs, k: &kc.bytes, v: &vc.bytes, rb: kc.row_bytes(), off: m * hd, npos, hd, scale: s.scale };
+                    if kn.attn_f16(&io, &mut scores, o) {
+                        continue;
+                    }
+                }
+                for p in 0..npos {
+                    kv_row(kn, kc, p, m * hd, &mut row);
+                    for n in 0..g {
+                        scores[n * max_pos + p] = kn.dot_f32(&qs[n * hd..(n + 1) * hd], &row) * s.scale;
+                    }
+                }
+                for n in 0..g {
+                    let sc = &mut scores[n * max_pos..n * max_pos + npos];
+                    let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    inv[n] = 1.0 / kn.exp_sum(sc, mx);
+                }
+                o.fill(0.0);
+                for p in 0..npos {
+                    kv_row(kn, vc, p, m * hd, &mut row);
+                    for n in 0..g {
+                        kn.axpy(scores[n * max_pos + p], &row, &mut o[n * hd..(n + 1) * hd]);
+                    }
+                }
+                for n in 0..g {
+                    o[n * hd..(n + 1) * hd].iter_mut().for_each(|x| *x *= inv[n]);
+                }
+            }
+        });
+        let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
+        for (item, o) in ob.chunks_exact(gw).enumerate() {
+            let (m, t) = (item / s.n_tok, item % s.n_tok);
+            out.row_mut(t)[m * gw..(m + 1) * gw].copy_from_slice(o);
+        }
+        out
+    }
+}
+
+/// Values `start..start + out.len()` of cached row `p`, as f32.
+#[inline]
+fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
+    match c.ty {
+        KvType::F16 => {
+            let rb = c.row_bytes();
+            kn.f16_to_f32(&c.bytes[p * rb + 2 * start..p * rb + 2 * (start + out.len())], out);
+        }
+        _ => c.read(p, start, out),
+    }
+}
