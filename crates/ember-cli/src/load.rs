@@ -27,6 +27,11 @@ pub fn open_model(path: Option<&PathBuf>) -> Result<Model> {
         eprintln!("note: no -m given, using {DEMO_NAME}");
     }
     file.advise_willneed();
+    // Fault the whole file in up front when it fits in memory with room to spare (llama.cpp
+    // maps with MAP_POPULATE likewise); a model larger than that keeps streaming on demand.
+    if mem_available().is_some_and(|avail| file.file_len().saturating_mul(5) / 4 < avail) {
+        file.populate();
+    }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}")
@@ -52,4 +57,12 @@ pub fn tokenizer(file: &GgufFile) -> Result<ember_tokenizer::Tokenizer> {
 
 pub fn parse_kv_type(s: &str) -> Result<ember_ops::KvType, String> {
     ember_ops::KvType::parse(s).ok_or_else(|| format!("unknown KV cache type '{s}' (use f16, q8_0 or f32)"))
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (Linux; None elsewhere or when unreadable).
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

@@ -42,9 +42,12 @@ const TABLE: &[(GgmlType, u32, usize, usize, &str)] = &[
 ];
 
 impl GgmlType {
+    /// This type's TABLE row: TABLE lists the variants in declaration order (checked by the
+    /// `table_is_complete` test), so the discriminant is the index. Sizes are read per weight
+    /// row in the kernels' hot loops, hence the direct index and the inlining.
+    #[inline]
     fn row(self) -> &'static (GgmlType, u32, usize, usize, &'static str) {
-        // unwrap: TABLE lists every variant (checked by the `table_is_complete` test).
-        TABLE.iter().find(|r| r.0 == self).unwrap()
+        &TABLE[self as usize]
     }
 
     pub fn from_id(id: u32) -> Option<Self> {
@@ -60,11 +63,13 @@ impl GgmlType {
     }
 
     /// Number of weights in one block.
+    #[inline]
     pub fn block_size(self) -> usize {
         self.row().2
     }
 
     /// Bytes in one block.
+    #[inline]
     pub fn type_size(self) -> usize {
         self.row().3
     }
@@ -74,11 +79,16 @@ impl GgmlType {
     }
 
     /// Bytes of a row of `n` weights, or None if `n` is not a multiple of the block size.
+    #[inline]
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_size() != 0 {
+        // Block sizes are powers of two (1, 32, 256): masks and shifts, not divisions (this
+        // runs once per weight row in the kernels).
+        let bs = self.block_size();
+        debug_assert!(bs.is_power_of_two());
+        if n & (bs - 1) != 0 {
             return None;
         }
-        (n / self.block_size()).checked_mul(self.type_size())
+        (n >> bs.trailing_zeros()).checked_mul(self.type_size())
     }
 
     /// The type llama.cpp's CPU backend quantises activations to before a dot product
@@ -119,5 +129,12 @@ mod tests {
             assert_eq!(GgmlType::from_name(t.name()), Some(t));
         }
         assert_eq!(GgmlType::all().count(), 17);
+        // `row` indexes TABLE by discriminant; `row_bytes` relies on power-of-two blocks.
+        for t in GgmlType::all() {
+            assert!(t.block_size().is_power_of_two(), "{t}");
+        }
+        for (i, r) in TABLE.iter().enumerate() {
+            assert_eq!(r.0 as usize, i, "TABLE row {i} is {:?}", r.0);
+        }
     }
 }

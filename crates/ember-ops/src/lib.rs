@@ -80,11 +80,13 @@ pub struct WeightView<'a> {
 }
 
 impl<'a> WeightView<'a> {
+    #[inline]
     pub fn row_bytes(&self) -> usize {
         // unwrap: views are built only from validated tensors whose k is a block multiple.
         self.ty.row_bytes(self.k).unwrap()
     }
 
+    #[inline]
     pub fn row(&self, r: usize) -> &'a [u8] {
         let b = self.row_bytes();
         &self.data[r * b..(r + 1) * b]
@@ -139,6 +141,7 @@ impl KvRows {
         KvRows { ty, width, len: 0, bytes: Vec::new() }
     }
 
+    #[inline]
     pub fn row_bytes(&self) -> usize {
         // unwrap: width is a multiple of 32 (checked by the model loader for q8_0).
         self.ty.ggml().row_bytes(self.width).unwrap()

@@ -121,7 +121,7 @@ impl CpuOps {
         let unsigned = !inv && k.has_panels() && x.n >= panel_min_tokens();
         // The single-token Q4_K kernel reads the nibble-ordered copy (batch-invariant mode runs
         // every token through it).
-        let ordered = k.has_panels() && (inv || x.n < 8);
+        let ordered = k.wants_k4_order() && (inv || x.n < 8);
         let fill = |t: usize, a: &mut ActRow| {
             k.quantize(x.row(t), a);
             if unsigned {
@@ -241,17 +241,18 @@ struct Acts<'a> {
 
 /// One weight row against the activation rows `toks`.
 #[inline]
-fn dot_row<K: Kernels, const NT: usize>(k: K, w: &WeightView, r: usize, src: &Acts, toks: [usize; NT]) -> [f32; NT] {
+/// `row` is one row of `w` (the caller slices it, computing the row size once per tile).
+fn dot_row<K: Kernels, const NT: usize>(k: K, w: &WeightView, row: &[u8], src: &Acts, toks: [usize; NT]) -> [f32; NT] {
     if kernels::supported(w.ty) {
-        k.dot_q::<NT>(w.ty, w.row(r), toks.map(|t| &src.q[t]))
+        k.dot_q::<NT>(w.ty, row, toks.map(|t| &src.q[t]))
     } else if matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-        k.dot_float::<NT>(w.ty, w.row(r), toks.map(|t| src.x.row(t)))
+        k.dot_float::<NT>(w.ty, row, toks.map(|t| src.x.row(t)))
     } else {
         // Other types (none in qwen35moe files): dequantise the row.
-        let mut row = vec![0f32; w.k];
+        let mut f = vec![0f32; w.k];
         // unwrap: the view's rows are whole blocks of its type.
-        quant::dequantize(w.ty, w.row(r), &mut row).unwrap();
-        toks.map(|t| simd::dot_f32_scalar(&row, src.x.row(t)))
+        quant::dequantize(w.ty, row, &mut f).unwrap();
+        toks.map(|t| simd::dot_f32_scalar(&f, src.x.row(t)))
     }
 }
 
@@ -277,22 +278,26 @@ fn tile<K: Kernels>(
     if !inv && use_panel(k, w.ty, nt) {
         return panel_rows(k, w, r0, m, nt, |i| &src.q[tok(i)], |i, v| put(i, 0, v));
     }
+    let rb = w.row_bytes();
+    let rows = &w.data[r0 * rb..(r0 + m) * rb];
     if nt == 1 || inv {
         // One token at a time through the single-token kernel: decode, and every batch in
         // batch-invariant precision. Prefetch only pays when one token is all the work.
-        let ahead = (nt == 1).then(|| prefetch_rows(w.row_bytes()));
+        let ahead = (nt == 1).then(|| prefetch_rows(rb));
+        let next_rb = next.map_or(0, |nw| nw.row_bytes());
         for t in 0..nt {
-            for j in 0..m {
+            for (j, row) in rows.chunks_exact(rb).enumerate() {
                 if let Some(ahead) = ahead {
                     let r = r0 + j + ahead;
                     if r < w.n_rows {
-                        simd::prefetch(w.row(r));
+                        simd::prefetch(&w.data[r * rb..(r + 1) * rb]);
                     } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
                         // Past this matrix: the start of the one read next (another expert's).
-                        simd::prefetch(nw.row(r - w.n_rows));
+                        let nr = r - w.n_rows;
+                        simd::prefetch(&nw.data[nr * next_rb..(nr + 1) * next_rb]);
                     }
                 }
-                put(t, j, &dot_row::<K, 1>(k, w, r0 + j, src, [tok(t)]));
+                put(t, j, &dot_row::<K, 1>(k, w, row, src, [tok(t)]));
             }
         }
         return;
@@ -300,8 +305,8 @@ fn tile<K: Kernels>(
     let mut t = 0;
     while t + 4 <= nt {
         let ids = [tok(t), tok(t + 1), tok(t + 2), tok(t + 3)];
-        for j in 0..m {
-            let v = dot_row::<K, 4>(k, w, r0 + j, src, ids);
+        for (j, row) in rows.chunks_exact(rb).enumerate() {
+            let v = dot_row::<K, 4>(k, w, row, src, ids);
             for (l, v) in v.iter().enumerate() {
                 put(t + l, j, std::slice::from_ref(v));
             }
@@ -309,8 +314,8 @@ fn tile<K: Kernels>(
         t += 4;
     }
     for t in t..nt {
-        for j in 0..m {
-            put(t, j, &dot_row::<K, 1>(k, w, r0 + j, src, [tok(t)]));
+        for (j, row) in rows.chunks_exact(rb).enumerate() {
+            put(t, j, &dot_row::<K, 1>(k, w, row, src, [tok(t)]));
         }
     }
 }

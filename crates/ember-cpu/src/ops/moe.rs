@@ -1,7 +1,6 @@
 //! The fused MoE of the fast path: every routed expert and the shared one in three parallel
 //! regions per layer (gate/up, SwiGLU + quantisation, down), prompt-sized slots through panels.
 
-use ember_ops::reference::silu;
 use ember_ops::{Mat, MoeSlot};
 
 use super::{Acts, CpuOps, ROW_TILE, panel_min_tokens, panel_rows, prefetch_rows, tile, use_panel};
@@ -68,7 +67,7 @@ impl CpuOps {
         }
         let gu = &s.gu;
         let unsigned = !inv && k.has_panels() && slots.iter().any(|sl| sl.tokens.len() >= panel_min_tokens());
-        let ordered = k.has_panels() && (inv || n_h < 8);
+        let ordered = k.wants_k4_order() && (inv || n_h < 8);
         let fill = |i: usize, a: &mut ActRow| {
             let si = hoffs[..=slots.len()].partition_point(|&o| o <= i) - 1;
             let (nt, n_ff) = (slots[si].tokens.len(), slots[si].expert.gate.n_rows);
@@ -77,7 +76,11 @@ impl CpuOps {
             let u = &gu[offs[si] + n_ff * nt..offs[si + 1]];
             let mut h = [0f32; MAX_FF];
             for (r, v) in h[..n_ff].iter_mut().enumerate() {
-                *v = silu(g[r * nt + j]) * u[r * nt + j];
+                *v = g[r * nt + j];
+            }
+            k.silu(&mut h[..n_ff]);
+            for (r, v) in h[..n_ff].iter_mut().enumerate() {
+                *v *= u[r * nt + j];
             }
             k.quantize(&h[..n_ff], a);
             if unsigned {

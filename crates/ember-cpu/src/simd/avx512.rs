@@ -40,6 +40,11 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         true
     }
 
+    #[inline]
+    fn wants_k4_order(self) -> bool {
+        true
+    }
+
     fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
         let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
         let heads = q.len() / hd.max(1);
@@ -189,31 +194,6 @@ fn ld512ps(x: &[f32], at: usize) -> __m512 {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn cat(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-}
-
-/// The header of a Q4_K / Q5_K block in vector registers: the eight 6-bit scales and mins as
-/// f32, and d, dmin broadcast (gguf-format.md §5; the same unpacking as `k4_scales`, done
-/// with byte shuffles instead of ~50 scalar instructions per block).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn k4_header(b: &[u8]) -> (__m256, __m256, __m256, __m256) {
-    let h = &b[..16];
-    // SAFETY: `h` is 16 readable bytes.
-    let raw = unsafe { _mm_loadu_si128(h.as_ptr().cast()) }; // d, dmin, s[0..12]
-    let dm = _mm_cvtph_ps(raw);
-    let d = _mm256_broadcastss_ps(dm);
-    let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-    // p = [s0..s3, s8..s11, s4..s7, s8..s11]: the low parts of sc0..3, sc4..7, mn0..3, mn4..7.
-    let p = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-    let low = _mm_and_si128(p, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    let low = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16::<4>(p), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-    // The top two bits of sc4..7 come from s0..s3, of mn4..7 from s4..s7.
-    let q = _mm_shuffle_epi8(raw, _mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
-    let high = _mm_slli_epi16::<4>(_mm_and_si128(_mm_srli_epi16::<6>(q), _mm_set1_epi8(3)));
-    let all = _mm_or_si128(low, high); // sc0..7, mn0..7 as bytes
-    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(all));
-    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(all)));
-    (sc, mn, d, dmin)
 }
 
 /// Q4_K / Q5_K, one token: per 32-byte chunk p, its low and high nibbles (sub-blocks 2p and

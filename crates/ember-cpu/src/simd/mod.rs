@@ -174,6 +174,12 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         false
     }
 
+    /// Whether the single-token Q4_K kernel reads [`ActRow::qk`] (filled by
+    /// [`ActRow::fill_k4_order`]) rather than `q`.
+    fn wants_k4_order(self) -> bool {
+        false
+    }
+
     /// Unpacks `m` (1..=16) consecutive rows of `ty` ([`panel::supported`]), `k` weights each,
     /// stored back to back in `rows`, into `p`. The default is the scalar unpacker.
     fn panel_unpack(self, ty: GgmlType, k: usize, rows: &[u8], m: usize, p: &mut Panel) {
