@@ -811,21 +811,27 @@ const ATTN_BLOCK: usize = 512;
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
     let AttnIo { q, k, v, rb, off, npos, hd, scale } = *io;
+    // The loops below index q and scores through pointers (a bounds check per 8-float load
+    // cost more than the FMA it guards): q holds NH·hd values, scores NH·npos.
+    assert!(q.len() >= NH * hd && scores.len() >= NH * npos && hd.is_multiple_of(8));
     let f16x8 = |b: &[u8], at: usize| -> __m256 {
         // SAFETY: the caller checked that every head slice (hd f16) is inside the cache.
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) })
     };
+    let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
     for p in 0..npos {
         let base = p * rb + 2 * off;
         let mut acc = [_mm256_setzero_ps(); NH];
         for c in 0..hd / 8 {
             let kc = f16x8(k, base + 16 * c);
             for (n, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(kc, ldps(q, n * hd + 8 * c), *a);
+                // SAFETY: n·hd + 8c + 8 ≤ NH·hd ≤ q.len() (asserted above).
+                *a = _mm256_fmadd_ps(kc, unsafe { _mm256_loadu_ps(qp.add(n * hd + 8 * c)) }, *a);
             }
         }
         for (n, a) in acc.iter().enumerate() {
-            scores[n * npos + p] = hsum(*a) * scale;
+            // SAFETY: n·npos + p < NH·npos ≤ scores.len().
+            unsafe { *sp.add(n * npos + p) = hsum(*a) * scale };
         }
     }
     let mut inv = [0f32; NH];
@@ -835,6 +841,8 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
         *iv = 1.0 / exp_sum(sc, mx);
     }
     out[..NH * hd].fill(0.0);
+    // Re-derived after the softmax's borrows of `scores`.
+    let sp = scores.as_ptr();
     for b0 in (0..npos).step_by(ATTN_BLOCK) {
         let b1 = (b0 + ATTN_BLOCK).min(npos);
         for c in 0..hd / 8 {
@@ -842,7 +850,8 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
             for p in b0..b1 {
                 let vv = f16x8(v, p * rb + 2 * (off + 8 * c));
                 for (n, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(_mm256_set1_ps(scores[n * npos + p]), vv, *a);
+                    // SAFETY: n·npos + p < NH·npos ≤ scores.len() (asserted above).
+                    *a = _mm256_fmadd_ps(_mm256_set1_ps(unsafe { *sp.add(n * npos + p) }), vv, *a);
                 }
             }
             for (n, a) in acc.iter().enumerate() {
