@@ -763,7 +763,8 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
             u.s16.resize(m * k / 16, 0.0);
             u.o16.resize(m * k / 16, 0.0);
             for r in 0..m {
-                let (c, s, o) = (&mut u.codes[r * k..(r + 1) * k], &mut u.s16[r * k / 16..(r + 1) * k / 16], &mut u.o16[r * k / 16..(r + 1) * k / 16]);
+                let (c, s, o) =
+                    (&mut u.codes[r * k..(r + 1) * k], &mut u.s16[r * k / 16..(r + 1) * k / 16], &mut u.o16[r * k / 16..(r + 1) * k / 16]);
                 // SAFETY: the CPU has the features (token).
                 unsafe { decode_row(ty, &rows[r * rb..(r + 1) * rb], c, s, o) };
             }
@@ -1018,7 +1019,10 @@ fn decode_row(ty: GgmlType, row: &[u8], codes: &mut [i8], s16: &mut [f32], o16: 
                     let qh = ld256(b, 128 + 32 * n);
                     let q = [
                         _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m3))),
-                        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3))),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m3)),
+                        ),
                         _mm256_or_si256(
                             _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
                             _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m3)),
