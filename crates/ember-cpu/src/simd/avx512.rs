@@ -46,54 +46,30 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
     }
 
     fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
-        let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
-        let heads = q.len() / hd.max(1);
-        if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
-            return false;
-        }
-        assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos);
-        // Every position's head slice lies inside both caches.
-        let last = (npos - 1) * rb + 2 * (off + hd);
-        assert!(k.len() >= last && v.len() >= last && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
-        let mut h0 = 0;
-        while h0 < heads {
-            let nh = (heads - h0).min(8);
-            let (qg, og) = (&q[h0 * hd..(h0 + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
-            let sg = &mut scores[h0 * npos..(h0 + nh) * npos];
-            // SAFETY: the CPU has the features (token); the bounds were checked above.
+        super::attn_f16_groups(io, scores, out, |nh, io, sg, og| {
+            // SAFETY: the CPU has the features (token); attn_f16_groups checked the bounds.
             unsafe {
                 match nh {
-                    8 => attn_group::<8>(&AttnIo { q: qg, ..*io }, sg, og),
-                    7 => attn_group::<7>(&AttnIo { q: qg, ..*io }, sg, og),
-                    6 => attn_group::<6>(&AttnIo { q: qg, ..*io }, sg, og),
-                    5 => attn_group::<5>(&AttnIo { q: qg, ..*io }, sg, og),
-                    4 => attn_group::<4>(&AttnIo { q: qg, ..*io }, sg, og),
-                    3 => attn_group::<3>(&AttnIo { q: qg, ..*io }, sg, og),
-                    2 => attn_group::<2>(&AttnIo { q: qg, ..*io }, sg, og),
-                    _ => attn_group::<1>(&AttnIo { q: qg, ..*io }, sg, og),
+                    8 => attn_group::<8>(io, sg, og),
+                    7 => attn_group::<7>(io, sg, og),
+                    6 => attn_group::<6>(io, sg, og),
+                    5 => attn_group::<5>(io, sg, og),
+                    4 => attn_group::<4>(io, sg, og),
+                    3 => attn_group::<3>(io, sg, og),
+                    2 => attn_group::<2>(io, sg, og),
+                    _ => attn_group::<1>(io, sg, og),
                 }
             }
-            h0 += nh;
-        }
-        true
+        })
     }
 
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
-        if io.n < 2 || !io.dv.is_multiple_of(ROWS) || !io.dk.is_multiple_of(4) {
+        let Some(kq) = super::delta_columns_kq(st, io, o, ROWS) else {
             return super::delta_stepwise(self, st, io, o);
-        }
-        assert!(st.len() >= io.dk * io.dv && o.len() >= io.n * io.dv && io.decay.len() >= io.n && io.beta.len() >= io.n);
-        // Bounds of the last token's reads (the kernel reads tokens 0..n through `token`).
-        let _ = io.token(io.n - 1);
-        let kq: Vec<f32> = (0..io.n)
-            .map(|t| {
-                let (q, k, _) = io.token(t);
-                q.iter().zip(k).map(|(a, b)| a * b).sum()
-            })
-            .collect();
+        };
         let mut buf = vec![Lanes::<f32>::default(); io.dk];
         for c in 0..io.dv / ROWS {
-            // SAFETY: the CPU has the features (token); the lengths were checked above.
+            // SAFETY: the CPU has the features (token); delta_columns_kq checked the lengths.
             unsafe { delta_columns(st, io, &kq, c, &mut buf, o) };
         }
     }

@@ -237,6 +237,54 @@ pub struct AttnIo<'a> {
     pub scale: f32,
 }
 
+/// The checks and head grouping shared by the [`Kernels::attn_f16`] kernels: after checking
+/// every slice they read, calls `group(nh, io, scores, out)` for each run of at most 8 query heads
+/// (`io.q`, `scores` and `out` narrowed to them). False, calling nothing, when the shape has no
+/// kernel (head size not a multiple of 32) or nothing to do.
+pub(crate) fn attn_f16_groups(
+    io: &AttnIo<'_>,
+    scores: &mut [f32],
+    out: &mut [f32],
+    mut group: impl FnMut(usize, &AttnIo<'_>, &mut [f32], &mut [f32]),
+) -> bool {
+    let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
+    let heads = q.len() / hd.max(1);
+    if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
+        return false;
+    }
+    assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos);
+    // Every position's head slice lies inside both caches.
+    let last = (npos - 1) * rb + 2 * (off + hd);
+    assert!(k.len() >= last && v.len() >= last && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
+    let mut h0 = 0;
+    while h0 < heads {
+        let nh = (heads - h0).min(8);
+        let (qg, og) = (&q[h0 * hd..(h0 + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
+        group(nh, &AttnIo { q: qg, ..*io }, &mut scores[h0 * npos..(h0 + nh) * npos], og);
+        h0 += nh;
+    }
+    true
+}
+
+/// The checks shared by the column-block [`Kernels::delta_seq`] kernels (`cols` value columns
+/// per block), and the per-token `k·q` they use; None when the shape takes the stepwise form.
+pub(crate) fn delta_columns_kq(st: &[f32], io: &DeltaIo<'_>, o: &[f32], cols: usize) -> Option<Vec<f32>> {
+    if io.n < 2 || !io.dv.is_multiple_of(cols) || !io.dk.is_multiple_of(4) {
+        return None;
+    }
+    assert!(st.len() >= io.dk * io.dv && o.len() >= io.n * io.dv && io.decay.len() >= io.n && io.beta.len() >= io.n);
+    // Bounds of the last token's reads (the kernels read tokens 0..n through `token`).
+    let _ = io.token(io.n - 1);
+    Some(
+        (0..io.n)
+            .map(|t| {
+                let (q, k, _) = io.token(t);
+                q.iter().zip(k).map(|(a, b)| a * b).sum()
+            })
+            .collect(),
+    )
+}
+
 /// [`Kernels::delta_step`] for each of the `io.n` tokens in turn (the default
 /// [`Kernels::delta_seq`], and the batch-invariant path).
 pub fn delta_stepwise<K: Kernels>(k: K, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
