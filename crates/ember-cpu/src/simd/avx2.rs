@@ -757,7 +757,7 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
         let signed = signed_panel(p);
         for a in a {
             assert!(
-                (if signed { a.q.len() } else { a.qu.len() }) >= p.k && a.d.len() >= p.k / 32 && a.ds16.len() >= p.k / 16,
+                a.q.len() >= p.k && (signed || a.qu.len() >= p.k) && a.d.len() >= p.k / 32 && a.ds16.len() >= p.k / 16,
                 "panel_dot: activation row shorter than the panel"
             );
         }
