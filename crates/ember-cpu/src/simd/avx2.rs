@@ -762,6 +762,25 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
             );
         }
         assert!(p.q.len() >= p.k / 4 && p.sc.len() >= p.k / p.g && p.off.len() >= p.k / p.g && p.corr.len() >= p.k / p.g);
+        if !signed && p.g == 32 && p.has_off && matches!(p.ty, Some(GgmlType::Q4K | GgmlType::Q5K)) {
+            let q4 = p.ty == Some(GgmlType::Q4K);
+            for (ai, oi) in a.chunks(4).zip(out.chunks_mut(4)) {
+                // SAFETY: the CPU has the features (token); the lengths were checked above.
+                unsafe {
+                    match (ai.len(), q4) {
+                        (4, true) => panel_dot_small::<4, 8>(p, ai, oi),
+                        (4, false) => panel_dot_small::<4, 4>(p, ai, oi),
+                        (3, true) => panel_dot_small::<3, 8>(p, ai, oi),
+                        (3, false) => panel_dot_small::<3, 4>(p, ai, oi),
+                        (2, true) => panel_dot_small::<2, 8>(p, ai, oi),
+                        (2, false) => panel_dot_small::<2, 4>(p, ai, oi),
+                        (_, true) => panel_dot_small::<1, 8>(p, ai, oi),
+                        (_, false) => panel_dot_small::<1, 4>(p, ai, oi),
+                    }
+                }
+            }
+            return;
+        }
         let mut i = 0;
         while i < a.len() {
             let n = (a.len() - i).min(PANEL_NT);

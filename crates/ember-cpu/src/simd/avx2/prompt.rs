@@ -361,42 +361,88 @@ pub(super) unsafe fn panel_dot_g<const NT: usize>(p: &Panel, a: &[&ActRow], out:
     let a: [&ActRow; NT] = std::array::from_fn(|t| a[t]);
     // SAFETY: forwarded.
     let o = unsafe {
-        match (p.g, p.has_off, signed, p.ty) {
-            (32, true, false, Some(GgmlType::Q4K)) => panel_dot_nt::<NT, 32, true, false, 8>(p, a),
-            (32, true, false, Some(GgmlType::Q5K)) => panel_dot_nt::<NT, 32, true, false, 4>(p, a),
-            (32, _, true, _) => panel_dot_nt::<NT, 32, false, true, 0>(p, a),
-            (32, false, false, _) => panel_dot_nt::<NT, 32, false, false, 0>(p, a),
-            (32, true, false, _) => panel_dot_nt::<NT, 32, true, false, 0>(p, a),
-            (16, false, false, _) => panel_dot_nt::<NT, 16, false, false, 0>(p, a),
-            (16, true, false, _) => panel_dot_nt::<NT, 16, true, false, 0>(p, a),
+        match (p.g, p.has_off, signed) {
+            (32, _, true) => panel_dot_nt::<NT, 32, false, true>(p, a),
+            (32, false, false) => panel_dot_nt::<NT, 32, false, false>(p, a),
+            (32, true, false) => panel_dot_nt::<NT, 32, true, false>(p, a),
+            (16, false, false) => panel_dot_nt::<NT, 16, false, false>(p, a),
+            (16, true, false) => panel_dot_nt::<NT, 16, true, false>(p, a),
             _ => unreachable!("panel groups are 16 or 32 weights; signed panels have groups of 32"),
         }
     };
     out[..NT].copy_from_slice(&o);
 }
 
+/// The panel product of Q4_K / Q5_K panels (codes 0..2^b − 1, b = 4 / 5) for NT ≤ 4 tokens.
+/// The codes go into `maddubs` as the unsigned operand against the signed activations `q`
+/// themselves, so no `corr` is needed, and `SUM` products are added in i16 before one widening
+/// `madd`: a pair is at most 2·15·127 = 3810 (Q4_K, SUM = 8: 30480) or 2·31·127 = 7874 (Q5_K,
+/// SUM = 4: 31496), under 32767. The integer sums are the general path's, and the float steps
+/// the same in the same order, so the results are bit for bit [`panel_dot_nt`]'s. With the
+/// float sums in memory the loop holds 2·NT i16 sums, the two weight halves and one broadcast:
+/// NT ≤ 4 fits the 16 registers.
+/// SAFETY (caller): every `a[t]` has ≥ k bytes in `q`, ≥ k/32 scales and sums; the panel's
+/// buffers cover k, its groups are 32 (what `panel_dot` checks).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn panel_dot_small<const NT: usize, const SUM: usize>(p: &Panel, a: &[&ActRow], out: &mut [[f32; ROWS]]) {
+    let aq: [*const u8; NT] = std::array::from_fn(|t| a[t].q.as_ptr().cast::<u8>());
+    let ones16 = _mm256_set1_epi16(1);
+    // SAFETY (all reads below): weight j < k of token t is at aq[t] + j.
+    let bc = |t: usize, j: usize| _mm256_set1_epi32(unsafe { aq[t].add(j).cast::<i32>().read_unaligned() });
+    let mut acc = [[0f32; ROWS]; NT];
+    for gi in 0..p.k / 32 {
+        let mut s16 = [[_mm256_setzero_si256(); 2]; NT];
+        let mut s32 = [[_mm256_setzero_si256(); 2]; NT];
+        for s0 in (0..8).step_by(SUM) {
+            // A loop the compiler does not unroll: unrolled, it hoisted the loads of all eight
+            // steps and spilled most of them.
+            for s in s0..s0 + std::hint::black_box(SUM) {
+                let qs = &p.q[8 * gi + s];
+                let w = [half_i(qs, 0), half_i(qs, 1)];
+                for t in 0..NT {
+                    let av = bc(t, 32 * gi + 4 * s);
+                    for h in 0..2 {
+                        s16[t][h] = _mm256_add_epi16(s16[t][h], _mm256_maddubs_epi16(w[h], av));
+                    }
+                }
+            }
+            for t in 0..NT {
+                for h in 0..2 {
+                    s32[t][h] = _mm256_add_epi32(s32[t][h], _mm256_madd_epi16(s16[t][h], ones16));
+                    s16[t][h] = _mm256_setzero_si256();
+                }
+            }
+        }
+        for h in 0..2 {
+            let (sc, off) = (half_f(&p.sc[gi], h), half_f(&p.off[gi], h));
+            for t in 0..NT {
+                let (da, ds) = (_mm256_set1_ps(a[t].d[gi]), _mm256_set1_ps(a[t].ds32[gi]));
+                let f = &mut acc[t][8 * h..8 * h + 8];
+                // SAFETY: `f` is 8 f32, read and written unaligned.
+                unsafe {
+                    let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t][h]), _mm256_mul_ps(sc, da), _mm256_loadu_ps(f.as_ptr()));
+                    _mm256_storeu_ps(f.as_mut_ptr(), _mm256_fmadd_ps(off, ds, v));
+                }
+            }
+        }
+    }
+    out[..NT].copy_from_slice(&acc);
+}
+
 /// The panel product for NT tokens, per group of G weights: integer accumulators per half
 /// (starting at `corr`, or 0 for signed panels), one convert and one FMA with `sc · d_a` (and
 /// one with `off · d_a·Σqa`), as in the AVX-512 kernel. Unsigned panels sum two `maddubs`
 /// in i16 before widening (the bound above).
-///
-/// `SMALL > 0` is for codes 0..2^b − 1 (Q4_K: b = 4, Q5_K: 5): they go into `maddubs` as the
-/// unsigned operand against the signed activations `q` themselves, so no `corr` is needed, and
-/// `SMALL` products are summed in i16 before one widening `madd`: a pair is at most
-/// 2·15·127 = 3810 (Q4_K, 8 of them: 30480) or 2·31·127 = 7874 (Q5_K, 4: 31496), under 32767.
-/// The integer sums, hence the results, are the general path's bit for bit. It runs one half
-/// (8 rows) at a time straight into the float sums, so its NT i16 and NT i32 accumulators and
-/// the float sums fit the 16 registers. (The same order for the other paths measured slower
-/// on Q8_0 panels, `matmul_bench pp_qkv_q8_0`: their per-product work is larger.)
-/// SAFETY (caller): every `a[t]` has ≥ k bytes in `qu` (unsigned) or `q` (signed or SMALL),
-/// ≥ k/32 scales and ≥ k/16 sums; the panel's buffers cover k (what `panel_dot` checks).
+/// SAFETY (caller): every `a[t]` has ≥ k bytes in `qu` (unsigned) or `q` (signed), ≥ k/32
+/// scales and ≥ k/16 sums; the panel's buffers cover k (what `panel_dot` checks).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn panel_dot_nt<const NT: usize, const G: usize, const OFF: bool, const SIGNED: bool, const SMALL: usize>(
+unsafe fn panel_dot_nt<const NT: usize, const G: usize, const OFF: bool, const SIGNED: bool>(
     p: &Panel,
     a: [&ActRow; NT],
 ) -> [[f32; ROWS]; NT] {
-    let aq = a.map(|a| if SIGNED || SMALL > 0 { a.q.as_ptr().cast::<u8>() } else { a.qu.as_ptr() });
+    let aq = a.map(|a| if SIGNED { a.q.as_ptr().cast::<u8>() } else { a.qu.as_ptr() });
     let ad = a.map(|a| a.d.as_ptr());
     let ads = a.map(|a| if G == 32 { a.ds32.as_ptr() } else { a.ds16.as_ptr() });
     let ones16 = _mm256_set1_epi16(1);
@@ -404,38 +450,12 @@ unsafe fn panel_dot_nt<const NT: usize, const G: usize, const OFF: bool, const S
     let bc = |t: usize, j: usize| _mm256_set1_epi32(unsafe { aq[t].add(j).cast::<i32>().read_unaligned() });
     let mut facc = [[_mm256_setzero_ps(); 2]; NT];
     for gi in 0..p.k / G {
-        if SMALL > 0 {
-            let sc = [half_f(&p.sc[gi], 0), half_f(&p.sc[gi], 1)];
-            for h in 0..2 {
-                let mut s16 = [_mm256_setzero_si256(); NT];
-                let mut s32 = [_mm256_setzero_si256(); NT];
-                for s in 0..G / 4 {
-                    let w = half_i(&p.q[gi * G / 4 + s], h);
-                    for t in 0..NT {
-                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(w, bc(t, gi * G + 4 * s)));
-                    }
-                    if (s + 1) % SMALL == 0 {
-                        for t in 0..NT {
-                            s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones16));
-                            s16[t] = _mm256_setzero_si256();
-                        }
-                    }
-                }
-                for t in 0..NT {
-                    // SAFETY: gi·G/32 < k/32 ≤ d.len().
-                    let da = _mm256_set1_ps(unsafe { *ad[t].add(gi * G / 32) });
-                    facc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[t]), _mm256_mul_ps(sc[h], da), facc[t][h]);
-                }
-            }
-        }
         let mut iacc = [[_mm256_setzero_si256(); 2]; NT];
-        if !SIGNED && SMALL == 0 {
+        if !SIGNED {
             let c = [half_i(&p.corr[gi], 0), half_i(&p.corr[gi], 1)];
             iacc = [c; NT];
         }
-        if SMALL > 0 {
-            // Summed above.
-        } else if SIGNED {
+        if SIGNED {
             for s in 0..G / 4 {
                 let w = [half_i(&p.q[gi * G / 4 + s], 0), half_i(&p.q[gi * G / 4 + s], 1)];
                 let u = [_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])];
@@ -461,7 +481,7 @@ unsafe fn panel_dot_nt<const NT: usize, const G: usize, const OFF: bool, const S
             }
         }
         let sc = [half_f(&p.sc[gi], 0), half_f(&p.sc[gi], 1)];
-        for t in (0..NT).filter(|_| SMALL == 0) {
+        for t in 0..NT {
             // SAFETY: gi·G/32 < k/32 ≤ d.len().
             let da = _mm256_set1_ps(unsafe { *ad[t].add(gi * G / 32) });
             for h in 0..2 {
