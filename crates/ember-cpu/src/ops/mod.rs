@@ -280,6 +280,24 @@ fn tile<K: Kernels>(
     }
     let rb = w.row_bytes();
     let rows = &w.data[r0 * rb..(r0 + m) * rb];
+    if nt == 1 && !inv && kernels::supported(w.ty) {
+        // Decode: the whole tile in one kernel call, prefetching `ahead` rows in front (into the
+        // start of the matrix read next once past this one's end).
+        let ahead = prefetch_rows(rb);
+        let next_rb = next.map_or(0, |nw| nw.row_bytes());
+        let mut out = [0f32; ROW_TILE];
+        k.dot_rows(w.ty, rows, rb, &src.q[tok(0)], &mut out[..m], |j| {
+            let r = r0 + j + ahead;
+            if r < w.n_rows {
+                simd::prefetch(&w.data[r * rb..(r + 1) * rb]);
+            } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
+                let nr = r - w.n_rows;
+                simd::prefetch(&nw.data[nr * next_rb..(nr + 1) * next_rb]);
+            }
+        });
+        put(0, 0, &out[..m]);
+        return;
+    }
     if nt == 1 || inv {
         // One token at a time through the single-token kernel: decode, and every batch in
         // batch-invariant precision. Prefetch only pays when one token is all the work.

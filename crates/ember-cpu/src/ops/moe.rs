@@ -4,7 +4,7 @@
 use ember_ops::{Mat, MoeSlot};
 
 use super::{Acts, CpuOps, ROW_TILE, panel_min_tokens, panel_rows, prefetch_rows, tile, use_panel};
-use crate::kernels::ActRow;
+use crate::kernels::{self, ActRow};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 use crate::simd::{self, Kernels};
 
@@ -136,13 +136,31 @@ impl CpuOps {
                 }
                 let next = slots.get(si + 1).map(|s| &s.expert.down);
                 let ahead = prefetch_rows(dw.row_bytes());
-                for r in r0..r1 {
+                let prefetch = |r: usize| {
                     let ra = r + ahead;
                     if ra < r1 {
                         simd::prefetch(dw.row(ra));
                     } else if let Some(nw) = next.filter(|nw| r0 + ra - r1 < r1.min(nw.n_rows)) {
                         simd::prefetch(nw.row(r0 + ra - r1));
                     }
+                };
+                if !inv && h.len() == 1 && kernels::supported(dw.ty) {
+                    // Decode: rows in runs through one kernel call each (with k = 512 a Q6_K
+                    // row is two blocks, so the per-row call and dispatch were a large share).
+                    let (t, w) = sl.tokens[0];
+                    let rb = dw.row_bytes();
+                    let mut v = [0f32; DOWN_RUN];
+                    for c0 in (r0..r1).step_by(DOWN_RUN) {
+                        let m = DOWN_RUN.min(r1 - c0);
+                        k.dot_rows(dw.ty, &dw.data[c0 * rb..(c0 + m) * rb], rb, &h[0], &mut v[..m], |j| prefetch(c0 + j));
+                        for (o, v) in out.run(t, c0, m).iter_mut().zip(&v[..m]) {
+                            *o += w * v;
+                        }
+                    }
+                    continue;
+                }
+                for r in r0..r1 {
+                    prefetch(r);
                     let row = dw.row(r);
                     let mut i = 0;
                     while !inv && i + 4 <= h.len() {
@@ -163,6 +181,9 @@ impl CpuOps {
         y
     }
 }
+
+/// Rows of an expert's down matrix per single-token kernel call.
+const DOWN_RUN: usize = 64;
 
 /// Boundaries (in elements of `gu`) splitting the MoE gate/up items evenly by work, each on an
 /// item (row) boundary.

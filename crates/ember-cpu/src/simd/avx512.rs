@@ -135,6 +135,12 @@ use super::{AttnIo, DeltaIo};
 /// blocks per `vpdpbusd`, so the instructions per weight byte drop by about a third against
 /// the shared 256-bit kernels (decode on a fast memory bus is bound by them, not by DRAM).
 /// `None`: use the shared kernel.
+/// Whether [`dot1_wide`] answers for `ty`.
+#[inline(always)]
+fn has_dot1_wide(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q8_0)
+}
+
 /// SAFETY (caller): the CPU has the features of this module's token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]

@@ -124,6 +124,17 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// ([`kernels::supported`]) and `NT` activation rows of the same length.
     fn dot_q<const NT: usize>(self, ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT];
 
+    /// Single-token dots of consecutive rows: `out[j]` = row j of `rows` (`rb` bytes each) ·
+    /// `a`, for every `j < out.len()`, with `pf(j)` called just before row j (the caller's
+    /// prefetches). Same results as [`Kernels::dot_q`] row by row, which the default does; the
+    /// x86 kernels dispatch on the type once per call instead of once per row.
+    fn dot_rows(self, ty: GgmlType, rows: &[u8], rb: usize, a: &ActRow, out: &mut [f32], mut pf: impl FnMut(usize)) {
+        for (j, (row, o)) in rows.chunks_exact(rb).zip(out.iter_mut()).enumerate() {
+            pf(j);
+            *o = self.dot_q::<1>(ty, row, [a])[0];
+        }
+    }
+
     /// `out[t] = Σ_j W[j]·x[t][j]` for one weight row of type F32, F16 or BF16, in f32.
     fn dot_float<const NT: usize>(self, ty: GgmlType, w: &[u8], x: [&[f32]; NT]) -> [f32; NT];
 
@@ -507,6 +518,22 @@ mod tests {
         ordered.fill_k4_order();
         let got_k = k.dot_q::<1>(t, &w, [&ordered]);
         assert!((got_k[0] as f64 - want).abs() <= 1e-5 * norm(&rows[0]).max(1e-20), "{t} n={n} (ordered): got {} want {want}", got_k[0]);
+        // Several rows in one call: each row's value exactly the single-row kernel's, and the
+        // prefetch hook called once per row, in order, before it.
+        let rb = w.len();
+        let mut many = w.clone();
+        for _ in 0..2 {
+            many.extend(random_row(t, n, seed));
+        }
+        for a in [&rows[0], &ordered] {
+            let mut out = [0f32; 3];
+            let mut seen = Vec::new();
+            k.dot_rows(t, &many, rb, a, &mut out, |j| seen.push(j));
+            assert_eq!(seen, [0, 1, 2], "{t} n={n}: prefetch hook order");
+            for (j, row) in many.chunks_exact(rb).enumerate() {
+                assert_eq!(out[j].to_bits(), k.dot_q::<1>(t, row, [a])[0].to_bits(), "{t} n={n}: dot_rows row {j}");
+            }
+        }
     }
 
     fn check_float<K: Kernels>(k: K, t: GgmlType, n: usize, seed: &mut u64) {
