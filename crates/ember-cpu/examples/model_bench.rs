@@ -55,6 +55,9 @@ impl Ops for Timed {
             || self.inner.matmul_many(ws, x),
         )
     }
+    fn gate(&self, y: &mut ember_ops::Mat, g: &ember_ops::Mat, act: ember_ops::Gate) {
+        self.time(|| format!("gate {act:?}"), || self.inner.gate(y, g, act))
+    }
     fn moe(&self, slots: &[ember_ops::MoeSlot], x: &ember_ops::Mat) -> ember_ops::Mat {
         self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(slots, x))
     }

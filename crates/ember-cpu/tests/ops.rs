@@ -3,7 +3,7 @@
 //! the column-block delta rule from 2, the transposed-tap conv from 8).
 
 use ember_cpu::{CpuOps, Precision};
-use ember_ops::{DeltaShape, Mat, Ops, reference};
+use ember_ops::{DeltaShape, Gate, Mat, Ops, reference};
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -36,6 +36,28 @@ fn conv1d_silu_matches_reference() {
         eprintln!("conv1d n={n}: max rel {:.1e}", max_rel(&got.data, &want.data));
         assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n}: {}", max_rel(&got.data, &want.data));
         assert_eq!(st_fast, st_ref, "state after n={n}");
+    }
+}
+
+/// The output gates (SiLU, sigmoid) with the vectorised exp, on one thread's worth and on a
+/// prompt's worth split across workers, gate inputs up to ±40: measured max relative error
+/// 6.0e-8 of the largest output; bound 1e-5.
+#[test]
+fn gate_matches_reference() {
+    let ops = CpuOps::new(Precision::Fast, 2);
+    let mut seed = 7;
+    for (n, d) in [(1, 4096), (3, 1001), (40, 1000)] {
+        for act in [Gate::Silu, Gate::Sigmoid] {
+            let y = random_mat(n, d, &mut seed);
+            let mut g = random_mat(n, d, &mut seed);
+            g.data.iter_mut().for_each(|v| *v *= 40.0);
+            let (mut got, mut want) = (y.clone(), y);
+            ops.gate(&mut got, &g, act);
+            reference::gate(&mut want, &g, act);
+            let err = max_rel(&got.data, &want.data);
+            eprintln!("gate {act:?} {n}x{d}: max rel {err:.1e}");
+            assert!(err < 1e-5, "{act:?} {n}x{d}: {err}");
+        }
     }
 }
 

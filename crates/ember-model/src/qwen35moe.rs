@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use ember_gguf::GgufFile;
-use ember_ops::reference::{l2_norm, sigmoid, silu, softplus};
-use ember_ops::{AttnShape, DeltaShape, ExpertView, Mat, MoeSlot, Ops};
+use std::borrow::Cow;
+
+use ember_ops::reference::{l2_norm, sigmoid, softplus};
+use ember_ops::{AttnShape, DeltaShape, ExpertView, Gate, Mat, MoeSlot, Ops};
 
 use crate::state::LayerState;
 use crate::weights::Loader;
@@ -303,6 +305,24 @@ struct Span {
     chunked: bool,
 }
 
+/// The rows of span `sp` of `m`: `m` itself when the span is the whole batch (one sequence,
+/// the common case), else a copy.
+fn span_rows<'a>(m: &'a Mat, sp: &Span) -> Cow<'a, Mat> {
+    if sp.row0 == 0 && sp.n == m.n { Cow::Borrowed(m) } else { Cow::Owned(m.rows(sp.row0, sp.n)) }
+}
+
+/// The per-span outputs `parts` stacked into one [n, d] matrix (the single one as it is).
+fn stack(parts: Vec<Mat>, n: usize, d: usize) -> Mat {
+    if parts.len() == 1 && parts[0].n == n {
+        return parts.into_iter().next().expect("one part");
+    }
+    let mut data = Vec::with_capacity(n * d);
+    for p in &parts {
+        data.extend_from_slice(&p.data);
+    }
+    Mat::from_vec(n, d, data)
+}
+
 fn add_in_place(h: &mut Mat, x: &Mat) {
     h.data.iter_mut().zip(&x.data).for_each(|(a, b)| *a += b);
 }
@@ -314,29 +334,28 @@ impl Attention {
         let (hd, nh) = (c.head_dim, c.n_head);
         let [qg, k, v]: [Mat; 3] = take(ops.matmul_many(&[self.wq.view(), self.wk.view(), self.wv.view()], x)); // one pass over x
         // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
-        let mut q = Mat::zeros(x.n, nh * hd);
-        let mut gate = Mat::zeros(x.n, nh * hd);
-        for t in 0..x.n {
-            for (n, head) in qg.row(t).chunks_exact(2 * hd).enumerate() {
-                q.row_mut(t)[n * hd..(n + 1) * hd].copy_from_slice(&head[..hd]);
-                gate.row_mut(t)[n * hd..(n + 1) * hd].copy_from_slice(&head[hd..]);
-            }
+        let (mut q, mut gate) = (Vec::with_capacity(x.n * nh * hd), Vec::with_capacity(x.n * nh * hd));
+        for head in qg.data.chunks_exact(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
         }
+        let (q, gate) = (Mat::from_vec(x.n, nh * hd, q), Mat::from_vec(x.n, nh * hd, gate));
         let q = ops.rms_norm(&q, &self.q_norm, c.rms_eps); // per head
         let k = ops.rms_norm(&k, &self.k_norm, c.rms_eps); // per head
-        let mut a = Mat::zeros(x.n, nh * hd);
+        let mut parts = Vec::with_capacity(spans.len());
         for (sp, st) in spans.iter().zip(states.iter_mut()) {
             let LayerState::Attention { k: kc, v: vc } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            let (mut qs, mut ks) = (q.rows(sp.row0, sp.n), k.rows(sp.row0, sp.n));
+            let (mut qs, mut ks) = (span_rows(&q, sp).into_owned(), span_rows(&k, sp).into_owned());
             ops.rope(&mut qs, hd, c.n_rot, sp.pos0, c.rope_base);
             ops.rope(&mut ks, hd, c.n_rot, sp.pos0, c.rope_base);
             kc.push(&ks)?;
-            vc.push(&v.rows(sp.row0, sp.n))?;
+            vc.push(&span_rows(&v, sp))?;
             let shape =
                 AttnShape { n_tok: sp.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0: sp.pos0, scale: 1.0 / (hd as f32).sqrt() };
-            a.set_rows(sp.row0, &ops.attention(shape, &qs, kc, vc)); // [T, nh·hd]
+            parts.push(ops.attention(shape, &qs, kc, vc)); // [T, nh·hd]
         }
-        a.data.iter_mut().zip(&gate.data).for_each(|(v, g)| *v *= sigmoid(*g));
+        let mut a = stack(parts, x.n, nh * hd);
+        ops.gate(&mut a, &gate, Gate::Sigmoid);
         Ok(ops.matmul(&self.wo.view(), &a)) // [ΣT, D]
     }
 }
@@ -349,11 +368,12 @@ impl DeltaNet {
         let proj = [self.qkv.view(), self.gate.view(), self.beta.view(), self.alpha.view()];
         let [u, z, b, a]: [Mat; 4] = take(ops.matmul_many(&proj, x)); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
-        let mut cu = Mat::zeros(u.n, u.d);
+        let mut parts = Vec::with_capacity(spans.len());
         for (sp, st) in spans.iter().zip(states.iter_mut()) {
             let LayerState::DeltaNet { conv, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            cu.set_rows(sp.row0, &ops.conv1d_silu(&u.rows(sp.row0, sp.n), &self.conv, conv)); // causal conv + SiLU
+            parts.push(ops.conv1d_silu(&span_rows(&u, sp), &self.conv, conv)); // causal conv + SiLU
         }
+        let cu = stack(parts, u.n, u.d);
         let mut q = cu.cols(0, nk * dk);
         let mut k = cu.cols(nk * dk, nk * dk);
         let v = cu.cols(2 * nk * dk, nv * dv);
@@ -373,16 +393,16 @@ impl DeltaNet {
                 *x = self.a[h] * softplus(*x + self.dt_bias[h]);
             }
         }
-        let mut o = Mat::zeros(x.n, nv * dv);
+        let mut parts = Vec::with_capacity(spans.len());
         for (sp, st) in spans.iter().zip(states.iter_mut()) {
             let LayerState::DeltaNet { s, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            let rows = |m: &Mat| m.rows(sp.row0, sp.n);
+            let rows = |m| span_rows(m, sp);
             let shape = DeltaShape { n_tok: sp.n, n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-            let os = ops.gated_delta_rule(shape, &rows(&q), &rows(&k), &rows(&v), &rows(&g), &rows(&beta), s, sp.chunked);
-            o.set_rows(sp.row0, &os); // [T, nv·dv]
+            parts.push(ops.gated_delta_rule(shape, &rows(&q), &rows(&k), &rows(&v), &rows(&g), &rows(&beta), s, sp.chunked)); // [T, nv·dv]
         }
+        let o = stack(parts, x.n, nv * dv);
         let mut y = ops.rms_norm(&o, &self.norm, c.rms_eps); // per head, shared weight
-        y.data.iter_mut().zip(&z.data).for_each(|(v, zz)| *v *= silu(*zz));
+        ops.gate(&mut y, &z, Gate::Silu);
         Ok(ops.matmul(&self.out.view(), &y)) // [ΣT, D]
     }
 }

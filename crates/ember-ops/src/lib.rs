@@ -15,7 +15,7 @@ pub mod reference;
 use ember_gguf::GgmlType;
 
 /// A row-major matrix of activations: `n` rows (usually tokens) of `d` values.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Mat {
     pub n: usize,
     pub d: usize,
@@ -53,11 +53,11 @@ impl Mat {
 
     /// Columns `start..start + width` of every row, as a new matrix.
     pub fn cols(&self, start: usize, width: usize) -> Mat {
-        let mut out = Mat::zeros(self.n, width);
+        let mut data = Vec::with_capacity(self.n * width);
         for i in 0..self.n {
-            out.row_mut(i).copy_from_slice(&self.row(i)[start..start + width]);
+            data.extend_from_slice(&self.row(i)[start..start + width]);
         }
-        out
+        Mat::from_vec(self.n, width, data)
     }
 }
 
@@ -250,6 +250,13 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// The activation of an output gate ([`Ops::gate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    Silu,
+    Sigmoid,
+}
+
 /// The op set. Each method documents shapes; the default body is the scalar reference.
 pub trait Ops: Send + Sync {
     fn name(&self) -> &'static str;
@@ -304,6 +311,12 @@ pub trait Ops: Send + Sync {
         } else {
             reference::delta_rule_recurrent(s, q, k, v, g, beta, state)
         }
+    }
+
+    /// `y ← y ⊙ act(g)` element by element (same shapes): the output gates of the DeltaNet
+    /// (SiLU of z) and of gated attention (sigmoid).
+    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) {
+        reference::gate(y, g, act)
     }
 
     /// Causal GQA attention of `q` [n_tok, n_head*head_dim] over cached K/V rows.

@@ -11,6 +11,16 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// `y ← y ⊙ act(g)` ([`crate::Ops::gate`]).
+pub fn gate(y: &mut Mat, g: &Mat, act: crate::Gate) {
+    assert_eq!((y.n, y.d), (g.n, g.d), "gate: {}x{} gated by {}x{}", y.n, y.d, g.n, g.d);
+    let f = match act {
+        crate::Gate::Silu => silu,
+        crate::Gate::Sigmoid => sigmoid,
+    };
+    y.data.iter_mut().zip(&g.data).for_each(|(v, g)| *v *= f(*g));
+}
+
 /// softplus with PyTorch's/ggml's threshold 20 (qwen35moe.md §5).
 pub fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
