@@ -70,7 +70,8 @@ fn gated_delta_rule_matches_reference() {
     let (n_k_head, n_v_head, dk, dv) = (2, 4, 32, 48);
     let mut st_fast = vec![0f32; n_v_head * dk * dv];
     let mut st_ref = st_fast.clone();
-    for n in [1, 3, 1, 37, 2, 1] {
+    // 150 tokens: three chunks of the column-block kernel (64, 64, 22).
+    for n in [1, 3, 1, 37, 2, 150, 1] {
         let s = DeltaShape { n_tok: n, n_k_head, n_v_head, d_k: dk, d_v: dv };
         let unit = |m: Mat| {
             let mut m = m;

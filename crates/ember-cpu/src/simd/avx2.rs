@@ -762,10 +762,11 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
             return super::delta_stepwise(self, st, io, o);
         };
         let mut buf = vec![[0f32; 8]; io.dk];
-        for c in 0..io.dv / 8 {
-            // SAFETY: the CPU has the features (token); delta_columns_kq checked the lengths.
-            unsafe { delta_columns(st, io, &kq, c, &mut buf, o) };
-        }
+        super::delta_columns_chunked(io, &kq, o, 8, |io, kq, o, c| {
+            // SAFETY: the CPU has the features (token); delta_columns_kq checked the lengths
+            // (a chunk's are within them).
+            unsafe { delta_columns(st, io, kq, c, &mut buf, o) };
+        });
     }
 
     fn panel_unpack(self, ty: GgmlType, k: usize, rows: &[u8], m: usize, p: &mut Panel) {

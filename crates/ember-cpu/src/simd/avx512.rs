@@ -68,10 +68,11 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
             return super::delta_stepwise(self, st, io, o);
         };
         let mut buf = vec![Lanes::<f32>::default(); io.dk];
-        for c in 0..io.dv / ROWS {
-            // SAFETY: the CPU has the features (token); delta_columns_kq checked the lengths.
-            unsafe { delta_columns(st, io, &kq, c, &mut buf, o) };
-        }
+        super::delta_columns_chunked(io, &kq, o, ROWS, |io, kq, o, c| {
+            // SAFETY: the CPU has the features (token); delta_columns_kq checked the lengths
+            // (a chunk's are within them).
+            unsafe { delta_columns(st, io, kq, c, &mut buf, o) };
+        });
     }
 
     fn panel_unpack(self, ty: GgmlType, k: usize, rows: &[u8], m: usize, p: &mut Panel) {

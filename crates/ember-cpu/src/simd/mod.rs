@@ -225,6 +225,13 @@ pub struct DeltaIo<'a> {
 }
 
 impl<'a> DeltaIo<'a> {
+    /// Tokens `t0..t0 + n` alone.
+    pub fn tokens(&self, t0: usize, n: usize) -> DeltaIo<'a> {
+        assert!(t0 + n <= self.n, "DeltaIo::tokens: {t0}+{n} of {}", self.n);
+        let (a, b) = (t0 * self.sqk, t0 * self.sv);
+        DeltaIo { q: &self.q[a..], k: &self.k[a..], v: &self.v[b..], decay: &self.decay[t0..], beta: &self.beta[t0..], n, ..*self }
+    }
+
     /// Token t's (q, k, v).
     #[inline]
     pub fn token(&self, t: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
@@ -294,6 +301,40 @@ pub(crate) fn delta_columns_kq(st: &[f32], io: &DeltaIo<'_>, o: &[f32], cols: us
             })
             .collect(),
     )
+}
+
+/// Tokens per pass of the column-block delta rule (`EMBER_DELTA_CHUNK` overrides; read once).
+/// The kernels sweep the tokens once per block of value columns; over a whole prompt one
+/// head's q and k rows (1 KiB a token, 8 KiB apart) fall out of L2 between sweeps and every
+/// token's rows came from L3 again, page by page, 16 times. In chunks of this many tokens they
+/// stay in L2 for all the blocks; the state goes back to `st` between chunks, and each chunk
+/// starts from it as the first did (same operations in the same order: bit for bit).
+fn delta_chunk() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("EMBER_DELTA_CHUNK").ok().and_then(|s| s.parse().ok()).filter(|&n| n > 0).unwrap_or(DELTA_CHUNK))
+}
+
+const DELTA_CHUNK: usize = 64;
+
+/// Runs `block(io', kq', o', c)` for every chunk of tokens ([`delta_chunk`]) and every block
+/// `c < io.dv / cols` of value columns, chunk by chunk: `io'`, `kq'` and `o'` are the chunk's.
+pub(crate) fn delta_columns_chunked(
+    io: &DeltaIo<'_>,
+    kq: &[f32],
+    o: &mut [f32],
+    cols: usize,
+    mut block: impl FnMut(&DeltaIo<'_>, &[f32], &mut [f32], usize),
+) {
+    let step = delta_chunk();
+    let mut t0 = 0;
+    while t0 < io.n {
+        let n = step.min(io.n - t0);
+        let sub = io.tokens(t0, n);
+        for c in 0..io.dv / cols {
+            block(&sub, &kq[t0..t0 + n], &mut o[t0 * io.dv..(t0 + n) * io.dv], c);
+        }
+        t0 += n;
+    }
 }
 
 /// [`Kernels::delta_step`] for each of the `io.n` tokens in turn (the default
