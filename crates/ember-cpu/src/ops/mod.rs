@@ -69,7 +69,7 @@ fn prefetch_rows(row_bytes: usize) -> usize {
     (pb / row_bytes.max(1)).max(1)
 }
 
-/// Fewest values for which [`Ops::gate`] splits across the workers.
+/// Fewest values for which [`Ops::gate`] and `rms_norm` split across the workers.
 const GATE_PARALLEL_MIN: usize = 16 * 1024;
 
 /// Weight rows per unit of work: a tile of rows is read from memory once for all tokens.
@@ -488,11 +488,21 @@ impl Ops for CpuOps {
         let g = weight.len();
         assert_eq!(x.d % g, 0, "rms_norm: width {} is not a multiple of the weight length {g}", x.d);
         let mut out = Mat::zeros(x.n, x.d);
+        // Split by groups across the workers for prompts (each group is computed alone, so the
+        // split does not change results); one thread below a few thousand values.
+        let n_groups = x.data.len() / g.max(1);
+        let parts = if x.data.len() < GATE_PARALLEL_MIN { 1 } else { parts_for(self.n_threads()) };
+        let mut b = [0usize; MAX_PARTS + 1];
+        let parts = even_bounds(n_groups, parts, 1, &mut b);
+        b.iter_mut().for_each(|e| *e *= g);
         with_kernels!(self.isa, |kn| {
-            for (src, dst) in x.data.chunks_exact(g).zip(out.data.chunks_exact_mut(g)) {
-                let scale = 1.0 / (kn.dot_f32(src, src) / g as f32 + eps).sqrt();
-                dst.iter_mut().zip(src).zip(weight).for_each(|((o, v), w)| *o = v * scale * w);
-            }
+            self.pool.split_mut(&mut out.data, &b[..=parts], |p, part| {
+                let src = &x.data[b[p]..b[p] + part.len()];
+                for (src, dst) in src.chunks_exact(g).zip(part.chunks_exact_mut(g)) {
+                    let scale = 1.0 / (kn.dot_f32(src, src) / g as f32 + eps).sqrt();
+                    dst.iter_mut().zip(src).zip(weight).for_each(|((o, v), w)| *o = v * scale * w);
+                }
+            });
         });
         out
     }
