@@ -77,6 +77,9 @@ fn main() {
         ("qkv_f16", GgmlType::F16, 8192, 2048, 1),
         ("router_f32", GgmlType::F32, 256, 2048, 1),
         ("head_q6k", GgmlType::Q6K, 248320, 2048, 1),
+        // The same 0.4-0.5 GB streamed from DRAM in the other decode formats.
+        ("head_q8_0", GgmlType::Q8_0, 131072, 2048, 1),
+        ("head_q4k", GgmlType::Q4K, 262144, 2048, 1),
         // Small enough to stay in L2 between calls: the kernels' compute rate without DRAM.
         ("l2_q4k", GgmlType::Q4K, 128, 2048, 1),
         ("l2_q6k", GgmlType::Q6K, 128, 2048, 1),
@@ -117,6 +120,29 @@ fn main() {
             bytes / m / 1e9,
             flops / m / 1e9
         );
+        if std::env::var("READ_SAME").is_ok() && name.starts_with("head") {
+            // The same buffer read by a plain sum loop, two halves on two threads.
+            let mut ts = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                std::thread::scope(|sc| {
+                    for half in data.chunks(data.len().div_ceil(2)) {
+                        sc.spawn(move || {
+                            let mut acc = [0u64; 8];
+                            for c in half.chunks_exact(64) {
+                                for (a, w) in acc.iter_mut().zip(c.chunks_exact(8)) {
+                                    *a = a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
+                                }
+                            }
+                            std::hint::black_box(acc);
+                        });
+                    }
+                });
+                ts.push(t.elapsed().as_secs_f64());
+            }
+            let m = median(ts);
+            println!("{:18} plain read of the same bytes: {:>7.2} GB/s", "", bytes / m / 1e9);
+        }
     }
 
     // A decode-step-like sequence: 1000 small parallel regions (expert-sized GEMVs over 40

@@ -558,10 +558,20 @@ impl Ops for CpuOps {
             // Decode: the taps in their stored order ([ch][j]), no transposed copy.
             for t in 0..x.n {
                 let o = out.row_mut(t);
-                for j in 0..kernel {
-                    let src = input(t as isize - hist as isize + j as isize);
-                    for ((o, v), w) in o.iter_mut().zip(src).zip(w.chunks_exact(kernel)) {
-                        *o += w[j] * v;
+                if kernel == 4 {
+                    // qwen35moe's kernel: one pass over the channels, the four taps of a channel
+                    // adjacent (the generic loop below strides through them four times). Same
+                    // sum in the same order.
+                    let s: [&[f32]; 4] = std::array::from_fn(|j| input(t as isize - hist as isize + j as isize));
+                    for (ch, (o, w)) in o.iter_mut().zip(w.chunks_exact(4)).enumerate() {
+                        *o = w[0] * s[0][ch] + w[1] * s[1][ch] + w[2] * s[2][ch] + w[3] * s[3][ch];
+                    }
+                } else {
+                    for j in 0..kernel {
+                        let src = input(t as isize - hist as isize + j as isize);
+                        for ((o, v), w) in o.iter_mut().zip(src).zip(w.chunks_exact(kernel)) {
+                            *o += w[j] * v;
+                        }
                     }
                 }
                 with_kernels!(self.isa, |kn| kn.silu(o));
