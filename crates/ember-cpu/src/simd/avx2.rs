@@ -445,6 +445,13 @@ macro_rules! x86_kernels {
             let bs = if Q5 { 176 } else { 144 };
             let qs0 = if Q5 { 48 } else { 16 };
             let m4 = _mm256_set1_epi8(0x0F);
+            let nb = w.len() / bs;
+            for a in &a {
+                assert!(a.q.len() >= 256 * nb && a.d.len() >= 8 * nb && a.ds32.len() >= 8 * nb, "dot_q4k: activation row shorter than the weights");
+            }
+            // Activations through pointers (checked above): slice indexing re-loaded each
+            // row's slices and checked bounds at every load.
+            let (aq, ad, ads) = (a.map(|a| a.q.as_ptr()), a.map(|a| a.d.as_ptr()), a.map(|a| a.ds32.as_ptr()));
             let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
             let mut accm = [_mm256_setzero_ps(); NT];
             for (i, b) in w.chunks_exact(bs).enumerate() {
@@ -452,8 +459,10 @@ macro_rules! x86_kernels {
                 let (scv, mnv) = (_mm256_mul_ps(d, sc), _mm256_mul_ps(dmin, mn));
                 let mut s = [_mm256_setzero_ps(); NT];
                 for t in 0..NT {
-                    s[t] = _mm256_mul_ps(scv, ldps(&a[t].d, 8 * i));
-                    accm[t] = _mm256_fmadd_ps(mnv, ldps(&a[t].ds32, 8 * i), accm[t]);
+                    // SAFETY: i < nb, so 8i + 8 ≤ 8nb values of d and ds32 (asserted).
+                    let (d, ds) = unsafe { (_mm256_loadu_ps(ad[t].add(8 * i)), _mm256_loadu_ps(ads[t].add(8 * i))) };
+                    s[t] = _mm256_mul_ps(scv, d);
+                    accm[t] = _mm256_fmadd_ps(mnv, ds, accm[t]);
                 }
                 let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
                 for p in 0..4 {
@@ -468,8 +477,10 @@ macro_rules! x86_kernels {
                     }
                     let base = 256 * i + 64 * p;
                     for t in 0..NT {
-                        let p0 = _mm256_cvtepi32_ps(dp(lo, ld256i(&a[t].q, base)));
-                        let p1 = _mm256_cvtepi32_ps(dp(hi, ld256i(&a[t].q, base + 32)));
+                        // SAFETY: base + 64 ≤ 256nb bytes of q (asserted).
+                        let (q0, q1) = unsafe { (_mm256_loadu_si256(aq[t].add(base).cast()), _mm256_loadu_si256(aq[t].add(base + 32).cast())) };
+                        let p0 = _mm256_cvtepi32_ps(dp(lo, q0));
+                        let p1 = _mm256_cvtepi32_ps(dp(hi, q1));
                         let (c0, c1) = (chain::<NT>(2 * p), chain::<NT>(2 * p + 1));
                         acc[t][c0] = _mm256_fmadd_ps(p0, lane(s[t], 2 * p), acc[t][c0]);
                         acc[t][c1] = _mm256_fmadd_ps(p1, lane(s[t], 2 * p + 1), acc[t][c1]);
@@ -507,6 +518,12 @@ macro_rules! x86_kernels {
         fn dot_q6k<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
             let idx_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
             let idx_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+            let nb = w.len() / 210;
+            for a in &a {
+                assert!(a.q.len() >= 256 * nb && a.d.len() >= 8 * nb && a.ds16.len() >= 16 * nb, "dot_q6k: activation row shorter than the weights");
+            }
+            // Activations through pointers (checked above), as in dot_q4k.
+            let (aq, ad, ads) = (a.map(|a| a.q.as_ptr()), a.map(|a| a.d.as_ptr()), a.map(|a| a.ds16.as_ptr()));
             let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
             let mut accm = [_mm256_setzero_ps(); NT];
             for (i, b) in w.chunks_exact(210).enumerate() {
@@ -515,11 +532,13 @@ macro_rules! x86_kernels {
                 // Per token: group scale times the activation scale of its 32-block.
                 let mut s = [[_mm256_setzero_ps(); 2]; NT];
                 for t in 0..NT {
-                    let ad = ldps(&a[t].d, 8 * i);
-                    s[t][0] = _mm256_mul_ps(sc[0], _mm256_permutevar8x32_ps(ad, idx_lo));
-                    s[t][1] = _mm256_mul_ps(sc[1], _mm256_permutevar8x32_ps(ad, idx_hi));
-                    accm[t] = _mm256_fmadd_ps(sc[0], ldps(&a[t].ds16, 16 * i), accm[t]);
-                    accm[t] = _mm256_fmadd_ps(sc[1], ldps(&a[t].ds16, 16 * i + 8), accm[t]);
+                    // SAFETY: i < nb: 8i + 8 ≤ 8nb values of d, 16i + 16 ≤ 16nb of ds16 (asserted).
+                    let (adv, ds0, ds1) =
+                        unsafe { (_mm256_loadu_ps(ad[t].add(8 * i)), _mm256_loadu_ps(ads[t].add(16 * i)), _mm256_loadu_ps(ads[t].add(16 * i + 8))) };
+                    s[t][0] = _mm256_mul_ps(sc[0], _mm256_permutevar8x32_ps(adv, idx_lo));
+                    s[t][1] = _mm256_mul_ps(sc[1], _mm256_permutevar8x32_ps(adv, idx_hi));
+                    accm[t] = _mm256_fmadd_ps(sc[0], ds0, accm[t]);
+                    accm[t] = _mm256_fmadd_ps(sc[1], ds1, accm[t]);
                 }
                 for n in 0..2 {
                     let q = q6k_codes(b, n);
@@ -528,7 +547,8 @@ macro_rules! x86_kernels {
                         let j2 = 2 * j as i32;
                         let sel = _mm256_setr_epi32(j2, j2, j2, j2, j2 + 1, j2 + 1, j2 + 1, j2 + 1);
                         for t in 0..NT {
-                            let p = _mm256_cvtepi32_ps(dp(*qj, ld256i(&a[t].q, base)));
+                            // SAFETY: base + 32 ≤ 256nb bytes of q (asserted).
+                            let p = _mm256_cvtepi32_ps(dp(*qj, unsafe { _mm256_loadu_si256(aq[t].add(base).cast()) }));
                             let c = chain::<NT>(j);
                             acc[t][c] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(s[t][n], sel), acc[t][c]);
                         }
@@ -542,26 +562,35 @@ macro_rules! x86_kernels {
             out
         }
 
-        /// Q8_0: 32 signed bytes and an f16 scale per block.
+        /// Q8_0: 32 signed bytes and an f16 scale per block. Reads through pointers after one
+        /// length check per call: with slice indexing, each 32-weight block re-loaded the
+        /// activation slices and checked four bounds, more instructions than the product.
         #[inline]
         #[target_feature(enable = $feat)]
         fn dot_q8_0<const NT: usize>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
-            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
-            // Four blocks per step, one accumulator chain each (for NT = 1).
             let n_blocks = w.len() / 34;
+            for a in &a {
+                assert!(a.q.len() >= 32 * n_blocks && a.d.len() >= n_blocks, "dot_q8_0: activation row shorter than the weights");
+            }
+            let (wp, aq, ad) = (w.as_ptr(), a.map(|a| a.q.as_ptr()), a.map(|a| a.d.as_ptr()));
+            let mut acc = [[_mm256_setzero_ps(); CHAINS]; NT];
+            // Four blocks per step, block j + u into chain u (for NT = 1).
             let mut j = 0;
             while j < n_blocks {
-                for u in 0..4 {
-                    if j + u < n_blocks {
-                        let b = &w[34 * (j + u)..34 * (j + u + 1)];
-                        let d = f16(b, 0);
-                        let q = ld256(b, 2);
+                for u in 0..4.min(n_blocks - j) {
+                    // SAFETY: j + u < n_blocks: bytes 34(j+u).. + 34 are in `w`, activations
+                    // 32(j+u).. + 32 and scale j + u in every `a[t]` (asserted above); loadu
+                    // has no alignment requirement.
+                    unsafe {
+                        let b = wp.add(34 * (j + u));
+                        let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(b.cast::<u16>().read_unaligned() as i32)));
+                        let q = _mm256_loadu_si256(b.add(2).cast());
                         let qu = _mm256_abs_epi8(q);
                         let c = chain::<NT>(u);
                         for t in 0..NT {
-                            let sgn = _mm256_sign_epi8(ld256i(&a[t].q, 32 * (j + u)), q);
+                            let sgn = _mm256_sign_epi8(_mm256_loadu_si256(aq[t].add(32 * (j + u)).cast()), q);
                             let p = _mm256_cvtepi32_ps(dp(qu, sgn));
-                            acc[t][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a[t].d[j + u]), acc[t][c]);
+                            acc[t][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * *ad[t].add(j + u)), acc[t][c]);
                         }
                     }
                 }
