@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::Kernels;
-use super::avx2::x86_kernels;
+use super::x86::x86_kernels;
 
 /// The AVX-512 VNNI kernel token: exists only on CPUs with AVX2, FMA, F16C, AVX-512 F/BW/VL
 /// and AVX-512 VNNI.
