@@ -72,6 +72,17 @@ fn prefetch_rows(row_bytes: usize) -> usize {
 /// Fewest values for which [`Ops::gate`] and `rms_norm` split across the workers.
 const GATE_PARALLEL_MIN: usize = 16 * 1024;
 
+/// Prefetches row `r` of `w`, or past its end row `r − w.n_rows` of `next` (the matrix read
+/// next: another expert's, or the next projection), or nothing beyond both.
+#[inline]
+fn prefetch_row(w: &WeightView, next: Option<&WeightView>, r: usize) {
+    if r < w.n_rows {
+        simd::prefetch(w.row(r));
+    } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
+        simd::prefetch(nw.row(r - w.n_rows));
+    }
+}
+
 /// Weight rows per unit of work: a tile of rows is read from memory once for all tokens.
 const ROW_TILE: usize = 16;
 
@@ -287,17 +298,8 @@ fn tile<K: Kernels>(
         // Decode: the whole tile in one kernel call, prefetching `ahead` rows in front (into the
         // start of the matrix read next once past this one's end).
         let ahead = prefetch_rows(rb);
-        let next_rb = next.map_or(0, |nw| nw.row_bytes());
         let mut out = [0f32; ROW_TILE];
-        k.dot_rows(w.ty, rows, rb, &src.q[tok(0)], &mut out[..m], |j| {
-            let r = r0 + j + ahead;
-            if r < w.n_rows {
-                simd::prefetch(&w.data[r * rb..(r + 1) * rb]);
-            } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
-                let nr = r - w.n_rows;
-                simd::prefetch(&nw.data[nr * next_rb..(nr + 1) * next_rb]);
-            }
-        });
+        k.dot_rows(w.ty, rows, rb, &src.q[tok(0)], &mut out[..m], |j| prefetch_row(w, next, r0 + j + ahead));
         put(0, 0, &out[..m]);
         return;
     }
@@ -305,18 +307,10 @@ fn tile<K: Kernels>(
         // One token at a time through the single-token kernel: decode, and every batch in
         // batch-invariant precision. Prefetch only pays when one token is all the work.
         let ahead = (nt == 1).then(|| prefetch_rows(rb));
-        let next_rb = next.map_or(0, |nw| nw.row_bytes());
         for t in 0..nt {
             for (j, row) in rows.chunks_exact(rb).enumerate() {
                 if let Some(ahead) = ahead {
-                    let r = r0 + j + ahead;
-                    if r < w.n_rows {
-                        simd::prefetch(&w.data[r * rb..(r + 1) * rb]);
-                    } else if let Some(nw) = next.filter(|nw| r - w.n_rows < nw.n_rows) {
-                        // Past this matrix: the start of the one read next (another expert's).
-                        let nr = r - w.n_rows;
-                        simd::prefetch(&nw.data[nr * next_rb..(nr + 1) * next_rb]);
-                    }
+                    prefetch_row(w, next, r0 + j + ahead);
                 }
                 put(t, j, &dot_row::<K, 1>(k, w, row, src, [tok(t)]));
             }
