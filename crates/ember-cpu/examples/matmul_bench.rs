@@ -145,6 +145,39 @@ fn main() {
         }
     }
 
+    // One decode-sized GEMV after another over distinct matrices (~300 MB in all, so each comes
+    // from DRAM as in a decode step): what a whole op streams, start-up and tail included,
+    // against the one long matrix of `head_*`.
+    for &(name, ty, rows, k) in &[
+        ("ops_ssm_out_q8_0", GgmlType::Q8_0, 1024usize, 4096usize),
+        ("ops_ssm_out_q4k", GgmlType::Q4K, 1024, 4096),
+        ("ops_expert_q8_0", GgmlType::Q8_0, 512, 1024),
+        ("ops_expert_q4k", GgmlType::Q4K, 512, 1024),
+    ] {
+        if !name.contains(&filter) || filter.is_empty() {
+            continue;
+        }
+        let one = ty.row_bytes(k).unwrap() * rows;
+        let copies = (300 << 20) / one;
+        let ws: Vec<Vec<u8>> = (0..copies).map(|_| random_weights(ty, k, rows, &mut seed)).collect();
+        let x = Mat::from_vec(1, k, (0..k).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect());
+        let mut ts = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            for data in &ws {
+                let w = WeightView { ty, k, n_rows: rows, data, device: Device::Host };
+                std::hint::black_box(ops.matmul(&w, &x));
+            }
+            ts.push(t.elapsed().as_secs_f64());
+        }
+        let m = median(ts);
+        println!(
+            "{name:18} {ty:>6} {rows:>6}x{k:<5} x{copies}: {:>8.1} us per op {:>7.2} GB/s",
+            m * 1e6 / copies as f64,
+            (one * copies) as f64 / m / 1e9
+        );
+    }
+
     // A decode-step-like sequence: 1000 small parallel regions (expert-sized GEMVs over 40
     // distinct weights, ~24 MB), with 2 µs of serial work between regions.
     if "regions".contains(&filter) || filter.is_empty() {

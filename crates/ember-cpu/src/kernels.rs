@@ -1,11 +1,14 @@
 //! Integer dot products of quantised weight rows with 8-bit activations in blocks of 32.
 //!
 //! llama.cpp quantises activations for K-quant weights to Q8_K: one scale per 256 values. We use
-//! one f32 scale per 32 values ([`ActRow`]) for every weight type instead: the integer inner
-//! sums are the same, the scale product moves from once per 256 to once per 16 weights, and the
-//! activation rounding error drops because a block's maximum is taken over 32 values, not 256
-//! (on the fixtures this makes the fast path closer to the exact reference than llama.cpp's).
-//!
+//! one f32 scale per 32 values ([`ActRow`]) for every weight type instead. For the integer
+//! K-quant decode kernels ([`ActRow::quantize_grouped`]) each block's scale is an integer
+//! multiple of a unit per 256, `d256·m32[b]` with `m32[b]` in 0..=32, the smallest that holds
+//! its largest value: a block at a tenth of its group's maximum still gets codes about eight
+//! times finer than Q8_K gives it, and the kernels can sum a whole 256-block in integers (the
+//! weight's sub-block scale times `m32` is an integer) and scale once per 256 weights, as
+//! llama.cpp does. Ops without K-quant weights keep each block's own best scale.
+
 //! Every weight block is viewed as groups of 16 weights `y = s·q + o` with integer `q`
 //! ([`Groups`]); a group's contribution is `dx · (s·Σq·a + o·Σa)`. The per-type unpackers follow
 //! shared/spec/gguf-format.md §4–5. This file is the scalar reference; the SIMD kernels in [`crate::simd`] are tested against it.
@@ -15,8 +18,16 @@ use ember_gguf::GgmlType;
 /// One activation row quantised to 8 bits in blocks of 32, with per-16 sums.
 #[derive(Debug, Clone, Default)]
 pub struct ActRow {
+    /// The scale of each block of 32: `d[b] = d256[b / 8] · m32[b]` (in f32).
     pub d: Vec<f32>,
     pub q: Vec<i8>,
+    /// The unit scale of each group of 256 values (8 blocks; the last group may be shorter):
+    /// its largest |x| / 127 / [`MAX_MULT`].
+    pub d256: Vec<f32>,
+    /// Each block's scale in units of its group's `d256` (0..=[`MAX_MULT`]).
+    pub m32: Vec<i16>,
+    /// `m32` per group of 16 (each block's value twice), for the Q6_K kernels.
+    pub m16: Vec<i16>,
     /// Σq over each group of 16 (two per block).
     pub sum16: Vec<i32>,
     /// `d·Σq` over each group of 16, and over each block of 32: the activation sums that
@@ -37,7 +48,7 @@ impl ActRow {
     /// from zero), d kept in f32.
     pub fn quantize(x: &[f32], out: &mut ActRow) {
         let nb = x.len() / 32;
-        out.resize(nb);
+        out.resize(nb, false);
         for b in 0..nb {
             let xs = &x[b * 32..(b + 1) * 32];
             let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -53,8 +64,40 @@ impl ActRow {
         }
     }
 
-    /// Sizes the buffers for `nb` blocks (no allocation once they are large enough).
-    pub fn resize(&mut self, nb: usize) {
+    /// Quantises `x` (length a multiple of 32) with grouped scales, for the integer K-quant
+    /// kernels: per group of 8 blocks, with `top` its largest |x|: `d256 = top / 127 / MAX_MULT`; block b with largest |x| `amax` takes
+    /// `m = ⌈MAX_MULT·amax / top⌉`, `d = d256·m` and `q = round(x / d)` (half away from zero).
+    pub fn quantize_grouped(x: &[f32], out: &mut ActRow) {
+        let nb = x.len() / 32;
+        out.resize(nb, true);
+        for g in 0..nb.div_ceil(8) {
+            let blocks = 8 * g..(8 * g + 8).min(nb);
+            let mut amax = [0f32; 8];
+            for b in blocks.clone() {
+                amax[b - 8 * g] = x[b * 32..(b + 1) * 32].iter().fold(0f32, |m, v| m.max(v.abs()));
+            }
+            let top = amax.iter().fold(0f32, |m, &v| m.max(v));
+            let unit = top / 127.0 / MAX_MULT as f32;
+            out.d256[g] = unit;
+            for b in blocks {
+                let m = block_mult(amax[b - 8 * g], top);
+                let d = unit * m as f32;
+                let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let qs = &mut out.q[b * 32..(b + 1) * 32];
+                for (q, v) in qs.iter_mut().zip(&x[b * 32..(b + 1) * 32]) {
+                    *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                }
+                let s0 = qs[..16].iter().map(|&v| v as i32).sum();
+                let s1 = qs[16..].iter().map(|&v| v as i32).sum();
+                out.set_block(b, d, s0, s1);
+                out.set_mult(b, m);
+            }
+        }
+    }
+
+    /// Sizes the buffers for `nb` blocks (no allocation once they are large enough); the group
+    /// scales only when `grouped` (kernels read their absence as "per-32 scales only").
+    pub fn resize(&mut self, nb: usize, grouped: bool) {
         // The derived forms describe the old codes: drop them (kernels check their length).
         self.qu.clear();
         self.qk.clear();
@@ -63,6 +106,15 @@ impl ActRow {
         self.sum16.resize(nb * 2, 0);
         self.ds16.resize(nb * 2, 0.0);
         self.ds32.resize(nb, 0.0);
+        let ng = if grouped { nb } else { 0 };
+        self.d256.resize(ng.div_ceil(8), 0.0);
+        self.m32.resize(ng, 0);
+        self.m16.resize(ng * 2, 0);
+    }
+
+    /// Whether the row carries grouped scales ([`ActRow::quantize_grouped`]).
+    pub fn is_grouped(&self) -> bool {
+        !self.q.is_empty() && self.m32.len() * 32 == self.q.len()
     }
 
     /// Stores block `b`'s scale and the sums of its two halves.
@@ -74,6 +126,14 @@ impl ActRow {
         self.ds16[2 * b] = d * s0 as f32;
         self.ds16[2 * b + 1] = d * s1 as f32;
         self.ds32[b] = d * (s0 + s1) as f32;
+    }
+
+    /// Stores block `b`'s multiple of its group's `d256`.
+    #[inline]
+    pub fn set_mult(&mut self, b: usize, m: i16) {
+        self.m32[b] = m;
+        self.m16[2 * b] = m;
+        self.m16[2 * b + 1] = m;
     }
 
     /// Fills [`ActRow::qk`] from `q` (when the length is a multiple of 256).
@@ -103,6 +163,17 @@ impl ActRow {
     pub fn is_empty(&self) -> bool {
         self.q.is_empty()
     }
+}
+
+/// The largest multiple of its group's unit a block's scale can be (the group's largest
+/// block). The K-quant kernels' integer sums are bounded with it (simd/x86.rs).
+pub const MAX_MULT: i16 = 32;
+
+/// The multiple of its group's unit for a block with largest |x| `amax` in a group with largest
+/// |x| `top`: `⌈MAX_MULT·amax / top⌉` (0 for an all-zero block), so its codes fit in ±127.
+#[inline]
+pub fn block_mult(amax: f32, top: f32) -> i16 {
+    if top > 0.0 { ((amax * MAX_MULT as f32 / top).ceil() as i16).clamp(0, MAX_MULT) } else { 0 }
 }
 
 /// Whether [`dot`] handles this weight type.

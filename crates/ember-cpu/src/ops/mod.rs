@@ -83,6 +83,15 @@ fn prefetch_row(w: &WeightView, next: Option<&WeightView>, r: usize) {
     }
 }
 
+/// Whether activations for weights of these types are quantised with grouped scales
+/// ([`ActRow::quantize_grouped`]): where the instruction set's single-token K-quant kernels
+/// sum in integers with them. Other rows keep each block's own best scale (Q8_0 files, for
+/// one, round exactly as before). Depends on the types only, never on the token count, so
+/// batch-invariant mode stays invariant.
+fn grouped_for<K: Kernels>(k: K, types: impl IntoIterator<Item = GgmlType>) -> bool {
+    k.wants_grouped() && types.into_iter().any(|t| matches!(t, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K))
+}
+
 /// Weight rows per unit of work: a tile of rows is read from memory once for all tokens.
 const ROW_TILE: usize = 16;
 
@@ -124,8 +133,9 @@ impl CpuOps {
         }
     }
 
-    /// Quantises every row of `x` into `acts[..x.n]` (in parallel for many rows).
-    fn quantize_rows<K: Kernels>(&self, k: K, x: &Mat, acts: &mut Vec<ActRow>) {
+    /// Quantises every row of `x` into `acts[..x.n]` (in parallel for many rows), with grouped
+    /// scales when `grouped` ([`grouped_for`]).
+    fn quantize_rows<K: Kernels>(&self, k: K, x: &Mat, acts: &mut Vec<ActRow>, grouped: bool) {
         if acts.len() < x.n {
             acts.resize_with(x.n, ActRow::default);
         }
@@ -137,7 +147,11 @@ impl CpuOps {
         // every token through it).
         let ordered = k.wants_k4_order() && (inv || x.n < 8);
         let fill = |t: usize, a: &mut ActRow| {
-            k.quantize(x.row(t), a);
+            if grouped {
+                k.quantize_grouped(x.row(t), a);
+            } else {
+                k.quantize(x.row(t), a);
+            }
             if unsigned {
                 a.fill_unsigned();
             } else if ordered {
@@ -210,7 +224,7 @@ impl CpuOps {
         let mut s = self.scratch();
         let s = &mut *s;
         if ws.iter().any(|w| kernels::supported(w.ty)) {
-            self.quantize_rows(k, x, &mut s.acts);
+            self.quantize_rows(k, x, &mut s.acts, grouped_for(k, ws.iter().map(|w| w.ty)));
         }
         self.gemm(k, ws, x, &s.acts)
     }

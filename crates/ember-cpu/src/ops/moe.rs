@@ -3,7 +3,7 @@
 
 use ember_ops::{Mat, MoeSlot};
 
-use super::{Acts, CpuOps, ROW_TILE, panel_min_tokens, panel_rows, prefetch_rows, tile, use_panel};
+use super::{Acts, CpuOps, ROW_TILE, grouped_for, panel_min_tokens, panel_rows, prefetch_rows, tile, use_panel};
 use crate::kernels::{self, ActRow};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 use crate::simd::{self, Kernels};
@@ -20,7 +20,9 @@ impl CpuOps {
         let d = slots[0].expert.down.n_rows;
         let mut guard = self.scratch();
         let s = &mut *guard;
-        self.quantize_rows(k, x, &mut s.acts);
+        let grouped_in = grouped_for(k, slots.iter().flat_map(|sl| [sl.expert.gate.ty, sl.expert.up.ty]));
+        let grouped_h = grouped_for(k, slots.iter().map(|sl| sl.expert.down.ty));
+        self.quantize_rows(k, x, &mut s.acts, grouped_in);
         let src = Acts { x, q: &s.acts };
 
         let inv = self.invariant();
@@ -82,7 +84,11 @@ impl CpuOps {
             for (r, v) in h[..n_ff].iter_mut().enumerate() {
                 *v *= u[r * nt + j];
             }
-            k.quantize(&h[..n_ff], a);
+            if grouped_h {
+                k.quantize_grouped(&h[..n_ff], a);
+            } else {
+                k.quantize(&h[..n_ff], a);
+            }
             if unsigned {
                 a.fill_unsigned();
             } else if ordered {

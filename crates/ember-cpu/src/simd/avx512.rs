@@ -132,6 +132,10 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
 
 use super::{AttnIo, DeltaIo};
 
+/// The integer-summing single-token K-quant kernels of the shared macro are for `maddubs`;
+/// here `dot1_wide` (VNNI on 512-bit vectors) answers for those formats.
+const INT_DOTS: bool = false;
+
 /// Single-token (decode) dots on 512-bit vectors for the formats of real files: two 32-weight
 /// blocks per `vpdpbusd`, so the instructions per weight byte drop by about a third against
 /// the shared 256-bit kernels (decode on a fast memory bus is bound by them, not by DRAM).

@@ -143,6 +143,17 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// [`ActRow::quantize`], bit for bit.
     fn quantize(self, x: &[f32], out: &mut ActRow);
 
+    /// [`ActRow::quantize_grouped`], bit for bit.
+    fn quantize_grouped(self, x: &[f32], out: &mut ActRow) {
+        ActRow::quantize_grouped(x, out)
+    }
+
+    /// Whether the single-token K-quant kernels are faster on grouped activation rows
+    /// ([`ActRow::quantize_grouped`]; they take either).
+    fn wants_grouped(self) -> bool {
+        false
+    }
+
     /// Σ a·b in f32.
     fn dot_f32(self, a: &[f32], b: &[f32]) -> f32;
 

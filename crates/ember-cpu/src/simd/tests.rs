@@ -65,14 +65,19 @@ fn quant_types() -> Vec<GgmlType> {
 }
 
 /// |got − want| ≤ 1e-5 · Σ|w_j·a_j| (the integer sums are exact; only the f32 scaling order
-/// differs, measured < 1e-6).
-fn check_q<K: Kernels>(k: K, t: GgmlType, n_blocks: usize, seed: &mut u64) {
+/// differs, measured < 1e-6). With `grouped` rows the single-token K-quant kernels may take
+/// their integer path (scaled once per 256).
+fn check_q<K: Kernels>(k: K, t: GgmlType, n_blocks: usize, grouped: bool, seed: &mut u64) {
     let n = n_blocks * t.block_size();
     let w = random_row(t, n, seed);
     let rows: Vec<ActRow> = (0..4)
         .map(|_| {
             let mut a = ActRow::default();
-            ActRow::quantize(&random_acts(n, seed), &mut a);
+            if grouped {
+                ActRow::quantize_grouped(&random_acts(n, seed), &mut a);
+            } else {
+                ActRow::quantize(&random_acts(n, seed), &mut a);
+            }
             a
         })
         .collect();
@@ -142,6 +147,62 @@ fn check_quantize<K: Kernels>(k: K, n_blocks: usize, seed: &mut u64) {
     assert_eq!(got.sum16, want.sum16);
     assert_eq!(got.ds16, want.ds16);
     assert_eq!(got.ds32, want.ds32);
+    assert!(!got.is_grouped());
+    // Grouped scales: bit-exact too, and what they promise: d = d256·m, codes within ±127,
+    // every value within half a step of its code.
+    ActRow::quantize_grouped(&x, &mut want);
+    k.quantize_grouped(&x, &mut got);
+    assert_eq!(got.q, want.q);
+    assert_eq!(got.d, want.d);
+    assert_eq!(got.d256, want.d256);
+    assert_eq!(got.m32, want.m32);
+    assert_eq!(got.m16, want.m16);
+    assert_eq!(got.ds16, want.ds16);
+    assert_eq!(got.ds32, want.ds32);
+    assert!(got.is_grouped());
+    for (b, &d) in got.d.iter().enumerate() {
+        let m = got.m32[b];
+        assert!((0..=kernels::MAX_MULT).contains(&m) && got.m16[2 * b] == m && got.m16[2 * b + 1] == m);
+        assert_eq!(d, got.d256[b / 8] * m as f32);
+        for i in 32 * b..32 * b + 32 {
+            assert!(got.q[i] != -128);
+            assert!((x[i] - d * got.q[i] as f32).abs() <= 0.5 * d * 1.0001 + 1e-30, "value {i}: {} vs {}·{}", x[i], d, got.q[i]);
+        }
+    }
+}
+
+/// The integer K-quant kernels at the bounds their i32 sums are sized for: the largest weight
+/// codes and scales (Q6_K: −128) against activations at ±127 with the largest multiple.
+#[test]
+fn integer_kquant_sums_do_not_overflow() {
+    let n = 1024;
+    // One sign throughout: every i16 pair sum and i32 lane at its largest magnitude (and no
+    // cancellation, so the tolerance can be relative to the result).
+    let x = vec![1.0f32; n];
+    let mut a = ActRow::default();
+    ActRow::quantize_grouped(&x, &mut a);
+    assert!(a.m32.iter().all(|&m| m == kernels::MAX_MULT));
+    for t in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        let mut w = vec![0xFFu8; t.row_bytes(n).unwrap()];
+        for block in w.chunks_exact_mut(t.type_size()) {
+            let d = half::f16::from_f32(0.01).to_le_bytes();
+            match t {
+                GgmlType::Q6K => {
+                    block[192..208].fill(0x80); // scales −128
+                    block[208..210].copy_from_slice(&d);
+                }
+                _ => {
+                    block[0..2].copy_from_slice(&d);
+                    block[2..4].copy_from_slice(&half::f16::from_f32(0.0).to_le_bytes());
+                }
+            }
+        }
+        let want = kernels::dot(t, &w, &a) as f64;
+        for_each_isa(|isa| {
+            let got = with_kernels!(isa, |k| k.dot_q::<1>(t, &w, [&a])[0]) as f64;
+            assert!((got - want).abs() <= 1e-5 * want.abs(), "{t} {isa:?}: got {got} want {want}");
+        });
+    }
 }
 
 fn check_vector_ops<K: Kernels>(k: K, n: usize, seed: &mut u64) {
@@ -290,7 +351,8 @@ proptest! {
             for t in quant_types() {
                 // 32-blocks: odd counts of blocks, also beyond one 256 super-block.
                 let nb = if t.block_size() == 32 { 2 * n_blocks + 1 } else { n_blocks };
-                with_kernels!(isa, |k| check_q(k, t, nb, &mut seed));
+                with_kernels!(isa, |k| check_q(k, t, nb, false, &mut seed));
+                with_kernels!(isa, |k| check_q(k, t, nb, true, &mut seed));
             }
         });
     }

@@ -45,6 +45,17 @@ macro_rules! x86_kernels {
             }
 
             #[inline]
+            fn quantize_grouped(self, x: &[f32], out: &mut ActRow) {
+                // SAFETY: as above.
+                unsafe { quantize_grouped(x, out) }
+            }
+
+            #[inline]
+            fn wants_grouped(self) -> bool {
+                INT_DOTS
+            }
+
+            #[inline]
             fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
                 // SAFETY: as above.
                 unsafe { dot_f32(a, b) }
@@ -339,12 +350,23 @@ macro_rules! x86_kernels {
         #[inline]
         #[target_feature(enable = $feat)]
         fn k4_header(b: &[u8]) -> (__m256, __m256, __m256, __m256) {
+            let (all, dm) = k4_scale_bytes(b);
+            let d = _mm256_broadcastss_ps(dm);
+            let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(all));
+            let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(all)));
+            (sc, mn, d, dmin)
+        }
+
+        /// The eight scales and eight mins of a Q4_K / Q5_K block as bytes (sc0..7, mn0..7),
+        /// and (d, dmin) in lanes 0 and 1.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn k4_scale_bytes(b: &[u8]) -> (__m128i, __m128) {
             let h = &b[..16];
             // SAFETY: `h` is 16 readable bytes.
             let raw = unsafe { _mm_loadu_si128(h.as_ptr().cast()) }; // d, dmin, s[0..12]
             let dm = _mm_cvtph_ps(raw);
-            let d = _mm256_broadcastss_ps(dm);
-            let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
             // p = [s0..s3, s8..s11, s4..s7, s8..s11]: the low parts of sc0..3, sc4..7, mn0..3, mn4..7.
             let p = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
             let low = _mm_and_si128(p, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
@@ -352,14 +374,19 @@ macro_rules! x86_kernels {
             // The top two bits of sc4..7 come from s0..s3, of mn4..7 from s4..s7.
             let q = _mm_shuffle_epi8(raw, _mm_setr_epi8(-128, -128, -128, -128, 4, 5, 6, 7, -128, -128, -128, -128, 8, 9, 10, 11));
             let high = _mm_slli_epi16::<4>(_mm_and_si128(_mm_srli_epi16::<6>(q), _mm_set1_epi8(3)));
-            let all = _mm_or_si128(low, high); // sc0..7, mn0..7 as bytes
-            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(all));
-            let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(all)));
-            (sc, mn, d, dmin)
+            (_mm_or_si128(low, high), dm)
         }
 
         #[target_feature(enable = $feat)]
         fn dot_q<const NT: usize>(ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
+            if NT == 1 && INT_DOTS && a[0].is_grouped() {
+                match ty {
+                    GgmlType::Q4K => return [dot_q4k_int::<false>(w, a[0]); NT],
+                    GgmlType::Q5K => return [dot_q4k_int::<true>(w, a[0]); NT],
+                    GgmlType::Q6K => return [dot_q6k_int(w, a[0]); NT],
+                    _ => {}
+                }
+            }
             match ty {
                 GgmlType::Q4K => dot_q4k::<NT, false>(w, a),
                 GgmlType::Q5K => dot_q4k::<NT, true>(w, a),
@@ -388,6 +415,9 @@ macro_rules! x86_kernels {
                 return each_row(rows, rb, out, &mut pf, |r| unsafe { dot1_wide(ty, r, a) }.unwrap_or_default());
             }
             match ty {
+                GgmlType::Q4K if INT_DOTS && a.is_grouped() => each_row(rows, rb, out, &mut pf, |r| dot_q4k_int::<false>(r, a)),
+                GgmlType::Q5K if INT_DOTS && a.is_grouped() => each_row(rows, rb, out, &mut pf, |r| dot_q4k_int::<true>(r, a)),
+                GgmlType::Q6K if INT_DOTS && a.is_grouped() => each_row(rows, rb, out, &mut pf, |r| dot_q6k_int(r, a)),
                 GgmlType::Q4K => each_row(rows, rb, out, &mut pf, |r| dot_q4k::<1, false>(r, [a])[0]),
                 GgmlType::Q5K => each_row(rows, rb, out, &mut pf, |r| dot_q4k::<1, true>(r, [a])[0]),
                 GgmlType::Q6K => each_row(rows, rb, out, &mut pf, |r| dot_q6k::<1>(r, [a])[0]),
@@ -459,6 +489,121 @@ macro_rules! x86_kernels {
                 out[t] = hsum(sum_chains(acc[t])) - hsum(accm[t]);
             }
             out
+        }
+
+        /// Single-token Q4_K (Q5_K with `Q5`) summed in integers per 256-block: sub-block j's
+        /// product `Σ q·a` times its integer weight `sc_j · m32_j` ([`ActRow::m32`]) in i32
+        /// lanes, one convert and one FMA with `d · d256` per block. The mins use the f32
+        /// activation sums as in [`dot_q4k`]. No overflow: a `maddubs` i16 is at most
+        /// 2·31·127 = 7874 (Q5_K), `sc·m` at most 63·32 = 2016 (`kernels::MAX_MULT`), so a
+        /// `madd` lane at most 2·7874·2016 < 2^25 and a lane of the sum of 8 of them < 2^28.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_q4k_int<const Q5: bool>(w: &[u8], a: &ActRow) -> f32 {
+            let bs = if Q5 { 176 } else { 144 };
+            let qs0 = if Q5 { 48 } else { 16 };
+            let m4 = _mm256_set1_epi8(0x0F);
+            let nb = w.len() / bs;
+            assert!(
+                a.q.len() >= 256 * nb && a.d256.len() >= nb && a.m32.len() >= 8 * nb && a.ds32.len() >= 8 * nb,
+                "dot_q4k_int: activation row shorter than the weights"
+            );
+            let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m32.as_ptr(), a.ds32.as_ptr());
+            // Byte shuffles that spread i16 element j over all sixteen i16 lanes.
+            let sel = |j: i16| _mm256_set1_epi16((2 * j + 1) << 8 | 2 * j);
+            // Opaque to the optimiser, which otherwise turns each one-instruction byte shuffle of
+            // the broadcast scales into an extract plus a cross-lane broadcast (two).
+            let sels = std::hint::black_box([sel(0), sel(1), sel(2), sel(3), sel(4), sel(5), sel(6), sel(7)]);
+            let mut acc = _mm256_setzero_ps();
+            let mut accm = _mm256_setzero_ps();
+            for (i, b) in w.chunks_exact(bs).enumerate() {
+                let (all, dm) = k4_scale_bytes(b);
+                let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+                let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(all)));
+                // SAFETY: i < nb: 8i + 8 ≤ 8nb values of m32 and ds32, i < nb of d256 (asserted).
+                let (m, ds, dd) = unsafe {
+                    (_mm_loadu_si128(am.add(8 * i).cast()), _mm256_loadu_ps(ads.add(8 * i)), _mm256_set1_ps(_mm_cvtss_f32(dm) * *ad.add(i)))
+                };
+                accm = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mn), ds, accm);
+                let scm = _mm256_broadcastsi128_si256(_mm_mullo_epi16(_mm_cvtepu8_epi16(all), m));
+                let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
+                let mut isum = [_mm256_setzero_si256(); 2];
+                for p in 0..4 {
+                    let q = ld256(b, qs0 + 32 * p);
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    if Q5 {
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(1))));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(hb, _mm256_set1_epi8(2))));
+                        hb = _mm256_srli_epi16::<2>(hb);
+                    }
+                    let base = 256 * i + 64 * p;
+                    // SAFETY: base + 64 ≤ 256nb bytes of q (asserted).
+                    let (q0, q1) = unsafe { (_mm256_loadu_si256(aq.add(base).cast()), _mm256_loadu_si256(aq.add(base + 32).cast())) };
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_shuffle_epi8(scm, sels[2 * p]));
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), _mm256_shuffle_epi8(scm, sels[2 * p + 1]));
+                    isum[0] = _mm256_add_epi32(isum[0], p0);
+                    isum[1] = _mm256_add_epi32(isum[1], p1);
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), dd, acc);
+            }
+            hsum(acc) - hsum(accm)
+        }
+
+        /// Single-token Q6_K summed in integers per 256-block, as [`dot_q4k_int`]: group g's
+        /// product times `sc_g · m16_g`. No overflow: a `maddubs` i16 is at most 2·63·127 =
+        /// 16002, |sc·m| at most 128·32 = 4096, so a `madd` lane at most 2·16002·4096 < 2^27
+        /// and a lane of the sum of 8 of them < 2^30.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn dot_q6k_int(w: &[u8], a: &ActRow) -> f32 {
+            let nb = w.len() / 210;
+            assert!(
+                a.q.len() >= 256 * nb && a.d256.len() >= nb && a.m16.len() >= 16 * nb && a.ds16.len() >= 16 * nb,
+                "dot_q6k_int: activation row shorter than the weights"
+            );
+            let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m16.as_ptr(), a.ds16.as_ptr());
+            // For 32-block k of a 128-half: group 2k's weight in the low 128-bit lane, group
+            // 2k + 1's in the high one (i16 elements of a vector holding groups 0..7 or 8..15 in
+            // both lanes).
+            let sel = |k: i16| _mm256_setr_m128i(_mm_set1_epi16((4 * k + 1) << 8 | 4 * k), _mm_set1_epi16((4 * k + 3) << 8 | (4 * k + 2)));
+            let sels = std::hint::black_box([sel(0), sel(1), sel(2), sel(3)]);
+            let mut acc = _mm256_setzero_ps();
+            let mut accm = _mm256_setzero_ps();
+            for (i, b) in w.chunks_exact(210).enumerate() {
+                let d = f16(b, 208);
+                let dv = _mm256_set1_ps(d);
+                // SAFETY: i < nb: 16i + 16 ≤ 16nb values of m16 and ds16, i < nb of d256
+                // (asserted); `b` has 210 bytes, so 192..208 is readable.
+                let (sc, m, ds0, ds1, dd) = unsafe {
+                    (
+                        _mm_loadu_si128(b[192..208].as_ptr().cast()),
+                        _mm256_loadu_si256(am.add(16 * i).cast()),
+                        _mm256_loadu_ps(ads.add(16 * i)),
+                        _mm256_loadu_ps(ads.add(16 * i + 8)),
+                        _mm256_set1_ps(d * *ad.add(i)),
+                    )
+                };
+                // The −32 offset of every code, through the f32 activation sums.
+                let scf0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+                let scf1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc))));
+                accm = _mm256_fmadd_ps(scf0, ds0, _mm256_fmadd_ps(scf1, ds1, accm));
+                let scm = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc), m);
+                let halves = [_mm256_permute2x128_si256::<0x00>(scm, scm), _mm256_permute2x128_si256::<0x11>(scm, scm)];
+                let mut isum = [_mm256_setzero_si256(); 2];
+                for n in 0..2 {
+                    let q = q6k_codes(b, n);
+                    for (j, qj) in q.iter().enumerate() {
+                        let base = 256 * i + 128 * n + 32 * j;
+                        // SAFETY: base + 32 ≤ 256nb bytes of q (asserted).
+                        let av = unsafe { _mm256_loadu_si256(aq.add(base).cast()) };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, av), _mm256_shuffle_epi8(halves[n], sels[j]));
+                        isum[j % 2] = _mm256_add_epi32(isum[j % 2], p);
+                    }
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), dd, acc);
+            }
+            hsum(acc) - 32.0 * hsum(accm)
         }
 
         /// The 128 6-bit codes (0..63) of half `n` of a Q6_K block, as four vectors of 32:
@@ -717,10 +862,25 @@ macro_rules! x86_kernels {
             _mm256_add_ps(t, _mm256_and_ps(up, one))
         }
 
+        /// The largest |x| of block `b` (32 values) of `x`.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn block_amax(x: &[f32], b: usize) -> f32 {
+            let sign = _mm256_set1_ps(-0.0);
+            let v = [ldps(x, 32 * b), ldps(x, 32 * b + 8), ldps(x, 32 * b + 16), ldps(x, 32 * b + 24)];
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+        }
+
         #[target_feature(enable = $feat)]
         fn quantize(x: &[f32], out: &mut ActRow) {
             let nb = x.len() / 32;
-            out.resize(nb);
+            out.resize(nb, false);
             let sign = _mm256_set1_ps(-0.0);
             let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
             let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -749,6 +909,45 @@ macro_rules! x86_kernels {
                 let s0 = hsum(_mm256_add_ps(r[0], r[1])) as i32;
                 let s1 = hsum(_mm256_add_ps(r[2], r[3])) as i32;
                 out.set_block(b, d, s0, s1);
+            }
+        }
+
+        #[target_feature(enable = $feat)]
+        fn quantize_grouped(x: &[f32], out: &mut ActRow) {
+            let nb = x.len() / 32;
+            out.resize(nb, true);
+            let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+            let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            for g in 0..nb.div_ceil(8) {
+                let blocks = 8 * g..(8 * g + 8).min(nb);
+                let mut amax = [0f32; 8];
+                for b in blocks.clone() {
+                    amax[b - 8 * g] = block_amax(x, b);
+                }
+                let top = amax.iter().fold(0f32, |m, &v| m.max(v));
+                let unit = top / 127.0 / kernels::MAX_MULT as f32;
+                out.d256[g] = unit;
+                for b in blocks {
+                    let m = kernels::block_mult(amax[b - 8 * g], top);
+                    let db = unit * m as f32;
+                    let idb = _mm256_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+                    let v = [ldps(x, 32 * b), ldps(x, 32 * b + 8), ldps(x, 32 * b + 16), ldps(x, 32 * b + 24)];
+                    let mut r = [_mm256_setzero_ps(); 4];
+                    for k in 0..4 {
+                        r[k] = _mm256_min_ps(_mm256_max_ps(round_away(_mm256_mul_ps(v[k], idb)), lo), hi);
+                    }
+                    let i = [_mm256_cvttps_epi32(r[0]), _mm256_cvttps_epi32(r[1]), _mm256_cvttps_epi32(r[2]), _mm256_cvttps_epi32(r[3])];
+                    let p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+                    let p = _mm256_permutevar8x32_epi32(p, perm);
+                    let dst = &mut out.q[32 * b..32 * b + 32];
+                    // SAFETY: `dst` is 32 writable bytes; storeu has no alignment requirement.
+                    unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), p) };
+                    // Sums of integers below 2^24 are exact in f32.
+                    let s0 = hsum(_mm256_add_ps(r[0], r[1])) as i32;
+                    let s1 = hsum(_mm256_add_ps(r[2], r[3])) as i32;
+                    out.set_block(b, db, s0, s1);
+                    out.set_mult(b, m);
+                }
             }
         }
     };
