@@ -150,6 +150,8 @@ fn main() {
     // against the one long matrix of `head_*`.
     for &(name, ty, rows, k) in &[
         ("ops_ssm_out_q8_0", GgmlType::Q8_0, 1024usize, 4096usize),
+        ("ops_2048_q8_0", GgmlType::Q8_0, 2048, 2048),
+        ("ops_16k_q8_0", GgmlType::Q8_0, 16384, 2048),
         ("ops_ssm_out_q4k", GgmlType::Q4K, 1024, 4096),
         ("ops_expert_q8_0", GgmlType::Q8_0, 512, 1024),
         ("ops_expert_q4k", GgmlType::Q4K, 512, 1024),
