@@ -6,7 +6,7 @@ use ember_ops::{AttnShape, DeltaShape, Gate, KvRows, Mat, MoeSlot, Ops, WeightVi
 
 use crate::kernels::{self, ActRow};
 use crate::panel::{self, Panel};
-use crate::pool::{MAX_PARTS, Pool, even_bounds, parts_for};
+use crate::pool::{MAX_PARTS, Pool, even_bounds, parts_for, tapered_bounds};
 use crate::simd::{self, Isa, Kernels, with_kernels};
 
 mod moe;
@@ -180,7 +180,7 @@ impl CpuOps {
         let total: usize = ws.iter().map(|w| w.n_rows).sum();
         let mut ys: Vec<Mat> = ws.iter().map(|w| Mat::zeros(n, w.n_rows)).collect();
         let mut b = [0usize; MAX_PARTS + 1];
-        let parts = even_bounds(total, parts_for(self.n_threads()), ROW_TILE, &mut b);
+        let parts = tapered_bounds(total, parts_for(self.n_threads()), ROW_TILE, &mut b);
         let src = Acts { x, q: acts };
         let inv = self.invariant();
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y.data[..]).collect();

@@ -5,7 +5,7 @@ use ember_ops::{Mat, MoeSlot};
 
 use super::{Acts, CpuOps, ROW_TILE, grouped_for, panel_min_tokens, panel_rows, prefetch_rows, tile, use_panel};
 use crate::kernels::{self, ActRow};
-use crate::pool::{MAX_PARTS, even_bounds, parts_for};
+use crate::pool::{MAX_PARTS, even_bounds, parts_for, tapered_bounds, tapered_share};
 use crate::simd::{self, Kernels};
 
 /// Most slots of one MoE call (256 experts + the shared one, with room to spare).
@@ -111,7 +111,7 @@ impl CpuOps {
         // (3) down: output row r of token t = Σ_slots ω·(down_s row r · h_{s,t}).
         let n = x.n;
         let mut y = Mat::zeros(n, d);
-        let parts = even_bounds(d, parts_for(self.n_threads()), ROW_TILE, &mut b);
+        let parts = tapered_bounds(d, parts_for(self.n_threads()), ROW_TILE, &mut b);
         let acts2 = &s.acts2;
         self.pool.split_cols(&mut [&mut y.data[..]], n, &b[..=parts], |p, mut out| {
             let (r0, r1) = (b[p], b[p + 1]);
@@ -191,14 +191,14 @@ impl CpuOps {
 /// Rows of an expert's down matrix per single-token kernel call.
 const DOWN_RUN: usize = 64;
 
-/// Boundaries (in elements of `gu`) splitting the MoE gate/up items evenly by work, each on an
-/// item (row) boundary.
+/// Boundaries (in elements of `gu`) splitting the MoE gate/up items by work into tapered parts
+/// ([`tapered_bounds`]), each on an item (row) boundary.
 fn item_bounds(slots: &[MoeSlot], offs: &[usize], n_threads: usize, b: &mut [usize; MAX_PARTS + 1]) -> usize {
     let total = offs[slots.len()];
     let parts = n_threads.clamp(1, MAX_PARTS);
     b[0] = 0;
     for p in 1..parts {
-        let target = total * p / parts;
+        let target = total * tapered_share(p, parts) / tapered_share(parts, parts);
         // Round to the start of the row containing `target`.
         let si = offs[..=slots.len()].partition_point(|&o| o <= target).saturating_sub(1).min(slots.len() - 1);
         let nt = slots[si].tokens.len().max(1);
