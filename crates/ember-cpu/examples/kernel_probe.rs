@@ -53,7 +53,8 @@ fn main() {
     let mut seed = 1u64;
     let x: Vec<f32> = (0..k).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
     let mut a = ActRow::default();
-    ActRow::quantize(&x, &mut a);
+    // Grouped scales, as ops quantise for K-quant weights (the Q8_0 kernel reads either).
+    ActRow::quantize_grouped(&x, &mut a);
     for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
         let w = random_weights(ty, k, rows, &mut seed);
         let rb = w.len() / rows;

@@ -491,6 +491,39 @@ macro_rules! x86_kernels {
             out
         }
 
+        /// Byte shuffles for [`dot_q4k_int`]: mask j spreads i16 element j over all sixteen
+        /// i16 lanes (of a vector holding the eight sub-block weights in both 128-bit lanes).
+        static K4_SELS: [[u8; 32]; 8] = {
+            let mut t = [[0u8; 32]; 8];
+            let mut j = 0;
+            while j < 8 {
+                let mut b = 0;
+                while b < 32 {
+                    t[j][b] = (2 * j + b % 2) as u8;
+                    b += 1;
+                }
+                j += 1;
+            }
+            t
+        };
+
+        /// Byte shuffles for [`dot_q6k_int`]: for 32-block k of a 128-half, group 2k's weight
+        /// over the low 128-bit lane and group 2k + 1's over the high one (i16 elements of a
+        /// vector holding groups 0..7 or 8..15 in both lanes).
+        static Q6K_SELS: [[u8; 32]; 4] = {
+            let mut t = [[0u8; 32]; 4];
+            let mut k = 0;
+            while k < 4 {
+                let mut b = 0;
+                while b < 32 {
+                    t[k][b] = (4 * k + 2 * (b / 16) + b % 2) as u8;
+                    b += 1;
+                }
+                k += 1;
+            }
+            t
+        };
+
         /// Single-token Q4_K (Q5_K with `Q5`) summed in integers per 256-block: sub-block j's
         /// product `Σ q·a` times its integer weight `sc_j · m32_j` ([`ActRow::m32`]) in i32
         /// lanes, one convert and one FMA with `d · d256` per block. The mins use the f32
@@ -509,11 +542,14 @@ macro_rules! x86_kernels {
                 "dot_q4k_int: activation row shorter than the weights"
             );
             let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m32.as_ptr(), a.ds32.as_ptr());
-            // Byte shuffles that spread i16 element j over all sixteen i16 lanes.
-            let sel = |j: i16| _mm256_set1_epi16((2 * j + 1) << 8 | 2 * j);
-            // Opaque to the optimiser, which otherwise turns each one-instruction byte shuffle of
-            // the broadcast scales into an extract plus a cross-lane broadcast (two).
-            let sels = std::hint::black_box([sel(0), sel(1), sel(2), sel(3), sel(4), sel(5), sel(6), sel(7)]);
+            // Read through an opaque reference: the optimiser would otherwise turn each
+            // one-instruction byte shuffle of the broadcast scales into an extract plus a
+            // cross-lane broadcast (two), and a per-call copy of the masks costs a row of 512.
+            let sels = std::hint::black_box(&K4_SELS);
+            let sel = |j: usize| {
+                // SAFETY: each mask is 32 readable bytes; loadu has no alignment requirement.
+                unsafe { _mm256_loadu_si256(sels[j].as_ptr().cast()) }
+            };
             let mut acc = _mm256_setzero_ps();
             let mut accm = _mm256_setzero_ps();
             for (i, b) in w.chunks_exact(bs).enumerate() {
@@ -540,14 +576,14 @@ macro_rules! x86_kernels {
                     let base = 256 * i + 64 * p;
                     // SAFETY: base + 64 ≤ 256nb bytes of q (asserted).
                     let (q0, q1) = unsafe { (_mm256_loadu_si256(aq.add(base).cast()), _mm256_loadu_si256(aq.add(base + 32).cast())) };
-                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_shuffle_epi8(scm, sels[2 * p]));
-                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), _mm256_shuffle_epi8(scm, sels[2 * p + 1]));
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_shuffle_epi8(scm, sel(2 * p)));
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), _mm256_shuffle_epi8(scm, sel(2 * p + 1)));
                     isum[0] = _mm256_add_epi32(isum[0], p0);
                     isum[1] = _mm256_add_epi32(isum[1], p1);
                 }
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), dd, acc);
             }
-            hsum(acc) - hsum(accm)
+            hsum(_mm256_sub_ps(acc, accm))
         }
 
         /// Single-token Q6_K summed in integers per 256-block, as [`dot_q4k_int`]: group g's
@@ -563,11 +599,12 @@ macro_rules! x86_kernels {
                 "dot_q6k_int: activation row shorter than the weights"
             );
             let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m16.as_ptr(), a.ds16.as_ptr());
-            // For 32-block k of a 128-half: group 2k's weight in the low 128-bit lane, group
-            // 2k + 1's in the high one (i16 elements of a vector holding groups 0..7 or 8..15 in
-            // both lanes).
-            let sel = |k: i16| _mm256_setr_m128i(_mm_set1_epi16((4 * k + 1) << 8 | 4 * k), _mm_set1_epi16((4 * k + 3) << 8 | (4 * k + 2)));
-            let sels = std::hint::black_box([sel(0), sel(1), sel(2), sel(3)]);
+            // As in dot_q4k_int (masks described at Q6K_SELS).
+            let sels = std::hint::black_box(&Q6K_SELS);
+            let sel = |j: usize| {
+                // SAFETY: each mask is 32 readable bytes; loadu has no alignment requirement.
+                unsafe { _mm256_loadu_si256(sels[j].as_ptr().cast()) }
+            };
             let mut acc = _mm256_setzero_ps();
             let mut accm = _mm256_setzero_ps();
             for (i, b) in w.chunks_exact(210).enumerate() {
@@ -597,13 +634,13 @@ macro_rules! x86_kernels {
                         let base = 256 * i + 128 * n + 32 * j;
                         // SAFETY: base + 32 ≤ 256nb bytes of q (asserted).
                         let av = unsafe { _mm256_loadu_si256(aq.add(base).cast()) };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, av), _mm256_shuffle_epi8(halves[n], sels[j]));
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, av), _mm256_shuffle_epi8(halves[n], sel(j)));
                         isum[j % 2] = _mm256_add_epi32(isum[j % 2], p);
                     }
                 }
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), dd, acc);
             }
-            hsum(acc) - 32.0 * hsum(accm)
+            hsum(_mm256_fnmadd_ps(_mm256_set1_ps(32.0), accm, acc))
         }
 
         /// The 128 6-bit codes (0..63) of half `n` of a Q6_K block, as four vectors of 32:
