@@ -28,6 +28,8 @@ pub struct ActRow {
     pub m32: Vec<i16>,
     /// `m32` per group of 16 (each block's value twice), for the Q6_K kernels.
     pub m16: Vec<i16>,
+    /// `sum16` as i16 (|Σq| ≤ 16·127), with grouped scales only.
+    pub s16: Vec<i16>,
     /// Σq over each group of 16 (two per block).
     pub sum16: Vec<i32>,
     /// `d·Σq` over each group of 16, and over each block of 32: the activation sums that
@@ -110,6 +112,7 @@ impl ActRow {
         self.d256.resize(ng.div_ceil(8), 0.0);
         self.m32.resize(ng, 0);
         self.m16.resize(ng * 2, 0);
+        self.s16.resize(ng * 2, 0);
     }
 
     /// Whether the row carries grouped scales ([`ActRow::quantize_grouped`]).
@@ -128,12 +131,15 @@ impl ActRow {
         self.ds32[b] = d * (s0 + s1) as f32;
     }
 
-    /// Stores block `b`'s multiple of its group's `d256`.
+    /// Stores block `b`'s multiple of its group's `d256`, and its sums as i16 (after
+    /// [`ActRow::set_block`]).
     #[inline]
     pub fn set_mult(&mut self, b: usize, m: i16) {
         self.m32[b] = m;
         self.m16[2 * b] = m;
         self.m16[2 * b + 1] = m;
+        self.s16[2 * b] = self.sum16[2 * b] as i16;
+        self.s16[2 * b + 1] = self.sum16[2 * b + 1] as i16;
     }
 
     /// Fills [`ActRow::qk`] from `q` (when the length is a multiple of 256).

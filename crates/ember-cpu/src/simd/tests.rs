@@ -157,6 +157,8 @@ fn check_quantize<K: Kernels>(k: K, n_blocks: usize, seed: &mut u64) {
     assert_eq!(got.d256, want.d256);
     assert_eq!(got.m32, want.m32);
     assert_eq!(got.m16, want.m16);
+    assert_eq!(got.s16, want.s16);
+    assert!(got.s16.iter().zip(&got.sum16).all(|(&a, &b)| a as i32 == b));
     assert_eq!(got.ds16, want.ds16);
     assert_eq!(got.ds32, want.ds32);
     assert!(got.is_grouped());

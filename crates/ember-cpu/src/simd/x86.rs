@@ -587,18 +587,19 @@ macro_rules! x86_kernels {
         }
 
         /// Single-token Q6_K summed in integers per 256-block, as [`dot_q4k_int`]: group g's
-        /// product times `sc_g · m16_g`. No overflow: a `maddubs` i16 is at most 2·63·127 =
-        /// 16002, |sc·m| at most 128·32 = 4096, so a `madd` lane at most 2·16002·4096 < 2^27
-        /// and a lane of the sum of 8 of them < 2^30.
+        /// product times `sc_g · m16_g`, less the codes' offset 32 as `32 · Σ_g sc_g·m16_g·s16_g`
+        /// ([`ActRow::s16`]). No overflow: a `maddubs` i16 is at most 2·63·127 = 16002, |sc·m|
+        /// at most 128·32 = 4096, so a `madd` lane at most 2·16002·4096 < 2^27 and a lane of
+        /// the sum of 8 of them < 2^30; the offset lane at most 32·2·4096·2032 < 2^29.
         #[inline]
         #[target_feature(enable = $feat)]
         fn dot_q6k_int(w: &[u8], a: &ActRow) -> f32 {
             let nb = w.len() / 210;
             assert!(
-                a.q.len() >= 256 * nb && a.d256.len() >= nb && a.m16.len() >= 16 * nb && a.ds16.len() >= 16 * nb,
+                a.q.len() >= 256 * nb && a.d256.len() >= nb && a.m16.len() >= 16 * nb && a.s16.len() >= 16 * nb,
                 "dot_q6k_int: activation row shorter than the weights"
             );
-            let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m16.as_ptr(), a.ds16.as_ptr());
+            let (aq, ad, am, asum) = (a.q.as_ptr(), a.d256.as_ptr(), a.m16.as_ptr(), a.s16.as_ptr());
             // As in dot_q4k_int (masks described at Q6K_SELS).
             let sels = std::hint::black_box(&Q6K_SELS);
             let sel = |j: usize| {
@@ -606,26 +607,21 @@ macro_rules! x86_kernels {
                 unsafe { _mm256_loadu_si256(sels[j].as_ptr().cast()) }
             };
             let mut acc = _mm256_setzero_ps();
-            let mut accm = _mm256_setzero_ps();
             for (i, b) in w.chunks_exact(210).enumerate() {
                 let d = f16(b, 208);
-                let dv = _mm256_set1_ps(d);
-                // SAFETY: i < nb: 16i + 16 ≤ 16nb values of m16 and ds16, i < nb of d256
+                // SAFETY: i < nb: 16i + 16 ≤ 16nb values of m16 and s16, i < nb of d256
                 // (asserted); `b` has 210 bytes, so 192..208 is readable.
-                let (sc, m, ds0, ds1, dd) = unsafe {
+                let (sc, m, sums, dd) = unsafe {
                     (
                         _mm_loadu_si128(b[192..208].as_ptr().cast()),
                         _mm256_loadu_si256(am.add(16 * i).cast()),
-                        _mm256_loadu_ps(ads.add(16 * i)),
-                        _mm256_loadu_ps(ads.add(16 * i + 8)),
+                        _mm256_loadu_si256(asum.add(16 * i).cast()),
                         _mm256_set1_ps(d * *ad.add(i)),
                     )
                 };
-                // The −32 offset of every code, through the f32 activation sums.
-                let scf0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-                let scf1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc))));
-                accm = _mm256_fmadd_ps(scf0, ds0, _mm256_fmadd_ps(scf1, ds1, accm));
                 let scm = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc), m);
+                // The offset 32 of every code: 32 · Σ_g (sc·m)_g · Σq_g.
+                let off = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scm, sums));
                 let halves = [_mm256_permute2x128_si256::<0x00>(scm, scm), _mm256_permute2x128_si256::<0x11>(scm, scm)];
                 let mut isum = [_mm256_setzero_si256(); 2];
                 for n in 0..2 {
@@ -638,9 +634,9 @@ macro_rules! x86_kernels {
                         isum[j % 2] = _mm256_add_epi32(isum[j % 2], p);
                     }
                 }
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1])), dd, acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(isum[0], isum[1]), off)), dd, acc);
             }
-            hsum(_mm256_fnmadd_ps(_mm256_set1_ps(32.0), accm, acc))
+            hsum(acc)
         }
 
         /// The 128 6-bit codes (0..63) of half `n` of a Q6_K block, as four vectors of 32:
