@@ -28,6 +28,8 @@ pub mod avx512;
 pub mod neon;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_int;
 
 /// An instruction set with kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
