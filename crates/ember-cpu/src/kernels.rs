@@ -8,7 +8,7 @@
 //! times finer than Q8_K gives it, and the kernels can sum a whole 256-block in integers (the
 //! weight's sub-block scale times `m32` is an integer) and scale once per 256 weights, as
 //! llama.cpp does. Ops without K-quant weights keep each block's own best scale.
-
+//!
 //! Every weight block is viewed as groups of 16 weights `y = s·q + o` with integer `q`
 //! ([`Groups`]); a group's contribution is `dx · (s·Σq·a + o·Σa)`. The per-type unpackers follow
 //! shared/spec/gguf-format.md §4–5. This file is the scalar reference; the SIMD kernels in [`crate::simd`] are tested against it.
@@ -67,8 +67,9 @@ impl ActRow {
     }
 
     /// Quantises `x` (length a multiple of 32) with grouped scales, for the integer K-quant
-    /// kernels: per group of 8 blocks, with `top` its largest |x|: `d256 = top / 127 / MAX_MULT`; block b with largest |x| `amax` takes
-    /// `m = ⌈MAX_MULT·amax / top⌉`, `d = d256·m` and `q = round(x / d)` (half away from zero).
+    /// kernels: per group of 8 blocks, with `top` its largest |x|, `d256 = top / 127 /
+    /// MAX_MULT`; block b with largest |x| `amax` takes `m = ⌈MAX_MULT·amax / top⌉`,
+    /// `d = d256·m` and `q = round(x / d)` (half away from zero).
     pub fn quantize_grouped(x: &[f32], out: &mut ActRow) {
         let nb = x.len() / 32;
         out.resize(nb, true);
@@ -172,7 +173,7 @@ impl ActRow {
 }
 
 /// The largest multiple of its group's unit a block's scale can be (the group's largest
-/// block). The K-quant kernels' integer sums are bounded with it (simd/x86.rs).
+/// block). The K-quant kernels' integer sums are bounded with it (simd/x86_int.rs).
 pub const MAX_MULT: i16 = 32;
 
 /// The multiple of its group's unit for a block with largest |x| `amax` in a group with largest
