@@ -378,6 +378,34 @@ macro_rules! x86_kernels {
             (_mm_or_si128(low, high), dm)
         }
 
+        /// The codes of sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles) of a Q4_K block,
+        /// or of a Q5_K block with `Q5`, whose fifth bits come from `hb` (its `qh` bytes, loaded
+        /// by the caller and shifted on by two bits per call: bit 2p of qh is the fifth bit of
+        /// sub-block 2p, bit 2p+1 of 2p+1).
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn k4_codes<const Q5: bool>(b: &[u8], p: usize, hb: &mut __m256i) -> (__m256i, __m256i) {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let q = ld256(b, if Q5 { 48 } else { 16 } + 32 * p);
+            let mut lo = _mm256_and_si256(q, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            if Q5 {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(*hb, _mm256_set1_epi8(1))));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(*hb, _mm256_set1_epi8(2))));
+                *hb = _mm256_srli_epi16::<2>(*hb);
+            }
+            (lo, hi)
+        }
+
+        /// A 32-byte shuffle mask from a table, read through a reference the caller made opaque
+        /// (`black_box`) so the optimiser keeps the one-instruction byte shuffle.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        fn ld_mask(t: &[[u8; 32]], j: usize) -> __m256i {
+            // SAFETY: t[j] is 32 readable bytes; loadu has no alignment requirement.
+            unsafe { _mm256_loadu_si256(t[j].as_ptr().cast()) }
+        }
+
         #[target_feature(enable = $feat)]
         fn dot_q<const NT: usize>(ty: GgmlType, w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
             if NT == 1 && INT_DOTS && a[0].is_grouped() {
@@ -441,8 +469,6 @@ macro_rules! x86_kernels {
         #[target_feature(enable = $feat)]
         fn dot_q4k<const NT: usize, const Q5: bool>(w: &[u8], a: [&ActRow; NT]) -> [f32; NT] {
             let bs = if Q5 { 176 } else { 144 };
-            let qs0 = if Q5 { 48 } else { 16 };
-            let m4 = _mm256_set1_epi8(0x0F);
             let nb = w.len() / bs;
             for a in &a {
                 assert!(a.q.len() >= 256 * nb && a.d.len() >= 8 * nb && a.ds32.len() >= 8 * nb, "dot_q4k: activation row shorter than the weights");
@@ -464,15 +490,7 @@ macro_rules! x86_kernels {
                 }
                 let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
                 for p in 0..4 {
-                    let q = ld256(b, qs0 + 32 * p);
-                    let mut lo = _mm256_and_si256(q, m4);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                    if Q5 {
-                        // bit 2p of qh is the fifth bit of sub-block 2p, bit 2p+1 of 2p+1.
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(1))));
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(hb, _mm256_set1_epi8(2))));
-                        hb = _mm256_srli_epi16::<2>(hb);
-                    }
+                    let (lo, hi) = k4_codes::<Q5>(b, p, &mut hb);
                     let base = 256 * i + 64 * p;
                     for t in 0..NT {
                         // SAFETY: base + 64 ≤ 256nb bytes of q (asserted).

@@ -2,7 +2,7 @@
 //! file readable: the activation quantisers (per-32 and grouped scales, bit-exact with
 //! [`crate::kernels::ActRow`]'s) and the single-token K-quant kernels that sum a whole
 //! 256-weight block in integers on grouped rows. They use the helpers of `x86_kernels!`
-//! (`k4_scale_bytes`, `q6k_codes`, `ld256`, `ldps`, `f16`, `hsum`), which invokes this macro.
+//! (`k4_scale_bytes`, `k4_codes`, `ld_mask`, `q6k_codes`, `ld256`, `ldps`, `f16`, `hsum`), which invokes this macro.
 
 /// The quantiser and integer K-quant kernel bodies for one x86 instruction set; `$feat` is its
 /// target-feature list.
@@ -51,22 +51,16 @@ macro_rules! x86_int_kernels {
         #[target_feature(enable = $feat)]
         fn dot_q4k_int<const Q5: bool>(w: &[u8], a: &ActRow) -> f32 {
             let bs = if Q5 { 176 } else { 144 };
-            let qs0 = if Q5 { 48 } else { 16 };
-            let m4 = _mm256_set1_epi8(0x0F);
             let nb = w.len() / bs;
             assert!(
                 a.q.len() >= 256 * nb && a.d256.len() >= nb && a.m32.len() >= 8 * nb && a.ds32.len() >= 8 * nb,
                 "dot_q4k_int: activation row shorter than the weights"
             );
             let (aq, ad, am, ads) = (a.q.as_ptr(), a.d256.as_ptr(), a.m32.as_ptr(), a.ds32.as_ptr());
-            // Read through an opaque reference: the optimiser would otherwise turn each
-            // one-instruction byte shuffle of the broadcast scales into an extract plus a
-            // cross-lane broadcast (two), and a per-call copy of the masks costs a row of 512.
+            // Opaque: the optimiser would otherwise turn each one-instruction byte shuffle of the
+            // broadcast scales into an extract plus a cross-lane broadcast (two), and a per-call
+            // copy of the masks costs a row of 512.
             let sels = std::hint::black_box(&K4_SELS);
-            let sel = |j: usize| {
-                // SAFETY: each mask is 32 readable bytes; loadu has no alignment requirement.
-                unsafe { _mm256_loadu_si256(sels[j].as_ptr().cast()) }
-            };
             let mut acc = _mm256_setzero_ps();
             let mut accm = _mm256_setzero_ps();
             for (i, b) in w.chunks_exact(bs).enumerate() {
@@ -82,19 +76,12 @@ macro_rules! x86_int_kernels {
                 let mut hb = if Q5 { ld256(b, 16) } else { _mm256_setzero_si256() };
                 let mut isum = [_mm256_setzero_si256(); 2];
                 for p in 0..4 {
-                    let q = ld256(b, qs0 + 32 * p);
-                    let mut lo = _mm256_and_si256(q, m4);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                    if Q5 {
-                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(hb, _mm256_set1_epi8(1))));
-                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(hb, _mm256_set1_epi8(2))));
-                        hb = _mm256_srli_epi16::<2>(hb);
-                    }
+                    let (lo, hi) = k4_codes::<Q5>(b, p, &mut hb);
                     let base = 256 * i + 64 * p;
                     // SAFETY: base + 64 ≤ 256nb bytes of q (asserted).
                     let (q0, q1) = unsafe { (_mm256_loadu_si256(aq.add(base).cast()), _mm256_loadu_si256(aq.add(base + 32).cast())) };
-                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_shuffle_epi8(scm, sel(2 * p)));
-                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), _mm256_shuffle_epi8(scm, sel(2 * p + 1)));
+                    let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_shuffle_epi8(scm, ld_mask(sels, 2 * p)));
+                    let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, q1), _mm256_shuffle_epi8(scm, ld_mask(sels, 2 * p + 1)));
                     isum[0] = _mm256_add_epi32(isum[0], p0);
                     isum[1] = _mm256_add_epi32(isum[1], p1);
                 }
@@ -117,12 +104,8 @@ macro_rules! x86_int_kernels {
                 "dot_q6k_int: activation row shorter than the weights"
             );
             let (aq, ad, am, asum) = (a.q.as_ptr(), a.d256.as_ptr(), a.m16.as_ptr(), a.s16.as_ptr());
-            // As in dot_q4k_int (masks described at Q6K_SELS).
+            // Opaque, as in dot_q4k_int (masks described at Q6K_SELS).
             let sels = std::hint::black_box(&Q6K_SELS);
-            let sel = |j: usize| {
-                // SAFETY: each mask is 32 readable bytes; loadu has no alignment requirement.
-                unsafe { _mm256_loadu_si256(sels[j].as_ptr().cast()) }
-            };
             let mut acc = _mm256_setzero_ps();
             for (i, b) in w.chunks_exact(210).enumerate() {
                 let d = f16(b, 208);
@@ -147,7 +130,7 @@ macro_rules! x86_int_kernels {
                         let base = 256 * i + 128 * n + 32 * j;
                         // SAFETY: base + 32 ≤ 256nb bytes of q (asserted).
                         let av = unsafe { _mm256_loadu_si256(aq.add(base).cast()) };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, av), _mm256_shuffle_epi8(halves[n], sel(j)));
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qj, av), _mm256_shuffle_epi8(halves[n], ld_mask(sels, j)));
                         isum[j % 2] = _mm256_add_epi32(isum[j % 2], p);
                     }
                 }
