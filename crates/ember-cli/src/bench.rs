@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use ember_cpu::{CpuOps, Precision};
-use ember_model::{Forward, Logits, Model, SeqState, TensorGroup};
+use ember_engine::{Logits, ModelBackend};
+use ember_model::{Model, SeqState, TensorGroup};
 use ember_ops::KvType;
 use ember_synth::rng::Rng;
 use serde_json::json;
@@ -155,6 +156,8 @@ pub fn main(a: Args) -> Result<()> {
     let bpt = bytes_per_token(&model);
     let cpu = cpu_name();
     let filename = a.model.display().to_string();
+    // The engine's forward path (ModelBackend::forward), one sequence at a time.
+    let mut backend = ModelBackend::new(model, ops, a.kv_type)?;
 
     let mut rows = Vec::new();
     for &d in &a.n_depth {
@@ -171,19 +174,19 @@ pub fn main(a: Args) -> Result<()> {
             let t0 = Instant::now();
             let toks = src.take(d);
             for chunk in toks.chunks(a.ubatch.max(1)) {
-                model.forward(&ops, chunk, &mut base, Forward { logits: Some(Logits::None), ..Default::default() })?;
+                backend.run(&mut base, chunk, Logits::None)?;
             }
             eprintln!("depth {d}: filled in {:.1} s", t0.elapsed().as_secs_f64());
         }
         for (p, g) in tests {
             let name = test_name(p, g, d);
-            let run = |toks: &[u32], st: &mut SeqState| -> Result<f64> {
+            let mut run = |toks: &[u32], st: &mut SeqState| -> Result<f64> {
                 let t0 = Instant::now();
                 if p > 0 {
-                    model.forward(&ops, toks, st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
+                    backend.run(st, toks, Logits::Last)?;
                 } else {
                     for t in toks {
-                        model.forward(&ops, &[*t], st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
+                        backend.run(st, &[*t], Logits::Last)?;
                     }
                 }
                 Ok(t0.elapsed().as_nanos() as f64)

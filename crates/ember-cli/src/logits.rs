@@ -3,7 +3,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use ember_cpu::{CpuOps, Precision};
-use ember_model::{Forward, Logits, SeqState};
+use ember_engine::{Logits, ModelBackend};
+use ember_model::SeqState;
 use ember_ops::KvType;
 
 use crate::load;
@@ -47,17 +48,18 @@ pub fn main(a: Args) -> Result<()> {
         bail!("--prefill {prefill} is larger than the {} tokens given", ids.len());
     }
     let (precision, default_kv) = if a.exact { (Precision::Exact, KvType::F32) } else { (Precision::Fast, KvType::F16) };
-    let ops = CpuOps::new(precision, a.threads);
-    let mut st = SeqState::new(&model.config, ids.len(), a.kv_type.unwrap_or(default_kv))?;
+    let kv_type = a.kv_type.unwrap_or(default_kv);
+    let mut st = SeqState::new(&model.config, ids.len(), kv_type)?;
     let n_vocab = model.config.n_vocab;
+    // The engine's forward path (ModelBackend::forward).
+    let mut backend = ModelBackend::new(model, CpuOps::new(precision, a.threads), kv_type)?;
     let mut logits = Vec::with_capacity(ids.len() * n_vocab);
     if prefill > 0 {
-        let l = model.forward(&ops, &ids[..prefill], &mut st, Forward { logits: Some(Logits::All), ..Default::default() })?;
-        logits.extend_from_slice(&l.data);
+        logits.extend_from_slice(&backend.run(&mut st, &ids[..prefill], Logits::All)?);
     }
     for &id in &ids[prefill..] {
-        let l = model.forward(&ops, &[id], &mut st, Forward { logits: Some(Logits::All), ..Default::default() })?;
-        logits.extend_from_slice(&l.data);
+        let l = backend.run(&mut st, &[id], Logits::All)?;
+        logits.extend_from_slice(&l);
     }
     write_safetensors(&a.output, "logits", &[ids.len(), n_vocab], &logits).with_context(|| format!("writing {}", a.output.display()))?;
     eprintln!("wrote {} x {} logits to {}", ids.len(), n_vocab, a.output.display());
@@ -69,7 +71,7 @@ pub fn main(a: Args) -> Result<()> {
 fn write_safetensors(path: &std::path::Path, name: &str, shape: &[usize], data: &[f32]) -> Result<()> {
     let n_bytes = data.len() * 4;
     let mut header = serde_json::json!({ name: { "dtype": "F32", "shape": shape, "data_offsets": [0, n_bytes] } }).to_string();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);

@@ -4,8 +4,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use ember_cpu::{CpuOps, Precision};
-use ember_engine::{Sampler, SamplerConfig};
-use ember_model::{Forward, Logits, SeqState};
+use ember_engine::{EngineConfig, Event, EventSink, FinishReason, GenRequest, ModelBackend, Sampler, SamplerConfig};
 use ember_ops::KvType;
 use ember_tokenizer::StreamDecoder;
 
@@ -79,9 +78,9 @@ pub fn main(a: Args) -> Result<()> {
         bail!("the prompt has {} tokens, more than the context size {n_ctx}", ids.len());
     }
     let ops = CpuOps::new(Precision::Fast, a.threads);
-    let mut st = SeqState::new(&model.config, n_ctx, a.kv_type)?;
+    let n_threads = ops.n_threads();
     let seed = a.seed;
-    let cfg = SamplerConfig {
+    let sampler = SamplerConfig {
         temperature: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
@@ -90,52 +89,73 @@ pub fn main(a: Args) -> Result<()> {
         seed,
         ..Default::default()
     };
-    let mut sampler = Sampler::new(cfg).context("sampling parameters")?;
-    eprintln!(
-        "loaded in {:.2} s, {} threads, prompt {} tokens, context {n_ctx}",
-        t_load.elapsed().as_secs_f64(),
-        ops.n_threads(),
-        ids.len()
-    );
+    Sampler::new(sampler.clone()).context("sampling parameters")?;
+    let eog = tok.eog_ids().to_vec();
+    // The same engine as `ember serve`, with one slot: one driver of the model everywhere.
+    let backend = ModelBackend::new(model, ops, a.kv_type)?;
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: n_ctx + 1, n_batch: 512, cache_bytes: 0, checkpoint_every: 0 };
+    let (engine, thread) = ember_engine::start(backend, cfg).context("starting the engine")?;
+    eprintln!("loaded in {:.2} s, {n_threads} threads, prompt {} tokens, context {n_ctx}", t_load.elapsed().as_secs_f64(), ids.len());
 
-    let mut out = std::io::stdout().lock();
-    let mut history = ids.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let req = GenRequest { prompt: ids.clone(), sampler, max_tokens: a.n_predict, eog, n_logprobs: None, checkpoints: Vec::new() };
     let t_prompt = Instant::now();
-    let mut logits = model.forward(&ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
-    let s_prompt = t_prompt.elapsed().as_secs_f64();
+    engine.submit(req, Box::new(Sink(tx))).context("submitting the prompt")?;
+    drop(engine); // the engine thread ends once this request is done
+    let mut out = std::io::stdout().lock();
     let mut dec = StreamDecoder::new(false);
-    let t_gen = Instant::now();
-    let mut n_gen = 0;
-    let mut stop = "length";
-    while n_gen < a.n_predict {
-        let id = sampler.sample(&logits.data, &history);
-        n_gen += 1;
-        if tok.is_eog(id) {
-            stop = "end of generation token";
-            break;
+    let (mut s_prompt, mut t_first) = (None, None);
+    let (mut n_gen, mut stop) = (0, "length");
+    for ev in rx {
+        match ev {
+            Event::Started { .. } => {}
+            Event::Token { id, .. } => {
+                if s_prompt.is_none() {
+                    s_prompt = Some(t_prompt.elapsed().as_secs_f64());
+                    t_first = Some(Instant::now());
+                }
+                n_gen += 1;
+                out.write_all(dec.push(&tok, id).as_bytes())?;
+                out.flush()?;
+            }
+            Event::Finished { reason, n_generated, .. } => {
+                n_gen = n_generated;
+                stop = match reason {
+                    FinishReason::Eog => "end of generation token",
+                    FinishReason::MaxTokens => "length",
+                    FinishReason::ContextFull => "context full",
+                };
+                break;
+            }
+            Event::Failed(e) => bail!("generation failed: {e}"),
         }
-        out.write_all(dec.push(&tok, id).as_bytes())?;
-        out.flush()?;
-        history.push(id);
-        if n_gen == a.n_predict {
-            break;
-        }
-        if st.n_past + 1 > n_ctx {
-            stop = "context full";
-            break;
-        }
-        logits = model.forward(&ops, &[id], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() })?;
     }
     out.write_all(dec.finish().as_bytes())?;
     writeln!(out)?;
-    let s_gen = t_gen.elapsed().as_secs_f64();
+    let s_prompt = s_prompt.unwrap_or_else(|| t_prompt.elapsed().as_secs_f64());
+    // The first token came with the prompt; generation speed is over the ones after it.
+    let s_gen = t_first.map_or(0.0, |t| t.elapsed().as_secs_f64());
     eprintln!(
         "prompt: {} tokens in {:.2} s ({:.1} tokens/s) | generation: {n_gen} tokens in {:.2} s ({:.1} tokens/s) | stop: {stop}",
         ids.len(),
         s_prompt,
         ids.len() as f64 / s_prompt,
         s_gen,
-        n_gen as f64 / s_gen.max(1e-9)
+        n_gen.saturating_sub(1) as f64 / s_gen.max(1e-9)
     );
+    thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     Ok(())
+}
+
+/// Engine events into a channel.
+struct Sink(std::sync::mpsc::Sender<Event>);
+
+impl EventSink for Sink {
+    fn send(&mut self, ev: Event) -> bool {
+        self.0.send(ev).is_ok()
+    }
+
+    fn is_closed(&self) -> bool {
+        false
+    }
 }

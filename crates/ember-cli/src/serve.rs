@@ -35,8 +35,9 @@ pub struct Args {
     /// Requests that may wait for a free sequence; beyond that, 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     queue: usize,
-    /// Most prompt tokens of one sequence per forward pass.
-    #[arg(long, default_value_t = 512)]
+    /// Tokens per forward pass, all sequences together (llama-server's -b): decoding sequences
+    /// get their token first, prompts share the rest, a long prompt goes in chunks.
+    #[arg(short = 'b', long, default_value_t = 512)]
     batch: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "EMBER_API_KEY", hide_env_values = true)]
@@ -125,7 +126,7 @@ pub fn main(a: Args) -> Result<()> {
             let precision = if a.batch_invariant { Precision::BatchInvariant } else { Precision::Fast };
             let ops = CpuOps::new(precision, a.threads);
             tracing::info!("{} threads, {} sequences of {n_ctx} tokens, queue {}", ops.n_threads(), a.parallel, a.queue);
-            ember_engine::start(ModelBackend { model, ops, kv_type: a.kv_type }, cfg)
+            ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }
     }
     .context("starting the engine")?

@@ -644,3 +644,40 @@ fn multi_turn_chat_reuses_the_conversation() {
     assert!(metric(&m, "ember_prompt_cache_tokens_total") > 0.0);
     assert!(metric(&m, "ember_prompt_cache_bytes") > 0.0);
 }
+
+/// Issue 14: the prompt cache of a growing chat costs its new state, not a copy of the whole
+/// prefix per checkpoint. Twelve turns through the server; after each, the cache's bytes (from
+/// /metrics) per context token. Snapshots share KV pages, so turn 12 stays within 1.5x of turn 1
+/// (before pages were shared: 3.9 -> 27.7 KiB per token, 7x). Every follow-up reuses the
+/// conversation from the cache.
+#[test]
+fn r14_chat_cache_bytes_per_token_stay_flat() {
+    let s = Server::start(&["--cache-ram", "256"]);
+    let mut messages = vec![json!({"role": "system", "content": "You are a terse assistant."})];
+    let mut per_token = Vec::new();
+    for turn in 0..12 {
+        messages.push(
+            json!({"role": "user", "content": format!("Question {turn}: tell me about the number {} and why it matters.", turn * 7 + 3)}),
+        );
+        let (st, v) = s.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": 24, "temperature": 0, "seed": 1}));
+        assert_eq!(st, 200, "{v}");
+        let usage = &v["usage"];
+        let ctx = usage["prompt_tokens"].as_f64().unwrap() + usage["completion_tokens"].as_f64().unwrap();
+        if turn > 0 {
+            assert!(usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "turn {turn} reused nothing: {usage}");
+        }
+        let m = s.get("/metrics").1;
+        let bytes = metric(&m, "ember_prompt_cache_bytes");
+        eprintln!(
+            "turn {turn}: context {ctx}, cached {}, entries {}, bytes {bytes}",
+            usage["prompt_tokens_details"]["cached_tokens"],
+            metric(&m, "ember_prompt_cache_entries")
+        );
+        per_token.push(bytes / ctx);
+        let reply = v["choices"][0]["message"]["content"].as_str().unwrap_or("").to_string();
+        messages.push(json!({"role": "assistant", "content": reply}));
+    }
+    let kib: Vec<String> = per_token.iter().map(|b| format!("{:.1}", b / 1024.0)).collect();
+    eprintln!("prompt cache KiB per context token, turns 1..12: {}", kib.join(" "));
+    assert!(per_token[11] <= 1.5 * per_token[0], "cache bytes per token grew {:.2}x: {kib:?}", per_token[11] / per_token[0]);
+}

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ember_cpu::{CpuOps, Precision};
 use ember_gguf::GgmlType;
-use ember_ops::{Device, Mat, Ops, WeightView};
+use ember_ops::{Mat, Ops, WeightView};
 
 mod common;
 use common::{lcg, random_weights};
@@ -61,19 +61,19 @@ fn main() {
             continue;
         }
         let data = random_weights(ty, k, rows, &mut seed);
-        let w = WeightView { ty, k, n_rows: rows, data: &data, device: Device::Host };
+        let w = WeightView { ty, k, n_rows: rows, data: &data };
         let x = Mat::from_vec(n, k, (0..n * k).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect());
         let bytes = data.len() as f64;
         let flops = 2.0 * (n * k * rows) as f64;
         // Repeat until ~0.3 s of work (at least 5 calls), then median.
         let t0 = Instant::now();
-        std::hint::black_box(ops.matmul(&w, &x));
+        std::hint::black_box(ops.matmul_view(&w, &x));
         let once = t0.elapsed().as_secs_f64();
         let reps = ((0.3 / once) as usize).clamp(5, 2000);
         let mut ts = Vec::with_capacity(reps);
         for _ in 0..reps {
             let t = Instant::now();
-            std::hint::black_box(ops.matmul(&w, &x));
+            std::hint::black_box(ops.matmul_view(&w, &x));
             ts.push(t.elapsed().as_secs_f64());
         }
         let m = median(ts);
@@ -130,8 +130,8 @@ fn main() {
         for _ in 0..5 {
             let t = Instant::now();
             for data in &ws {
-                let w = WeightView { ty, k, n_rows: rows, data, device: Device::Host };
-                std::hint::black_box(ops.matmul(&w, &x));
+                let w = WeightView { ty, k, n_rows: rows, data };
+                std::hint::black_box(ops.matmul_view(&w, &x));
             }
             ts.push(t.elapsed().as_secs_f64());
         }
@@ -152,8 +152,8 @@ fn main() {
         for _ in 0..7 {
             let t = Instant::now();
             for i in 0..1000 {
-                let w = WeightView { ty: GgmlType::Q4K, k: 2048, n_rows: 512, data: &ws[i % 40], device: Device::Host };
-                std::hint::black_box(ops.matmul(&w, &x));
+                let w = WeightView { ty: GgmlType::Q4K, k: 2048, n_rows: 512, data: &ws[i % 40] };
+                std::hint::black_box(ops.matmul_view(&w, &x));
                 let s = Instant::now();
                 while s.elapsed().as_nanos() < 2000 {
                     std::hint::spin_loop();

@@ -10,11 +10,15 @@ use std::time::Instant;
 use ember_cpu::{CpuOps, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{Forward, Logits, Model, SeqState};
-use ember_ops::{KvType, Ops};
+use ember_ops::{
+    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, KvType, LayerIdx, Mat, OpResult, Ops, Routing,
+    WeightId, WeightSet,
+};
 
 /// Wraps the backend and adds up the time of each op (`EMBER_PROFILE=1`).
 struct Timed {
     inner: CpuOps,
+    weights: Option<Arc<WeightSet>>,
     times: std::sync::Mutex<std::collections::BTreeMap<String, (f64, usize)>>,
 }
 
@@ -42,52 +46,71 @@ impl Timed {
     }
 }
 
+impl Timed {
+    /// "Q4_K 512x2048" for a registered weight.
+    fn desc(&self, w: WeightId) -> String {
+        self.weights.as_ref().and_then(|s| s.info(w)).map_or_else(|| format!("w{}", w.0), |i| format!("{} {}x{}", i.ty, i.n_rows, i.k))
+    }
+}
+
 impl Ops for Timed {
     fn name(&self) -> &'static str {
         "timed"
     }
-    fn matmul(&self, w: &ember_ops::WeightView, x: &ember_ops::Mat) -> ember_ops::Mat {
-        self.time(|| format!("matmul {} {}x{} n={}", w.ty, w.n_rows, w.k, x.n.min(2)), || self.inner.matmul(w, x))
+    fn device(&self) -> DeviceId {
+        self.inner.device()
     }
-    fn matmul_many(&self, ws: &[ember_ops::WeightView], x: &ember_ops::Mat) -> Vec<ember_ops::Mat> {
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        self.weights = Some(weights.clone());
+        self.inner.register(weights)
+    }
+    fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat> {
+        self.time(|| format!("matmul {} n={}", self.desc(w), x.n.min(2)), || self.inner.matmul(w, x))
+    }
+    fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>> {
         self.time(
-            || format!("matmul_many {} rows {} n={}", ws.len(), ws.iter().map(|w| w.n_rows).sum::<usize>(), x.n.min(2)),
+            || format!("matmul_many {} [{}] n={}", ws.len(), ws.iter().map(|&w| self.desc(w)).collect::<Vec<_>>().join(", "), x.n.min(2)),
             || self.inner.matmul_many(ws, x),
         )
     }
-    fn gate(&self, y: &mut ember_ops::Mat, g: &ember_ops::Mat, act: ember_ops::Gate) {
+    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()> {
         self.time(|| format!("gate {act:?}"), || self.inner.gate(y, g, act))
     }
-    fn moe(&self, slots: &[ember_ops::MoeSlot], x: &ember_ops::Mat) -> ember_ops::Mat {
-        self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(slots, x))
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+        self.time(|| "route".into(), || self.inner.route(logits, k))
     }
-    fn get_rows(&self, w: &ember_ops::WeightView, ids: &[u32]) -> ember_ops::Mat {
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+        self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(layer, x, routing, shared_gate))
+    }
+    fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
         self.time(|| "get_rows".into(), || self.inner.get_rows(w, ids))
     }
-    fn rms_norm(&self, x: &ember_ops::Mat, weight: &[f32], eps: f32) -> ember_ops::Mat {
-        self.time(|| "rms_norm".into(), || self.inner.rms_norm(x, weight, eps))
+    fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat> {
+        self.time(|| "rms_norm".into(), || self.inner.rms_norm(x, w, eps))
     }
-    fn rope(&self, x: &mut ember_ops::Mat, head_dim: usize, n_rot: usize, pos0: usize, base: f32) {
-        self.time(|| "rope".into(), || self.inner.rope(x, head_dim, n_rot, pos0, base))
+    fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
+        self.time(|| "add".into(), || self.inner.add(h, x))
     }
-    fn conv1d_silu(&self, x: &ember_ops::Mat, w: &[f32], state: &mut [f32]) -> ember_ops::Mat {
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+        self.time(|| "attn_prep".into(), || self.inner.attn_prep(s, qg, k, pos))
+    }
+    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
+        self.time(|| "kv_append".into(), || self.inner.kv_append(cache, rows))
+    }
+    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
+        self.time(|| "attention".into(), || self.inner.attention(s, q, k, v))
+    }
+    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
         self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(x, w, state))
     }
-    fn gated_delta_rule(
-        &self,
-        s: ember_ops::DeltaShape,
-        q: &ember_ops::Mat,
-        k: &ember_ops::Mat,
-        v: &ember_ops::Mat,
-        g: &ember_ops::Mat,
-        beta: &ember_ops::Mat,
-        state: &mut [f32],
-        chunked: bool,
-    ) -> ember_ops::Mat {
-        self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(s, q, k, v, g, beta, state, chunked))
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+        self.time(|| "delta_prep".into(), || self.inner.delta_prep(s, cu, b, alpha))
     }
-    fn attention(&self, s: ember_ops::AttnShape, q: &ember_ops::Mat, k: &ember_ops::KvRows, v: &ember_ops::KvRows) -> ember_ops::Mat {
-        self.time(|| "attention".into(), || self.inner.attention(s, q, k, v))
+    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
+        self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(s, x, state, chunked))
+    }
+    fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
+        self.time(|| "select_rows".into(), || self.inner.select_rows(x, rows))
     }
 }
 
@@ -113,7 +136,8 @@ fn main() {
     }
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let model = Model::load(file, |_, _| {}).unwrap();
-    let ops = Timed { inner: CpuOps::new(Precision::Fast, threads), times: Default::default() };
+    let mut ops = Timed { inner: CpuOps::new(Precision::Fast, threads), weights: None, times: Default::default() };
+    ops.register(model.weights().clone()).unwrap();
     let profile = std::env::var("EMBER_PROFILE").is_ok();
     println!("{path}: {} threads, isa {:?}", ops.inner.n_threads(), ops.inner.isa());
     let n_vocab = model.config.n_vocab as u64;

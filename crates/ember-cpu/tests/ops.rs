@@ -3,7 +3,7 @@
 //! the column-block delta rule from 2, the transposed-tap conv from 8).
 
 use ember_cpu::{CpuOps, Precision};
-use ember_ops::{DeltaShape, Gate, Mat, Ops, reference};
+use ember_ops::{DeltaShape, Gate, Mat, reference};
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -31,7 +31,7 @@ fn conv1d_silu_matches_reference() {
     let mut st_ref = st_fast.clone();
     for n in [1, 2, 5, 1, 9, 40, 3, 1] {
         let x = random_mat(n, c, &mut seed);
-        let got = ops.conv1d_silu(&x, &w, &mut st_fast);
+        let got = ops.conv1d_silu_vec(&x, &w, &mut st_fast);
         let want = reference::conv1d_silu(&x, &w, &mut st_ref);
         eprintln!("conv1d n={n}: max rel {:.1e}", max_rel(&got.data, &want.data));
         assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n}: {}", max_rel(&got.data, &want.data));
@@ -52,7 +52,7 @@ fn gate_matches_reference() {
             let mut g = random_mat(n, d, &mut seed);
             g.data.iter_mut().for_each(|v| *v *= 40.0);
             let (mut got, mut want) = (y.clone(), y);
-            ops.gate(&mut got, &g, act);
+            ops.gate_mat(&mut got, &g, act);
             reference::gate(&mut want, &g, act);
             let err = max_rel(&got.data, &want.data);
             eprintln!("gate {act:?} {n}x{d}: max rel {err:.1e}");
@@ -71,7 +71,7 @@ fn rms_norm_matches_reference() {
     for (n, d, g) in [(1, 1024, 1024), (40, 1024, 1024), (37, 512, 128), (3, 96, 32)] {
         let x = random_mat(n, d, &mut seed);
         let w: Vec<f32> = (0..g).map(|_| lcg(&mut seed)).collect();
-        let got = ops.rms_norm(&x, &w, 1e-6);
+        let got = ops.rms_norm_vec(&x, &w, 1e-6);
         let want = reference::rms_norm(&x, &w, 1e-6);
         let err = max_rel(&got.data, &want.data);
         eprintln!("rms_norm {n}x{d} groups of {g}: max rel {err:.1e}");
@@ -104,7 +104,7 @@ fn gated_delta_rule_matches_reference() {
         let v = random_mat(n, n_v_head * dv, &mut seed);
         let g = Mat::from_vec(n, n_v_head, (0..n * n_v_head).map(|_| -0.3 * (lcg(&mut seed) + 1.0)).collect());
         let beta = Mat::from_vec(n, n_v_head, (0..n * n_v_head).map(|_| 0.5 * (lcg(&mut seed) + 1.0)).collect());
-        let got = ops.gated_delta_rule(s, &q, &k, &v, &g, &beta, &mut st_fast, false);
+        let got = ops.delta_rule_mats(s, &q, &k, &v, &g, &beta, &mut st_fast, false);
         let want = reference::delta_rule_recurrent(s, &q, &k, &v, &g, &beta, &mut st_ref);
         eprintln!("delta n={n}: out {:.1e} state {:.1e}", max_rel(&got.data, &want.data), max_rel(&st_fast, &st_ref));
         assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n}: out {}", max_rel(&got.data, &want.data));
@@ -130,7 +130,7 @@ fn attention_matches_reference() {
         vc.push(&random_mat(n, n_head_kv * hd, &mut seed)).unwrap();
         let q = random_mat(n, n_head * hd, &mut seed);
         let s = AttnShape { n_tok: n, n_head, n_head_kv, head_dim: hd, pos0: pos, scale: 1.0 / (hd as f32).sqrt() };
-        let got = ops.attention(s, &q, &kc, &vc);
+        let got = ops.attention_rows(s, &q, &kc, &vc);
         let want = reference::attention(s, &q, &kc, &vc);
         eprintln!("attention n={n} pos0={pos}: max rel {:.1e}", max_rel(&got.data, &want.data));
         assert!(max_rel(&got.data, &want.data) < 1e-5, "n={n} pos0={pos}: {}", max_rel(&got.data, &want.data));

@@ -21,9 +21,12 @@ use crate::{Error, Sampler, SamplerConfig};
 pub struct Step<'a, S> {
     pub tokens: &'a [u32],
     pub state: &'a mut S,
-    /// Logits of the last token wanted (false for a prompt chunk that is not the last).
-    pub want_logits: bool,
+    /// Which logit rows to return: the last token's (a decode step, the end of a prompt), none
+    /// (a prompt chunk that is not the last), or every token's (`ember logits`).
+    pub logits: Logits,
 }
+
+pub use ember_model::Logits;
 
 /// What the engine runs. Implemented over `ember_model::Model` by [`ModelBackend`]; tests can
 /// script one.
@@ -35,8 +38,8 @@ pub trait Backend: Send + 'static {
     fn n_vocab(&self) -> usize;
     /// A fresh sequence state able to hold `n_ctx` tokens.
     fn new_state(&self, n_ctx: usize) -> Result<Self::State, Error>;
-    /// One forward pass over several sequences. Returns, in order, the last-token logits of
-    /// every item with `want_logits` (and `None` for the others).
+    /// One forward pass over several sequences. Returns, in order, the logit rows each item
+    /// asked for (`[rows · n_vocab]`), `None` for the items that asked for none.
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error>;
     /// Copies a sequence's state.
     fn snapshot(&self, state: &Self::State) -> Self::Snapshot;
@@ -46,15 +49,45 @@ pub trait Backend: Send + 'static {
 
 impl Checkpoint for ember_model::StateSnapshot {
     fn bytes(&self) -> usize {
-        ember_model::StateSnapshot::bytes(self)
+        self.own_bytes()
+    }
+
+    fn shared(&self) -> Vec<(usize, usize)> {
+        self.kv_pages()
     }
 }
 
 /// [`Backend`] over the qwen35moe model and an op set.
 pub struct ModelBackend<O> {
-    pub model: ember_model::Model,
-    pub ops: O,
-    pub kv_type: ember_ops::KvType,
+    model: ember_model::Model,
+    ops: O,
+    kv_type: ember_ops::KvType,
+}
+
+impl<O: ember_ops::Ops> ModelBackend<O> {
+    /// Registers the model's weights with `ops`.
+    pub fn new(model: ember_model::Model, mut ops: O, kv_type: ember_ops::KvType) -> Result<Self, Error> {
+        ops.register(model.weights().clone()).map_err(|e| Error::Backend(e.to_string()))?;
+        Ok(ModelBackend { model, ops, kv_type })
+    }
+
+    pub fn model(&self) -> &ember_model::Model {
+        &self.model
+    }
+
+    pub fn ops(&self) -> &O {
+        &self.ops
+    }
+
+    /// One sequence's forward pass through [`Backend::forward`] (the path the engine takes):
+    /// the logit rows asked for, `[rows · n_vocab]`.
+    pub fn run(&mut self, state: &mut ember_model::SeqState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, Error>
+    where
+        O: 'static,
+    {
+        let mut items = [Step { tokens, state, logits }];
+        Ok(self.forward(&mut items)?.pop().flatten().unwrap_or_default())
+    }
 }
 
 impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
@@ -80,17 +113,14 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     }
 
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
-        use ember_model::{DeltaMode, Logits, SeqBatch};
-        let mut seqs: Vec<SeqBatch> = items
-            .iter_mut()
-            .map(|it| SeqBatch {
-                tokens: it.tokens,
-                state: &mut *it.state,
-                logits: if it.want_logits { Logits::Last } else { Logits::None },
-            })
-            .collect();
-        let out = self.model.forward_batch(&self.ops, &mut seqs, DeltaMode::Auto, None).map_err(|e| Error::Backend(e.to_string()))?;
-        Ok(out.into_iter().zip(items.iter()).map(|(m, it)| it.want_logits.then_some(m.data)).collect())
+        use ember_model::{DeltaMode, SeqBatch};
+        let mut seqs: Vec<SeqBatch> =
+            items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
+        let out = self.model.forward_batch(&self.ops, &mut seqs, DeltaMode::Auto, None).map_err(|e| match e {
+            ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
+            e => Error::Backend(e.to_string()),
+        })?;
+        Ok(out.into_iter().zip(items.iter()).map(|(m, it)| (it.logits != Logits::None).then_some(m.data)).collect())
     }
 }
 
@@ -103,8 +133,9 @@ pub struct EngineConfig {
     pub n_queue: usize,
     /// Context size of every sequence (prompt + generated tokens).
     pub n_ctx: usize,
-    /// Most prompt tokens of one sequence per step: bounds how long a new prompt stalls the
-    /// decode steps of the others.
+    /// Tokens per step, all sequences together (llama-server's `-b`): every decoding sequence
+    /// gets its token first, then prompts fill what is left in arrival order, so a long
+    /// prompt is split over steps instead of stalling the decoders.
     pub n_batch: usize,
     /// RAM budget of the prompt cache in bytes (0: no cache).
     pub cache_bytes: usize,
@@ -310,13 +341,15 @@ impl<S> Seq<S> {
     /// recomputes from the last token, whose logits it needs anyway).
     fn is_checkpoint(&self, pos: usize, every: usize) -> bool {
         let n_prompt = self.job.req.prompt.len();
-        pos > 0 && pos < n_prompt && (pos == n_prompt - 1 || (every > 0 && pos % every == 0) || self.job.req.checkpoints.contains(&pos))
+        pos > 0
+            && pos < n_prompt
+            && (pos == n_prompt - 1 || (every > 0 && pos.is_multiple_of(every)) || self.job.req.checkpoints.contains(&pos))
     }
 
     /// Where the current prompt chunk must end so that the next checkpoint is hit exactly.
     fn next_checkpoint(&self, every: usize) -> usize {
         let n_prompt = self.job.req.prompt.len();
-        let periodic = if every > 0 { (self.n_fed / every + 1) * every } else { n_prompt };
+        let periodic = self.n_fed.checked_div(every).map_or(n_prompt, |k| (k + 1) * every);
         let asked = self.job.req.checkpoints.iter().copied().filter(|&p| p > self.n_fed).min().unwrap_or(n_prompt);
         let last = if self.n_fed < n_prompt - 1 { n_prompt - 1 } else { n_prompt };
         periodic.min(asked).min(last).min(n_prompt)
@@ -427,10 +460,13 @@ impl<B: Backend> Scheduler<B> {
         if self.active.is_empty() {
             return;
         }
-        let n_batch = self.cfg.n_batch;
         let caching = self.cache.is_some();
         let every = if caching { self.cfg.checkpoint_every } else { 0 };
-        // Which tokens each sequence feeds this step; prompt chunks end at checkpoint positions.
+        // Which tokens each sequence feeds this step: (start, end, wants logits). Decoders take
+        // one token each; prompt chunks share what is left of the budget, first come first
+        // served, and end at checkpoint positions. A prompt left without budget waits (a, a).
+        let n_decoding = self.active.iter().filter(|s| s.n_fed >= s.job.req.prompt.len()).count();
+        let mut left = self.cfg.n_batch.saturating_sub(n_decoding);
         let spans: Vec<(usize, usize, bool)> = self
             .active
             .iter()
@@ -438,7 +474,8 @@ impl<B: Backend> Scheduler<B> {
                 let n_prompt = s.job.req.prompt.len();
                 if s.n_fed < n_prompt {
                     let cut = if caching { s.next_checkpoint(every) } else { n_prompt };
-                    let end = (s.n_fed + n_batch).min(cut);
+                    let end = (s.n_fed + left).min(cut);
+                    left -= end - s.n_fed;
                     (s.n_fed, end, end == n_prompt)
                 } else {
                     // Decoding: feed the last sampled token.
@@ -448,26 +485,54 @@ impl<B: Backend> Scheduler<B> {
             .collect();
         let n_prompt_tokens: usize =
             self.active.iter().zip(&spans).filter(|(s, _)| s.n_fed < s.job.req.prompt.len()).map(|(_, sp)| sp.1 - sp.0).sum();
-        let result = {
-            let mut items: Vec<Step<B::State>> = self
-                .active
-                .iter_mut()
-                .zip(&spans)
-                .map(|(s, &(a, b, want))| Step { tokens: &s.history[a..b], state: &mut s.state, want_logits: want })
-                .collect();
-            self.backend.forward(&mut items)
+        // Run the step; a sequence the backend rejects before running anything fails alone and
+        // the step runs again without it.
+        let mut failed = vec![false; self.active.len()];
+        let result = loop {
+            let order: Vec<usize> = (0..self.active.len()).filter(|&i| !failed[i] && spans[i].1 > spans[i].0).collect();
+            if order.is_empty() {
+                break Ok(Vec::new());
+            }
+            let mut items: Vec<Step<B::State>> = Vec::with_capacity(order.len());
+            let mut pos = 0;
+            for (i, s) in self.active.iter_mut().enumerate() {
+                if order.get(pos) == Some(&i) {
+                    let (a, b, want) = spans[i];
+                    items.push(Step {
+                        tokens: &s.history[a..b],
+                        state: &mut s.state,
+                        logits: if want { Logits::Last } else { Logits::None },
+                    });
+                    pos += 1;
+                }
+            }
+            match self.backend.forward(&mut items) {
+                Ok(rows) => break Ok(order.into_iter().zip(rows).collect::<Vec<_>>()),
+                Err(Error::Sequence { index, msg }) if index < order.len() => {
+                    let i = order[index];
+                    failed[i] = true;
+                    self.active[i].job.sink.send(Event::Failed(msg));
+                }
+                Err(e) => break Err(e),
+            }
         };
         self.stats.n_steps.fetch_add(1, Ordering::Relaxed);
         self.stats.tokens_prompt.fetch_add(n_prompt_tokens as u64, Ordering::Relaxed);
-        let logits = match result {
-            Ok(l) => l,
+        let mut logits: Vec<Option<Option<Vec<f32>>>> = vec![None; self.active.len()];
+        match result {
+            Ok(rows) => {
+                for (i, row) in rows {
+                    logits[i] = Some(row);
+                }
+            }
             Err(e) => {
+                // An op failed mid-pass: every sequence of the step may hold a half-advanced state.
                 for mut s in self.active.drain(..) {
                     s.job.sink.send(Event::Failed(e.to_string()));
                 }
                 return;
             }
-        };
+        }
         let n_ctx = self.cfg.n_ctx;
         let mut done = vec![false; self.active.len()];
         let mut to_checkpoint = Vec::new();
@@ -475,6 +540,12 @@ impl<B: Backend> Scheduler<B> {
         // is freed, so a client that sees the end also sees the cache and slot counts updated.
         let mut finished: Vec<(usize, Event)> = Vec::new();
         for (i, ((s, row), &(a, b, _))) in self.active.iter_mut().zip(logits).zip(&spans).enumerate() {
+            if failed[i] {
+                done[i] = true;
+                continue;
+            }
+            // Not in this step (a prompt waiting for budget).
+            let Some(row) = row else { continue };
             let n_prompt = s.job.req.prompt.len();
             s.n_done += b - a;
             if s.n_fed < n_prompt {
@@ -610,6 +681,10 @@ impl Checkpoint for ScriptSnapshot {
     fn bytes(&self) -> usize {
         std::mem::size_of::<Self>()
     }
+
+    fn shared(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
 }
 
 impl Backend for ScriptBackend {
@@ -640,17 +715,19 @@ impl Backend for ScriptBackend {
                 return Err(Error::Backend(format!("context full: {} + {} > {}", st.n_past, it.tokens.len(), st.n_ctx)));
             }
             st.n_past += it.tokens.len();
-            if !it.want_logits {
+            if it.logits == Logits::None {
                 out.push(None);
                 continue;
             }
             let id = self.script.get(st.n_sampled).copied().unwrap_or(self.eog);
             st.n_sampled += 1;
-            let mut row = vec![0.0f32; self.n_vocab];
-            if let Some(x) = row.get_mut(id as usize) {
+            // Every row but the last is flat (only `ember logits` asks for them).
+            let n_rows = if it.logits == Logits::All { it.tokens.len() } else { 1 };
+            let mut rows = vec![0.0f32; n_rows * self.n_vocab];
+            if let Some(x) = rows.get_mut((n_rows - 1) * self.n_vocab + id as usize) {
                 *x = 50.0;
             }
-            out.push(Some(row));
+            out.push(Some(rows));
         }
         Ok(out)
     }

@@ -14,8 +14,8 @@ pub mod prefix_cache;
 pub mod sampler;
 
 pub use engine::{
-    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, ModelBackend, ScriptBackend, Step,
-    TokenLogprobs, start,
+    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, ModelBackend, ScriptBackend,
+    Step, TokenLogprobs, start,
 };
 pub use sampler::{Sampler, SamplerConfig};
 
@@ -41,4 +41,8 @@ pub enum Error {
     /// The model or its ops failed.
     #[error("backend: {0}")]
     Backend(String),
+    /// Item `index` of a forward call was rejected before anything ran (its state is
+    /// untouched): only that sequence fails.
+    #[error("sequence {index}: {msg}")]
+    Sequence { index: usize, msg: String },
 }

@@ -10,9 +10,16 @@ use std::collections::HashMap;
 
 /// What the cache needs to know about a checkpoint.
 pub trait Checkpoint {
-    /// Bytes it holds (for the budget).
+    /// Bytes it holds alone (for the budget).
     fn bytes(&self) -> usize;
+    /// Blocks it may share with other checkpoints (KV pages): `(id, bytes)`, where equal ids
+    /// are the same block. The budget counts each block once, however many entries hold it,
+    /// so checkpoints of one growing conversation cost their own state plus the new pages.
+    fn shared(&self) -> Vec<(usize, usize)>;
 }
+
+/// Checkpoints on the path to a new one that [`PrefixCache::insert`] always keeps.
+pub const RECENT: usize = 3;
 
 /// Counters for /metrics and logs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -21,6 +28,8 @@ pub struct CacheStats {
     pub misses: u64,
     pub insertions: u64,
     pub evictions: u64,
+    /// Checkpoints dropped to thin a conversation's path (see [`PrefixCache::insert`]).
+    pub thinned: u64,
     pub entries: usize,
     pub bytes: usize,
 }
@@ -41,12 +50,21 @@ pub struct PrefixCache<S> {
     budget_bytes: usize,
     clock: u64,
     stats: CacheStats,
+    /// Shared blocks held by entries: id -> (entries holding it, bytes).
+    blocks: HashMap<usize, (usize, usize)>,
 }
 
 impl<S: Checkpoint> PrefixCache<S> {
     pub fn new(budget_bytes: usize) -> Self {
         let root = Node { edge: Vec::new(), children: HashMap::new(), parent: None, checkpoint: None, last_used: 0 };
-        PrefixCache { nodes: vec![Some(root)], free: Vec::new(), budget_bytes, clock: 0, stats: CacheStats::default() }
+        PrefixCache {
+            nodes: vec![Some(root)],
+            free: Vec::new(),
+            budget_bytes,
+            clock: 0,
+            stats: CacheStats::default(),
+            blocks: HashMap::new(),
+        }
     }
 
     pub fn budget_bytes(&self) -> usize {
@@ -116,26 +134,28 @@ impl<S: Checkpoint> PrefixCache<S> {
         }
     }
 
-    /// Stores a checkpoint taken after exactly `tokens`; replaces an existing one. Evicts least
-    /// recently used checkpoints until the budget holds; a checkpoint larger than the whole
+    /// Stores a checkpoint taken after exactly `tokens`; replaces an existing one. Thins the
+    /// older checkpoints on its path (`thin_ancestors`). Evicts least recently used
+    /// checkpoints until the budget holds; a checkpoint larger than the whole
     /// budget is not stored. Returns the number of evictions.
     pub fn insert(&mut self, tokens: &[u32], checkpoint: S) -> usize {
-        let size = checkpoint.bytes();
+        let size = checkpoint.bytes() + checkpoint.shared().iter().map(|b| b.1).sum::<usize>();
         if size > self.budget_bytes || tokens.is_empty() {
             return 0;
         }
         let node = self.find_or_split(tokens);
         self.clock += 1;
         let clock = self.clock;
+        self.add_blocks(&checkpoint);
         let n = self.node_mut(node);
         n.last_used = clock;
         let old = n.checkpoint.replace(checkpoint);
         match old {
-            Some(o) => self.stats.bytes -= o.bytes(),
+            Some(o) => self.remove_blocks(&o),
             None => self.stats.entries += 1,
         }
-        self.stats.bytes += size;
         self.stats.insertions += 1;
+        self.thin_ancestors(node, tokens.len());
         let mut evicted = 0;
         while self.stats.bytes > self.budget_bytes {
             if !self.evict_lru(node) {
@@ -144,6 +164,64 @@ impl<S: Checkpoint> PrefixCache<S> {
             evicted += 1;
         }
         evicted
+    }
+
+    /// Thins the checkpoints on the path to a new one at `depth`: the [`RECENT`] nearest stay,
+    /// and beyond them an older one stays only at no more than half the depth of the last one
+    /// kept. A growing conversation then holds O(log n) checkpoints, not one per message: a
+    /// follow-up restores from the newest, a branch off a recent message from a recent one, an
+    /// edit far back recomputes at most as much as it keeps. (Each checkpoint holds a whole
+    /// DeltaNet state, ~60 MiB at 35B.)
+    fn thin_ancestors(&mut self, node: usize, depth: usize) {
+        let mut at = self.node(node).parent;
+        let mut d = depth - self.node(node).edge.len();
+        let (mut kept, mut last_kept) = (0usize, depth);
+        while let Some(i) = at {
+            let n = self.node(i);
+            let (parent, edge_len, has) = (n.parent, n.edge.len(), n.checkpoint.is_some());
+            if has && i != 0 {
+                kept += 1;
+                if kept <= RECENT || 2 * d <= last_kept {
+                    last_kept = d;
+                } else {
+                    // unwrap: `has` says the node holds a checkpoint.
+                    let cp = self.node_mut(i).checkpoint.take().unwrap();
+                    self.remove_blocks(&cp);
+                    self.stats.entries -= 1;
+                    self.stats.thinned += 1;
+                    // Only this node can go: it has a descendant (the new checkpoint's path).
+                    self.prune(i);
+                }
+            }
+            at = parent;
+            d -= edge_len;
+        }
+    }
+
+    /// Counts a new entry's own bytes and the shared blocks it is the first to hold.
+    fn add_blocks(&mut self, cp: &S) {
+        self.stats.bytes += cp.bytes();
+        for (id, bytes) in cp.shared() {
+            let e = self.blocks.entry(id).or_insert((0, bytes));
+            if e.0 == 0 {
+                self.stats.bytes += bytes;
+            }
+            e.0 += 1;
+        }
+    }
+
+    /// Uncounts a removed entry: its own bytes and the shared blocks no other entry holds.
+    fn remove_blocks(&mut self, cp: &S) {
+        self.stats.bytes -= cp.bytes();
+        for (id, _) in cp.shared() {
+            if let Some(e) = self.blocks.get_mut(&id) {
+                e.0 -= 1;
+                if e.0 == 0 {
+                    self.stats.bytes -= e.1;
+                    self.blocks.remove(&id);
+                }
+            }
+        }
     }
 
     /// The node for exactly `tokens`, creating (and splitting edges) as needed.
@@ -216,7 +294,7 @@ impl<S: Checkpoint> PrefixCache<S> {
         let Some((_, v)) = victim else { return false };
         // unwrap: the victim holds a checkpoint by the filter above.
         let cp = self.node_mut(v).checkpoint.take().unwrap();
-        self.stats.bytes -= cp.bytes();
+        self.remove_blocks(&cp);
         self.stats.entries -= 1;
         self.stats.evictions += 1;
         self.prune(v);
@@ -270,6 +348,41 @@ mod tests {
         fn bytes(&self) -> usize {
             self.1
         }
+        fn shared(&self) -> Vec<(usize, usize)> {
+            Vec::new()
+        }
+    }
+
+    /// A checkpoint with its own bytes and shared blocks `(id, bytes)`.
+    struct Paged(usize, Vec<(usize, usize)>);
+    impl Checkpoint for Paged {
+        fn bytes(&self) -> usize {
+            self.0
+        }
+        fn shared(&self) -> Vec<(usize, usize)> {
+            self.1.clone()
+        }
+    }
+
+    /// Shared blocks count once while any entry holds them, and leave the total with the last.
+    #[test]
+    fn shared_blocks_count_once() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(&[1], Paged(10, vec![(1, 100), (2, 100)]));
+        assert_eq!(c.stats().bytes, 210);
+        c.insert(&[1, 2], Paged(10, vec![(1, 100), (2, 100), (3, 100)]));
+        assert_eq!(c.stats().bytes, 320, "only page 3 and the own bytes are new");
+        c.insert(&[1, 2], Paged(10, vec![(1, 100), (4, 100)]));
+        assert_eq!(c.stats().bytes, 320, "replaced: page 3 released, page 4 added");
+        // Budget 200, pages of 50: evicting an entry frees its own bytes and only the pages no
+        // other entry holds.
+        let mut c = PrefixCache::new(200);
+        c.insert(&[1], Paged(10, vec![(1, 50)])); // 60
+        c.insert(&[9], Paged(10, vec![(9, 50)])); // 120
+        c.insert(&[1, 2], Paged(10, vec![(1, 50), (2, 50)])); // 180
+        assert_eq!(c.insert(&[1, 2, 3], Paged(10, vec![(1, 50), (2, 50), (3, 50)])), 2);
+        assert_eq!(c.stats().bytes, 240 - 10 - 60, "[1] freed 10 (its page stays), [9] freed 60");
+        assert!(c.lookup(&[9, 5]).is_none() && c.lookup(&[1, 2, 3, 9]).is_some() && c.lookup(&[1, 2, 7]).is_some());
     }
 
     #[test]

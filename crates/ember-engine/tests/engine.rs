@@ -114,7 +114,7 @@ fn seeded_tokens_do_not_depend_on_batching() {
     // (the default one runs prompt-sized batches through kernels with another summation order).
     let ops = ember_cpu::CpuOps::new(ember_cpu::Precision::BatchInvariant, 1);
     let cfg = EngineConfig { n_parallel: 4, n_queue: 16, n_ctx: 256, n_batch: 7, ..Default::default() };
-    let (h, _t) = ember_engine::start(ModelBackend { model, ops, kv_type: ember_ops::KvType::F16 }, cfg).unwrap();
+    let (h, _t) = ember_engine::start(ModelBackend::new(model, ops, ember_ops::KvType::F16).unwrap(), cfg).unwrap();
     let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (0..10 + 3 * i).map(|j| (j * 37 + i * 11) % 600).collect()).collect();
     let run = |i: usize| {
         let (s, rx, _) = sink();
@@ -130,4 +130,68 @@ fn seeded_tokens_do_not_depend_on_batching() {
     let rxs: Vec<_> = (0..4).map(run).collect();
     let batched: Vec<_> = rxs.iter().map(|rx| collect(rx).0).collect();
     assert_eq!(alone, batched);
+}
+
+/// A scripted backend that records the tokens of every item of every step, and rejects (before
+/// running anything) any item containing token 42, as the model does for a bad sequence.
+struct Recording {
+    inner: ScriptBackend,
+    steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
+}
+
+impl ember_engine::Backend for Recording {
+    type State = <ScriptBackend as ember_engine::Backend>::State;
+    type Snapshot = <ScriptBackend as ember_engine::Backend>::Snapshot;
+    fn n_vocab(&self) -> usize {
+        self.inner.n_vocab()
+    }
+    fn new_state(&self, n_ctx: usize) -> Result<Self::State, Error> {
+        self.inner.new_state(n_ctx)
+    }
+    fn forward(&mut self, items: &mut [ember_engine::Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
+        if let Some(index) = items.iter().position(|it| it.tokens.contains(&42)) {
+            return Err(Error::Sequence { index, msg: "token 42 is not allowed here".into() });
+        }
+        self.steps.lock().unwrap().push(items.iter().map(|it| it.tokens.len()).collect());
+        self.inner.forward(items)
+    }
+    fn snapshot(&self, state: &Self::State) -> Self::Snapshot {
+        self.inner.snapshot(state)
+    }
+    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
+        self.inner.restore(snap, n_ctx)
+    }
+}
+
+/// Issue 14: a step holds at most `n_batch` tokens over all sequences; decoders get their token
+/// every step while a long prompt is fed in chunks beside them; and a sequence the model
+/// rejects fails alone while the others run on.
+#[test]
+fn r14_token_budget_and_failing_alone() {
+    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let backend = Recording { inner: script(&[7; 1 << 16]), steps: steps.clone() };
+    let cfg = EngineConfig { n_parallel: 3, n_queue: 8, n_ctx: 1 << 20, n_batch: 8, ..Default::default() };
+    let (h, _t) = ember_engine::start(backend, cfg).unwrap();
+    // An endless decoder first, then a 100-token prompt and a bad one.
+    let (s1, rx1, closed1) = sink();
+    h.submit(req(vec![1; 2], usize::MAX, 1), s1).unwrap();
+    assert!(matches!(rx1.recv().unwrap(), Event::Started { .. }));
+    assert!(matches!(rx1.recv().unwrap(), Event::Token { .. }));
+    let (s2, rx2, _) = sink();
+    h.submit(req(vec![1; 100], 3, 1), s2).unwrap();
+    let (s3, rx3, _) = sink();
+    h.submit(req(vec![1, 42, 1], 3, 1), s3).unwrap();
+    let (_, end3) = collect(&rx3);
+    assert!(matches!(&end3, Event::Failed(m) if m.contains("token 42")), "{end3:?}");
+    let (ids2, end2) = collect(&rx2);
+    assert_eq!((ids2.len(), end2.clone()), (3, Event::Finished { reason: FinishReason::MaxTokens, n_prompt: 100, n_generated: 3 }));
+    closed1.store(true, Ordering::SeqCst);
+    let steps = steps.lock().unwrap().clone();
+    assert!(rx1.try_iter().all(|e| !matches!(e, Event::Failed(_))), "the decoder failed");
+    assert!(steps.iter().all(|s| s.iter().sum::<usize>() <= 8), "a step over the budget: {steps:?}");
+    // While the long prompt was fed (steps with an item of more than one token), the decoder
+    // was in every step.
+    let prompt_steps: Vec<&Vec<usize>> = steps.iter().filter(|s| s.iter().any(|&n| n > 1)).collect();
+    assert!(prompt_steps.len() >= 100 / 8, "the prompt came in chunks: {prompt_steps:?}");
+    assert!(prompt_steps.iter().skip(1).all(|s| s.contains(&1)), "the decoder waited: {steps:?}");
 }

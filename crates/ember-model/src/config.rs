@@ -161,7 +161,7 @@ impl Config {
             n_k_head: req("ssm.group_count")?,
             n_v_head,
             d_k: req("ssm.state_size")?,
-            d_v: if n_v_head > 0 { inner / n_v_head } else { 0 },
+            d_v: inner.checked_div(n_v_head).unwrap_or(0),
             n_expert: req("expert_count")?,
             n_expert_used,
             n_ff_exp,
@@ -177,13 +177,14 @@ impl Config {
         if self.n_embd == 0 || self.n_layer == 0 {
             return bad(format!("embedding_length {} and block_count {} must be > 0", self.n_embd, self.n_layer));
         }
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_head % self.n_head_kv != 0 {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!("head_count {} must be a positive multiple of head_count_kv {}", self.n_head, self.n_head_kv));
         }
-        if self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
+        if self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return bad(format!("rope.dimension_count {} must be even and <= key_length {}", self.n_rot, self.head_dim));
         }
-        if self.n_k_head == 0 || self.n_v_head == 0 || self.n_v_head % self.n_k_head != 0 || inner % self.n_v_head != 0 {
+        if self.n_k_head == 0 || self.n_v_head == 0 || !self.n_v_head.is_multiple_of(self.n_k_head) || !inner.is_multiple_of(self.n_v_head)
+        {
             return bad(format!(
                 "ssm.time_step_rank {} must be a multiple of ssm.group_count {} and divide ssm.inner_size {inner}",
                 self.n_v_head, self.n_k_head

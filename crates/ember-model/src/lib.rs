@@ -17,7 +17,7 @@ mod weights;
 pub use config::{Config, LayerKind, SUPPORTED_ARCHS};
 pub use qwen35moe::{DeltaMode, Forward, Logits, Model, SeqBatch};
 pub use state::{SeqState, StateSnapshot};
-pub use weights::{TensorGroup, Weight};
+pub use weights::TensorGroup;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -31,6 +31,11 @@ pub enum Error {
     BadTensor { name: String, msg: String },
     #[error("batch: {0}")]
     BadBatch(String),
+    #[error(transparent)]
+    Op(#[from] ember_ops::OpError),
+    /// Sequence `index` of a batched forward call was rejected before anything ran.
+    #[error("sequence {index}: {source}")]
+    InSequence { index: usize, source: Box<Error> },
     #[error("context full: {n_past} tokens in the sequence + {n_new} new > context size {n_ctx}")]
     ContextFull { n_past: usize, n_new: usize, n_ctx: usize },
 }

@@ -32,7 +32,7 @@ pub struct SeqState {
 impl SeqState {
     pub fn new(cfg: &Config, n_ctx: usize, kv_type: KvType) -> Result<Self, Error> {
         let width = cfg.n_head_kv * cfg.head_dim;
-        if kv_type == KvType::Q8_0 && cfg.head_dim % 32 != 0 {
+        if kv_type == KvType::Q8_0 && !cfg.head_dim.is_multiple_of(32) {
             return Err(Error::BadConfig(format!("q8_0 KV cache needs head_dim % 32 == 0, head_dim is {}", cfg.head_dim)));
         }
         let layers = cfg
@@ -66,12 +66,21 @@ impl SeqState {
         }
     }
 
+    /// The DeltaNet state of `layer`: the conv history [kernel−1][channels] (oldest first) and
+    /// the recurrent state [v_head][d_v][d_k]; `None` for an attention layer.
+    pub fn delta_state(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match self.layers.get(layer)? {
+            LayerState::DeltaNet { conv, s } => Some((conv, s)),
+            LayerState::Attention { .. } => None,
+        }
+    }
+
     /// Bytes held: KV rows plus recurrent state.
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerState::Attention { k, v } => k.bytes.len() + v.bytes.len(),
+                LayerState::Attention { k, v } => k.bytes() + v.bytes(),
                 LayerState::DeltaNet { conv, s } => 4 * (conv.len() + s.len()),
             })
             .sum()
@@ -92,14 +101,42 @@ impl StateSnapshot {
         self.n_past
     }
 
-    /// Bytes held by the snapshot.
+    /// Bytes held by the snapshot: its KV pages (shared with the sequence it was taken from and
+    /// with other snapshots of the same prefix) plus its own DeltaNet state.
     pub fn bytes(&self) -> usize {
-        SeqState { n_past: self.n_past, n_ctx: 0, layers: self.layers.clone() }.bytes()
+        self.own_bytes() + self.kv_pages().iter().map(|p| p.1).sum::<usize>()
+    }
+
+    /// The bytes only this snapshot holds: the DeltaNet conv and recurrent states.
+    pub fn own_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerState::DeltaNet { conv, s } => 4 * (conv.len() + s.len()),
+                LayerState::Attention { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// The KV pages it references, `(id, bytes)`: the same page (shared with another snapshot
+    /// of the same prefix) has the same id. Known without copying anything.
+    pub fn kv_pages(&self) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            if let LayerState::Attention { k, v } = l {
+                for c in [k, v] {
+                    let pb = ember_ops::KV_PAGE * c.row_bytes();
+                    out.extend(c.pages().iter().map(|p| (std::sync::Arc::as_ptr(p) as usize, pb)));
+                }
+            }
+        }
+        out
     }
 }
 
 impl SeqState {
-    /// Copies the current state.
+    /// The current state: KV pages shared (a later append copies the partial last page first),
+    /// DeltaNet state copied.
     pub fn snapshot(&self) -> StateSnapshot {
         StateSnapshot { n_past: self.n_past, layers: self.layers.clone() }
     }

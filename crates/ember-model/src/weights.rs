@@ -1,66 +1,33 @@
-//! Weights that borrow the memory-mapped file, and the loader's shape checks.
+//! The loader's shape checks and weight registration, and the byte groups `inspect` reports.
 
 use std::sync::Arc;
 
 use ember_gguf::{GgmlType, GgufFile, TensorInfo};
-use ember_ops::{Device, WeightView};
+use ember_ops::{WeightId, WeightSet};
 
 use crate::Error;
 
-/// A tensor of the model file, still in its block format.
-#[derive(Debug, Clone)]
-pub struct Weight {
-    file: Arc<GgufFile>,
-    info: TensorInfo,
-    /// Rows per expert for stacked expert tensors ({k, n, n_expert}); the row count otherwise.
-    rows_per_slice: usize,
-}
-
-impl Weight {
-    pub fn info(&self) -> &TensorInfo {
-        &self.info
-    }
-
-    pub fn ty(&self) -> GgmlType {
-        self.info.ggml_type
-    }
-
-    /// All rows as one 2-D view (experts stacked).
-    pub fn view(&self) -> WeightView<'_> {
-        WeightView {
-            ty: self.info.ggml_type,
-            k: self.info.ne[0] as usize,
-            n_rows: self.info.n_rows() as usize,
-            data: self.file.tensor_data(&self.info),
-            device: Device::Host,
-        }
-    }
-
-    /// Expert `e` of a stacked {k, n, n_expert} tensor.
-    pub fn expert(&self, e: usize) -> WeightView<'_> {
-        self.view().rows(e * self.rows_per_slice, self.rows_per_slice)
-    }
-
-    /// The whole tensor dequantised (only for small vectors: norms, conv taps, biases).
-    pub fn to_f32(&self) -> Result<Vec<f32>, Error> {
-        let mut out = vec![0f32; self.info.n_elements() as usize];
-        ember_gguf::quant::dequantize(self.ty(), self.file.tensor_data(&self.info), &mut out)?;
-        Ok(out)
-    }
-}
-
-/// Looks tensors up by name and checks their shapes.
+/// Looks tensors up by name, checks their shapes and registers them in the model's
+/// [`WeightSet`] (by identity: ops name them by [`WeightId`]).
 pub(crate) struct Loader {
     pub file: Arc<GgufFile>,
+    pub set: WeightSet,
 }
 
 impl Loader {
-    /// A tensor that must exist with shape `ne` (trailing 1s ignored).
-    pub fn get(&self, name: &str, ne: &[usize]) -> Result<Weight, Error> {
+    /// A tensor that must exist with shape `ne` (trailing 1s ignored); a 3-D shape registers
+    /// `ne[2]` stacked matrices (experts).
+    pub fn get(&mut self, name: &str, ne: &[usize]) -> Result<WeightId, Error> {
         self.try_get(name, ne)?.ok_or_else(|| Error::BadTensor { name: name.into(), msg: "missing from the file".into() })
     }
 
-    pub fn try_get(&self, name: &str, ne: &[usize]) -> Result<Option<Weight>, Error> {
+    pub fn try_get(&mut self, name: &str, ne: &[usize]) -> Result<Option<WeightId>, Error> {
+        let Some(info) = self.checked(name, ne)? else { return Ok(None) };
+        let n_mat = if ne.len() >= 3 { ne[2] } else { 1 };
+        Ok(Some(self.set.add_tensor(&self.file, &info, n_mat)))
+    }
+
+    fn checked(&self, name: &str, ne: &[usize]) -> Result<Option<TensorInfo>, Error> {
         let Some(info) = self.file.tensor(name) else { return Ok(None) };
         let mut want = [1u64; 4];
         for (w, n) in want.iter_mut().zip(ne) {
@@ -72,13 +39,20 @@ impl Loader {
         if matches!(info.ggml_type, GgmlType::Q8_1 | GgmlType::Q8K) {
             return Err(Error::BadTensor { name: name.into(), msg: format!("type {} is for activations, not weights", info.ggml_type) });
         }
-        let rows_per_slice = if ne.len() >= 3 { ne[1] } else { info.n_rows() as usize };
-        Ok(Some(Weight { file: self.file.clone(), info: info.clone(), rows_per_slice }))
+        Ok(Some(info.clone()))
     }
 
-    /// A small vector, dequantised to f32.
-    pub fn vec(&self, name: &str, n: usize) -> Result<Vec<f32>, Error> {
-        self.get(name, &[n])?.to_f32()
+    /// A small tensor of shape `ne`, dequantised to f32 and registered as a vector weight.
+    pub fn vector(&mut self, name: &str, ne: &[usize]) -> Result<WeightId, Error> {
+        let info = self.checked(name, ne)?.ok_or_else(|| Error::BadTensor { name: name.into(), msg: "missing from the file".into() })?;
+        let mut out = vec![0f32; info.n_elements() as usize];
+        ember_gguf::quant::dequantize(info.ggml_type, self.file.tensor_data(&info), &mut out)?;
+        Ok(self.set.add_vector(name, out))
+    }
+
+    /// A small vector of `n` values ([`Loader::vector`]).
+    pub fn vec(&mut self, name: &str, n: usize) -> Result<WeightId, Error> {
+        self.vector(name, &[n])
     }
 }
 

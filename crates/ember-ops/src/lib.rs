@@ -1,18 +1,33 @@
-//! The op set every backend implements, the tensor and weight handles it works on, and a
-//! scalar reference implementation of each op (the spec in code).
+//! The op set every backend implements, the types it works on, and [`HostOps`], the scalar
+//! reference backend (the spec in code, one thread).
 //!
-//! Model code (`ember-model`) is written only against the [`Ops`] trait. Every method has a
-//! default body that calls the scalar reference in [`reference`], so a backend overrides
-//! exactly the ops it accelerates and inherits a correct version of the rest. The decision a
-//! reader may question: activations are plain host `Vec<f32>` matrices ([`Mat`]), not
-//! device handles. Weights carry their device ([`WeightView::device`]) so placement can come
-//! later, and a GPU backend will move `x` to the weight's device inside `matmul`.
+//! Model code (`ember-model`) is written only against the [`Ops`] trait and does no arithmetic
+//! of its own: residual adds, the attention prep (q|gate split, q/k norms, RoPE), the DeltaNet
+//! prep (L2 norms, β, decay), routing and the choice of logit rows are ops. Weights are
+//! registered once ([`WeightSet`]) and named by [`WeightId`]; the MoE op gets the layer, the
+//! [`Routing`] and the shared-expert gate, so a backend sees every `(layer, expert)` pair used.
+//! Every op returns [`OpResult`]; there are no default bodies, so a backend cannot silently
+//! fall back to the reference. The decision a reader may question: activations are still host
+//! [`Mat`]s at this stage of the redesign (shared/GPU.md §2); the per-op signatures are
+//! already device-neutral in what they name (ids, layers, routing), so moving activations into
+//! backend-owned handles changes only the carrier type.
 
 #![forbid(unsafe_code)]
 
+pub mod check;
+pub mod conformance;
+mod error;
+pub mod host;
+mod ids;
 pub mod reference;
+mod weights;
 
 use ember_gguf::GgmlType;
+
+pub use error::{OpError, OpResult};
+pub use host::HostOps;
+pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
+pub use weights::{ExpertView, GateUp, MoeWeights, Registry, WeightInfo, WeightSet};
 
 /// A row-major matrix of activations: `n` rows (usually tokens) of `d` values.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -61,13 +76,6 @@ impl Mat {
     }
 }
 
-/// Where a weight lives. Only the host exists today; the placement layer adds GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Device {
-    #[default]
-    Host,
-}
-
 /// A 2-D weight in its file format: `n_rows` rows of `k` weights of type `ty`, borrowed from
 /// the memory-mapped file. `y = W·x` means `y[r] = Σ_j W[r][j]·x[j]` (torch Linear).
 #[derive(Debug, Clone, Copy)]
@@ -76,7 +84,6 @@ pub struct WeightView<'a> {
     pub k: usize,
     pub n_rows: usize,
     pub data: &'a [u8],
-    pub device: Device,
 }
 
 impl<'a> WeightView<'a> {
@@ -126,19 +133,30 @@ impl KvType {
     }
 }
 
+/// Positions per KV page. Small enough that a snapshot's copy of the last, partial page
+/// (copy-on-write) stays small next to the DeltaNet state it copies anyway (at 35B: 20 K/V
+/// layer caches x 64 KiB at f16 against ~60 MiB), large enough that a page lookup per position
+/// costs nothing.
+pub const KV_PAGE: usize = 64;
+
+/// One page of [`KV_PAGE`] cached rows.
+pub type KvPage = std::sync::Arc<Vec<u8>>;
+
 /// The K or V rows of one attention layer of one sequence, stored in `ty` blocks: row `p` is
-/// position `p`, holding `n_head_kv * head_dim` values.
+/// position `p`, holding `n_head_kv * head_dim` values. Rows live in pages of [`KV_PAGE`]
+/// positions (the page table is `pages`); a clone (a snapshot) shares every page, and a write
+/// into a shared page copies it first (only ever the last one: rows are append-only).
 #[derive(Debug, Clone)]
 pub struct KvRows {
     pub ty: KvType,
     pub width: usize,
     pub len: usize,
-    pub bytes: Vec<u8>,
+    pages: Vec<KvPage>,
 }
 
 impl KvRows {
     pub fn new(ty: KvType, width: usize) -> Self {
-        KvRows { ty, width, len: 0, bytes: Vec::new() }
+        KvRows { ty, width, len: 0, pages: Vec::new() }
     }
 
     #[inline]
@@ -147,13 +165,28 @@ impl KvRows {
         self.ty.ggml().row_bytes(self.width).unwrap()
     }
 
+    /// The page table: page i holds positions i·KV_PAGE.. (every page is allocated whole).
+    pub fn pages(&self) -> &[KvPage] {
+        &self.pages
+    }
+
+    /// The bytes of row `p` (`p < len`).
+    #[inline]
+    pub fn row(&self, p: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.pages[p / KV_PAGE][(p % KV_PAGE) * rb..(p % KV_PAGE + 1) * rb]
+    }
+
     /// Appends rows (quantised to the cache type).
     pub fn push(&mut self, rows: &Mat) -> Result<(), ember_gguf::Error> {
         let rb = self.row_bytes();
-        let start = self.bytes.len();
-        self.bytes.resize(start + rows.n * rb, 0);
         for i in 0..rows.n {
-            let dst = &mut self.bytes[start + i * rb..start + (i + 1) * rb];
+            let (pg, at) = (self.len / KV_PAGE, self.len % KV_PAGE);
+            if pg == self.pages.len() {
+                self.pages.push(std::sync::Arc::new(vec![0u8; KV_PAGE * rb]));
+            }
+            // A page shared with a snapshot is copied before the write.
+            let dst = &mut std::sync::Arc::make_mut(&mut self.pages[pg])[at * rb..(at + 1) * rb];
             match self.ty {
                 KvType::F32 => {
                     for (d, x) in dst.chunks_exact_mut(4).zip(rows.row(i)) {
@@ -167,8 +200,8 @@ impl KvRows {
                 }
                 KvType::Q8_0 => ember_gguf::quant::quantize(self.ty.ggml(), rows.row(i), dst)?,
             }
+            self.len += 1;
         }
-        self.len += rows.n;
         Ok(())
     }
 
@@ -176,14 +209,18 @@ impl KvRows {
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
             self.len = len;
-            self.bytes.truncate(len * self.row_bytes());
+            self.pages.truncate(len.div_ceil(KV_PAGE));
         }
+    }
+
+    /// Bytes of the pages held (whole pages; shared ones included).
+    pub fn bytes(&self) -> usize {
+        self.pages.len() * KV_PAGE * self.row_bytes()
     }
 
     /// Values `start..start + out.len()` of row `p`, as f32.
     pub fn read(&self, p: usize, start: usize, out: &mut [f32]) {
-        let rb = self.row_bytes();
-        let row = &self.bytes[p * rb..(p + 1) * rb];
+        let row = self.row(p);
         match self.ty {
             KvType::F32 => {
                 for (o, b) in out.iter_mut().zip(row[start * 4..].chunks_exact(4)) {
@@ -209,17 +246,8 @@ impl KvRows {
     }
 }
 
-/// One expert of a mixture-of-experts FFN: gate and up {D -> n_ff}, down {n_ff -> D}
-/// (qwen35moe.md §6.6 step 4). For a fused gate_up tensor, `gate` and `up` are its two row
-/// ranges.
-#[derive(Debug, Clone, Copy)]
-pub struct ExpertView<'a> {
-    pub gate: WeightView<'a>,
-    pub up: WeightView<'a>,
-    pub down: WeightView<'a>,
-}
-
-/// An expert and the tokens routed to it: `(row of x, weight)`, rows in increasing order.
+/// An expert and the tokens routed to it: `(row of x, weight)`, rows in increasing order
+/// (host backends build these from a [`Routing`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeSlot<'a> {
     pub expert: ExpertView<'a>,
@@ -227,7 +255,7 @@ pub struct MoeSlot<'a> {
 }
 
 /// Shape of a gated delta rule call (DeltaNet, qwen35moe.md §6.4).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeltaShape {
     pub n_tok: usize,
     /// key/query heads (16 in the 35B model)
@@ -236,6 +264,66 @@ pub struct DeltaShape {
     pub n_v_head: usize,
     pub d_k: usize,
     pub d_v: usize,
+}
+
+/// The DeltaNet prep of [`Ops::delta_prep`]: head counts and sizes, the eps of the L2 norms,
+/// and the per-value-head decay parameters `a` (= −exp(A_log)) and `dt_bias`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaPrep {
+    pub n_k_head: usize,
+    pub n_v_head: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+    pub eps: f32,
+    pub a: WeightId,
+    pub dt_bias: WeightId,
+}
+
+/// The inputs of the delta rule for a batch of tokens: q (L2-normed, scaled by 1/√d_k) and k
+/// (L2-normed) [T, n_k_head·d_k], v [T, n_v_head·d_v], log-decay g ≤ 0 and β [T, n_v_head].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaIn {
+    pub q: Mat,
+    pub k: Mat,
+    pub v: Mat,
+    pub g: Mat,
+    pub beta: Mat,
+}
+
+impl DeltaIn {
+    /// Rows `start..start + n` of every input (one sequence of a batch).
+    pub fn rows(&self, start: usize, n: usize) -> DeltaIn {
+        DeltaIn {
+            q: self.q.rows(start, n),
+            k: self.k.rows(start, n),
+            v: self.v.rows(start, n),
+            g: self.g.rows(start, n),
+            beta: self.beta.rows(start, n),
+        }
+    }
+}
+
+/// The attention prep of [`Ops::attn_prep`] (qwen35moe.md §6.3 steps 1–4).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnPrep {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Leading dims of each head that RoPE rotates (NeoX pairing).
+    pub n_rot: usize,
+    pub rope_base: f32,
+    pub eps: f32,
+    pub q_norm: WeightId,
+    pub k_norm: WeightId,
+}
+
+/// What [`Ops::attn_prep`] returns: q and its gate [T, n_head·head_dim], k [T, n_head_kv·head_dim]
+/// normed and rotated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttnIn {
+    pub q: Mat,
+    pub gate: Mat,
+    pub k: Mat,
 }
 
 /// Shape of an attention call over a KV cache (qwen35moe.md §6.3).
@@ -257,80 +345,98 @@ pub enum Gate {
     Sigmoid,
 }
 
-/// The op set. Each method documents shapes; the default body is the scalar reference.
-pub trait Ops: Send + Sync {
-    fn name(&self) -> &'static str;
+/// The routing of a batch of tokens through one MoE layer: for token t, experts
+/// `ids[t*k..(t+1)*k]` (largest weight first) with weights `weights[..]` summing to 1
+/// (softmax over all experts, top-k, renormalised; qwen35moe.md §6.6 steps 1–3).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub n_tok: usize,
+    pub k: usize,
+    pub ids: Vec<ExpertId>,
+    pub weights: Vec<f32>,
+}
 
-    /// `y[t] = W·x[t]` for every row of `x` ([n, w.k] -> [n, w.n_rows]).
-    fn matmul(&self, w: &WeightView, x: &Mat) -> Mat {
-        reference::matmul(w, x)
-    }
-
-    /// `[W_i·x]` for several weights that read the same input (e.g. the four DeltaNet input
-    /// projections): a backend quantises `x` once and runs them as one parallel region.
-    fn matmul_many(&self, ws: &[WeightView], x: &Mat) -> Vec<Mat> {
-        ws.iter().map(|w| self.matmul(w, x)).collect()
-    }
-
-    /// Mixture-of-experts FFN over already routed tokens (qwen35moe.md §6.6 steps 4–7):
-    /// `y[t] = Σ_{slots s routing t with weight ω} ω · down_s(silu(gate_s·x_t) ⊙ (up_s·x_t))`,
-    /// summed in slot order. The shared expert is one more slot. Returns [x.n, D].
-    fn moe(&self, slots: &[MoeSlot], x: &Mat) -> Mat {
-        reference::moe(|w, x| self.matmul(w, x), slots, x)
-    }
-
-    /// Rows `ids` of an embedding table, dequantised ([ids.len(), w.k]).
-    fn get_rows(&self, w: &WeightView, ids: &[u32]) -> Mat {
-        reference::get_rows(w, ids)
-    }
-
-    /// RMSNorm of every `weight.len()`-wide group of every row, times `weight`.
-    fn rms_norm(&self, x: &Mat, weight: &[f32], eps: f32) -> Mat {
-        reference::rms_norm(x, weight, eps)
-    }
-
-    /// NeoX RoPE on the first `n_rot` dims of each `head_dim`-wide head; row t is at
-    /// position `pos0 + t`.
-    fn rope(&self, x: &mut Mat, head_dim: usize, n_rot: usize, pos0: usize, base: f32) {
-        reference::rope(x, head_dim, n_rot, pos0, base)
-    }
-
-    /// Causal depthwise conv (kernel `w.len() / channels`) over `[state | x]`, then SiLU.
-    /// `state` holds the last kernel-1 inputs (oldest first) and is updated.
-    fn conv1d_silu(&self, x: &Mat, w: &[f32], state: &mut [f32]) -> Mat {
-        reference::conv1d_silu(x, w, state)
-    }
-
-    /// Gated delta rule over `n_tok` tokens; `q` is already L2-normed and scaled, `k`
-    /// L2-normed. `state` holds one `d_v x d_k` matrix per value head (row jv = value index).
-    /// Returns o [n_tok, n_v_head * d_v].
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule(&self, s: DeltaShape, q: &Mat, k: &Mat, v: &Mat, g: &Mat, beta: &Mat, state: &mut [f32], chunked: bool) -> Mat {
-        if chunked {
-            reference::delta_rule_chunked(s, q, k, v, g, beta, state)
-        } else {
-            reference::delta_rule_recurrent(s, q, k, v, g, beta, state)
+impl Routing {
+    /// Per expert (index < n_expert): the tokens routed to it with their weights, tokens in
+    /// increasing order.
+    pub fn per_expert(&self, n_expert: usize) -> Vec<Vec<(usize, f32)>> {
+        let mut out = vec![Vec::new(); n_expert];
+        for t in 0..self.n_tok {
+            for j in 0..self.k {
+                let e = self.ids[t * self.k + j].index();
+                if e < n_expert {
+                    out[e].push((t, self.weights[t * self.k + j]));
+                }
+            }
         }
-    }
-
-    /// `y ← y ⊙ act(g)` element by element (same shapes): the output gates of the DeltaNet
-    /// (SiLU of z) and of gated attention (sigmoid).
-    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) {
-        reference::gate(y, g, act)
-    }
-
-    /// Causal GQA attention of `q` [n_tok, n_head*head_dim] over cached K/V rows.
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> Mat {
-        reference::attention(s, q, k, v)
+        out
     }
 }
 
-/// The scalar reference backend: every op as written in [`reference`], one thread.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct RefOps;
+/// The op set. Shapes are documented per op; `T` is the number of token rows.
+pub trait Ops: Send + Sync {
+    fn name(&self) -> &'static str;
 
-impl Ops for RefOps {
-    fn name(&self) -> &'static str {
-        "reference"
-    }
+    fn device(&self) -> DeviceId;
+
+    /// Registers the weights later ops name by id (once per model, at load; a new set replaces
+    /// the old one). A device backend uploads them here.
+    fn register(&mut self, weights: std::sync::Arc<WeightSet>) -> OpResult<()>;
+
+    /// Rows `ids` of an embedding table, dequantised ([ids.len(), k]).
+    fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat>;
+
+    /// `y[t] = W·x[t]` for every row of `x` ([T, k] -> [T, n_rows]).
+    fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat>;
+
+    /// `[W_i·x]` for several weights that read the same input (e.g. the four DeltaNet input
+    /// projections): a backend quantises `x` once and runs them as one parallel region.
+    fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>>;
+
+    /// RMSNorm of every `len(w)`-wide group of every row, times the vector weight `w`.
+    fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat>;
+
+    /// `h ← h + x` (same shapes): the residual adds.
+    fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()>;
+
+    /// Gated attention prep (qwen35moe.md §6.3 steps 1–4): splits `qg` [T, n_head·2·head_dim]
+    /// (per head `[q | gate]`) into q and gate, RMS-normalises q and `k` per head with their
+    /// weights, and applies NeoX RoPE to both at the positions `pos` (one per row).
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn>;
+
+    /// Appends rows to one layer's K or V cache of one sequence (quantised to its type).
+    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()>;
+
+    /// Causal GQA attention of `q` [n_tok, n_head·head_dim] over cached K/V rows.
+    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat>;
+
+    /// Causal depthwise conv (kernel `len(w) / channels`, taps `[ch][j]`) over `[state | x]`,
+    /// then SiLU. `state` holds the last kernel−1 inputs (oldest first) and is updated.
+    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat>;
+
+    /// DeltaNet prep (qwen35moe.md §6.4 steps 3–6): splits the conv output `cu`
+    /// [T, 2·n_k_head·d_k + n_v_head·d_v] into q | k | v, L2-normalises q and k per head (q also
+    /// scaled by 1/√d_k), β = sigmoid(`b`) and g = a·softplus(`alpha` + dt_bias) per value head.
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn>;
+
+    /// Gated delta rule over `s.n_tok` tokens of one sequence, continuing `state` (one
+    /// `d_v x d_k` matrix per value head, row jv = value index); recurrent or chunked form
+    /// (equal up to rounding). Returns o [n_tok, n_v_head·d_v].
+    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat>;
+
+    /// `y ← y ⊙ act(g)` element by element (same shapes): the output gates of the DeltaNet
+    /// (SiLU of z) and of gated attention (sigmoid).
+    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()>;
+
+    /// Routing from router logits [T, n_expert]: softmax over all experts, the `k` largest
+    /// (ties to the lower id), renormalised to sum 1.
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing>;
+
+    /// The mixture of experts of `layer` (qwen35moe.md §6.6 steps 4–7):
+    /// `y[t] = Σ_j w_tj · E_{id_tj}(x_t) + sigmoid(shared_gate[t]) · S(x_t)`, `E(x) =
+    /// down(silu(gate·x) ⊙ up·x)`, `S` the shared expert, `shared_gate` [T, 1]. Returns [T, D].
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat>;
+
+    /// Rows `rows` of `x`, in that order (the rows that get logits).
+    fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat>;
 }

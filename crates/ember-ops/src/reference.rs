@@ -1,7 +1,7 @@
 //! Scalar reference ops: straightforward, single-threaded, f32 storage with f64 sums where a
 //! reduction is long. This is the spec in code; fast backends are tested against it.
 
-use crate::{AttnShape, DeltaShape, KvRows, Mat, MoeSlot, WeightView};
+use crate::{AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, ExpertId, KvRows, Mat, MoeSlot, Routing, WeightView};
 
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -399,4 +399,142 @@ pub fn attention_head(s: AttnShape, n: usize, q: &Mat, k: &KvRows, v: &KvRows) -
         }
     }
     out
+}
+
+/// `h ← h + x` ([`crate::Ops::add`]).
+pub fn add(h: &mut Mat, x: &Mat) {
+    h.data.iter_mut().zip(&x.data).for_each(|(a, b)| *a += b);
+}
+
+/// Rows `rows` of `x` ([`crate::Ops::select_rows`]).
+pub fn select_rows(x: &Mat, rows: &[usize]) -> Mat {
+    let mut data = Vec::with_capacity(rows.len() * x.d);
+    for &r in rows {
+        data.extend_from_slice(x.row(r));
+    }
+    Mat::from_vec(rows.len(), x.d, data)
+}
+
+/// [`crate::Ops::attn_prep`]: split per head `[q | gate]`, per-head RMSNorm of q and k, NeoX
+/// RoPE at each row's position. `q_norm`, `k_norm` are the head_dim-wide norm weights.
+pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat, pos: &[u32]) -> AttnIn {
+    let (hd, nh) = (s.head_dim, s.n_head);
+    let (mut q, mut gate) = (Vec::with_capacity(qg.n * nh * hd), Vec::with_capacity(qg.n * nh * hd));
+    for head in qg.data.chunks_exact(2 * hd) {
+        q.extend_from_slice(&head[..hd]);
+        gate.extend_from_slice(&head[hd..]);
+    }
+    let (q, gate) = (Mat::from_vec(qg.n, nh * hd, q), Mat::from_vec(qg.n, nh * hd, gate));
+    let mut q = rms_norm(&q, q_norm, s.eps);
+    let mut k = rms_norm(k, k_norm, s.eps);
+    rope_at(&mut q, hd, s.n_rot, pos, s.rope_base);
+    rope_at(&mut k, hd, s.n_rot, pos, s.rope_base);
+    AttnIn { q, gate, k }
+}
+
+/// [`rope`] with one position per row.
+pub fn rope_at(x: &mut Mat, head_dim: usize, n_rot: usize, pos: &[u32], base: f32) {
+    for (t, &p) in pos.iter().enumerate().take(x.n) {
+        let mut row = Mat::from_vec(1, x.d, x.row(t).to_vec());
+        rope(&mut row, head_dim, n_rot, p as usize, base);
+        x.row_mut(t).copy_from_slice(&row.data);
+    }
+}
+
+/// [`crate::Ops::delta_prep`]: q | k | v split of the conv output, L2 norms (q scaled by
+/// 1/√d_k), β = sigmoid(b), g = a·softplus(alpha + dt_bias) ≤ 0 (qwen35moe.md §6.4).
+pub fn delta_prep(s: &DeltaPrep, a: &[f32], dt_bias: &[f32], cu: &Mat, b: &Mat, alpha: &Mat) -> DeltaIn {
+    let (nk, dk) = (s.n_k_head, s.d_k);
+    let mut q = cu.cols(0, nk * dk);
+    let mut k = cu.cols(nk * dk, nk * dk);
+    let v = cu.cols(2 * nk * dk, s.n_v_head * s.d_v);
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for head in q.data.chunks_exact_mut(dk) {
+        l2_norm(head, s.eps);
+        head.iter_mut().for_each(|x| *x *= q_scale);
+    }
+    for head in k.data.chunks_exact_mut(dk) {
+        l2_norm(head, s.eps);
+    }
+    let mut beta = b.clone();
+    beta.data.iter_mut().for_each(|x| *x = sigmoid(*x));
+    let mut g = alpha.clone();
+    for t in 0..g.n {
+        for (h, x) in g.row_mut(t).iter_mut().enumerate() {
+            *x = a[h] * softplus(*x + dt_bias[h]);
+        }
+    }
+    DeltaIn { q, k, v, g, beta }
+}
+
+/// The smallest normal f16: llama.cpp clamps the routing weights' sum to it before
+/// renormalising (qwen35moe.md §6.6).
+pub const ROUTE_SUM_MIN: f32 = 6.103_515_6e-5;
+
+/// [`crate::Ops::route`]: softmax over all experts (f64 sum), the `k` largest (ties to the lower
+/// id, largest first), weights renormalised by their sum (clamped to [`ROUTE_SUM_MIN`]).
+pub fn route(logits: &Mat, k: usize) -> Routing {
+    let k = k.min(logits.d);
+    let mut ids = Vec::with_capacity(logits.n * k);
+    let mut weights = Vec::with_capacity(logits.n * k);
+    let mut p = vec![0f32; logits.d];
+    let mut sel = vec![0usize; k];
+    for t in 0..logits.n {
+        softmax(logits.row(t), &mut p);
+        top_k(&p, &mut sel);
+        let sum: f32 = sel.iter().map(|&e| p[e]).sum();
+        let norm = sum.max(ROUTE_SUM_MIN);
+        for &e in &sel {
+            ids.push(ExpertId(e as u16));
+            weights.push(p[e] / norm);
+        }
+    }
+    Routing { n_tok: logits.n, k, ids, weights }
+}
+
+/// Softmax of one row, the sum in f64.
+pub fn softmax(x: &[f32], out: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    out.iter_mut().zip(x).for_each(|(o, v)| *o = (v - m).exp());
+    let s: f64 = out.iter().map(|v| *v as f64).sum();
+    out.iter_mut().for_each(|v| *v = (*v as f64 / s) as f32);
+}
+
+/// The `sel.len()` largest entries of `p`, largest first, ties to the lower index (the order a
+/// stable descending sort gives).
+pub fn top_k(p: &[f32], sel: &mut [usize]) {
+    if sel.is_empty() {
+        return;
+    }
+    let mut n = 0;
+    for (e, &v) in p.iter().enumerate() {
+        if n == sel.len() && p[sel[n - 1]].total_cmp(&v).is_ge() {
+            continue;
+        }
+        let mut i = n.min(sel.len() - 1);
+        while i > 0 && p[sel[i - 1]].total_cmp(&v).is_lt() {
+            sel[i] = sel[i - 1];
+            i -= 1;
+        }
+        sel[i] = e;
+        n = (n + 1).min(sel.len());
+    }
+}
+
+/// Tokens (rows of x) and their weights for one expert.
+pub type TokenWeights = Vec<(usize, f32)>;
+
+/// The token lists of a MoE call: per used expert (increasing id) its tokens and weights, then
+/// the shared expert with sigmoid(shared_gate[t]) for every token. [`moe_slots`] pairs them
+/// with the expert weights.
+pub fn moe_tokens(routing: &Routing, n_expert: usize, shared_gate: &Mat) -> (Vec<(ExpertId, TokenWeights)>, TokenWeights) {
+    let routed = routing
+        .per_expert(n_expert)
+        .into_iter()
+        .enumerate()
+        .filter(|(_, toks)| !toks.is_empty())
+        .map(|(e, toks)| (ExpertId(e as u16), toks))
+        .collect();
+    let shared = (0..shared_gate.n).map(|t| (t, sigmoid(shared_gate.row(t)[0]))).collect();
+    (routed, shared)
 }

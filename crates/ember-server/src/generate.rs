@@ -120,7 +120,7 @@ impl Run {
             ember_engine::Error::PromptTooLong { .. } | ember_engine::Error::EmptyPrompt | ember_engine::Error::Config { .. } => {
                 ApiError::invalid(e.to_string())
             }
-            ember_engine::Error::Stopped | ember_engine::Error::Backend(_) => {
+            ember_engine::Error::Stopped | ember_engine::Error::Backend(_) | ember_engine::Error::Sequence { .. } => {
                 tracing::error!("submitting to the engine: {e}");
                 ApiError::internal("the engine is not running")
             }

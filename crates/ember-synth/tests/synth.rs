@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ember_cpu::{CpuOps, Precision};
 use ember_gguf::{GgmlType, GgufFile};
 use ember_model::{Forward, Logits, Model, SeqState};
-use ember_ops::{KvType, Mat};
+use ember_ops::{KvType, Mat, Ops};
 use ember_synth::{Plan, Recipe, Shape, SynthOptions};
 
 fn vocab() -> GgufFile {
@@ -113,7 +113,8 @@ pub fn probe(path: &Path, text: &str, n_tok: usize) -> Probe {
         ids.extend_from_within(..);
     }
     ids.truncate(n_tok);
-    let ops = CpuOps::new(Precision::Fast, 0);
+    let mut ops = CpuOps::new(Precision::Fast, 0);
+    ops.register(model.weights().clone()).unwrap();
     let mut st = SeqState::new(&c, ids.len() + 1, KvType::F16).unwrap();
     let mut hs: Vec<Mat> = Vec::new();
     let logits = {

@@ -1,8 +1,13 @@
 use std::sync::{Mutex, MutexGuard};
 
 use ember_gguf::{GgmlType, quant};
-use ember_ops::reference;
-use ember_ops::{AttnShape, DeltaShape, Gate, KvRows, Mat, MoeSlot, Ops, WeightView};
+use std::sync::Arc;
+
+use ember_ops::host::moe_via;
+use ember_ops::{
+    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, LayerIdx, Mat, MoeSlot, OpError, OpResult, Ops,
+    Registry, Routing, WeightId, WeightSet, WeightView, check, reference,
+};
 
 use crate::kernels::{self, ActRow};
 use crate::panel::{self, Panel};
@@ -44,6 +49,7 @@ pub struct CpuOps {
     isa: Isa,
     pool: Pool,
     scratch: Mutex<Scratch>,
+    weights: Registry,
 }
 
 impl std::fmt::Debug for CpuOps {
@@ -106,7 +112,7 @@ impl CpuOps {
         let n_threads = if n_threads == 0 { crate::physical_cores() } else { n_threads };
         crate::alloc::keep_freed_memory();
         let isa = if Isa::available().contains(&isa) { isa } else { Isa::Scalar };
-        CpuOps { precision, isa, pool: Pool::new(n_threads), scratch: Mutex::new(Scratch::default()) }
+        CpuOps { precision, isa, pool: Pool::new(n_threads), scratch: Mutex::new(Scratch::default()), weights: Registry::new(DEV) }
     }
 
     pub fn n_threads(&self) -> usize {
@@ -435,16 +441,11 @@ fn transpose_into(yt: &[f32], n: usize, rows: usize) -> Mat {
     y
 }
 
-impl Ops for CpuOps {
-    fn name(&self) -> &'static str {
-        match self.precision {
-            Precision::Exact => "cpu-exact",
-            Precision::Fast => "cpu",
-            Precision::BatchInvariant => "cpu-invariant",
-        }
-    }
-
-    fn matmul(&self, w: &WeightView, x: &Mat) -> Mat {
+/// The host-side API: ops on weight views and plain slices, for benches, tests and the CPU
+/// half of a split (hybrid) backend. The [`Ops`] impl below resolves ids and calls these.
+impl CpuOps {
+    /// `y[t] = W·x[t]` (shapes checked by the caller).
+    pub fn matmul_view(&self, w: &WeightView, x: &Mat) -> Mat {
         assert_eq!(x.d, w.k, "matmul: x has {} columns, weight rows have {}", x.d, w.k);
         if x.n == 0 || w.n_rows == 0 {
             return Mat::zeros(x.n, w.n_rows);
@@ -455,17 +456,19 @@ impl Ops for CpuOps {
         with_kernels!(self.isa, |k| self.matmul_many_fast(k, std::slice::from_ref(w), x).pop().expect("one weight, one output"))
     }
 
-    fn matmul_many(&self, ws: &[WeightView], x: &Mat) -> Vec<Mat> {
+    /// `[W_i·x]`, `x` quantised once.
+    pub fn matmul_views(&self, ws: &[WeightView], x: &Mat) -> Vec<Mat> {
         for w in ws {
             assert_eq!(x.d, w.k, "matmul_many: x has {} columns, weight rows have {}", x.d, w.k);
         }
         if self.precision == Precision::Exact || x.n == 0 {
-            return ws.iter().map(|w| self.matmul(w, x)).collect();
+            return ws.iter().map(|w| self.matmul_view(w, x)).collect();
         }
         with_kernels!(self.isa, |k| self.matmul_many_fast(k, ws, x))
     }
 
-    fn moe(&self, slots: &[MoeSlot], x: &Mat) -> Mat {
+    /// The MoE over routed slots (see [`ember_ops::reference::moe`]).
+    pub fn moe_slots(&self, slots: &[MoeSlot], x: &Mat) -> Mat {
         let fusable = self.precision != Precision::Exact
             && !slots.is_empty()
             && slots.len() <= MAX_SLOTS
@@ -480,7 +483,7 @@ impl Ops for CpuOps {
                     && !s.tokens.is_empty()
             });
         if !fusable || x.n == 0 {
-            return reference::moe(|w, x| self.matmul(w, x), slots, x);
+            return reference::moe(|w, x| self.matmul_view(w, x), slots, x);
         }
         with_kernels!(self.isa, |k| self.moe_fast(k, slots, x))
     }
@@ -489,7 +492,7 @@ impl Ops for CpuOps {
     /// per token): on the CPU it costs about what the chunked form does (~49k vs ~67k
     /// multiply-adds per head and token at d = 128, C = 64) without its O(C²) temporaries; the
     /// two forms differ only by rounding (qwen35moe.md §6.5). Exact precision honours `chunked`.
-    fn rms_norm(&self, x: &Mat, weight: &[f32], eps: f32) -> Mat {
+    pub fn rms_norm_vec(&self, x: &Mat, weight: &[f32], eps: f32) -> Mat {
         if self.precision == Precision::Exact {
             return reference::rms_norm(x, weight, eps);
         }
@@ -517,7 +520,7 @@ impl Ops for CpuOps {
 
     /// Split across the workers for prompts, with the vectorised exp (a prompt's gates were
     /// ~2 % of its time on one thread through libm).
-    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) {
+    pub fn gate_mat(&self, y: &mut Mat, g: &Mat, act: Gate) {
         if self.precision == Precision::Exact {
             return reference::gate(y, g, act);
         }
@@ -552,7 +555,7 @@ impl Ops for CpuOps {
 
     /// SiLU with the vectorised exp; prompts with the taps transposed once per call and tokens
     /// split across workers, decode (and batch-invariant precision) with the stored taps.
-    fn conv1d_silu(&self, x: &Mat, w: &[f32], state: &mut [f32]) -> Mat {
+    pub fn conv1d_silu_vec(&self, x: &Mat, w: &[f32], state: &mut [f32]) -> Mat {
         let c = x.d;
         let kernel = w.len() / c.max(1);
         if self.precision == Precision::Exact || kernel == 0 || state.len() != (kernel - 1) * c {
@@ -618,14 +621,15 @@ impl Ops for CpuOps {
         out
     }
 
-    fn gated_delta_rule(&self, s: DeltaShape, q: &Mat, k: &Mat, v: &Mat, g: &Mat, beta: &Mat, state: &mut [f32], chunked: bool) -> Mat {
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule_mats(&self, s: DeltaShape, q: &Mat, k: &Mat, v: &Mat, g: &Mat, beta: &Mat, state: &mut [f32], chunked: bool) -> Mat {
         if self.precision == Precision::Exact {
             return self.gated_delta_rule_par(s, q, k, v, g, beta, state, chunked);
         }
         with_kernels!(self.isa, |kn| self.delta_fast(kn, s, q, k, v, g, beta, state))
     }
 
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> Mat {
+    pub fn attention_rows(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> Mat {
         if self.precision != Precision::Exact && s.n_head.is_multiple_of(s.n_head_kv) {
             return with_kernels!(self.isa, |kn| self.attention_fast(kn, s, q, k, v));
         }
@@ -645,5 +649,129 @@ impl Ops for CpuOps {
             reference::scatter_head(&mut out, n, s.head_dim, o);
         }
         out
+    }
+}
+
+const DEV: DeviceId = DeviceId::Host;
+
+impl Ops for CpuOps {
+    fn name(&self) -> &'static str {
+        match self.precision {
+            Precision::Exact => "cpu-exact",
+            Precision::Fast => "cpu",
+            Precision::BatchInvariant => "cpu-invariant",
+        }
+    }
+
+    fn device(&self) -> DeviceId {
+        DEV
+    }
+
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        self.weights.set(weights);
+        Ok(())
+    }
+
+    fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
+        const OP: &str = "get_rows";
+        check::get_rows(OP, DEV, self.weights.info(OP, w)?, ids)?;
+        Ok(reference::get_rows(&self.weights.view(OP, w)?, ids))
+    }
+
+    fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat> {
+        const OP: &str = "matmul";
+        check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
+        Ok(self.matmul_view(&self.weights.view(OP, w)?, x))
+    }
+
+    fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>> {
+        const OP: &str = "matmul_many";
+        let mut views = Vec::with_capacity(ws.len());
+        for &w in ws {
+            check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
+            views.push(self.weights.view(OP, w)?);
+        }
+        Ok(self.matmul_views(&views, x))
+    }
+
+    fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat> {
+        const OP: &str = "rms_norm";
+        let w = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, DEV, x, w.len())?;
+        Ok(self.rms_norm_vec(x, w, eps))
+    }
+
+    fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
+        check::same("add", DEV, h, x)?;
+        reference::add(h, x);
+        Ok(())
+    }
+
+    /// The split and RoPE as in the reference; the norms through [`CpuOps::rms_norm_vec`].
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+        const OP: &str = "attn_prep";
+        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
+        check::attn_prep(OP, DEV, &s, (qn.len(), kn.len()), qg, k, pos)?;
+        let (hd, nh) = (s.head_dim, s.n_head);
+        let (mut q, mut gate) = (Mat::zeros(qg.n, nh * hd), Mat::zeros(qg.n, nh * hd));
+        for ((head, qh), gh) in qg.data.chunks_exact(2 * hd).zip(q.data.chunks_exact_mut(hd)).zip(gate.data.chunks_exact_mut(hd)) {
+            qh.copy_from_slice(&head[..hd]);
+            gh.copy_from_slice(&head[hd..]);
+        }
+        let mut q = self.rms_norm_vec(&q, qn, s.eps);
+        let mut k = self.rms_norm_vec(k, kn, s.eps);
+        reference::rope_at(&mut q, hd, s.n_rot, pos, s.rope_base);
+        reference::rope_at(&mut k, hd, s.n_rot, pos, s.rope_base);
+        Ok(AttnIn { q, gate, k })
+    }
+
+    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
+        const OP: &str = "kv_append";
+        check::kv_append(OP, DEV, cache, rows)?;
+        cache.push(rows).map_err(|e| OpError::new(OP, DEV, format!("{}x{}", rows.n, rows.d), e.to_string()))
+    }
+
+    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
+        check::attention("attention", DEV, &s, q, k, v)?;
+        Ok(self.attention_rows(s, q, k, v))
+    }
+
+    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
+        const OP: &str = "conv1d_silu";
+        let w = self.weights.vector(OP, w)?;
+        check::conv(OP, DEV, x, w.len(), state.len())?;
+        Ok(self.conv1d_silu_vec(x, w, state))
+    }
+
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+        const OP: &str = "delta_prep";
+        let (a, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
+        Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
+    }
+
+    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
+        check::delta_rule("gated_delta_rule", DEV, &s, x, state.len())?;
+        Ok(self.delta_rule_mats(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state, chunked))
+    }
+
+    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()> {
+        check::gate("gate", DEV, y, g, act)?;
+        self.gate_mat(y, g, act);
+        Ok(())
+    }
+
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+        check::route("route", DEV, logits, k)?;
+        Ok(reference::route(logits, k))
+    }
+
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+        moe_via("moe", &self.weights, layer, x, routing, shared_gate, |slots, x| Ok(self.moe_slots(slots, x)))
+    }
+
+    fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
+        check::select_rows("select_rows", DEV, x, rows)?;
+        Ok(reference::select_rows(x, rows))
     }
 }

@@ -145,7 +145,7 @@ impl CpuOps {
                 let npos = s.pos0 + t + 1;
                 let qs = &q.row(t)[m * gw..(m + 1) * gw]; // the g query heads of KV head m
                 if kc.ty == KvType::F16 && vc.ty == KvType::F16 {
-                    let io = AttnIo { q: qs, k: &kc.bytes, v: &vc.bytes, rb: kc.row_bytes(), off: m * hd, npos, hd, scale: s.scale };
+                    let io = AttnIo { q: qs, k: kc.pages(), v: vc.pages(), rb: kc.row_bytes(), off: m * hd, npos, hd, scale: s.scale };
                     if kn.attn_f16(&io, &mut scores, o) {
                         continue;
                     }
@@ -186,10 +186,7 @@ impl CpuOps {
 #[inline]
 fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
     match c.ty {
-        KvType::F16 => {
-            let rb = c.row_bytes();
-            kn.f16_to_f32(&c.bytes[p * rb + 2 * start..p * rb + 2 * (start + out.len())], out);
-        }
+        KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
         _ => c.read(p, start, out),
     }
 }

@@ -229,16 +229,17 @@ const ATTN_BLOCK: usize = 512;
 /// SAFETY (caller): bounds as checked in `attn_f16`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
-    let AttnIo { q, k, v, rb, off, npos, hd, scale } = *io;
+    let AttnIo { q, npos, hd, scale, .. } = *io;
     let f16x16 = |b: &[u8], at: usize| -> __m512 {
-        // SAFETY: the caller checked that every head slice (hd f16) is inside the cache.
+        assert!(at + 32 <= b.len());
+        // SAFETY: 32 bytes from `at` lie inside `b` (asserted).
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
     };
     for p in 0..npos {
-        let base = p * rb + 2 * off;
+        let kr = io.k_row(p); // hd f16
         let mut acc = [_mm512_setzero_ps(); NH];
         for c in 0..hd / 16 {
-            let kc = f16x16(k, base + 32 * c);
+            let kc = f16x16(kr, 32 * c);
             for (n, a) in acc.iter_mut().enumerate() {
                 *a = _mm512_fmadd_ps(kc, ld512ps(q, n * hd + 16 * c), *a);
             }
@@ -256,11 +257,16 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
     out[..NH * hd].fill(0.0);
     for b0 in (0..npos).step_by(ATTN_BLOCK) {
         let b1 = (b0 + ATTN_BLOCK).min(npos);
+        // The block's V rows, looked up in the page table once.
+        let mut vrows: [&[u8]; ATTN_BLOCK] = [&[]; ATTN_BLOCK];
+        for p in b0..b1 {
+            vrows[p - b0] = io.v_row(p);
+        }
         for c in 0..hd / 32 {
             let mut acc = [[_mm512_setzero_ps(); 2]; NH];
             for p in b0..b1 {
-                let at = p * rb + 2 * (off + 32 * c);
-                let (v0, v1) = (f16x16(v, at), f16x16(v, at + 32));
+                let vr = vrows[p - b0];
+                let (v0, v1) = (f16x16(vr, 64 * c), f16x16(vr, 64 * c + 32));
                 for (n, a) in acc.iter_mut().enumerate() {
                     let s = _mm512_set1_ps(scores[n * npos + p]);
                     a[0] = _mm512_fmadd_ps(s, v0, a[0]);

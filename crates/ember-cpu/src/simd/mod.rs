@@ -16,6 +16,7 @@
 //! 256-bit vector holds one block, and decode is bound by memory, not by vector width.
 
 use ember_gguf::GgmlType;
+use ember_ops::{KV_PAGE, KvPage};
 
 use crate::kernels::{self, ActRow};
 use crate::panel::{self, Panel};
@@ -256,18 +257,35 @@ impl<'a> DeltaIo<'a> {
 }
 
 /// The inputs of [`Kernels::attn_f16`]: the `q.len() / hd` query heads `q` (`[head][hd]`) that
-/// share one KV head, and positions 0..npos of the f16 caches `k`, `v`, where position p's
-/// values for this KV head start at byte `p·rb + 2·off`.
+/// share one KV head, and positions 0..npos of the f16 caches `k`, `v` (page tables of
+/// [`KV_PAGE`] rows of `rb` bytes), where position p's values for this KV head start at byte
+/// `(p % KV_PAGE)·rb + 2·off` of page `p / KV_PAGE`.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnIo<'a> {
     pub q: &'a [f32],
-    pub k: &'a [u8],
-    pub v: &'a [u8],
+    pub k: &'a [KvPage],
+    pub v: &'a [KvPage],
     pub rb: usize,
     pub off: usize,
     pub npos: usize,
     pub hd: usize,
     pub scale: f32,
+}
+
+impl AttnIo<'_> {
+    /// The `hd` f16 values of position `p` for this KV head in the K cache.
+    #[inline]
+    pub fn k_row(&self, p: usize) -> &[u8] {
+        let at = (p % KV_PAGE) * self.rb + 2 * self.off;
+        &self.k[p / KV_PAGE][at..at + 2 * self.hd]
+    }
+
+    /// As [`AttnIo::k_row`], in the V cache.
+    #[inline]
+    pub fn v_row(&self, p: usize) -> &[u8] {
+        let at = (p % KV_PAGE) * self.rb + 2 * self.off;
+        &self.v[p / KV_PAGE][at..at + 2 * self.hd]
+    }
 }
 
 /// The checks and head grouping shared by the [`Kernels::attn_f16`] kernels: after checking
@@ -286,9 +304,10 @@ pub(crate) fn attn_f16_groups(
         return false;
     }
     assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos);
-    // Every position's head slice lies inside both caches.
-    let last = (npos - 1) * rb + 2 * (off + hd);
-    assert!(k.len() >= last && v.len() >= last && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
+    // Every position's head slice lies inside both caches (k_row / v_row also check).
+    let n_pages = npos.div_ceil(KV_PAGE);
+    let whole = |pages: &[KvPage]| pages.len() >= n_pages && pages[..n_pages].iter().all(|pg| pg.len() >= KV_PAGE * rb);
+    assert!(whole(k) && whole(v) && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
     let mut h0 = 0;
     while h0 < heads {
         let nh = (heads - h0).min(8);

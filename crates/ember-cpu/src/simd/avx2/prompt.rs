@@ -17,20 +17,21 @@ const ATTN_BLOCK: usize = 512;
 /// SAFETY (caller): bounds as checked in `attn_f16`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
-    let AttnIo { q, k, v, rb, off, npos, hd, scale } = *io;
+    let AttnIo { q, npos, hd, scale, .. } = *io;
     // The loops below index q and scores through pointers (a bounds check per 8-float load
     // cost more than the FMA it guards): q holds NH·hd values, scores NH·npos.
     assert!(q.len() >= NH * hd && scores.len() >= NH * npos && hd.is_multiple_of(8));
     let f16x8 = |b: &[u8], at: usize| -> __m256 {
-        // SAFETY: the caller checked that every head slice (hd f16) is inside the cache.
+        assert!(at + 16 <= b.len());
+        // SAFETY: 16 bytes from `at` lie inside `b` (asserted).
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) })
     };
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
     for p in 0..npos {
-        let base = p * rb + 2 * off;
+        let kr = io.k_row(p); // hd f16
         let mut acc = [_mm256_setzero_ps(); NH];
         for c in 0..hd / 8 {
-            let kc = f16x8(k, base + 16 * c);
+            let kc = f16x8(kr, 16 * c);
             for (n, a) in acc.iter_mut().enumerate() {
                 // SAFETY: n·hd + 8c + 8 ≤ NH·hd ≤ q.len() (asserted above).
                 *a = _mm256_fmadd_ps(kc, unsafe { _mm256_loadu_ps(qp.add(n * hd + 8 * c)) }, *a);
@@ -52,10 +53,15 @@ pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [
     let sp = scores.as_ptr();
     for b0 in (0..npos).step_by(ATTN_BLOCK) {
         let b1 = (b0 + ATTN_BLOCK).min(npos);
+        // The block's V rows, looked up in the page table once.
+        let mut vrows: [&[u8]; ATTN_BLOCK] = [&[]; ATTN_BLOCK];
+        for p in b0..b1 {
+            vrows[p - b0] = io.v_row(p);
+        }
         for c in 0..hd / 8 {
             let mut acc = [_mm256_setzero_ps(); NH];
             for p in b0..b1 {
-                let vv = f16x8(v, p * rb + 2 * (off + 8 * c));
+                let vv = f16x8(vrows[p - b0], 16 * c);
                 for (n, a) in acc.iter_mut().enumerate() {
                     // SAFETY: n·npos + p < NH·npos ≤ scores.len() (asserted above).
                     *a = _mm256_fmadd_ps(_mm256_set1_ps(unsafe { *sp.add(n * npos + p) }), vv, *a);

@@ -1,0 +1,172 @@
+//! [`HostOps`]: every op as written in [`crate::reference`], on one thread. The reference
+//! backend that the conformance suite ([`crate::conformance`]) runs every other backend against.
+
+use std::sync::Arc;
+
+use crate::{
+    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, LayerIdx, Mat, MoeSlot, OpError, OpResult, Ops,
+    Registry, Routing, WeightId, WeightSet,
+};
+use crate::{check, reference};
+
+const DEV: DeviceId = DeviceId::Host;
+
+#[derive(Debug, Default, Clone)]
+pub struct HostOps {
+    weights: Registry,
+}
+
+impl HostOps {
+    pub fn new() -> Self {
+        HostOps { weights: Registry::new(DEV) }
+    }
+
+    /// A reference backend with `weights` registered.
+    pub fn with_weights(weights: Arc<WeightSet>) -> Self {
+        let mut h = HostOps::new();
+        h.weights.set(weights);
+        h
+    }
+}
+
+/// The MoE of `layer` as expert slots (routed experts by increasing id, then the shared one),
+/// computed by `matmul`: shared by the host backends so they sum in the same order.
+pub fn moe_via(
+    op: &'static str,
+    reg: &Registry,
+    layer: LayerIdx,
+    x: &Mat,
+    routing: &Routing,
+    shared_gate: &Mat,
+    run: impl FnOnce(&[MoeSlot], &Mat) -> OpResult<Mat>,
+) -> OpResult<Mat> {
+    let m = reg.moe(op, layer)?;
+    check::moe(op, reg_device(reg), x, routing, shared_gate, m.n_expert)?;
+    let (routed, shared) = reference::moe_tokens(routing, m.n_expert, shared_gate);
+    let mut slots = Vec::with_capacity(routed.len() + 1);
+    for (e, toks) in &routed {
+        slots.push(MoeSlot { expert: reg.expert(op, layer, *e)?, tokens: toks });
+    }
+    slots.push(MoeSlot { expert: reg.shared_expert(op, layer)?, tokens: &shared });
+    let d = slots[0].expert.down.n_rows;
+    for s in &slots {
+        let e = &s.expert;
+        if e.gate.k != x.d || e.up.k != x.d || e.gate.n_rows != e.up.n_rows || e.down.k != e.gate.n_rows || e.down.n_rows != d {
+            return Err(OpError::new(op, reg_device(reg), format!("x {}x{}, {layer}", x.n, x.d), "expert shapes do not chain"));
+        }
+    }
+    run(&slots, x)
+}
+
+fn reg_device(_reg: &Registry) -> DeviceId {
+    DEV
+}
+
+impl Ops for HostOps {
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+
+    fn device(&self) -> DeviceId {
+        DEV
+    }
+
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        self.weights.set(weights);
+        Ok(())
+    }
+
+    fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
+        const OP: &str = "get_rows";
+        check::get_rows(OP, DEV, self.weights.info(OP, w)?, ids)?;
+        Ok(reference::get_rows(&self.weights.view(OP, w)?, ids))
+    }
+
+    fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat> {
+        const OP: &str = "matmul";
+        check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
+        Ok(reference::matmul(&self.weights.view(OP, w)?, x))
+    }
+
+    fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>> {
+        const OP: &str = "matmul_many";
+        for &w in ws {
+            check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
+        }
+        ws.iter().map(|&w| self.matmul(w, x)).collect()
+    }
+
+    fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat> {
+        const OP: &str = "rms_norm";
+        let w = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, DEV, x, w.len())?;
+        Ok(reference::rms_norm(x, w, eps))
+    }
+
+    fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
+        check::same("add", DEV, h, x)?;
+        reference::add(h, x);
+        Ok(())
+    }
+
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+        const OP: &str = "attn_prep";
+        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
+        check::attn_prep(OP, DEV, &s, (qn.len(), kn.len()), qg, k, pos)?;
+        Ok(reference::attn_prep(&s, qn, kn, qg, k, pos))
+    }
+
+    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
+        const OP: &str = "kv_append";
+        check::kv_append(OP, DEV, cache, rows)?;
+        cache.push(rows).map_err(|e| OpError::new(OP, DEV, format!("{}x{}", rows.n, rows.d), e.to_string()))
+    }
+
+    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
+        check::attention("attention", DEV, &s, q, k, v)?;
+        Ok(reference::attention(s, q, k, v))
+    }
+
+    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
+        const OP: &str = "conv1d_silu";
+        let w = self.weights.vector(OP, w)?;
+        check::conv(OP, DEV, x, w.len(), state.len())?;
+        Ok(reference::conv1d_silu(x, w, state))
+    }
+
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+        const OP: &str = "delta_prep";
+        let (a, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
+        Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
+    }
+
+    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
+        check::delta_rule("gated_delta_rule", DEV, &s, x, state.len())?;
+        Ok(if chunked {
+            reference::delta_rule_chunked(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state)
+        } else {
+            reference::delta_rule_recurrent(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state)
+        })
+    }
+
+    fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()> {
+        check::gate("gate", DEV, y, g, act)?;
+        reference::gate(y, g, act);
+        Ok(())
+    }
+
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+        check::route("route", DEV, logits, k)?;
+        Ok(reference::route(logits, k))
+    }
+
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+        moe_via("moe", &self.weights, layer, x, routing, shared_gate, |slots, x| Ok(reference::moe(reference::matmul, slots, x)))
+    }
+
+    fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
+        check::select_rows("select_rows", DEV, x, rows)?;
+        Ok(reference::select_rows(x, rows))
+    }
+}
