@@ -11,8 +11,8 @@ use ember_cpu::{CpuOps, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{Forward, Logits, Model, SeqState};
 use ember_ops::{
-    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, KvType, LayerIdx, Mat, OpResult, Ops, Routing,
-    WeightId, WeightSet,
+    AttnHeads, AttnIn, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvCache, KvType, LayerIdx, Mat, OpResult, Ops,
+    Routing, SeqSpan, WeightId, WeightSet,
 };
 
 /// Wraps the backend and adds up the time of each op (`EMBER_PROFILE=1`).
@@ -94,20 +94,20 @@ impl Ops for Timed {
     fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
         self.time(|| "attn_prep".into(), || self.inner.attn_prep(s, qg, k, pos))
     }
-    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
-        self.time(|| "kv_append".into(), || self.inner.kv_append(cache, rows))
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
+        self.time(|| "kv_append".into(), || self.inner.kv_append(spans, k, v, caches))
     }
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
-        self.time(|| "attention".into(), || self.inner.attention(s, q, k, v))
+    fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat> {
+        self.time(|| "attention".into(), || self.inner.attention(h, spans, q, caches))
     }
-    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
-        self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(x, w, state))
+    fn conv1d_silu(&self, spans: &[SeqSpan], x: &Mat, w: WeightId, states: &mut [&mut [f32]]) -> OpResult<Mat> {
+        self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(spans, x, w, states))
     }
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
         self.time(|| "delta_prep".into(), || self.inner.delta_prep(s, cu, b, alpha))
     }
-    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
-        self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(s, x, state, chunked))
+    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+        self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(h, spans, x, states, mode))
     }
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
         self.time(|| "select_rows".into(), || self.inner.select_rows(x, rows))

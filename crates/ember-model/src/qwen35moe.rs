@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use std::borrow::Cow;
-
 use ember_gguf::GgufFile;
+pub use ember_ops::DeltaMode;
 use ember_ops::{
-    AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, Gate, GateUp, LayerIdx, Mat, MoeWeights, Ops, Routing, WeightId, WeightSet,
+    AttnHeads, AttnPrep, DeltaHeads, DeltaPrep, Gate, GateUp, KvCache, LayerIdx, Mat, MoeWeights, Ops, Routing, SeqSpan, WeightId,
+    WeightSet,
 };
 
 use crate::state::LayerState;
@@ -20,16 +20,6 @@ pub enum Logits {
     All,
     Last,
     None,
-}
-
-/// Which form of the delta rule a multi-token batch uses (one token is always recurrent).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DeltaMode {
-    /// Chunked (§6.5) for batches of more than one token.
-    #[default]
-    Auto,
-    Recurrent,
-    Chunked,
 }
 
 /// Options of one forward call; `tap` sees named intermediates (for diffing against HF dumps):
@@ -214,15 +204,10 @@ impl Model {
             self.check_batch(s.tokens, s.state)
                 .map_err(|e| if seqs.len() == 1 { e } else { Error::InSequence { index, source: Box::new(e) } })?;
         }
-        let mut spans = Vec::with_capacity(seqs.len()); // (first row, n_tok, pos0, chunked)
+        let mut spans = Vec::with_capacity(seqs.len()); // the step's batch: one span per sequence
         let mut all_tokens = Vec::new();
         for s in seqs.iter() {
-            let chunked = match delta {
-                DeltaMode::Auto => s.tokens.len() > 1,
-                DeltaMode::Recurrent => false,
-                DeltaMode::Chunked => true,
-            };
-            spans.push(Span { row0: all_tokens.len(), n: s.tokens.len(), pos0: s.state.n_past, chunked });
+            spans.push(SeqSpan { row0: all_tokens.len(), n: s.tokens.len(), pos0: s.state.n_past });
             all_tokens.extend_from_slice(s.tokens);
         }
         let tapping = tap.is_some();
@@ -238,7 +223,7 @@ impl Model {
             let x = ops.rms_norm(&h, layer.attn_norm, c.rms_eps)?;
             let mut states: Vec<&mut LayerState> = seqs.iter_mut().map(|s| &mut s.state.layers[i]).collect();
             let m = match &layer.mixer {
-                Mixer::DeltaNet(dn) => dn.forward(c, ops, &x, &spans, &mut states)?,
+                Mixer::DeltaNet(dn) => dn.forward(c, ops, &x, &spans, &mut states, delta)?,
                 Mixer::Attention(at) => at.forward(c, ops, &x, &spans, &mut states)?,
             };
             ops.add(&mut h, &m)?; // [ΣT, D]
@@ -304,41 +289,15 @@ pub struct SeqBatch<'a> {
     pub logits: Logits,
 }
 
-/// Where a sequence's tokens sit in the batch.
-struct Span {
-    row0: usize,
-    n: usize,
-    pos0: usize,
-    chunked: bool,
-}
-
-/// The rows of span `sp` of `m`: `m` itself when the span is the whole batch (one sequence,
-/// the common case), else a copy.
-fn span_rows<'a>(m: &'a Mat, sp: &Span) -> Cow<'a, Mat> {
-    if sp.row0 == 0 && sp.n == m.n { Cow::Borrowed(m) } else { Cow::Owned(m.rows(sp.row0, sp.n)) }
-}
-
-/// The per-span outputs `parts` stacked into one [n, d] matrix (the single one as it is).
-fn stack(parts: Vec<Mat>, n: usize, d: usize) -> Mat {
-    if parts.len() == 1 && parts[0].n == n {
-        return parts.into_iter().next().expect("one part");
-    }
-    let mut data = Vec::with_capacity(n * d);
-    for p in &parts {
-        data.extend_from_slice(&p.data);
-    }
-    Mat::from_vec(n, d, data)
-}
-
 /// Every token's position: span by span, pos0 + t.
-fn positions(spans: &[Span]) -> Vec<u32> {
+fn positions(spans: &[SeqSpan]) -> Vec<u32> {
     spans.iter().flat_map(|sp| (sp.pos0..sp.pos0 + sp.n).map(|p| p as u32)).collect()
 }
 
 impl Attention {
-    /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; the KV cache and the
-    /// attention itself per sequence.
-    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
+    /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; each sequence appends
+    /// to and attends over its own KV cache.
+    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[SeqSpan], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
         let [qg, k, v]: [Mat; 3] = take(ops.matmul_many(&[self.wq, self.wk, self.wv], x)?); // one pass over x
         // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
@@ -353,44 +312,48 @@ impl Attention {
             k_norm: self.k_norm,
         };
         let a = ops.attn_prep(prep, &qg, &k, &positions(spans))?; // q, gate [ΣT, nh·hd], k normed + rotated
-        let mut parts = Vec::with_capacity(spans.len());
-        for (sp, st) in spans.iter().zip(states.iter_mut()) {
-            let LayerState::Attention { k: kc, v: vc } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            ops.kv_append(kc, &span_rows(&a.k, sp))?;
-            ops.kv_append(vc, &span_rows(&v, sp))?;
-            let shape =
-                AttnShape { n_tok: sp.n, n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, pos0: sp.pos0, scale: 1.0 / (hd as f32).sqrt() };
-            parts.push(ops.attention(shape, &span_rows(&a.q, sp), kc, vc)?); // [T, nh·hd]
-        }
-        let mut o = stack(parts, x.n, nh * hd);
+        let mut caches: Vec<KvCache> = states
+            .iter_mut()
+            .map(|st| match &mut **st {
+                LayerState::Attention { k, v } => KvCache { k, v },
+                LayerState::DeltaNet { .. } => unreachable!("state kinds follow the layer kinds"),
+            })
+            .collect();
+        ops.kv_append(spans, &a.k, &v, &mut caches)?; // every sequence's rows onto its cache
+        let heads = AttnHeads { n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let mut o = ops.attention(heads, spans, &a.q, &caches)?; // [ΣT, nh·hd]
         ops.gate(&mut o, &a.gate, Gate::Sigmoid)?;
         Ok(ops.matmul(self.wo, &o)?) // [ΣT, D]
     }
 }
 
 impl DeltaNet {
-    /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule run
-    /// per sequence on its carried state.
-    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[Span], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
+    /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule
+    /// continue each sequence's carried state.
+    fn forward(
+        &self,
+        c: &Config,
+        ops: &dyn Ops,
+        x: &Mat,
+        spans: &[SeqSpan],
+        states: &mut [&mut LayerState],
+        mode: DeltaMode,
+    ) -> Result<Mat, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
         let [u, z, b, a]: [Mat; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
-        let mut parts = Vec::with_capacity(spans.len());
-        for (sp, st) in spans.iter().zip(states.iter_mut()) {
-            let LayerState::DeltaNet { conv, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            parts.push(ops.conv1d_silu(&span_rows(&u, sp), self.conv, conv)?); // causal conv + SiLU
-        }
-        let cu = stack(parts, u.n, u.d);
+        let (mut convs, mut recs): (Vec<&mut [f32]>, Vec<&mut [f32]>) = states
+            .iter_mut()
+            .map(|st| match &mut **st {
+                LayerState::DeltaNet { conv, s } => (&mut conv[..], &mut s[..]),
+                LayerState::Attention { .. } => unreachable!("state kinds follow the layer kinds"),
+            })
+            .unzip();
+        let cu = ops.conv1d_silu(spans, &u, self.conv, &mut convs)?; // causal conv + SiLU
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
         let din = ops.delta_prep(prep, &cu, &b, &a)?; // q, k (L2-normed), v, g = log-decay, β
-        let mut parts = Vec::with_capacity(spans.len());
-        for (sp, st) in spans.iter().zip(states.iter_mut()) {
-            let LayerState::DeltaNet { s, .. } = &mut **st else { unreachable!("state kinds follow the layer kinds") };
-            let rows: Cow<DeltaIn> = if spans.len() == 1 { Cow::Borrowed(&din) } else { Cow::Owned(din.rows(sp.row0, sp.n)) };
-            let shape = DeltaShape { n_tok: sp.n, n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-            parts.push(ops.gated_delta_rule(shape, &rows, s, sp.chunked)?); // [T, nv·dv]
-        }
-        let o = stack(parts, x.n, nv * dv);
+        let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
+        let o = ops.gated_delta_rule(heads, spans, &din, &mut recs, mode)?; // [ΣT, nv·dv]
         let mut y = ops.rms_norm(&o, self.norm, c.rms_eps)?; // per head, shared weight
         ops.gate(&mut y, &z, Gate::Silu)?;
         Ok(ops.matmul(self.out, &y)?) // [ΣT, D]

@@ -1,7 +1,9 @@
 //! Shape checks shared by every backend, so each op rejects the same inputs with the same
 //! message whatever device runs it.
 
-use crate::{AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, Mat, OpError, OpResult, Routing, WeightInfo};
+use crate::{
+    AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, Mat, OpError, OpResult, Routing, SeqSpan, WeightInfo,
+};
 
 fn dims(m: &Mat) -> String {
     format!("{}x{}", m.n, m.d)
@@ -177,6 +179,31 @@ pub fn moe(op: &'static str, dev: DeviceId, x: &Mat, r: &Routing, shared_gate: &
 pub fn select_rows(op: &'static str, dev: DeviceId, x: &Mat, rows: &[usize]) -> OpResult<()> {
     if let Some(r) = rows.iter().find(|&&r| r >= x.n) {
         return Err(err(op, dev, format!("x {}, {} rows", dims(x), rows.len()), format!("row {r} is out of range")));
+    }
+    Ok(())
+}
+
+/// Spans in row order, covering the `n_rows` rows exactly, one state per span.
+pub fn spans(op: &'static str, dev: DeviceId, spans: &[SeqSpan], n_rows: usize, n_states: usize) -> OpResult<()> {
+    let mut at = 0;
+    for sp in spans {
+        if sp.row0 != at || sp.n == 0 {
+            return Err(err(
+                op,
+                dev,
+                format!("{} spans over {n_rows} rows", spans.len()),
+                format!("span {sp:?} does not start at row {at} or is empty"),
+            ));
+        }
+        at += sp.n;
+    }
+    if at != n_rows || n_states != spans.len() {
+        return Err(err(
+            op,
+            dev,
+            format!("{} spans over {n_rows} rows, {n_states} states", spans.len()),
+            "spans must cover the rows, one state per span".into(),
+        ));
     }
     Ok(())
 }

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, quant};
 
 use crate::{
-    AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, ExpertId, Gate, GateUp, HostOps, KvRows, KvType, LayerIdx, Mat, MoeWeights,
-    OpResult, Ops, Routing, WeightId, WeightSet,
+    AttnHeads, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, ExpertId, Gate, GateUp, HostOps, KvCache, KvRows, KvType, LayerIdx,
+    Mat, MoeWeights, OpResult, Ops, Routing, SeqSpan, WeightId, WeightSet,
 };
 
 /// What a backend claims. Each bound should sit a few times above the error it measured.
@@ -286,51 +286,56 @@ pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances
         }
     }
 
-    // kv_append + attention, per cache type, over a growing cache (decode and prompt steps).
+    // kv_append + attention, per cache type: three sequences growing in steps that mix decode
+    // (one token) and prompt chunks, all sequences of a step in one call.
+    let steps: [[usize; 3]; 5] = [[5, 1, 70], [1, 1, 1], [70, 3, 1], [1, 9, 2], [3, 1, 1]];
     for kv in [KvType::F32, KvType::F16, KvType::Q8_0] {
-        let (nh, nkv, hd) = (8, 2, 64);
-        let (mut kc, mut vc) = (KvRows::new(kv, nkv * hd), KvRows::new(kv, nkv * hd));
-        let (mut kh, mut vh) = (kc.clone(), vc.clone());
-        let mut pos = 0;
-        for n in [5, 1, 70, 1, 3] {
-            let (k, v) = (rng.mat(n, nkv * hd, 1.0), rng.mat(n, nkv * hd, 1.0));
-            ops.kv_append(&mut kc, &k).unwrap_or_else(|e| panic!("kv_append: {e}"));
-            ops.kv_append(&mut vc, &v).unwrap_or_else(|e| panic!("kv_append: {e}"));
-            host.kv_append(&mut kh, &k).unwrap();
-            host.kv_append(&mut vh, &v).unwrap();
-            assert_eq!(kc.len, kh.len, "kv_append {kv:?}: cache lengths differ");
-            for p in 0..kc.len {
-                assert_eq!(kc.row(p), kh.row(p), "kv_append {kv:?}: row {p} differs from the reference");
+        let heads = AttnHeads { n_head: 8, n_head_kv: 2, head_dim: 64, scale: 0.125 };
+        let w = 2 * 64;
+        let mut mine: Vec<(KvRows, KvRows)> = (0..3).map(|_| (KvRows::new(kv, w), KvRows::new(kv, w))).collect();
+        let mut refs = mine.clone();
+        for step in steps {
+            let spans = spans_of(&step, &mine.iter().map(|c| c.0.len).collect::<Vec<_>>());
+            let n: usize = step.iter().sum();
+            let (k, v, q) = (rng.mat(n, w, 1.0), rng.mat(n, w, 1.0), rng.mat(n, 8 * 64, 1.0));
+            let mut caches: Vec<KvCache> = mine.iter_mut().map(|(k, v)| KvCache { k, v }).collect();
+            ops.kv_append(&spans, &k, &v, &mut caches).unwrap_or_else(|e| panic!("kv_append: {e}"));
+            let got = ok("attention", ops.attention(heads, &spans, &q, &caches));
+            let mut rcaches: Vec<KvCache> = refs.iter_mut().map(|(k, v)| KvCache { k, v }).collect();
+            host.kv_append(&spans, &k, &v, &mut rcaches).unwrap();
+            let want = ok("reference attention", host.attention(heads, &spans, &q, &rcaches));
+            for (c, r) in caches.iter().zip(&rcaches) {
+                assert_eq!(c.k.len, r.k.len, "kv_append {kv:?}: cache lengths differ");
+                for p in 0..c.k.len {
+                    assert_eq!((c.k.row(p), c.v.row(p)), (r.k.row(p), r.v.row(p)), "kv_append {kv:?}: row {p} differs from the reference");
+                }
             }
-            let q = rng.mat(n, nh * hd, 1.0);
-            let s = AttnShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, pos0: pos, scale: 0.125 };
-            let got = ok("attention", ops.attention(s, &q, &kc, &vc));
-            check(
-                &mut r,
-                format!("attention {kv:?}"),
-                max_rel(&got.data, &ok("reference attention", host.attention(s, &q, &kh, &vh)).data),
-                tol.rel,
-            );
-            pos += n;
+            check(&mut r, format!("attention {kv:?}"), max_rel(&got.data, &want.data), tol.rel);
         }
     }
 
-    // conv1d_silu with its state carried across calls.
-    let (mut st, mut st_ref) = (vec![0f32; 3 * 40], vec![0f32; 3 * 40]);
-    for n in [1, 2, 9, 1, 70, 3] {
-        let x = rng.mat(n, 40, 1.0);
-        let got = ok("conv1d_silu", ops.conv1d_silu(&x, fx.conv, &mut st));
-        let want = ok("reference conv1d_silu", host.conv1d_silu(&x, fx.conv, &mut st_ref));
+    // conv1d_silu with the states of three sequences carried across steps.
+    let (mut st, mut st_ref) = (vec![vec![0f32; 3 * 40]; 3], vec![vec![0f32; 3 * 40]; 3]);
+    for step in steps {
+        let spans = spans_of(&step, &[0; 3]);
+        let x = rng.mat(step.iter().sum(), 40, 1.0);
+        let mut sm: Vec<&mut [f32]> = st.iter_mut().map(|v| &mut v[..]).collect();
+        let got = ok("conv1d_silu", ops.conv1d_silu(&spans, &x, fx.conv, &mut sm));
+        let mut sr: Vec<&mut [f32]> = st_ref.iter_mut().map(|v| &mut v[..]).collect();
+        let want = ok("reference conv1d_silu", host.conv1d_silu(&spans, &x, fx.conv, &mut sr));
         check(&mut r, "conv1d_silu".into(), max_rel(&got.data, &want.data), tol.rel);
-        check(&mut r, "conv1d_silu state".into(), max_rel(&st, &st_ref), tol.rel);
+        check(&mut r, "conv1d_silu state".into(), max_rel(&st.concat(), &st_ref.concat()), tol.rel);
     }
 
-    // delta_prep, then the delta rule (both forms) with the state carried.
+    // delta_prep, then the delta rule (every form) over three sequences with their states carried.
     let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
+    let dh = DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
     let s_len = 4 * 48 * 32;
-    for chunked in [false, true] {
-        let (mut st, mut st_ref) = (vec![0f32; s_len], vec![0f32; s_len]);
-        for n in [1, 3, 70, 1, 9] {
+    for mode in [DeltaMode::Auto, DeltaMode::Recurrent, DeltaMode::Chunked] {
+        let (mut st, mut st_ref) = (vec![vec![0f32; s_len]; 3], vec![vec![0f32; s_len]; 3]);
+        for step in steps {
+            let spans = spans_of(&step, &[0; 3]);
+            let n = step.iter().sum();
             let cu = rng.mat(n, 2 * 2 * 32 + 4 * 48, 1.0);
             let (b, al) = (rng.mat(n, 4, 3.0), rng.mat(n, 4, 3.0));
             let din: DeltaIn = ops.delta_prep(dp, &cu, &b, &al).unwrap_or_else(|e| panic!("delta_prep: {e}"));
@@ -344,11 +349,12 @@ pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances
             ] {
                 check(&mut r, format!("delta_prep {name}"), max_rel(&g.data, &w.data), tol.rel);
             }
-            let s = DeltaShape { n_tok: n, n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
-            let got = ok("gated_delta_rule", ops.gated_delta_rule(s, &want, &mut st, chunked));
-            let w = ok("reference gated_delta_rule", host.gated_delta_rule(s, &want, &mut st_ref, chunked));
+            let mut sm: Vec<&mut [f32]> = st.iter_mut().map(|v| &mut v[..]).collect();
+            let got = ok("gated_delta_rule", ops.gated_delta_rule(dh, &spans, &want, &mut sm, mode));
+            let mut sr: Vec<&mut [f32]> = st_ref.iter_mut().map(|v| &mut v[..]).collect();
+            let w = ok("reference gated_delta_rule", host.gated_delta_rule(dh, &spans, &want, &mut sr, mode));
             check(&mut r, "gated_delta_rule".into(), max_rel(&got.data, &w.data), tol.rel);
-            check(&mut r, "gated_delta_rule state".into(), max_rel(&st, &st_ref), tol.rel);
+            check(&mut r, "gated_delta_rule state".into(), max_rel(&st.concat(), &st_ref.concat()), tol.rel);
         }
     }
 
@@ -368,6 +374,20 @@ pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances
 
     shape_errors(&*ops, &fx);
     r
+}
+
+/// Spans of `counts` tokens, rows in order, each sequence at position `pos[i]`.
+fn spans_of(counts: &[usize], pos: &[usize]) -> Vec<SeqSpan> {
+    let mut row0 = 0;
+    counts
+        .iter()
+        .zip(pos)
+        .map(|(&n, &pos0)| {
+            let sp = SeqSpan { row0, n, pos0 };
+            row0 += n;
+            sp
+        })
+        .collect()
 }
 
 /// Every op rejects inputs of the wrong shape (or unknown ids) with an error naming the op.
@@ -390,17 +410,24 @@ fn shape_errors(ops: &dyn Ops, fx: &Fixture) {
     let prep =
         AttnPrep { n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 16, rope_base: 1e7, eps: 1e-6, q_norm: fx.norm64, k_norm: fx.norm64 };
     named("attn_prep", ops.attn_prep(prep, &Mat::zeros(2, 4 * 2 * 64), &Mat::zeros(2, 128), &[0]).map(drop));
-    let mut kc = KvRows::new(KvType::F16, 128);
-    named("kv_append", ops.kv_append(&mut kc, &Mat::zeros(1, 64)));
-    let s = AttnShape { n_tok: 1, n_head: 4, n_head_kv: 2, head_dim: 64, pos0: 0, scale: 1.0 };
-    named("attention", ops.attention(s, &Mat::zeros(1, 256), &kc, &kc.clone()).map(drop));
-    named("conv1d_silu", ops.conv1d_silu(&Mat::zeros(1, 40), fx.conv, &mut [0.0; 7]).map(drop));
+    let (mut kc, mut vc) = (KvRows::new(KvType::F16, 128), KvRows::new(KvType::F16, 128));
+    let one = [SeqSpan { row0: 0, n: 1, pos0: 0 }];
+    named("kv_append", ops.kv_append(&one, &Mat::zeros(1, 64), &Mat::zeros(1, 64), &mut [KvCache { k: &mut kc, v: &mut vc }]));
+    named("kv_append", ops.kv_append(&one, &Mat::zeros(2, 128), &Mat::zeros(2, 128), &mut [KvCache { k: &mut kc, v: &mut vc }]));
+    let heads = AttnHeads { n_head: 4, n_head_kv: 2, head_dim: 64, scale: 1.0 };
+    named("attention", ops.attention(heads, &one, &Mat::zeros(1, 256), &[KvCache { k: &mut kc, v: &mut vc }]).map(drop));
+    named("conv1d_silu", ops.conv1d_silu(&one, &Mat::zeros(1, 40), fx.conv, &mut [&mut [0.0; 7][..]]).map(drop));
+    named("conv1d_silu", ops.conv1d_silu(&one, &Mat::zeros(1, 40), fx.conv, &mut []).map(drop));
     let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
     named("delta_prep", ops.delta_prep(dp, &Mat::zeros(1, 10), &Mat::zeros(1, 4), &Mat::zeros(1, 4)).map(drop));
     let z = |d| Mat::zeros(1, d);
     let din = DeltaIn { q: z(64), k: z(64), v: z(192), g: z(4), beta: z(4) };
-    let ds = DeltaShape { n_tok: 1, n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
-    named("gated_delta_rule", ops.gated_delta_rule(ds, &din, &mut [0.0; 10], false).map(drop));
+    let dh = DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
+    named("gated_delta_rule", ops.gated_delta_rule(dh, &one, &din, &mut [&mut [0.0; 10][..]], DeltaMode::Auto).map(drop));
+    let two = [SeqSpan { row0: 0, n: 1, pos0: 0 }, SeqSpan { row0: 2, n: 1, pos0: 0 }];
+    let mut s2 = [vec![0f32; 4 * 48 * 32], vec![0f32; 4 * 48 * 32]];
+    let mut sm: Vec<&mut [f32]> = s2.iter_mut().map(|v| &mut v[..]).collect();
+    named("gated_delta_rule", ops.gated_delta_rule(dh, &two, &din, &mut sm, DeltaMode::Auto).map(drop));
     named("route", ops.route(&Mat::zeros(1, 6), 7).map(drop));
     let routing = Routing { n_tok: 1, k: 1, ids: vec![ExpertId(fx.n_expert as u16)], weights: vec![1.0] };
     named("moe", ops.moe(LayerIdx(0), &Mat::zeros(1, D_MOE), &routing, &Mat::zeros(1, 1)).map(drop));

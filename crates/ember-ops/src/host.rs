@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use crate::{
-    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, LayerIdx, Mat, MoeSlot, OpError, OpResult, Ops,
-    Registry, Routing, WeightId, WeightSet,
+    AttnHeads, AttnIn, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvCache, LayerIdx, Mat, MoeSlot, OpError,
+    OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet,
 };
 use crate::{check, reference};
 
@@ -58,8 +58,43 @@ pub fn moe_via(
     run(&slots, x)
 }
 
+/// Runs `f(i, span, rows)` for every span (`rows`: the span's rows of `x`, borrowed when one span
+/// covers all) and stacks the outputs [ΣT, width]: how host backends run the sequence ops.
+pub fn per_span(spans: &[SeqSpan], x: &Mat, width: usize, mut f: impl FnMut(usize, &SeqSpan, &Mat) -> OpResult<Mat>) -> OpResult<Mat> {
+    if let [sp] = spans {
+        return f(0, sp, x);
+    }
+    let mut out = Mat::zeros(x.n, width);
+    for (i, sp) in spans.iter().enumerate() {
+        let y = f(i, sp, &x.rows(sp.row0, sp.n))?;
+        out.set_rows(sp.row0, &y);
+    }
+    Ok(out)
+}
+
+/// The rows of span `sp` of every input of the delta rule (all of it for one span).
+pub fn delta_rows<'a>(spans: &[SeqSpan], x: &'a DeltaIn, sp: &SeqSpan) -> std::borrow::Cow<'a, DeltaIn> {
+    if spans.len() == 1 { std::borrow::Cow::Borrowed(x) } else { std::borrow::Cow::Owned(x.rows(sp.row0, sp.n)) }
+}
+
 fn reg_device(_reg: &Registry) -> DeviceId {
     DEV
+}
+
+/// [`Ops::kv_append`] on host caches: every sequence's rows pushed in turn.
+pub fn kv_append_each(spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
+    const OP: &str = "kv_append";
+    check::spans(OP, DEV, spans, k.n, caches.len())?;
+    check::same(OP, DEV, k, v)?;
+    for (sp, c) in spans.iter().zip(caches.iter_mut()) {
+        let (ks, vs) = (k.rows(sp.row0, sp.n), v.rows(sp.row0, sp.n));
+        check::kv_append(OP, DEV, c.k, &ks)?;
+        check::kv_append(OP, DEV, c.v, &vs)?;
+        let fail = |e: ember_gguf::Error| OpError::new(OP, DEV, format!("{}x{}", ks.n, ks.d), e.to_string());
+        c.k.push(&ks).map_err(fail)?;
+        c.v.push(&vs).map_err(fail)?;
+    }
+    Ok(())
 }
 
 impl Ops for HostOps {
@@ -116,22 +151,28 @@ impl Ops for HostOps {
         Ok(reference::attn_prep(&s, qn, kn, qg, k, pos))
     }
 
-    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
-        const OP: &str = "kv_append";
-        check::kv_append(OP, DEV, cache, rows)?;
-        cache.push(rows).map_err(|e| OpError::new(OP, DEV, format!("{}x{}", rows.n, rows.d), e.to_string()))
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
+        kv_append_each(spans, k, v, caches)
     }
 
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
-        check::attention("attention", DEV, &s, q, k, v)?;
-        Ok(reference::attention(s, q, k, v))
+    fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat> {
+        const OP: &str = "attention";
+        check::spans(OP, DEV, spans, q.n, caches.len())?;
+        per_span(spans, q, q.d, |i, sp, q| {
+            let (s, c) = (h.shape(sp), &caches[i]);
+            check::attention(OP, DEV, &s, q, c.k, c.v)?;
+            Ok(reference::attention(s, q, c.k, c.v))
+        })
     }
 
-    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
+    fn conv1d_silu(&self, spans: &[SeqSpan], x: &Mat, w: WeightId, states: &mut [&mut [f32]]) -> OpResult<Mat> {
         const OP: &str = "conv1d_silu";
         let w = self.weights.vector(OP, w)?;
-        check::conv(OP, DEV, x, w.len(), state.len())?;
-        Ok(reference::conv1d_silu(x, w, state))
+        check::spans(OP, DEV, spans, x.n, states.len())?;
+        per_span(spans, x, x.d, |i, _, x| {
+            check::conv(OP, DEV, x, w.len(), states[i].len())?;
+            Ok(reference::conv1d_silu(x, w, states[i]))
+        })
     }
 
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
@@ -141,12 +182,18 @@ impl Ops for HostOps {
         Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
     }
 
-    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
-        check::delta_rule("gated_delta_rule", DEV, &s, x, state.len())?;
-        Ok(if chunked {
-            reference::delta_rule_chunked(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state)
-        } else {
-            reference::delta_rule_recurrent(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state)
+    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+        const OP: &str = "gated_delta_rule";
+        check::spans(OP, DEV, spans, x.q.n, states.len())?;
+        per_span(spans, &x.q, h.n_v_head * h.d_v, |i, sp, _| {
+            let (s, x) = (h.shape(sp.n), delta_rows(spans, x, sp));
+            let st = &mut *states[i];
+            check::delta_rule(OP, DEV, &s, &x, st.len())?;
+            Ok(if mode.chunked(sp.n) {
+                reference::delta_rule_chunked(s, &x.q, &x.k, &x.v, &x.g, &x.beta, st)
+            } else {
+                reference::delta_rule_recurrent(s, &x.q, &x.k, &x.v, &x.g, &x.beta, st)
+            })
         })
     }
 

@@ -254,7 +254,7 @@ pub struct MoeSlot<'a> {
     pub tokens: &'a [(usize, f32)],
 }
 
-/// Shape of a gated delta rule call (DeltaNet, qwen35moe.md §6.4).
+/// Shape of the gated delta rule over one sequence's tokens (DeltaNet, qwen35moe.md §6.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeltaShape {
     pub n_tok: usize,
@@ -326,7 +326,7 @@ pub struct AttnIn {
     pub k: Mat,
 }
 
-/// Shape of an attention call over a KV cache (qwen35moe.md §6.3).
+/// Shape of attention over one sequence's KV cache (qwen35moe.md §6.3).
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
     pub n_tok: usize,
@@ -336,6 +336,75 @@ pub struct AttnShape {
     /// Position of the first query token; keys 0..=pos0+t are visible to token t.
     pub pos0: usize,
     pub scale: f32,
+}
+
+/// Where one sequence's tokens sit in a step's batch: rows `row0..row0 + n` of the activations,
+/// at positions `pos0..pos0 + n`. The sequence ops take one span per sequence, spans in row
+/// order covering every row, and cover all sequences of a step in one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    pub row0: usize,
+    pub n: usize,
+    pub pos0: usize,
+}
+
+/// One sequence's K and V caches of one attention layer.
+#[derive(Debug)]
+pub struct KvCache<'a> {
+    pub k: &'a mut KvRows,
+    pub v: &'a mut KvRows,
+}
+
+/// The heads of an attention call ([`Ops::attention`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnHeads {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl AttnHeads {
+    /// The per-sequence shape of span `sp`.
+    pub fn shape(&self, sp: &SeqSpan) -> AttnShape {
+        AttnShape { n_tok: sp.n, n_head: self.n_head, n_head_kv: self.n_head_kv, head_dim: self.head_dim, pos0: sp.pos0, scale: self.scale }
+    }
+}
+
+/// The heads of a delta rule call ([`Ops::gated_delta_rule`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaHeads {
+    pub n_k_head: usize,
+    pub n_v_head: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+}
+
+impl DeltaHeads {
+    pub fn shape(&self, n_tok: usize) -> DeltaShape {
+        DeltaShape { n_tok, n_k_head: self.n_k_head, n_v_head: self.n_v_head, d_k: self.d_k, d_v: self.d_v }
+    }
+}
+
+/// Which form of the delta rule a sequence's tokens take (one token is always recurrent under
+/// `Auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeltaMode {
+    /// Chunked (qwen35moe.md §6.5) for spans of more than one token.
+    #[default]
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+impl DeltaMode {
+    pub fn chunked(self, n_tok: usize) -> bool {
+        match self {
+            DeltaMode::Auto => n_tok > 1,
+            DeltaMode::Recurrent => false,
+            DeltaMode::Chunked => true,
+        }
+    }
 }
 
 /// The activation of an output gate ([`Ops::gate`]).
@@ -404,25 +473,28 @@ pub trait Ops: Send + Sync {
     /// weights, and applies NeoX RoPE to both at the positions `pos` (one per row).
     fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn>;
 
-    /// Appends rows to one layer's K or V cache of one sequence (quantised to its type).
-    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()>;
+    /// Appends each sequence's rows of `k` and `v` [ΣT, n_head_kv·head_dim] to its caches
+    /// (quantised to their type); `caches[i]` belongs to `spans[i]`.
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()>;
 
-    /// Causal GQA attention of `q` [n_tok, n_head·head_dim] over cached K/V rows.
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat>;
+    /// Causal GQA attention of every sequence's rows of `q` [ΣT, n_head·head_dim] over its
+    /// cached K/V rows (token t of span s sees positions 0..=s.pos0 + t).
+    fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat>;
 
-    /// Causal depthwise conv (kernel `len(w) / channels`, taps `[ch][j]`) over `[state | x]`,
-    /// then SiLU. `state` holds the last kernel−1 inputs (oldest first) and is updated.
-    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat>;
+    /// Causal depthwise conv (kernel `len(w) / channels`, taps `[ch][j]`) over `[state | x]`
+    /// per sequence, then SiLU. `states[i]` holds the last kernel−1 inputs of `spans[i]`
+    /// (oldest first) and is updated.
+    fn conv1d_silu(&self, spans: &[SeqSpan], x: &Mat, w: WeightId, states: &mut [&mut [f32]]) -> OpResult<Mat>;
 
     /// DeltaNet prep (qwen35moe.md §6.4 steps 3–6): splits the conv output `cu`
     /// [T, 2·n_k_head·d_k + n_v_head·d_v] into q | k | v, L2-normalises q and k per head (q also
     /// scaled by 1/√d_k), β = sigmoid(`b`) and g = a·softplus(`alpha` + dt_bias) per value head.
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn>;
 
-    /// Gated delta rule over `s.n_tok` tokens of one sequence, continuing `state` (one
-    /// `d_v x d_k` matrix per value head, row jv = value index); recurrent or chunked form
-    /// (equal up to rounding). Returns o [n_tok, n_v_head·d_v].
-    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat>;
+    /// Gated delta rule over every sequence's rows of `x`, continuing `states[i]` (one
+    /// `d_v x d_k` matrix per value head, row jv = value index); recurrent or chunked form per
+    /// `mode` (equal up to rounding). Returns o [ΣT, n_v_head·d_v].
+    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat>;
 
     /// `y ← y ⊙ act(g)` element by element (same shapes): the output gates of the DeltaNet
     /// (SiLU of z) and of gated attention (sigmoid).

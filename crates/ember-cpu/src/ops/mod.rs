@@ -3,10 +3,10 @@ use std::sync::{Mutex, MutexGuard};
 use ember_gguf::{GgmlType, quant};
 use std::sync::Arc;
 
-use ember_ops::host::moe_via;
+use ember_ops::host::{delta_rows, kv_append_each, moe_via, per_span};
 use ember_ops::{
-    AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, LayerIdx, Mat, MoeSlot, OpError, OpResult, Ops,
-    Registry, Routing, WeightId, WeightSet, WeightView, check, reference,
+    AttnHeads, AttnIn, AttnPrep, AttnShape, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeltaShape, DeviceId, Gate, KvCache, KvRows,
+    LayerIdx, Mat, MoeSlot, OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet, WeightView, check, reference,
 };
 
 use crate::kernels::{self, ActRow};
@@ -725,22 +725,29 @@ impl Ops for CpuOps {
         Ok(AttnIn { q, gate, k })
     }
 
-    fn kv_append(&self, cache: &mut KvRows, rows: &Mat) -> OpResult<()> {
-        const OP: &str = "kv_append";
-        check::kv_append(OP, DEV, cache, rows)?;
-        cache.push(rows).map_err(|e| OpError::new(OP, DEV, format!("{}x{}", rows.n, rows.d), e.to_string()))
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
+        kv_append_each(spans, k, v, caches)
     }
 
-    fn attention(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> OpResult<Mat> {
-        check::attention("attention", DEV, &s, q, k, v)?;
-        Ok(self.attention_rows(s, q, k, v))
+    /// Sequence by sequence, each split across the workers by (KV head, token).
+    fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat> {
+        const OP: &str = "attention";
+        check::spans(OP, DEV, spans, q.n, caches.len())?;
+        per_span(spans, q, q.d, |i, sp, q| {
+            let (s, c) = (h.shape(sp), &caches[i]);
+            check::attention(OP, DEV, &s, q, c.k, c.v)?;
+            Ok(self.attention_rows(s, q, c.k, c.v))
+        })
     }
 
-    fn conv1d_silu(&self, x: &Mat, w: WeightId, state: &mut [f32]) -> OpResult<Mat> {
+    fn conv1d_silu(&self, spans: &[SeqSpan], x: &Mat, w: WeightId, states: &mut [&mut [f32]]) -> OpResult<Mat> {
         const OP: &str = "conv1d_silu";
         let w = self.weights.vector(OP, w)?;
-        check::conv(OP, DEV, x, w.len(), state.len())?;
-        Ok(self.conv1d_silu_vec(x, w, state))
+        check::spans(OP, DEV, spans, x.n, states.len())?;
+        per_span(spans, x, x.d, |i, _, x| {
+            check::conv(OP, DEV, x, w.len(), states[i].len())?;
+            Ok(self.conv1d_silu_vec(x, w, states[i]))
+        })
     }
 
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
@@ -750,9 +757,14 @@ impl Ops for CpuOps {
         Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
     }
 
-    fn gated_delta_rule(&self, s: DeltaShape, x: &DeltaIn, state: &mut [f32], chunked: bool) -> OpResult<Mat> {
-        check::delta_rule("gated_delta_rule", DEV, &s, x, state.len())?;
-        Ok(self.delta_rule_mats(s, &x.q, &x.k, &x.v, &x.g, &x.beta, state, chunked))
+    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+        const OP: &str = "gated_delta_rule";
+        check::spans(OP, DEV, spans, x.q.n, states.len())?;
+        per_span(spans, &x.q, h.n_v_head * h.d_v, |i, sp, _| {
+            let (s, x) = (h.shape(sp.n), delta_rows(spans, x, sp));
+            check::delta_rule(OP, DEV, &s, &x, states[i].len())?;
+            Ok(self.delta_rule_mats(s, &x.q, &x.k, &x.v, &x.g, &x.beta, states[i], mode.chunked(sp.n)))
+        })
     }
 
     fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()> {
