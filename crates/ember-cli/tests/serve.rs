@@ -644,3 +644,44 @@ fn multi_turn_chat_reuses_the_conversation() {
     assert!(metric(&m, "ember_prompt_cache_tokens_total") > 0.0);
     assert!(metric(&m, "ember_prompt_cache_bytes") > 0.0);
 }
+
+/// Issue 17: the follow-up of a tool round exactly as OpenAI clients send it (`content: null`
+/// next to `tool_calls`, `arguments` as JSON text, a `tool` message with `tool_call_id` and
+/// `name`, content parts, `developer`) is answered; an unknown role is a 400 naming the field.
+#[test]
+fn r17_tool_round_follow_up_and_bad_roles() {
+    let s = Server::start(&["--script", SCRIPT]);
+    let (st, first) = s.post("/v1/chat/completions", &json!({ "messages": user("weather?"), "tools": tools() }));
+    assert_eq!(st, 200, "{first}");
+    let reply = first["choices"][0]["message"].clone();
+    let call = &reply["tool_calls"][0];
+    let mut assistant = json!({ "role": "assistant", "content": null, "tool_calls": [call] });
+    let follow_up = |assistant: &Value| {
+        json!({ "tools": tools(), "max_tokens": 4, "messages": [
+            { "role": "developer", "content": "Use tools." },
+            { "role": "user", "content": [{ "type": "text", "text": "weather?" }] },
+            assistant,
+            { "role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "18 C" },
+        ]})
+    };
+    let (st, b) = s.post("/v1/chat/completions", &follow_up(&assistant));
+    assert_eq!(st, 200, "content null: {b}");
+    assistant.as_object_mut().unwrap().remove("content");
+    let (st, b) = s.post("/v1/chat/completions", &follow_up(&assistant));
+    assert_eq!(st, 200, "content missing: {b}");
+    let (st, t) = s.post("/apply-template", &follow_up(&assistant));
+    assert_eq!(st, 200, "{t}");
+    assert!(t["prompt"].as_str().unwrap().starts_with("<|im_start|>system\nUse tools.<|im_end|>"), "{t}");
+
+    let (st, b) = s.post("/v1/chat/completions", &json!({ "messages": [{ "role": "wizard", "content": "hi" }] }));
+    assert_error(st, &b, 400, "messages[0].role");
+    assert_eq!(b["error"]["param"], "messages[0].role");
+    let bad_part = json!({ "messages": [{ "role": "user", "content": [{ "type": "text", "text": 5 }] }] });
+    let (st, b) = s.post("/v1/chat/completions", &bad_part);
+    assert_error(st, &b, 400, "messages[0].content[0].text");
+    let mut bad_args = follow_up(&assistant);
+    bad_args["messages"][2]["tool_calls"][0]["function"]["arguments"] = json!("{\"city\": ");
+    let (st, b) = s.post("/v1/chat/completions", &bad_args);
+    assert_error(st, &b, 400, "not valid JSON");
+    assert_eq!(b["error"]["param"], "messages[2].tool_calls[0].function.arguments");
+}
