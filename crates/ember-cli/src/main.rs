@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_http;
+mod chat;
 mod inspect;
 mod load;
 mod logits;
@@ -43,6 +44,8 @@ enum Cmd {
     Logits(logits::Args),
     /// Generate a continuation of a prompt, streamed to stdout.
     Run(run::Args),
+    /// Chat in the terminal: multi-turn, streamed, the prompt cache reused across turns.
+    Chat(chat::Args),
     /// OpenAI-compatible HTTP server (chat, completions, tools, streaming, /metrics).
     Serve(serve::Args),
     /// Write a synthetic qwen35moe GGUF (random weights, real tokenizer) of any shape.
@@ -71,6 +74,7 @@ fn main() {
         Cmd::Detokenize(a) => tokenize::detokenize(a),
         Cmd::Logits(a) => logits::main(a),
         Cmd::Run(a) => run::main(a),
+        Cmd::Chat(a) => chat::main(a),
         Cmd::Serve(a) => serve::main(a),
         Cmd::Synth(a) => synth::main(a),
         Cmd::Bench(a) => bench::main(a),
