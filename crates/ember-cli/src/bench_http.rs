@@ -5,13 +5,13 @@
 //!
 //! Prompts are real text from the bundled corpus, a different slice for every request so no
 //! server can answer from its prompt cache (we also send llama.cpp's `cache_prompt: false`).
+//! The slices are cut with the server's own tokenizer (`/tokenize`, `/detokenize`, which ember
+//! and llama-server both serve), so a prompt is as long as asked whatever the model.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use ember_gguf::GgufFile;
 use serde_json::{Value, json};
 
 use crate::bench::{CORPUS, Format};
@@ -33,10 +33,6 @@ pub struct Args {
     /// Model name sent in requests (default: the first id of the server's /v1/models).
     #[arg(long)]
     model: Option<String>,
-    /// Vocabulary used to cut the corpus into prompts of the asked length (default: the
-    /// Qwen3.6 vocabulary fixture; the server's own count in `usage` is what is reported).
-    #[arg(long)]
-    vocab: Option<PathBuf>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "md")]
     output: Format,
@@ -57,12 +53,12 @@ pub fn main(a: Args) -> Result<()> {
     if a.runs == 0 || a.n_predict == 0 {
         bail!("--runs and --n-predict must be at least 1");
     }
-    let vocab_path = a.vocab.clone().unwrap_or_else(|| PathBuf::from(ember_synth::DEFAULT_VOCAB));
-    let vocab = GgufFile::open(&vocab_path).with_context(|| format!("opening the vocabulary {} (pass --vocab)", vocab_path.display()))?;
-    let tok = ember_tokenizer::Tokenizer::from_gguf(&vocab).context("reading the tokenizer")?;
-    let corpus = tok.encode(CORPUS, false);
     let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(a.timeout))).build().into();
     let base = a.url.trim_end_matches('/');
+    let corpus = tokenize(&agent, base, CORPUS)?;
+    if corpus.is_empty() {
+        bail!("{base}/tokenize gave no tokens for the corpus");
+    }
     let url = format!("{base}/v1/completions");
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -71,19 +67,19 @@ pub fn main(a: Args) -> Result<()> {
 
     // Prompt i of length n: the corpus from a fresh offset, wrapping around.
     let mut cursor = 0usize;
-    let mut prompt = |n: usize| -> String {
-        let ids: Vec<u32> = (0..n).map(|k| corpus[(cursor + k) % corpus.len()]).collect();
+    let mut prompt = |n: usize| -> Result<String> {
+        let ids: Vec<u64> = (0..n).map(|k| corpus[(cursor + k) % corpus.len()]).collect();
         cursor += n + 7919; // a prime step, so consecutive prompts never share a prefix
-        String::from_utf8_lossy(&tok.decode(&ids, false)).into_owned()
+        detokenize(&agent, base, &ids)
     };
 
     eprintln!("warm-up request");
-    request(&agent, &url, &model, &prompt(64), 8)?;
+    request(&agent, &url, &model, &prompt(64)?, 8)?;
     let mut rows = Vec::new();
     for &d in &a.depths {
         let mut samples = Vec::new();
         for r in 0..a.runs {
-            let s = request(&agent, &url, &model, &prompt(d), a.n_predict)?;
+            let s = request(&agent, &url, &model, &prompt(d)?, a.n_predict)?;
             eprintln!(
                 "depth {d}: run {}/{}: {} prompt tokens, first token after {:.2} s ({:.1} t/s), {} tokens at {:.2} t/s",
                 r + 1,
@@ -187,6 +183,35 @@ fn request(agent: &ureq::Agent, url: &str, model: &str, prompt: &str, n_predict:
     let prompt_tokens = u["prompt_tokens"].as_u64().context("usage.prompt_tokens")? as usize;
     let completion_tokens = u["completion_tokens"].as_u64().map_or(n_chunks, |n| n as usize);
     Ok(Sample { prompt_tokens, completion_tokens, s_first: t_first, s_decode: t_last - t_first })
+}
+
+/// The server's token ids of `text` (llama-server's `/tokenize`; special tokens as text).
+fn tokenize(agent: &ureq::Agent, base: &str, text: &str) -> Result<Vec<u64>> {
+    let url = format!("{base}/tokenize");
+    let v: Value = agent
+        .post(&url)
+        .send_json(json!({ "content": text, "add_special": false, "parse_special": false }))
+        .with_context(|| format!("POST {url} (the server must offer llama-server's /tokenize)"))?
+        .body_mut()
+        .read_json()
+        .with_context(|| format!("reading the answer of {url}"))?;
+    v["tokens"]
+        .as_array()
+        .and_then(|t| t.iter().map(Value::as_u64).collect())
+        .with_context(|| format!("{url} answered without `tokens`: {v}"))
+}
+
+/// The text of token ids (`/detokenize`).
+fn detokenize(agent: &ureq::Agent, base: &str, ids: &[u64]) -> Result<String> {
+    let url = format!("{base}/detokenize");
+    let v: Value = agent
+        .post(&url)
+        .send_json(json!({ "tokens": ids }))
+        .with_context(|| format!("POST {url}"))?
+        .body_mut()
+        .read_json()
+        .with_context(|| format!("reading the answer of {url}"))?;
+    v["content"].as_str().map(str::to_owned).with_context(|| format!("{url} answered without `content`: {v}"))
 }
 
 /// The first model id the server lists, if it answers /v1/models.

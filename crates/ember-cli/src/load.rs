@@ -2,9 +2,10 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result};
-use ember_gguf::GgufFile;
+use ember_gguf::{GgufFile, LoadMode};
 use ember_model::Model;
 
 /// The tiny random-weight qwen35moe model (tests/fixtures/tiny-a, Q8_0), served when no model
@@ -12,9 +13,38 @@ use ember_model::Model;
 pub const DEMO_MODEL: &[u8] = include_bytes!("../../../tests/fixtures/tiny-a/gguf/tiny-a-Q8_0.gguf");
 pub const DEMO_NAME: &str = "tiny-a-Q8_0 (bundled demo: random weights, random output)";
 
+/// `--no-mmap`: read model files into memory instead of mapping them.
+static NO_MMAP: AtomicBool = AtomicBool::new(false);
+
+pub fn set_no_mmap(on: bool) {
+    NO_MMAP.store(on, Ordering::Relaxed);
+}
+
+/// A byte progress bar on stderr (drawn only on a terminal).
+fn bytes_bar(what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{what} {{bar:30}} {{binary_bytes}}/{{binary_total_bytes}} {{binary_bytes_per_sec}}"
+        ))
+        // unwrap: the template is built from a constant and a word, and parses.
+        .unwrap(),
+    );
+    bar
+}
+
 pub fn open_gguf(path: Option<&Path>) -> Result<Arc<GgufFile>> {
     let f = match path {
-        Some(p) => GgufFile::open(p).with_context(|| format!("loading {}", p.display()))?,
+        Some(p) => {
+            let mode = if NO_MMAP.load(Ordering::Relaxed) { LoadMode::Read } else { LoadMode::Mmap };
+            let bar = bytes_bar("reading");
+            let f = GgufFile::open_with(p, mode, &mut |done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            });
+            bar.finish_and_clear();
+            f.with_context(|| format!("loading {}", p.display()))?
+        }
         None => GgufFile::from_bytes(DEMO_MODEL.to_vec()).context("loading the bundled demo model")?,
     };
     Ok(Arc::new(f))
@@ -30,7 +60,12 @@ pub fn open_model(path: Option<&PathBuf>) -> Result<Model> {
     // Fault the whole file in up front when it fits in memory with room to spare (llama.cpp
     // maps with MAP_POPULATE likewise); a model larger than that keeps streaming on demand.
     if mem_available().is_some_and(|avail| file.file_len().saturating_mul(5) / 4 < avail) {
-        file.populate();
+        let bar = bytes_bar("paging in");
+        file.populate_with(&mut |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        });
+        bar.finish_and_clear();
     }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

@@ -3,9 +3,11 @@
 
 mod bench;
 mod bench_http;
+mod chat;
 mod inspect;
 mod load;
 mod logits;
+mod models;
 mod run;
 mod serve;
 mod synth;
@@ -14,10 +16,20 @@ mod tokenize;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ember", version, about = "Inference engine for hybrid MoE models (Qwen3.5/3.6 qwen35moe GGUF)")]
+#[command(
+    name = "ember",
+    version,
+    about = "Inference engine for hybrid MoE models (Qwen3.5/3.6 qwen35moe GGUF)",
+    after_help = "Models: `-m FILE`, or `-hf OWNER/REPO[:QUANT]` (also `--hf-repo`) for a model in the local \
+                  Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub; see `ember models`). \
+                  A split model (NAME-00001-of-0000N.gguf) is opened by its first part."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Read model files into memory instead of memory-mapping them.
+    #[arg(long, global = true)]
+    no_mmap: bool,
 }
 
 #[derive(Subcommand)]
@@ -32,6 +44,8 @@ enum Cmd {
     Logits(logits::Args),
     /// Generate a continuation of a prompt, streamed to stdout.
     Run(run::Args),
+    /// Chat in the terminal: multi-turn, streamed, the prompt cache reused across turns.
+    Chat(chat::Args),
     /// OpenAI-compatible HTTP server (chat, completions, tools, streaming, /metrics).
     Serve(serve::Args),
     /// Write a synthetic qwen35moe GGUF (random weights, real tokenizer) of any shape.
@@ -40,20 +54,32 @@ enum Cmd {
     Bench(bench::Args),
     /// Prompt and generation throughput of an OpenAI-compatible server, as a user sees it.
     BenchHttp(bench_http::Args),
+    /// GGUF models in the local Hugging Face cache (what `-hf` can open).
+    Models(models::Args),
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let args = match models::expand_hf_args(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    };
+    let cli = Cli::parse_from(args);
+    load::set_no_mmap(cli.no_mmap);
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::main(a),
         Cmd::Tokenize(a) => tokenize::tokenize(a),
         Cmd::Detokenize(a) => tokenize::detokenize(a),
         Cmd::Logits(a) => logits::main(a),
         Cmd::Run(a) => run::main(a),
+        Cmd::Chat(a) => chat::main(a),
         Cmd::Serve(a) => serve::main(a),
         Cmd::Synth(a) => synth::main(a),
         Cmd::Bench(a) => bench::main(a),
         Cmd::BenchHttp(a) => bench_http::main(a),
+        Cmd::Models(a) => models::main(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

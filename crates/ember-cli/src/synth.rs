@@ -31,8 +31,9 @@ pub struct Args {
     /// Router popularity skew: Zipf exponent over experts (0 = uniform).
     #[arg(long, default_value_t = 0.0)]
     skew: f32,
-    /// The vocabulary GGUF whose tokenizer.* keys are copied (the real Qwen3.6 tokenizer).
-    #[arg(long)]
+    /// A GGUF whose tokenizer.* keys are copied: a vocabulary-only file or any model of the
+    /// family (default: the Qwen3.6 tokenizer carried inside this binary).
+    #[arg(long, visible_alias = "tokenizer-from")]
     vocab: Option<PathBuf>,
     /// Threads (default: all).
     #[arg(short = 't', long, default_value_t = 0)]
@@ -65,8 +66,10 @@ pub fn main(a: Args) -> Result<()> {
         shape.n_layer_mtp = 1;
     }
     let recipe = Recipe::parse(&a.quant)?;
-    let vocab_path = a.vocab.clone().unwrap_or_else(|| PathBuf::from(ember_synth::DEFAULT_VOCAB));
-    let vocab = GgufFile::open(&vocab_path).with_context(|| format!("opening the vocabulary {} (pass --vocab)", vocab_path.display()))?;
+    let vocab = match &a.vocab {
+        Some(p) => GgufFile::open(p).with_context(|| format!("opening the vocabulary {}", p.display()))?,
+        None => ember_synth::bundled_vocab()?,
+    };
     let plan = Plan::new(SynthOptions { shape, recipe, seed: a.seed, skew: a.skew, preset }, &vocab)?;
 
     if a.dry_run {

@@ -26,6 +26,8 @@ pub enum Error {
     WrongType { key: String, expected: &'static str, found: String },
     #[error("tensor '{name}' not found")]
     MissingTensor { name: String },
+    #[error("split model, {path}: {msg}")]
+    Split { path: PathBuf, msg: String },
     #[error("quantisation: {0}")]
     Quant(String),
 }

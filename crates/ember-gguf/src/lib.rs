@@ -18,7 +18,7 @@ mod writer;
 pub mod quant;
 
 pub use error::{Error, Result};
-pub use reader::{GgufFile, TensorInfo};
+pub use reader::{GgufFile, LoadMode, TensorInfo};
 pub use types::GgmlType;
 pub use value::{Value, ValueType};
-pub use writer::{GgufWriter, TensorSpec};
+pub use writer::{GgufWriter, TensorSpec, write_split};

@@ -1,5 +1,6 @@
 use std::collections::HashMap;
-use std::path::Path;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::types::GgmlType;
@@ -26,6 +27,8 @@ pub struct TensorInfo {
     pub n_bytes: u64,
     /// File offset of this tensor-info record (for error messages).
     pub info_offset: u64,
+    /// Which file of a split model holds the data (0: the first, or the only one).
+    pub part: usize,
 }
 
 impl TensorInfo {
@@ -60,12 +63,42 @@ enum Backing {
     Owned(Vec<u8>),
 }
 
-/// A parsed, validated GGUF file. Tensor bytes are served from the memory map.
-pub struct GgufFile {
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mmap(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// One file of a model: its bytes and where its data section starts.
+struct Part {
     backing: Backing,
+    data_offset: u64,
+}
+
+/// Bytes read per step when a file is read into memory (progress granularity).
+const READ_CHUNK: usize = 64 << 20;
+
+/// How [`GgufFile::open_with`] brings a file in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Memory-map (the default: pages come in on demand and stay shared with the page cache).
+    #[default]
+    Mmap,
+    /// Read every byte into process memory (`--no-mmap`: for file systems where mapping is
+    /// slow or unavailable).
+    Read,
+}
+
+/// A parsed, validated GGUF model: one file, or every file of a split model (llama.cpp's
+/// `gguf-split`: `NAME-00001-of-0000N.gguf`, `split.*` keys) seen as one. Metadata comes from
+/// the first file; tensor bytes are served from the memory map of the file that holds them.
+pub struct GgufFile {
+    parts: Vec<Part>,
     version: u32,
     alignment: u64,
-    data_offset: u64,
     metadata: Vec<(String, Value)>,
     key_index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
@@ -83,26 +116,84 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    /// Memory-maps and parses a file.
+    /// Memory-maps and parses a file (with its other parts when it is the first of a split
+    /// model).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path, LoadMode::Mmap, &mut |_, _| {})
+    }
+
+    /// [`GgufFile::open`] with a choice of mapping or reading; `progress(done, total)` is
+    /// called as bytes are read (`LoadMode::Read` only; totals span every part).
+    pub fn open_with(path: impl AsRef<Path>, mode: LoadMode, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|source| Error::Open { path: path.to_owned(), source })?;
-        let meta = file.metadata().map_err(|source| Error::Open { path: path.to_owned(), source })?;
-        if !meta.is_file() {
-            // open(2) succeeds on a directory; mmap would then fail with a bare ENODEV.
-            let kind = if meta.is_dir() { "is a directory" } else { "is not a regular file" };
-            return Err(Error::Open { path: path.to_owned(), source: std::io::Error::new(std::io::ErrorKind::InvalidInput, kind) });
+        let first = Self::parse(load(path, mode, &mut |done, total| progress(done, total))?)?;
+        let Some(n_split) = first.split_key("split.count")? else {
+            return Ok(first);
+        };
+        let no = first.split_key("split.no")?.unwrap_or(0);
+        if n_split <= 1 {
+            return Ok(first);
         }
-        let len = meta.len();
-        if len == 0 {
-            return Err(Error::Truncated { what: "magic".into(), offset: 0, needed: 4, file_len: 0 });
+        let paths = split_paths(path, n_split)?;
+        if no != 0 {
+            return Err(Error::Split {
+                path: path.to_owned(),
+                msg: format!("this is part {} of {n_split}; open the first part, {}", no + 1, paths[0].display()),
+            });
         }
-        // SAFETY: the map is read-only and private. If another process truncates or rewrites the
-        // file while it is mapped, reads may fault or see new bytes; that is the documented
-        // contract of memory-mapped model files (llama.cpp has the same), and the parser below
-        // never trusts the bytes: every read is bounds-checked against the length seen here.
-        let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(|source| Error::Open { path: path.to_owned(), source })?;
-        Self::parse(Backing::Mmap(map))
+        let total: u64 = paths.iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+        let mut done = first.file_len();
+        let mut model = first;
+        for (i, p) in paths.iter().enumerate().skip(1) {
+            if !p.is_file() {
+                return Err(Error::Split { path: p.clone(), msg: format!("part {} of {n_split} is missing", i + 1) });
+            }
+            let base = done;
+            let part = Self::parse(load(p, mode, &mut |d, _| progress(base + d, total))?)
+                .map_err(|e| Error::Split { path: p.clone(), msg: format!("part {} of {n_split} does not parse: {e}", i + 1) })?;
+            done += part.file_len();
+            let bad = |msg: String| Error::Split { path: p.clone(), msg };
+            match (part.split_key("split.count")?, part.split_key("split.no")?) {
+                (Some(c), Some(n)) if c == n_split && n == i as u64 => {}
+                (c, n) => {
+                    return Err(bad(format!(
+                        "expected part {} of {n_split} (split.no {i}, split.count {n_split}), found split.no {n:?}, split.count {c:?}: \
+                         the parts come from different splits",
+                        i + 1
+                    )));
+                }
+            }
+            if part.alignment != model.alignment {
+                return Err(bad(format!("alignment {} differs from the first part's {}", part.alignment, model.alignment)));
+            }
+            let index = model.parts.len();
+            let GgufFile { parts, tensors, .. } = part;
+            model.parts.extend(parts);
+            for mut t in tensors {
+                t.part = index;
+                if model.tensor_index.insert(t.name.clone(), model.tensors.len()).is_some() {
+                    return Err(bad(format!("tensor '{}' is also in an earlier part", t.name)));
+                }
+                model.tensors.push(t);
+            }
+        }
+        if let Some(n) = model.split_key("split.tensors.count")?
+            && n != model.tensors.len() as u64
+        {
+            return Err(Error::Split {
+                path: path.to_owned(),
+                msg: format!("split.tensors.count says {n} tensors, the {n_split} parts hold {}", model.tensors.len()),
+            });
+        }
+        Ok(model)
+    }
+
+    /// An integer `split.*` key, if present.
+    fn split_key(&self, key: &str) -> Result<Option<u64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(_) => self.get_u64(key).map(Some),
+        }
     }
 
     /// Parses a file held in memory (tests, fuzzing, small files).
@@ -110,11 +201,9 @@ impl GgufFile {
         Self::parse(Backing::Owned(bytes))
     }
 
-    fn bytes(&self) -> &[u8] {
-        match &self.backing {
-            Backing::Mmap(m) => m,
-            Backing::Owned(v) => v,
-        }
+    /// Number of files the model was read from (1 unless split).
+    pub fn n_parts(&self) -> usize {
+        self.parts.len()
     }
 
     pub fn version(&self) -> u32 {
@@ -125,13 +214,14 @@ impl GgufFile {
         self.alignment
     }
 
-    /// File offset of the data section.
+    /// File offset of the data section (of the first file).
     pub fn data_offset(&self) -> u64 {
-        self.data_offset
+        self.parts[0].data_offset
     }
 
+    /// Bytes of the file (of all files of a split model).
     pub fn file_len(&self) -> u64 {
-        self.bytes().len() as u64
+        self.parts.iter().map(|p| p.backing.bytes().len() as u64).sum()
     }
 
     /// All key/value pairs, in file order.
@@ -202,14 +292,17 @@ impl GgufFile {
 
     /// The raw bytes of a tensor (bounds were validated at parse time).
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        let start = (self.data_offset + t.offset) as usize;
-        &self.bytes()[start..start + t.n_bytes as usize]
+        let part = &self.parts[t.part];
+        let start = (part.data_offset + t.offset) as usize;
+        &part.backing.bytes()[start..start + t.n_bytes as usize]
     }
 
     /// Advise the kernel that the whole file will be read soon (best effort).
     pub fn advise_willneed(&self) {
-        if let Backing::Mmap(m) = &self.backing {
-            let _ = m.advise(memmap2::Advice::WillNeed);
+        for p in &self.parts {
+            if let Backing::Mmap(m) = &p.backing {
+                let _ = m.advise(memmap2::Advice::WillNeed);
+            }
         }
     }
 
@@ -220,18 +313,37 @@ impl GgufFile {
     /// no-op); returns whether it was done. Callers should only ask when the file fits in
     /// memory with room to spare.
     pub fn populate(&self) -> bool {
-        #[cfg(target_os = "linux")]
-        if let Backing::Mmap(m) = &self.backing {
-            return m.advise(memmap2::Advice::PopulateRead).is_ok();
+        self.populate_with(&mut |_, _| {})
+    }
+
+    /// [`GgufFile::populate`] in steps of 64 MiB, calling `progress(done, total)` after each.
+    pub fn populate_with(&self, progress: &mut dyn FnMut(u64, u64)) -> bool {
+        let total = self.file_len();
+        let mut done = 0u64;
+        let mut all = true;
+        for p in &self.parts {
+            match &p.backing {
+                #[cfg(target_os = "linux")]
+                Backing::Mmap(m) => {
+                    let mut at = 0;
+                    while at < m.len() {
+                        let n = READ_CHUNK.min(m.len() - at);
+                        all &= m.advise_range(memmap2::Advice::PopulateRead, at, n).is_ok();
+                        at += n;
+                        progress(done + at as u64, total);
+                    }
+                }
+                #[cfg(not(target_os = "linux"))]
+                Backing::Mmap(_) => all = false,
+                Backing::Owned(_) => {}
+            }
+            done += p.backing.bytes().len() as u64;
         }
-        false
+        all
     }
 
     fn parse(backing: Backing) -> Result<Self> {
-        let bytes = match &backing {
-            Backing::Mmap(m) => &m[..],
-            Backing::Owned(v) => &v[..],
-        };
+        let bytes = backing.bytes();
         let mut c = Cursor { bytes, pos: 0 };
         let magic: [u8; 4] = c.take(4, "magic")?.try_into().expect("take(4) returns 4 bytes");
         if &magic != MAGIC {
@@ -346,7 +458,7 @@ impl GgufFile {
             if tensor_index.insert(name.clone(), tensors.len()).is_some() {
                 return Err(Error::malformed("tensor name", info_offset, format!("duplicate tensor '{name}'")));
             }
-            tensors.push(TensorInfo { name, ggml_type, n_dims, ne, offset, n_bytes, info_offset });
+            tensors.push(TensorInfo { name, ggml_type, n_dims, ne, offset, n_bytes, info_offset, part: 0 });
         }
 
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
@@ -400,8 +512,74 @@ impl GgufFile {
             }
         }
 
-        Ok(GgufFile { backing, version, alignment, data_offset, metadata, key_index, tensors, tensor_index })
+        Ok(GgufFile { parts: vec![Part { backing, data_offset }], version, alignment, metadata, key_index, tensors, tensor_index })
     }
+}
+
+/// Maps or reads one file.
+fn load(path: &Path, mode: LoadMode, progress: &mut dyn FnMut(u64, u64)) -> Result<Backing> {
+    let open_err = |source| Error::Open { path: path.to_owned(), source };
+    let mut file = std::fs::File::open(path).map_err(open_err)?;
+    let meta = file.metadata().map_err(open_err)?;
+    if !meta.is_file() {
+        // open(2) succeeds on a directory; mmap would then fail with a bare ENODEV.
+        let kind = if meta.is_dir() { "is a directory" } else { "is not a regular file" };
+        return Err(open_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, kind)));
+    }
+    let len = meta.len();
+    if len == 0 {
+        return Err(Error::Truncated { what: "magic".into(), offset: 0, needed: 4, file_len: 0 });
+    }
+    match mode {
+        LoadMode::Mmap => {
+            // SAFETY: the map is read-only and private. If another process truncates or rewrites
+            // the file while it is mapped, reads may fault or see new bytes; that is the
+            // documented contract of memory-mapped model files (llama.cpp has the same), and the
+            // parser never trusts the bytes: every read is bounds-checked against this length.
+            let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(open_err)?;
+            Ok(Backing::Mmap(map))
+        }
+        LoadMode::Read => {
+            let len = usize::try_from(len).map_err(|_| open_err(std::io::Error::other("file larger than the address space")))?;
+            let mut bytes = Vec::new();
+            bytes.try_reserve_exact(len).map_err(|e| open_err(std::io::Error::other(format!("cannot allocate {len} bytes: {e}"))))?;
+            let mut buf = vec![0u8; READ_CHUNK.min(len)];
+            loop {
+                let n = file.read(&mut buf).map_err(open_err)?;
+                if n == 0 {
+                    break;
+                }
+                bytes.extend_from_slice(&buf[..n]);
+                progress(bytes.len() as u64, len as u64);
+            }
+            Ok(Backing::Owned(bytes))
+        }
+    }
+}
+
+/// The paths of every part of a split model, from the name of any one of them:
+/// `NAME-00001-of-00003.gguf` -> `NAME-0000{1,2,3}-of-00003.gguf` (llama.cpp `llama_split_path`).
+fn split_paths(path: &Path, n_split: u64) -> Result<Vec<PathBuf>> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let parsed = name.strip_suffix(".gguf").and_then(|stem| {
+        let (rest, count) = stem.rsplit_once("-of-")?;
+        let (prefix, no) = rest.rsplit_once('-')?;
+        let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+        (digits(no) && digits(count)).then_some((prefix, count.parse::<u64>().ok()?))
+    });
+    let Some((prefix, count)) = parsed else {
+        return Err(Error::Split {
+            path: path.to_owned(),
+            msg: format!(
+                "split.count is {n_split} but the file name does not end in -NNNNN-of-NNNNN.gguf, so the other parts cannot be found"
+            ),
+        });
+    };
+    if count != n_split {
+        return Err(Error::Split { path: path.to_owned(), msg: format!("the file name says {count} parts, split.count says {n_split}") });
+    }
+    let dir = path.parent().unwrap_or(Path::new(""));
+    Ok((1..=n_split).map(|i| dir.join(format!("{prefix}-{i:05}-of-{n_split:05}.gguf"))).collect())
 }
 
 fn wrong_type(key: &str, expected: &'static str, v: &Value) -> Error {

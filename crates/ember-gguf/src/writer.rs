@@ -182,3 +182,41 @@ fn put_value(out: &mut Vec<u8>, v: &Value) -> Result<()> {
     }
     Ok(())
 }
+
+/// Writes `src` as `n_split` files in llama.cpp's `gguf-split` layout, which
+/// [`crate::GgufFile::open`] reads back as one model: the first part holds every metadata key
+/// plus `split.no` (u16), `split.count` (u16) and `split.tensors.count` (i32); every other
+/// part holds only its `split.*` keys; tensors are shared out in order, in contiguous runs.
+/// `stem` is the path without the `-00001-of-0000N.gguf` tail. Returns the paths written.
+pub fn write_split(src: &crate::GgufFile, n_split: usize, stem: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    let n_tensors = src.tensors().len();
+    if n_split == 0 || n_split > n_tensors || n_split > u16::MAX as usize {
+        return Err(Error::Quant(format!("cannot split {n_tensors} tensors into {n_split} parts")));
+    }
+    let n_total = i32::try_from(n_tensors).map_err(|_| Error::Quant(format!("{n_tensors} tensors do not fit split.tensors.count")))?;
+    let mut paths = Vec::with_capacity(n_split);
+    for i in 0..n_split {
+        let (lo, hi) = (i * n_tensors / n_split, (i + 1) * n_tensors / n_split);
+        let mut w = GgufWriter::new();
+        if i == 0 {
+            for (k, v) in src.metadata() {
+                w.set(k.clone(), v.clone());
+            }
+        } else if let Some(a) = src.get("general.alignment") {
+            w.set("general.alignment", a.clone());
+        }
+        w.set("split.no", Value::U16(i as u16))
+            .set("split.count", Value::U16(n_split as u16))
+            .set("split.tensors.count", Value::I32(n_total));
+        let infos = &src.tensors()[lo..hi];
+        for t in infos {
+            w.add_tensor(TensorSpec::new(t.name.clone(), t.ggml_type, &t.ne[..t.n_dims as usize]));
+        }
+        let name = format!("{}-{:05}-of-{n_split:05}.gguf", stem.file_name().and_then(|n| n.to_str()).unwrap_or("model"), i + 1);
+        let path = stem.with_file_name(name);
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        w.write(&mut out, |j, o| Ok(o.write_all(src.tensor_data(&infos[j]))?))?;
+        paths.push(path);
+    }
+    Ok(paths)
+}

@@ -12,6 +12,7 @@
 
 mod error;
 mod generate;
+mod messages;
 mod metrics;
 mod output;
 mod request;
@@ -34,6 +35,8 @@ use ember_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
 pub use error::ApiError;
+pub use generate::message_ends;
+pub use messages::map_messages;
 pub use metrics::Metrics;
 pub use output::{StopMatcher, TextPipeline};
 

@@ -62,7 +62,7 @@ pub fn parse_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -260,28 +260,15 @@ pub struct TemplateInput {
 
 pub fn template_input(body: &Map<String, Value>) -> Result<TemplateInput, ApiError> {
     let f = Fields(body);
-    let mut messages = match f.get("messages") {
+    let messages = match f.get("messages") {
         None => return Err(ApiError::param("messages", "`messages` is required").with_code("missing_required_parameter")),
-        Some(Value::Array(m)) => m.clone(),
+        Some(Value::Array(m)) => m,
         Some(v) => return Err(Fields::type_err("messages", "an array", v)),
     };
     if messages.is_empty() {
         return Err(ApiError::param("messages", "`messages` must not be empty").with_code("invalid_value"));
     }
-    for (i, m) in messages.iter_mut().enumerate() {
-        flatten_text_parts(m);
-        let Some(obj) = m.as_object() else {
-            return Err(Fields::type_err(&format!("messages[{i}]"), "an object", m));
-        };
-        match obj.get("role") {
-            Some(Value::String(_)) => {}
-            None => {
-                return Err(ApiError::param(&format!("messages[{i}].role"), format!("`messages[{i}].role` is required"))
-                    .with_code("missing_required_parameter"));
-            }
-            Some(v) => return Err(Fields::type_err(&format!("messages[{i}].role"), "a string", v)),
-        }
-    }
+    let messages = crate::messages::map_messages(messages)?;
     let tools = match f.get("tools") {
         None => None,
         Some(Value::Array(t)) if t.is_empty() => None,
@@ -294,21 +281,6 @@ pub fn template_input(body: &Map<String, Value>) -> Result<TemplateInput, ApiErr
         Some(v) => return Err(Fields::type_err("chat_template_kwargs", "an object", v)),
     };
     Ok(TemplateInput { messages, tools, kwargs })
-}
-
-/// `content: [{"type": "text", "text": ..}, ..]` with text parts only becomes one string:
-/// templates that take only strings then work, and Qwen's, which takes lists too, renders the
-/// same text either way (its `render_content` concatenates the parts' text).
-fn flatten_text_parts(message: &mut Value) {
-    let Some(Value::Array(parts)) = message.get("content") else { return };
-    let mut text = String::new();
-    for p in parts {
-        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-            (Some("text") | None, Some(t)) => text.push_str(t),
-            _ => return,
-        }
-    }
-    message["content"] = Value::String(text);
 }
 
 pub fn chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {

@@ -29,8 +29,23 @@ pub use recipe::{Kind, RECIPES, Recipe, more_bits};
 pub use shape::{PRESETS, Shape};
 pub use write::write;
 
-/// Path of the Qwen3.6 vocabulary fixture in a checkout of this repository.
+/// Path of the Qwen3.6 vocabulary fixture in a checkout of this repository (tests and
+/// examples; an installed binary uses [`bundled_vocab`]).
 pub const DEFAULT_VOCAB: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/qwen36-vocab/ggml-vocab-qwen36.gguf");
+
+/// The same vocabulary, deflated by `build.rs` and carried in the binary.
+const BUNDLED_VOCAB: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/qwen36-vocab.gguf.deflate"));
+
+/// Inflated size limit: the file is 10.9 MB; anything much larger is not our file.
+const MAX_VOCAB_BYTES: usize = 64 << 20;
+
+/// The Qwen3.6 tokenizer (a vocabulary-only GGUF: `tokenizer.*` keys, no tensors) from inside
+/// the binary, so `ember synth` needs no file but its output.
+pub fn bundled_vocab() -> Result<ember_gguf::GgufFile, Error> {
+    let bytes = miniz_oxide::inflate::decompress_to_vec_with_limit(BUNDLED_VOCAB, MAX_VOCAB_BYTES)
+        .map_err(|e| Error::BundledVocab(format!("{:?}", e.status)))?;
+    Ok(ember_gguf::GgufFile::from_bytes(bytes)?)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -42,4 +57,6 @@ pub enum Error {
     BadShape(String),
     #[error("{0}")]
     BadRecipe(String),
+    #[error("the tokenizer bundled in this binary does not inflate ({0})")]
+    BundledVocab(String),
 }
