@@ -432,12 +432,23 @@ pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat
     AttnIn { q, gate, k }
 }
 
-/// [`rope`] with one position per row.
+/// [`rope`] with one position per row (the same angles, computed the same way).
 pub fn rope_at(x: &mut Mat, head_dim: usize, n_rot: usize, pos: &[u32], base: f32) {
+    let half = n_rot / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|d| (base as f64).powf(-2.0 * d as f64 / n_rot as f64)).collect();
+    let mut cs = vec![(0f32, 0f32); half];
     for (t, &p) in pos.iter().enumerate().take(x.n) {
-        let mut row = Mat::from_vec(1, x.d, x.row(t).to_vec());
-        rope(&mut row, head_dim, n_rot, p as usize, base);
-        x.row_mut(t).copy_from_slice(&row.data);
+        let p = p as f64;
+        for (c, f) in cs.iter_mut().zip(&inv_freq) {
+            *c = ((p * f).cos() as f32, (p * f).sin() as f32);
+        }
+        for head in x.row_mut(t).chunks_exact_mut(head_dim) {
+            for (d, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = (head[d], head[d + half]);
+                head[d] = a * c - b * s;
+                head[d + half] = a * s + b * c;
+            }
+        }
     }
 }
 

@@ -231,8 +231,9 @@ const ATTN_BLOCK: usize = 512;
 unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
     let AttnIo { q, npos, hd, scale, .. } = *io;
     let f16x16 = |b: &[u8], at: usize| -> __m512 {
-        assert!(at + 32 <= b.len());
-        // SAFETY: 32 bytes from `at` lie inside `b` (asserted).
+        debug_assert!(at + 32 <= b.len());
+        // SAFETY: `b` is a k_row / v_row slice of exactly 2·hd bytes (its slicing is checked),
+        // and `at` is 32c for c < hd/16, or 64c (+ 32) for c < hd/32: inside it.
         _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
     };
     for p in 0..npos {

@@ -22,8 +22,9 @@ pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [
     // cost more than the FMA it guards): q holds NH·hd values, scores NH·npos.
     assert!(q.len() >= NH * hd && scores.len() >= NH * npos && hd.is_multiple_of(8));
     let f16x8 = |b: &[u8], at: usize| -> __m256 {
-        assert!(at + 16 <= b.len());
-        // SAFETY: 16 bytes from `at` lie inside `b` (asserted).
+        debug_assert!(at + 16 <= b.len());
+        // SAFETY: `b` is a k_row / v_row slice of exactly 2·hd bytes (its slicing is checked)
+        // and every `at` is 16c (or 16c + …) for c < hd/8: 16 bytes from `at` lie inside it.
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) })
     };
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
