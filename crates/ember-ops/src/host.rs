@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::{
     AttnHeads, AttnIn, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvCache, LayerIdx, Mat, MoeSlot, OpError,
-    OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet,
+    OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet, WeightView,
 };
 use crate::{check, reference};
 
@@ -81,6 +81,47 @@ fn reg_device(_reg: &Registry) -> DeviceId {
     DEV
 }
 
+/// The matrix weights `ws` for an op on `x`, each checked against `x` (matmul, matmul_many).
+pub fn checked_views<'a>(op: &'static str, reg: &'a Registry, ws: &[WeightId], x: &Mat) -> OpResult<Vec<WeightView<'a>>> {
+    ws.iter()
+        .map(|&w| {
+            check::matmul(op, DEV, reg.info(op, w)?, x)?;
+            reg.view(op, w)
+        })
+        .collect()
+}
+
+/// The host ops whose every host backend runs the reference, checked: shared by [`HostOps`] and
+/// the CPU backend so both check and compute the same way.
+pub fn get_rows(reg: &Registry, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
+    const OP: &str = "get_rows";
+    check::get_rows(OP, DEV, reg.info(OP, w)?, ids)?;
+    Ok(reference::get_rows(&reg.view(OP, w)?, ids))
+}
+
+pub fn add(h: &mut Mat, x: &Mat) -> OpResult<()> {
+    check::same("add", DEV, h, x)?;
+    reference::add(h, x);
+    Ok(())
+}
+
+pub fn delta_prep(reg: &Registry, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+    const OP: &str = "delta_prep";
+    let (a, dt) = (reg.vector(OP, s.a)?, reg.vector(OP, s.dt_bias)?);
+    check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
+    Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
+}
+
+pub fn route(logits: &Mat, k: usize) -> OpResult<Routing> {
+    check::route("route", DEV, logits, k)?;
+    Ok(reference::route(logits, k))
+}
+
+pub fn select_rows(x: &Mat, rows: &[usize]) -> OpResult<Mat> {
+    check::select_rows("select_rows", DEV, x, rows)?;
+    Ok(reference::select_rows(x, rows))
+}
+
 /// [`Ops::kv_append`] on host caches: every sequence's rows pushed in turn.
 pub fn kv_append_each(spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
     const OP: &str = "kv_append";
@@ -112,23 +153,16 @@ impl Ops for HostOps {
     }
 
     fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
-        const OP: &str = "get_rows";
-        check::get_rows(OP, DEV, self.weights.info(OP, w)?, ids)?;
-        Ok(reference::get_rows(&self.weights.view(OP, w)?, ids))
+        get_rows(&self.weights, w, ids)
     }
 
     fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat> {
-        const OP: &str = "matmul";
-        check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
-        Ok(reference::matmul(&self.weights.view(OP, w)?, x))
+        let views = checked_views("matmul", &self.weights, &[w], x)?;
+        Ok(reference::matmul(&views[0], x))
     }
 
     fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>> {
-        const OP: &str = "matmul_many";
-        for &w in ws {
-            check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
-        }
-        ws.iter().map(|&w| self.matmul(w, x)).collect()
+        Ok(checked_views("matmul_many", &self.weights, ws, x)?.iter().map(|v| reference::matmul(v, x)).collect())
     }
 
     fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat> {
@@ -139,9 +173,7 @@ impl Ops for HostOps {
     }
 
     fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
-        check::same("add", DEV, h, x)?;
-        reference::add(h, x);
-        Ok(())
+        add(h, x)
     }
 
     fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
@@ -176,10 +208,7 @@ impl Ops for HostOps {
     }
 
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
-        const OP: &str = "delta_prep";
-        let (a, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
-        check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
-        Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
+        delta_prep(&self.weights, s, cu, b, alpha)
     }
 
     fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
@@ -204,8 +233,7 @@ impl Ops for HostOps {
     }
 
     fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
-        check::route("route", DEV, logits, k)?;
-        Ok(reference::route(logits, k))
+        route(logits, k)
     }
 
     fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
@@ -213,7 +241,6 @@ impl Ops for HostOps {
     }
 
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
-        check::select_rows("select_rows", DEV, x, rows)?;
-        Ok(reference::select_rows(x, rows))
+        select_rows(x, rows)
     }
 }

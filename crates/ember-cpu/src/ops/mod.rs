@@ -3,7 +3,7 @@ use std::sync::{Mutex, MutexGuard};
 use ember_gguf::{GgmlType, quant};
 use std::sync::Arc;
 
-use ember_ops::host::{delta_rows, kv_append_each, moe_via, per_span};
+use ember_ops::host::{self, delta_rows, kv_append_each, moe_via, per_span};
 use ember_ops::{
     AttnHeads, AttnIn, AttnPrep, AttnShape, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeltaShape, DeviceId, Gate, KvCache, KvRows,
     LayerIdx, Mat, MoeSlot, OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet, WeightView, check, reference,
@@ -673,25 +673,16 @@ impl Ops for CpuOps {
     }
 
     fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
-        const OP: &str = "get_rows";
-        check::get_rows(OP, DEV, self.weights.info(OP, w)?, ids)?;
-        Ok(reference::get_rows(&self.weights.view(OP, w)?, ids))
+        host::get_rows(&self.weights, w, ids)
     }
 
     fn matmul(&self, w: WeightId, x: &Mat) -> OpResult<Mat> {
-        const OP: &str = "matmul";
-        check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
-        Ok(self.matmul_view(&self.weights.view(OP, w)?, x))
+        let views = host::checked_views("matmul", &self.weights, &[w], x)?;
+        Ok(self.matmul_view(&views[0], x))
     }
 
     fn matmul_many(&self, ws: &[WeightId], x: &Mat) -> OpResult<Vec<Mat>> {
-        const OP: &str = "matmul_many";
-        let mut views = Vec::with_capacity(ws.len());
-        for &w in ws {
-            check::matmul(OP, DEV, self.weights.info(OP, w)?, x)?;
-            views.push(self.weights.view(OP, w)?);
-        }
-        Ok(self.matmul_views(&views, x))
+        Ok(self.matmul_views(&host::checked_views("matmul_many", &self.weights, ws, x)?, x))
     }
 
     fn rms_norm(&self, x: &Mat, w: WeightId, eps: f32) -> OpResult<Mat> {
@@ -702,9 +693,7 @@ impl Ops for CpuOps {
     }
 
     fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
-        check::same("add", DEV, h, x)?;
-        reference::add(h, x);
-        Ok(())
+        host::add(h, x)
     }
 
     /// The split and RoPE as in the reference; the norms through [`CpuOps::rms_norm_vec`].
@@ -751,10 +740,7 @@ impl Ops for CpuOps {
     }
 
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
-        const OP: &str = "delta_prep";
-        let (a, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
-        check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
-        Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
+        host::delta_prep(&self.weights, s, cu, b, alpha)
     }
 
     fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
@@ -774,8 +760,7 @@ impl Ops for CpuOps {
     }
 
     fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
-        check::route("route", DEV, logits, k)?;
-        Ok(reference::route(logits, k))
+        host::route(logits, k)
     }
 
     fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
@@ -783,7 +768,6 @@ impl Ops for CpuOps {
     }
 
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
-        check::select_rows("select_rows", DEV, x, rows)?;
-        Ok(reference::select_rows(x, rows))
+        host::select_rows(x, rows)
     }
 }
