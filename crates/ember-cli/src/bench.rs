@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use ember_cpu::{CpuOps, Precision};
-use ember_engine::{Logits, ModelBackend};
-use ember_model::{Model, SeqState, TensorGroup};
+use ember_cpu::Precision;
+use ember_engine::{Backend, Logits, ModelBackend};
+use ember_model::{Model, TensorGroup};
 use ember_ops::KvType;
 use ember_synth::rng::Rng;
 use serde_json::json;
@@ -138,8 +138,8 @@ pub fn main(a: Args) -> Result<()> {
     }
     let model = load::open_model(Some(&a.model))?;
     let c = model.config.clone();
-    let ops = CpuOps::new(Precision::Fast, a.threads);
-    let n_threads = ops.n_threads();
+    let ops = ember_cpu::backend(Precision::Fast, a.threads);
+    let n_threads = ops.kernels().n_threads();
     let corpus = match a.prompts {
         Prompts::Real => {
             let tok = load::tokenizer(model.file())?;
@@ -167,9 +167,10 @@ pub fn main(a: Args) -> Result<()> {
             continue;
         }
         let n_ctx = d + tests.iter().map(|&(p, g)| p + g).max().unwrap_or(0) + 1;
-        // The depth is filled once, untimed, and the state cloned for every run (llama-bench
-        // restores a saved state the same way).
-        let mut base = SeqState::new(&c, n_ctx, a.kv_type)?;
+        // The depth is filled once, untimed, and every run starts from a snapshot of it
+        // (llama-bench restores a saved state the same way): two slots, the base and a run.
+        backend.configure(2, n_ctx, 0)?;
+        let mut base = backend.new_state(n_ctx)?;
         if d > 0 {
             let t0 = Instant::now();
             let toks = src.take(d);
@@ -180,7 +181,9 @@ pub fn main(a: Args) -> Result<()> {
         }
         for (p, g) in tests {
             let name = test_name(p, g, d);
-            let mut run = |toks: &[u32], st: &mut SeqState| -> Result<f64> {
+            let snap = backend.snapshot(&base)?;
+            let mut run = |toks: &[u32]| -> Result<f64> {
+                let st = &mut backend.restore(&snap, n_ctx)?;
                 let t0 = Instant::now();
                 if p > 0 {
                     backend.run(st, toks, Logits::Last)?;
@@ -194,12 +197,12 @@ pub fn main(a: Args) -> Result<()> {
             if !a.no_warmup {
                 // llama-bench: the whole prompt for pp, one token for tg.
                 let toks = src.take(if p > 0 { p } else { 1 });
-                run(&toks, &mut base.clone())?;
+                run(&toks)?;
             }
             let mut samples_ns = Vec::with_capacity(a.reps);
             for r in 0..a.reps {
                 let toks = src.take(p + g);
-                let ns = run(&toks, &mut base.clone())?;
+                let ns = run(&toks)?;
                 eprintln!("{name}: run {}/{}: {:.2} tokens/s", r + 1, a.reps, (p + g) as f64 / (ns / 1e9));
                 samples_ns.push(ns);
             }

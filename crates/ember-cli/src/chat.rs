@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ember_chat::{ChatTemplate, ParseEvent, ParserOptions, RenderRequest};
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::Precision;
 use ember_engine::{EngineConfig, EngineHandle, Event, EventSink, FinishReason, GenRequest, ModelBackend, SamplerConfig};
 use ember_ops::KvType;
 use ember_server::TextPipeline;
@@ -120,7 +120,7 @@ pub fn main(a: Args) -> Result<()> {
     let template = ChatTemplate::new(src).context("compiling the chat template")?;
     let n_ctx = a.ctx.unwrap_or(model.config.n_ctx_train.min(8192));
     let cfg = EngineConfig { n_parallel: 1, n_queue: 4, n_ctx, n_batch: 512, cache_bytes: a.cache_ram << 20, checkpoint_every: 2048 };
-    let ops = CpuOps::new(Precision::Fast, a.threads);
+    let ops = ember_cpu::backend(Precision::Fast, a.threads);
     let engine = ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg).context("starting the engine")?.0;
     let interrupt = Arc::new(Interrupt::default());
     watch_ctrl_c(interrupt.clone())?;

@@ -2,9 +2,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use ember_cpu::{CpuOps, Precision};
-use ember_engine::{Logits, ModelBackend};
-use ember_model::SeqState;
+use ember_cpu::Precision;
+use ember_engine::{Backend, Logits, ModelBackend};
 use ember_ops::KvType;
 
 use crate::load;
@@ -49,10 +48,11 @@ pub fn main(a: Args) -> Result<()> {
     }
     let (precision, default_kv) = if a.exact { (Precision::Exact, KvType::F32) } else { (Precision::Fast, KvType::F16) };
     let kv_type = a.kv_type.unwrap_or(default_kv);
-    let mut st = SeqState::new(&model.config, ids.len(), kv_type)?;
     let n_vocab = model.config.n_vocab;
     // The engine's forward path (ModelBackend::forward).
-    let mut backend = ModelBackend::new(model, CpuOps::new(precision, a.threads), kv_type)?;
+    let mut backend = ModelBackend::new(model, ember_cpu::backend(precision, a.threads), kv_type)?;
+    backend.configure(1, ids.len(), 0)?;
+    let mut st = backend.new_state(ids.len())?;
     let mut logits = Vec::with_capacity(ids.len() * n_vocab);
     if prefill > 0 {
         logits.extend_from_slice(&backend.run(&mut st, &ids[..prefill], Logits::All)?);

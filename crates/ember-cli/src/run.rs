@@ -3,7 +3,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::Precision;
 use ember_engine::{EngineConfig, Event, EventSink, FinishReason, GenRequest, ModelBackend, Sampler, SamplerConfig};
 use ember_ops::KvType;
 use ember_tokenizer::StreamDecoder;
@@ -77,8 +77,8 @@ pub fn main(a: Args) -> Result<()> {
     if ids.len() > n_ctx {
         bail!("the prompt has {} tokens, more than the context size {n_ctx}", ids.len());
     }
-    let ops = CpuOps::new(Precision::Fast, a.threads);
-    let n_threads = ops.n_threads();
+    let ops = ember_cpu::backend(Precision::Fast, a.threads);
+    let n_threads = ops.kernels().n_threads();
     let seed = a.seed;
     let sampler = SamplerConfig {
         temperature: a.temp,

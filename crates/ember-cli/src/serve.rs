@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::Precision;
 use ember_engine::{EngineConfig, ModelBackend, ScriptBackend};
 use ember_ops::KvType;
 use ember_server::AppState;
@@ -124,8 +124,8 @@ pub fn main(a: Args) -> Result<()> {
         }
         None => {
             let precision = if a.batch_invariant { Precision::BatchInvariant } else { Precision::Fast };
-            let ops = CpuOps::new(precision, a.threads);
-            tracing::info!("{} threads, {} sequences of {n_ctx} tokens, queue {}", ops.n_threads(), a.parallel, a.queue);
+            let ops = ember_cpu::backend(precision, a.threads);
+            tracing::info!("{} threads, {} sequences of {n_ctx} tokens, queue {}", ops.kernels().n_threads(), a.parallel, a.queue);
             ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use ember_cpu::{CpuOps, Precision};
 use ember_gguf::GgmlType;
-use ember_ops::{Mat, Ops, WeightView};
+use ember_ops::{HostKernels, Mat, WeightView};
 
 mod common;
 use common::{lcg, random_weights};

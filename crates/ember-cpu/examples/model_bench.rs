@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use ember_cpu::{CpuOps, Precision};
 use ember_gguf::GgufFile;
-use ember_model::{Forward, Logits, Model, SeqState};
+use ember_model::{Forward, Logits, Model};
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvCache, KvType, LayerIdx, Mat, OpResult, Ops,
-    Routing, SeqSpan, WeightId, WeightSet,
+    AttnHeads, AttnMats, AttnPrep, DeltaHeads, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, HostBackend, HostKernels, KvCache, KvType,
+    LayerIdx, Mat, OpResult, Ops, PagePool, RouteTable, SeqSpan, WeightId, WeightSet,
 };
 
 /// Wraps the backend and adds up the time of each op (`EMBER_PROFILE=1`).
@@ -53,7 +53,7 @@ impl Timed {
     }
 }
 
-impl Ops for Timed {
+impl HostKernels for Timed {
     fn name(&self) -> &'static str {
         "timed"
     }
@@ -76,10 +76,10 @@ impl Ops for Timed {
     fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()> {
         self.time(|| format!("gate {act:?}"), || self.inner.gate(y, g, act))
     }
-    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<RouteTable> {
         self.time(|| "route".into(), || self.inner.route(logits, k))
     }
-    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &RouteTable, shared_gate: &Mat) -> OpResult<Mat> {
         self.time(|| format!("moe n={}", x.n.min(2)), || self.inner.moe(layer, x, routing, shared_gate))
     }
     fn get_rows(&self, w: WeightId, ids: &[u32]) -> OpResult<Mat> {
@@ -91,11 +91,11 @@ impl Ops for Timed {
     fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
         self.time(|| "add".into(), || self.inner.add(h, x))
     }
-    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnMats> {
         self.time(|| "attn_prep".into(), || self.inner.attn_prep(s, qg, k, pos))
     }
-    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
-        self.time(|| "kv_append".into(), || self.inner.kv_append(spans, k, v, caches))
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()> {
+        self.time(|| "kv_append".into(), || self.inner.kv_append(spans, k, v, caches, pool))
     }
     fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat> {
         self.time(|| "attention".into(), || self.inner.attention(h, spans, q, caches))
@@ -103,10 +103,17 @@ impl Ops for Timed {
     fn conv1d_silu(&self, spans: &[SeqSpan], x: &Mat, w: WeightId, states: &mut [&mut [f32]]) -> OpResult<Mat> {
         self.time(|| "conv1d_silu".into(), || self.inner.conv1d_silu(spans, x, w, states))
     }
-    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats> {
         self.time(|| "delta_prep".into(), || self.inner.delta_prep(s, cu, b, alpha))
     }
-    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+    fn gated_delta_rule(
+        &self,
+        h: DeltaHeads,
+        spans: &[SeqSpan],
+        x: &DeltaMats,
+        states: &mut [&mut [f32]],
+        mode: DeltaMode,
+    ) -> OpResult<Mat> {
         self.time(|| "gated_delta_rule".into(), || self.inner.gated_delta_rule(h, spans, x, states, mode))
     }
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat> {
@@ -136,10 +143,10 @@ fn main() {
     }
     let file = Arc::new(GgufFile::open(&path).unwrap());
     let model = Model::load(file, |_, _| {}).unwrap();
-    let mut ops = Timed { inner: CpuOps::new(Precision::Fast, threads), weights: None, times: Default::default() };
+    let mut ops = HostBackend::new(Timed { inner: CpuOps::new(Precision::Fast, threads), weights: None, times: Default::default() });
     ops.register(model.weights().clone()).unwrap();
     let profile = std::env::var("EMBER_PROFILE").is_ok();
-    println!("{path}: {} threads, isa {:?}", ops.inner.n_threads(), ops.inner.isa());
+    println!("{path}: {} threads, isa {:?}", ops.kernels().inner.n_threads(), ops.kernels().inner.isa());
     let n_vocab = model.config.n_vocab as u64;
     let mut seed = 12345u64;
     let mut tok = || {
@@ -147,50 +154,51 @@ fn main() {
         ((seed >> 33) % n_vocab.min(150_000)) as u32
     };
     let ctx = depth + pp.max(1) + tg + 16;
+    model.configure_store(&mut ops, KvType::F16, 3, ctx, 0).unwrap();
     // Warm-up: one short prompt and a few steps (page in the weights).
     {
-        let mut st = SeqState::new(&model.config, 64, KvType::F16).unwrap();
+        let mut st = model.new_state(&mut ops, 64).unwrap();
         let p: Vec<u32> = (0..16).map(|_| tok()).collect();
-        model.forward(&ops, &p, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        model.forward(&mut ops, &p, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
         for _ in 0..4 {
             let t = tok();
-            model.forward(&ops, &[t], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+            model.forward(&mut ops, &[t], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
         }
     }
-    let mut st = SeqState::new(&model.config, ctx, KvType::F16).unwrap();
+    let mut st = model.new_state(&mut ops, ctx).unwrap();
     if depth > 0 {
         let t = Instant::now();
         for chunk in (0..depth).collect::<Vec<_>>().chunks(512) {
             let p: Vec<u32> = chunk.iter().map(|_| tok()).collect();
-            model.forward(&ops, &p, &mut st, Forward { logits: Some(Logits::None), ..Default::default() }).unwrap();
+            model.forward(&mut ops, &p, &mut st, Forward { logits: Some(Logits::None), ..Default::default() }).unwrap();
         }
         println!("depth {depth}: filled in {:.1} s", t.elapsed().as_secs_f64());
     }
     if pp > 0 {
-        let mut s2 = SeqState::new(&model.config, ctx, KvType::F16).unwrap();
+        let mut s2 = model.new_state(&mut ops, ctx).unwrap();
         let p: Vec<u32> = (0..pp).map(|_| tok()).collect();
-        ops.times.lock().unwrap().clear();
+        ops.kernels().times.lock().unwrap().clear();
         let t = Instant::now();
-        model.forward(&ops, &p, &mut s2, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        model.forward(&mut ops, &p, &mut s2, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
         let dt = t.elapsed().as_secs_f64();
         println!("pp{pp}: {:.2} tok/s ({:.3} s)", pp as f64 / dt, dt);
         if profile {
-            ops.report(1);
+            ops.kernels().report(1);
         }
     }
     if tg > 0 {
-        ops.times.lock().unwrap().clear();
+        ops.kernels().times.lock().unwrap().clear();
         let mut times = Vec::with_capacity(tg);
         for _ in 0..tg {
             let t0 = tok();
             let t = Instant::now();
-            model.forward(&ops, &[t0], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+            model.forward(&mut ops, &[t0], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
             times.push(t.elapsed().as_secs_f64());
         }
         let total: f64 = times.iter().sum();
         times.sort_by(f64::total_cmp);
         if profile {
-            ops.report(tg);
+            ops.kernels().report(tg);
         }
         println!(
             "tg{tg}{}: {:.2} tok/s (median step {:.2} ms, best {:.2} ms)",

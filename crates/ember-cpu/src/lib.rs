@@ -27,5 +27,13 @@ pub mod simd;
 mod threads;
 
 pub use ops::{CpuOps, Precision};
+
+/// The CPU backend: the CPU kernels behind the host arena and state store.
+pub type CpuBackend = ember_ops::HostBackend<CpuOps>;
+
+/// A CPU backend of `precision` on `n_threads` threads.
+pub fn backend(precision: Precision, n_threads: usize) -> CpuBackend {
+    ember_ops::HostBackend::new(CpuOps::new(precision, n_threads))
+}
 pub use simd::Isa;
 pub use threads::physical_cores;

@@ -126,8 +126,9 @@ fn attention_matches_reference() {
     let mut vc = KvRows::new(KvType::F16, n_head_kv * hd);
     let mut pos = 0;
     for n in [600, 1, 7, 500, 1] {
-        kc.push(&random_mat(n, n_head_kv * hd, &mut seed)).unwrap();
-        vc.push(&random_mat(n, n_head_kv * hd, &mut seed)).unwrap();
+        let pool = ember_ops::PagePool::unbounded();
+        kc.push(&random_mat(n, n_head_kv * hd, &mut seed), &pool).unwrap();
+        vc.push(&random_mat(n, n_head_kv * hd, &mut seed), &pool).unwrap();
         let q = random_mat(n, n_head * hd, &mut seed);
         let s = AttnShape { n_tok: n, n_head, n_head_kv, head_dim: hd, pos0: pos, scale: 1.0 / (hd as f32).sqrt() };
         let got = ops.attention_rows(s, &q, &kc, &vc);

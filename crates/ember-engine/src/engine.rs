@@ -32,28 +32,37 @@ pub use ember_model::Logits;
 /// script one.
 pub trait Backend: Send + 'static {
     type State: Send;
-    /// A copy of a sequence's state after some tokens, for the prompt cache.
+    /// A copy of a sequence's state after some tokens, for the prompt cache; dropping it
+    /// releases what it holds.
     type Snapshot: Checkpoint + Send;
     /// Logit row width.
     fn n_vocab(&self) -> usize;
+    /// Sizes the backend's state for `slots` sequences of up to `n_ctx` tokens and a prompt
+    /// cache of `cache_bytes`; called once by [`start`] before anything else.
+    fn configure(&mut self, slots: usize, n_ctx: usize, cache_bytes: usize) -> Result<(), Error>;
     /// A fresh sequence state able to hold `n_ctx` tokens.
-    fn new_state(&self, n_ctx: usize) -> Result<Self::State, Error>;
+    fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, Error>;
     /// One forward pass over several sequences. Returns, in order, the logit rows each item
     /// asked for (`[rows · n_vocab]`), `None` for the items that asked for none.
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error>;
-    /// Copies a sequence's state.
-    fn snapshot(&self, state: &Self::State) -> Self::Snapshot;
+    /// A snapshot of a sequence's state.
+    fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error>;
     /// A sequence state (able to hold `n_ctx` tokens) continuing from a snapshot.
-    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error>;
+    fn restore(&mut self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error>;
+    /// Free KV pages and the pool's size, when the backend keeps state in a bounded page
+    /// pool (`None`: no limit).
+    fn kv_pages(&mut self) -> Option<(usize, usize)>;
+    /// KV pages a sequence grows by from `from` to `to` tokens.
+    fn pages_for(&self, from: usize, to: usize) -> usize;
 }
 
-impl Checkpoint for ember_model::StateSnapshot {
+impl Checkpoint for ember_model::Snapshot {
     fn bytes(&self) -> usize {
         self.own_bytes()
     }
 
     fn shared(&self) -> Vec<(usize, usize)> {
-        self.kv_pages()
+        self.kv_pages().to_vec()
     }
 }
 
@@ -62,13 +71,16 @@ pub struct ModelBackend<O> {
     model: ember_model::Model,
     ops: O,
     kv_type: ember_ops::KvType,
+    layout: ember_ops::StateLayout,
 }
 
 impl<O: ember_ops::Ops> ModelBackend<O> {
-    /// Registers the model's weights with `ops`.
+    /// Registers the model's weights with `ops`. Size its state with [`Backend::configure`]
+    /// before the first sequence.
     pub fn new(model: ember_model::Model, mut ops: O, kv_type: ember_ops::KvType) -> Result<Self, Error> {
+        let layout = model.state_layout(kv_type).map_err(|e| Error::Backend(e.to_string()))?;
         ops.register(model.weights().clone()).map_err(|e| Error::Backend(e.to_string()))?;
-        Ok(ModelBackend { model, ops, kv_type })
+        Ok(ModelBackend { model, ops, kv_type, layout })
     }
 
     pub fn model(&self) -> &ember_model::Model {
@@ -77,6 +89,10 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
 
     pub fn ops(&self) -> &O {
         &self.ops
+    }
+
+    pub fn ops_mut(&mut self) -> &mut O {
+        &mut self.ops
     }
 
     /// One sequence's forward pass through [`Backend::forward`] (the path the engine takes):
@@ -90,17 +106,28 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
     }
 }
 
+fn backend_err(e: impl std::fmt::Display) -> Error {
+    Error::Backend(e.to_string())
+}
+
 impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     type State = ember_model::SeqState;
-    type Snapshot = ember_model::StateSnapshot;
+    type Snapshot = ember_model::Snapshot;
 
-    fn snapshot(&self, state: &Self::State) -> Self::Snapshot {
-        state.snapshot()
+    fn configure(&mut self, slots: usize, n_ctx: usize, cache_bytes: usize) -> Result<(), Error> {
+        // The prompt cache's pages count against its byte budget, so the pool needs room for
+        // at most that many pages beyond the sequences' own.
+        let extra = cache_bytes / self.layout.page_bytes().max(1);
+        self.model.configure_store(&mut self.ops, self.kv_type, slots, n_ctx, extra).map_err(backend_err)
     }
 
-    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
+    fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error> {
+        state.snapshot(&mut self.ops).map_err(backend_err)
+    }
+
+    fn restore(&mut self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
         let mut st = self.new_state(n_ctx)?;
-        st.restore(snap).map_err(|e| Error::Backend(e.to_string()))?;
+        st.restore(&mut self.ops, snap).map_err(backend_err)?;
         Ok(st)
     }
 
@@ -108,19 +135,28 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
         self.model.config.n_vocab
     }
 
-    fn new_state(&self, n_ctx: usize) -> Result<Self::State, Error> {
-        ember_model::SeqState::new(&self.model.config, n_ctx, self.kv_type).map_err(|e| Error::Backend(e.to_string()))
+    fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, Error> {
+        self.model.new_state(&mut self.ops, n_ctx).map_err(backend_err)
     }
 
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
         use ember_model::{DeltaMode, SeqBatch};
         let mut seqs: Vec<SeqBatch> =
             items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
-        let out = self.model.forward_batch(&self.ops, &mut seqs, DeltaMode::Auto, None).map_err(|e| match e {
+        let out = self.model.forward_batch(&mut self.ops, &mut seqs, DeltaMode::Auto, None).map_err(|e| match e {
             ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
             e => Error::Backend(e.to_string()),
         })?;
         Ok(out.into_iter().zip(items.iter()).map(|(m, it)| (it.logits != Logits::None).then_some(m.data)).collect())
+    }
+
+    fn kv_pages(&mut self) -> Option<(usize, usize)> {
+        let st = self.ops.store_stats();
+        Some((st.pages_free, st.pages))
+    }
+
+    fn pages_for(&self, from: usize, to: usize) -> usize {
+        self.layout.pages_at(to).saturating_sub(self.layout.pages_at(from))
     }
 }
 
@@ -238,6 +274,9 @@ pub struct EngineStats {
     pub cache_entries: AtomicUsize,
     pub cache_bytes: AtomicUsize,
     pub cache_budget_bytes: AtomicUsize,
+    /// The backend's KV page pool (0 and 0 when it has none): pages free, and in all.
+    pub kv_pages_free: AtomicUsize,
+    pub kv_pages_total: AtomicUsize,
 }
 
 struct Job {
@@ -304,21 +343,36 @@ impl EngineHandle {
 
 /// Starts the engine thread. It runs until every [`EngineHandle`] is dropped and the work in
 /// hand is done; join the returned thread to wait for that.
-pub fn start<B: Backend>(backend: B, cfg: EngineConfig) -> Result<(EngineHandle, JoinHandle<()>), Error> {
+pub fn start<B: Backend>(mut backend: B, cfg: EngineConfig) -> Result<(EngineHandle, JoinHandle<()>), Error> {
     if cfg.n_parallel == 0 || cfg.n_batch == 0 || cfg.n_ctx < 2 {
         return Err(Error::Config { field: "engine", limit: "n_parallel >= 1, n_batch >= 1, n_ctx >= 2", got: format!("{cfg:?}") });
     }
+    backend.configure(cfg.n_parallel, cfg.n_ctx, cfg.cache_bytes)?;
+    let pages = backend.kv_pages();
     let (tx, rx) = mpsc::channel();
     let stats = Arc::new(EngineStats::default());
     let n_vocab = backend.n_vocab();
     let handle = EngineHandle { tx, stats: stats.clone(), cfg: Arc::new(cfg.clone()), n_vocab };
     let cache = (cfg.cache_bytes > 0).then(|| PrefixCache::new(cfg.cache_bytes));
     stats.cache_budget_bytes.store(cfg.cache_bytes, Ordering::Relaxed);
+    if let Some((free, total)) = pages {
+        stats.kv_pages_free.store(free, Ordering::Relaxed);
+        stats.kv_pages_total.store(total, Ordering::Relaxed);
+    }
     let thread = std::thread::Builder::new()
         .name("ember-engine".into())
         .spawn(move || Scheduler { backend, cfg, stats, rx, active: Vec::new(), cache }.run())
         .map_err(|e| Error::Backend(format!("spawning the engine thread: {e}")))?;
     Ok((handle, thread))
+}
+
+/// Whether a request fits now.
+enum Room {
+    Yes(Job),
+    /// Not until a running sequence ends.
+    Later(Job),
+    /// Not even alone; the request was failed.
+    Never,
 }
 
 /// One admitted request.
@@ -333,6 +387,8 @@ struct Seq<S> {
     /// Tokens the state covers: `history[..n_done]`.
     n_done: usize,
     n_generated: usize,
+    /// Tokens its KV pages were reserved for at admission.
+    reserve_to: usize,
 }
 
 impl<S> Seq<S> {
@@ -391,8 +447,18 @@ impl<B: Backend> Scheduler<B> {
             }
             while self.active.len() < self.cfg.n_parallel {
                 let Some(job) = pending.pop_front() else { break };
-                self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
-                self.admit(job);
+                // A request waits (busy) while the KV pages it may need are not free.
+                match self.room_for(job) {
+                    Room::Yes(job) => {
+                        self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
+                        self.admit(job);
+                    }
+                    Room::Later(job) => {
+                        pending.push_front(job);
+                        break;
+                    }
+                    Room::Never => {}
+                }
             }
             self.stats.n_active.store(self.active.len(), Ordering::Relaxed);
             if self.active.is_empty() {
@@ -403,6 +469,42 @@ impl<B: Backend> Scheduler<B> {
             }
             self.step();
             self.stats.n_active.store(self.active.len(), Ordering::Relaxed);
+            if let Some((free, total)) = self.backend.kv_pages() {
+                self.stats.kv_pages_free.store(free, Ordering::Relaxed);
+                self.stats.kv_pages_total.store(total, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// KV pages a request may grow to: its prompt plus every token it may generate.
+    fn reserve_to(&self, req: &GenRequest) -> usize {
+        req.prompt.len().saturating_add(req.max_tokens).min(self.cfg.n_ctx)
+    }
+
+    /// Whether the backend's free KV pages cover what the active sequences may still take
+    /// plus what `job` may take (evicting prompt-cache checkpoints to make room). A request
+    /// that cannot fit even with nothing else running fails here.
+    fn room_for(&mut self, mut job: Job) -> Room {
+        let need = self.backend.pages_for(0, self.reserve_to(&job.req));
+        loop {
+            let Some((free, _)) = self.backend.kv_pages() else { return Room::Yes(job) };
+            let owed: usize = self.active.iter().map(|s| self.backend.pages_for(s.n_done, s.reserve_to)).sum();
+            if free >= owed.saturating_add(need) {
+                return Room::Yes(job);
+            }
+            if self.cache.as_mut().is_some_and(|c| c.evict_one()) {
+                self.stats.cache_evictions.fetch_add(1, Ordering::Relaxed);
+                self.update_cache_stats();
+                continue;
+            }
+            if !self.active.is_empty() {
+                return Room::Later(job);
+            }
+            self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
+            job.sink.send(Event::Failed(format!(
+                "the request may need {need} KV pages (prompt + max_tokens) but only {free} are free; lower max_tokens or the prompt"
+            )));
+            return Room::Never;
         }
     }
 
@@ -448,7 +550,8 @@ impl<B: Backend> Scheduler<B> {
             return;
         }
         let history = job.req.prompt.clone();
-        self.active.push(Seq { job, state, sampler, history, n_fed: n_cached, n_done: n_cached, n_generated: 0 });
+        let reserve_to = self.reserve_to(&job.req);
+        self.active.push(Seq { job, state, sampler, history, n_fed: n_cached, n_done: n_cached, n_generated: 0, reserve_to });
     }
 
     /// One forward pass over every active sequence, then sampling.
@@ -617,7 +720,11 @@ impl<B: Backend> Scheduler<B> {
         if key.is_empty() || cache.contains(key) {
             return;
         }
-        let snap = self.backend.snapshot(&s.state);
+        let snap = match self.backend.snapshot(&s.state) {
+            Ok(snap) => snap,
+            // A checkpoint is an optimisation: without one the prompt is recomputed later.
+            Err(_) => return,
+        };
         let evicted = cache.insert(key, snap);
         self.stats.cache_checkpoints.fetch_add(1, Ordering::Relaxed);
         self.stats.cache_evictions.fetch_add(evicted as u64, Ordering::Relaxed);
@@ -691,11 +798,23 @@ impl Backend for ScriptBackend {
     type State = ScriptState;
     type Snapshot = ScriptSnapshot;
 
-    fn snapshot(&self, state: &ScriptState) -> ScriptSnapshot {
-        ScriptSnapshot { n_past: state.n_past }
+    fn configure(&mut self, _slots: usize, _n_ctx: usize, _cache_bytes: usize) -> Result<(), Error> {
+        Ok(())
     }
 
-    fn restore(&self, snap: &ScriptSnapshot, n_ctx: usize) -> Result<ScriptState, Error> {
+    fn snapshot(&mut self, state: &ScriptState) -> Result<ScriptSnapshot, Error> {
+        Ok(ScriptSnapshot { n_past: state.n_past })
+    }
+
+    fn kv_pages(&mut self) -> Option<(usize, usize)> {
+        None
+    }
+
+    fn pages_for(&self, _from: usize, _to: usize) -> usize {
+        0
+    }
+
+    fn restore(&mut self, snap: &ScriptSnapshot, n_ctx: usize) -> Result<ScriptState, Error> {
         Ok(ScriptState { n_past: snap.n_past, n_ctx, n_sampled: 0 })
     }
 
@@ -703,7 +822,7 @@ impl Backend for ScriptBackend {
         self.n_vocab
     }
 
-    fn new_state(&self, n_ctx: usize) -> Result<ScriptState, Error> {
+    fn new_state(&mut self, n_ctx: usize) -> Result<ScriptState, Error> {
         Ok(ScriptState { n_past: 0, n_ctx, n_sampled: 0 })
     }
 

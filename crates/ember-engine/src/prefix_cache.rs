@@ -283,6 +283,12 @@ impl<S: Checkpoint> PrefixCache<S> {
         }
     }
 
+    /// Drops the least recently used checkpoint (to make room elsewhere, e.g. KV pages for a
+    /// new sequence); false if the cache is empty.
+    pub fn evict_one(&mut self) -> bool {
+        self.evict_lru(usize::MAX)
+    }
+
     /// Drops the least recently used checkpoint other than `keep`; false if there is none.
     fn evict_lru(&mut self, keep: usize) -> bool {
         let victim = self

@@ -112,7 +112,7 @@ fn seeded_tokens_do_not_depend_on_batching() {
     let model = ember_model::Model::load(file, |_, _| {}).unwrap();
     // Bit-identical results whatever the batch are what the batch-invariant precision promises
     // (the default one runs prompt-sized batches through kernels with another summation order).
-    let ops = ember_cpu::CpuOps::new(ember_cpu::Precision::BatchInvariant, 1);
+    let ops = ember_cpu::backend(ember_cpu::Precision::BatchInvariant, 1);
     let cfg = EngineConfig { n_parallel: 4, n_queue: 16, n_ctx: 256, n_batch: 7, ..Default::default() };
     let (h, _t) = ember_engine::start(ModelBackend::new(model, ops, ember_ops::KvType::F16).unwrap(), cfg).unwrap();
     let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (0..10 + 3 * i).map(|j| (j * 37 + i * 11) % 600).collect()).collect();
@@ -145,8 +145,17 @@ impl ember_engine::Backend for Recording {
     fn n_vocab(&self) -> usize {
         self.inner.n_vocab()
     }
-    fn new_state(&self, n_ctx: usize) -> Result<Self::State, Error> {
+    fn configure(&mut self, slots: usize, n_ctx: usize, cache_bytes: usize) -> Result<(), Error> {
+        self.inner.configure(slots, n_ctx, cache_bytes)
+    }
+    fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, Error> {
         self.inner.new_state(n_ctx)
+    }
+    fn kv_pages(&mut self) -> Option<(usize, usize)> {
+        self.inner.kv_pages()
+    }
+    fn pages_for(&self, from: usize, to: usize) -> usize {
+        self.inner.pages_for(from, to)
     }
     fn forward(&mut self, items: &mut [ember_engine::Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
         if let Some(index) = items.iter().position(|it| it.tokens.contains(&42)) {
@@ -155,10 +164,10 @@ impl ember_engine::Backend for Recording {
         self.steps.lock().unwrap().push(items.iter().map(|it| it.tokens.len()).collect());
         self.inner.forward(items)
     }
-    fn snapshot(&self, state: &Self::State) -> Self::Snapshot {
+    fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error> {
         self.inner.snapshot(state)
     }
-    fn restore(&self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
+    fn restore(&mut self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
         self.inner.restore(snap, n_ctx)
     }
 }
@@ -194,4 +203,117 @@ fn r14_token_budget_and_failing_alone() {
     let prompt_steps: Vec<&Vec<usize>> = steps.iter().filter(|s| s.iter().any(|&n| n > 1)).collect();
     assert!(prompt_steps.len() >= 100 / 8, "the prompt came in chunks: {prompt_steps:?}");
     assert!(prompt_steps.iter().skip(1).all(|s| s.contains(&1)), "the decoder waited: {steps:?}");
+}
+
+/// The tiny model's backend with its KV page pool sized for 64 tokens per slot instead of the
+/// whole context, so that requests compete for pages.
+struct SmallPool(ModelBackend<ember_cpu::CpuBackend>);
+
+impl ember_engine::Backend for SmallPool {
+    type State = <ModelBackend<ember_cpu::CpuBackend> as ember_engine::Backend>::State;
+    type Snapshot = <ModelBackend<ember_cpu::CpuBackend> as ember_engine::Backend>::Snapshot;
+    fn n_vocab(&self) -> usize {
+        self.0.n_vocab()
+    }
+    fn configure(&mut self, slots: usize, _n_ctx: usize, _cache_bytes: usize) -> Result<(), Error> {
+        self.0.configure(slots, 64, 0)
+    }
+    fn new_state(&mut self, n_ctx: usize) -> Result<Self::State, Error> {
+        self.0.new_state(n_ctx)
+    }
+    fn forward(&mut self, items: &mut [ember_engine::Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
+        self.0.forward(items)
+    }
+    fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error> {
+        self.0.snapshot(state)
+    }
+    fn restore(&mut self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
+        self.0.restore(snap, n_ctx)
+    }
+    fn kv_pages(&mut self) -> Option<(usize, usize)> {
+        self.0.kv_pages()
+    }
+    fn pages_for(&self, from: usize, to: usize) -> usize {
+        self.0.pages_for(from, to)
+    }
+}
+
+/// A sink that also writes every event's kind into a log shared by several requests, in the
+/// order the engine sends them.
+struct LogSink {
+    name: char,
+    log: Arc<std::sync::Mutex<Vec<(char, &'static str)>>>,
+    tx: mpsc::Sender<Event>,
+}
+
+impl EventSink for LogSink {
+    fn send(&mut self, ev: Event) -> bool {
+        let kind = match &ev {
+            Event::Started { .. } => "started",
+            Event::Token { .. } => "token",
+            Event::Finished { .. } => "finished",
+            _ => "other",
+        };
+        if kind != "token" {
+            self.log.lock().unwrap().push((self.name, kind));
+        }
+        self.tx.send(ev).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Issue 14: admission by free KV pages. Each request reserves the pages its prompt plus
+/// `max_tokens` may take; one that does not fit beside the running ones waits (with a slot
+/// free) and starts when they end; one that cannot fit even alone fails at once with a clear
+/// error; every page is back at the end.
+#[test]
+fn r14_admission_by_free_kv_pages() {
+    use ember_engine::Backend;
+    let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());
+    let model = ember_model::Model::load(file, |_, _| {}).unwrap();
+    let mut backend =
+        SmallPool(ModelBackend::new(model, ember_cpu::backend(ember_cpu::Precision::Fast, 1), ember_ops::KvType::F16).unwrap());
+    // Three slots of 64 tokens: per K/V cache 1 page each plus 1 copy-on-write page each.
+    backend.configure(3, 0, 0).unwrap();
+    let (_, total) = backend.kv_pages().unwrap();
+    let step = backend.pages_for(0, 1); // one page per K/V cache
+    assert_eq!(total, 6 * step, "pool of 3 slots x (1 page + 1 copy page) per cache");
+    let cfg = EngineConfig { n_parallel: 3, n_queue: 8, n_ctx: 1024, n_batch: 64, ..Default::default() };
+    let (h, _t) = ember_engine::start(backend, cfg).unwrap();
+    let stats = h.stats().clone();
+    assert_eq!(stats.kv_pages_total.load(Ordering::SeqCst), total);
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let submit = |name: char, max_tokens: usize| {
+        let (tx, rx) = mpsc::channel();
+        let mut r = req(vec![7, 8, 9, 10, 11], max_tokens, name as u64);
+        r.eog.clear();
+        h.submit(r, Box::new(LogSink { name, log: log.clone(), tx })).unwrap();
+        rx
+    };
+
+    // X: 5 + 400 tokens need 7 pages per cache, more than the pool: it fails alone, at once.
+    match submit('X', 400).recv_timeout(Duration::from_secs(60)).expect("engine event") {
+        Event::Failed(msg) => assert!(msg.contains("KV pages"), "{msg}"),
+        ev => panic!("expected a failure, got {ev:?}"),
+    }
+    // A: 5 + 300 = 5 pages per cache; C: 5 + 20 = 1, fits beside A; B: 5 + 150 = 3, does not
+    // fit beside A (8 > 6) though a slot is free: it starts only after A has finished.
+    let (ra, rc, rb) = (submit('A', 300), submit('C', 20), submit('B', 150));
+    for (rx, n) in [(&rc, 20), (&ra, 300), (&rb, 150)] {
+        let (ids, end) = collect(rx);
+        assert_eq!(ids.len(), n, "{end:?}");
+        assert!(matches!(end, Event::Finished { reason: FinishReason::MaxTokens, .. }), "{end:?}");
+    }
+    let log = log.lock().unwrap().clone();
+    let at = |e: (char, &'static str)| log.iter().position(|x| *x == e).unwrap_or_else(|| panic!("{e:?} not in {log:?}"));
+    assert!(at(('C', "started")) < at(('A', "finished")), "C ran beside A: {log:?}");
+    assert!(at(('B', "started")) > at(('A', "finished")), "B must wait for A's pages: {log:?}");
+    // Every page comes back once the engine is idle.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while stats.kv_pages_free.load(Ordering::SeqCst) != total && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(stats.kv_pages_free.load(Ordering::SeqCst), total, "pages held after every request ended");
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 
 use ember_chat::{ChatTemplate, RenderRequest};
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::Precision;
 use ember_engine::{EngineConfig, EngineHandle, Event, EventSink, GenRequest, ModelBackend, SamplerConfig};
 use ember_gguf::GgufFile;
 use ember_model::Model;
@@ -48,7 +48,7 @@ fn setup() -> Setup {
 
 fn engine(s: &Setup, cache_bytes: usize) -> EngineHandle {
     let model = Model::load(s.file.clone(), |_, _| {}).unwrap();
-    let backend = ModelBackend::new(model, CpuOps::new(Precision::Exact, 2), KvType::F32).unwrap();
+    let backend = ModelBackend::new(model, ember_cpu::backend(Precision::Exact, 2), KvType::F32).unwrap();
     let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 1024, n_batch: 64, cache_bytes, checkpoint_every: 48 };
     ember_engine::start(backend, cfg).unwrap().0
 }

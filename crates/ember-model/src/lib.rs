@@ -15,8 +15,9 @@ mod state;
 mod weights;
 
 pub use config::{Config, LayerKind, SUPPORTED_ARCHS};
+pub use ember_ops::Snapshot;
 pub use qwen35moe::{DeltaMode, Forward, Logits, Model, SeqBatch};
-pub use state::{SeqState, StateSnapshot};
+pub use state::SeqState;
 pub use weights::TensorGroup;
 
 #[derive(Debug, thiserror::Error)]

@@ -6,11 +6,10 @@ use std::sync::Arc;
 use ember_gguf::GgufFile;
 pub use ember_ops::DeltaMode;
 use ember_ops::{
-    AttnHeads, AttnPrep, DeltaHeads, DeltaPrep, Gate, GateUp, KvCache, LayerIdx, Mat, MoeWeights, Ops, Routing, SeqSpan, WeightId,
-    WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing, StateLayout, Tensor,
+    WeightId, WeightSet,
 };
 
-use crate::state::LayerState;
 use crate::weights::Loader;
 use crate::{Config, Error, LayerKind, SeqState};
 
@@ -178,22 +177,43 @@ impl Model {
         &self.file
     }
 
+    /// What a sequence keeps in a backend's state store, with KV rows of `kv_type`.
+    pub fn state_layout(&self, kv_type: KvType) -> Result<StateLayout, Error> {
+        crate::state::layout(&self.config, kv_type)
+    }
+
+    /// Sizes `ops`' state store for `slots` sequences of up to `n_ctx` tokens each, plus
+    /// `extra_pages` KV pages (snapshots that outlive their sequence: the prompt cache).
+    pub fn configure_store(&self, ops: &mut dyn Ops, kv_type: KvType, slots: usize, n_ctx: usize, extra_pages: usize) -> Result<(), Error> {
+        let layout = self.state_layout(kv_type)?;
+        // Every sequence full, plus one copied page per K/V cache (the first write after a
+        // snapshot copies a shared partial page).
+        let pages = slots.saturating_mul(layout.pages_at(n_ctx) + 2 * layout.n_kv_layers()).saturating_add(extra_pages);
+        ops.configure(layout, slots, pages)?;
+        Ok(())
+    }
+
+    /// A new sequence of up to `n_ctx` tokens in a slot of `ops`' store.
+    pub fn new_state(&self, ops: &mut dyn Ops, n_ctx: usize) -> Result<SeqState, Error> {
+        SeqState::new(ops, n_ctx)
+    }
+
     /// Runs `tokens` through the model, continuing `st`. Returns logits [rows, n_vocab] for
     /// the positions `opts.logits` asks for (default: all).
-    pub fn forward(&self, ops: &dyn Ops, tokens: &[u32], st: &mut SeqState, opts: Forward) -> Result<Mat, Error> {
+    pub fn forward(&self, ops: &mut dyn Ops, tokens: &[u32], st: &mut SeqState, opts: Forward) -> Result<Mat, Error> {
         let logits = opts.logits.unwrap_or(Logits::All);
         let mut seqs = [SeqBatch { tokens, state: st, logits }];
         let mut out = self.forward_batch(ops, &mut seqs, opts.delta, opts.tap)?;
         Ok(out.pop().expect("one output per sequence"))
     }
 
-    /// Runs several sequences through the model in one pass: every weight is read once for all
-    /// their tokens; only the per-sequence parts (conv, delta rule, attention over the sequence's
-    /// own cache) run sequence by sequence. Returns one logits matrix per sequence.
+    /// Runs several sequences through the model in one step: every weight is read once for
+    /// all their tokens, and every op covers all sequences (each continuing its own state).
+    /// Returns one logits matrix per sequence.
     #[allow(clippy::type_complexity)]
     pub fn forward_batch(
         &self,
-        ops: &dyn Ops,
+        ops: &mut dyn Ops,
         seqs: &mut [SeqBatch],
         delta: DeltaMode,
         mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
@@ -204,60 +224,56 @@ impl Model {
             self.check_batch(s.tokens, s.state)
                 .map_err(|e| if seqs.len() == 1 { e } else { Error::InSequence { index, source: Box::new(e) } })?;
         }
-        let mut spans = Vec::with_capacity(seqs.len()); // the step's batch: one span per sequence
-        let mut all_tokens = Vec::new();
+        // The step's batch: every sequence's tokens after each other, and the rows that get logits.
+        let mut batch = Batch::default();
+        let mut counts = Vec::with_capacity(seqs.len());
         for s in seqs.iter() {
-            spans.push(SeqSpan { row0: all_tokens.len(), n: s.tokens.len(), pos0: s.state.n_past });
-            all_tokens.extend_from_slice(s.tokens);
-        }
-        let tapping = tap.is_some();
-        let mut tap = |name: &str, i: usize, m: &Mat| {
-            if let Some(t) = tap.as_mut() {
-                t(name, i, m)
-            }
-        };
-
-        let mut h = ops.get_rows(self.tok_embd, &all_tokens)?; // [ΣT, D]
-        tap("embd", 0, &h);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let x = ops.rms_norm(&h, layer.attn_norm, c.rms_eps)?;
-            let mut states: Vec<&mut LayerState> = seqs.iter_mut().map(|s| &mut s.state.layers[i]).collect();
-            let m = match &layer.mixer {
-                Mixer::DeltaNet(dn) => dn.forward(c, ops, &x, &spans, &mut states, delta)?,
-                Mixer::Attention(at) => at.forward(c, ops, &x, &spans, &mut states)?,
+            let row0 = batch.n_rows() as u32;
+            let n = s.tokens.len() as u32;
+            let rows = match s.logits {
+                Logits::All => row0..row0 + n,
+                Logits::Last => row0 + n - 1..row0 + n,
+                Logits::None => row0..row0,
             };
-            ops.add(&mut h, &m)?; // [ΣT, D]
-            let f = ops.rms_norm(&h, layer.post_norm, c.rms_eps)?;
-            let (y, routing) = layer.moe.forward(LayerIdx(i as u16), c, ops, &f)?;
-            if tapping {
-                let k = routing.k;
-                tap("route_ids", i, &Mat::from_vec(routing.n_tok, k, routing.ids.iter().map(|e| e.0 as f32).collect()));
-                tap("route_weights", i, &Mat::from_vec(routing.n_tok, k, routing.weights.clone()));
+            counts.push(rows.len());
+            batch.logit_rows.extend(rows);
+            batch.push(s.state.slot().id(), s.state.n_past, s.tokens);
+        }
+        ops.begin_step(&batch)?;
+
+        let h = ops.embed(self.tok_embd)?; // [ΣT, D]
+        see(&mut tap, ops, "embd", 0, h)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let li = LayerIdx(i as u16);
+            let x = ops.rms_norm(h, layer.attn_norm, c.rms_eps)?;
+            let m = match &layer.mixer {
+                Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x, delta)?,
+                Mixer::Attention(at) => at.forward(c, ops, li, x)?,
+            };
+            ops.add(h, m)?; // [ΣT, D]
+            let f = ops.rms_norm(h, layer.post_norm, c.rms_eps)?;
+            let (y, routing) = layer.moe.forward(li, c, ops, f)?;
+            if let Some(t) = tap.as_mut() {
+                let r = ops.read_routing(routing)?;
+                let k = r.k;
+                t("route_ids", i, &Mat::from_vec(r.n_tok, k, r.ids.iter().map(|e| e.0 as f32).collect()));
+                t("route_weights", i, &Mat::from_vec(r.n_tok, k, r.weights.clone()));
             }
-            ops.add(&mut h, &y)?;
-            tap("layer_out", i, &h);
+            ops.add(h, y)?;
+            see(&mut tap, ops, "layer_out", i, h)?;
         }
 
         // Final norm and LM head on the requested rows of every sequence, in one matmul.
-        let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(seqs.len());
-        for (s, sp) in seqs.iter_mut().zip(&spans) {
-            s.state.n_past += sp.n;
-            let (first, n) = match s.logits {
-                Logits::All => (sp.row0, sp.n),
-                Logits::Last => (sp.row0 + sp.n - 1, 1),
-                Logits::None => (sp.row0, 0),
-            };
-            rows.extend(first..first + n);
-            counts.push(n);
-        }
-        let sel = ops.select_rows(&h, &rows)?;
-        let y = ops.rms_norm(&sel, self.output_norm, c.rms_eps)?;
-        tap("final_norm", 0, &y);
-        let logits = ops.matmul(self.output, &y)?; // [rows, n_vocab]
+        let sel = ops.select_rows(h)?;
+        let y = ops.rms_norm(sel, self.output_norm, c.rms_eps)?;
+        see(&mut tap, ops, "final_norm", 0, y)?;
+        let logits = ops.matmul(self.output, y)?; // [rows, n_vocab]
+        let logits = ops.read(logits)?;
+        ops.end_step()?;
         let mut out = Vec::with_capacity(seqs.len());
         let mut at = 0;
-        for n in counts {
+        for (s, n) in seqs.iter_mut().zip(counts) {
+            s.state.n_past += s.tokens.len();
             out.push(logits.rows(at, n));
             at += n;
         }
@@ -272,14 +288,21 @@ impl Model {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
             return Err(Error::BadBatch(format!("token id {bad} is out of range (vocabulary has {} rows)", c.n_vocab)));
         }
-        if st.layers.len() != self.layers.len() {
-            return Err(Error::BadBatch(format!("state has {} layers, model {}", st.layers.len(), self.layers.len())));
-        }
         if st.n_past + tokens.len() > st.n_ctx {
             return Err(Error::ContextFull { n_past: st.n_past, n_new: tokens.len(), n_ctx: st.n_ctx });
         }
         Ok(())
     }
+}
+
+/// Shows `t` to the tap, if any (a download: only when tapping).
+#[allow(clippy::type_complexity)]
+fn see(tap: &mut Option<&mut dyn FnMut(&str, usize, &Mat)>, ops: &mut dyn Ops, name: &str, i: usize, t: Tensor) -> Result<(), Error> {
+    if let Some(f) = tap.as_mut() {
+        let m = ops.read(t)?;
+        f(name, i, &m);
+    }
+    Ok(())
 }
 
 /// One sequence of a batched forward call.
@@ -289,17 +312,12 @@ pub struct SeqBatch<'a> {
     pub logits: Logits,
 }
 
-/// Every token's position: span by span, pos0 + t.
-fn positions(spans: &[SeqSpan]) -> Vec<u32> {
-    spans.iter().flat_map(|sp| (sp.pos0..sp.pos0 + sp.n).map(|p| p as u32)).collect()
-}
-
 impl Attention {
     /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; each sequence appends
-    /// to and attends over its own KV cache.
-    fn forward(&self, c: &Config, ops: &dyn Ops, x: &Mat, spans: &[SeqSpan], states: &mut [&mut LayerState]) -> Result<Mat, Error> {
+    /// to and attends over its own KV rows.
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor) -> Result<Tensor, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
-        let [qg, k, v]: [Mat; 3] = take(ops.matmul_many(&[self.wq, self.wk, self.wv], x)?); // one pass over x
+        let [qg, k, v]: [Tensor; 3] = take(ops.matmul_many(&[self.wq, self.wk, self.wv], x)?); // one pass over x
         // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
         let prep = AttnPrep {
             n_head: nh,
@@ -311,68 +329,46 @@ impl Attention {
             q_norm: self.q_norm,
             k_norm: self.k_norm,
         };
-        let a = ops.attn_prep(prep, &qg, &k, &positions(spans))?; // q, gate [ΣT, nh·hd], k normed + rotated
-        let mut caches: Vec<KvCache> = states
-            .iter_mut()
-            .map(|st| match &mut **st {
-                LayerState::Attention { k, v } => KvCache { k, v },
-                LayerState::DeltaNet { .. } => unreachable!("state kinds follow the layer kinds"),
-            })
-            .collect();
-        ops.kv_append(spans, &a.k, &v, &mut caches)?; // every sequence's rows onto its cache
+        let a = ops.attn_prep(prep, qg, k)?; // q, gate [ΣT, nh·hd], k normed + rotated at the step's positions
+        ops.kv_append(layer, a.k, v)?; // every sequence's rows onto its slot
         let heads = AttnHeads { n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-        let mut o = ops.attention(heads, spans, &a.q, &caches)?; // [ΣT, nh·hd]
-        ops.gate(&mut o, &a.gate, Gate::Sigmoid)?;
-        Ok(ops.matmul(self.wo, &o)?) // [ΣT, D]
+        let o = ops.attention(layer, heads, a.q)?; // [ΣT, nh·hd]
+        ops.gate(o, a.gate, Gate::Sigmoid)?;
+        Ok(ops.matmul(self.wo, o)?) // [ΣT, D]
     }
 }
 
 impl DeltaNet {
     /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule
-    /// continue each sequence's carried state.
-    fn forward(
-        &self,
-        c: &Config,
-        ops: &dyn Ops,
-        x: &Mat,
-        spans: &[SeqSpan],
-        states: &mut [&mut LayerState],
-        mode: DeltaMode,
-    ) -> Result<Mat, Error> {
+    /// continue each sequence's state.
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor, mode: DeltaMode) -> Result<Tensor, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
-        let [u, z, b, a]: [Mat; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
+        let [u, z, b, a]: [Tensor; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
-        let (mut convs, mut recs): (Vec<&mut [f32]>, Vec<&mut [f32]>) = states
-            .iter_mut()
-            .map(|st| match &mut **st {
-                LayerState::DeltaNet { conv, s } => (&mut conv[..], &mut s[..]),
-                LayerState::Attention { .. } => unreachable!("state kinds follow the layer kinds"),
-            })
-            .unzip();
-        let cu = ops.conv1d_silu(spans, &u, self.conv, &mut convs)?; // causal conv + SiLU
+        let cu = ops.conv1d_silu(layer, u, self.conv)?; // causal conv + SiLU
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
-        let din = ops.delta_prep(prep, &cu, &b, &a)?; // q, k (L2-normed), v, g = log-decay, β
+        let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-        let o = ops.gated_delta_rule(heads, spans, &din, &mut recs, mode)?; // [ΣT, nv·dv]
-        let mut y = ops.rms_norm(&o, self.norm, c.rms_eps)?; // per head, shared weight
-        ops.gate(&mut y, &z, Gate::Silu)?;
-        Ok(ops.matmul(self.out, &y)?) // [ΣT, D]
+        let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
+        let y = ops.rms_norm(o, self.norm, c.rms_eps)?; // per head, shared weight
+        ops.gate(y, z, Gate::Silu)?;
+        Ok(ops.matmul(self.out, y)?) // [ΣT, D]
     }
 }
 
 impl Moe {
     /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
     /// qwen35moe.md §6.6: routing and the expert FFNs are ops.
-    fn forward(&self, layer: LayerIdx, c: &Config, ops: &dyn Ops, f: &Mat) -> Result<(Mat, Routing), Error> {
-        let [logits, gs]: [Mat; 2] = take(ops.matmul_many(&[self.router, self.shared_gate_inp], f)?);
+    fn forward(&self, layer: LayerIdx, c: &Config, ops: &mut dyn Ops, f: Tensor) -> Result<(Tensor, Routing), Error> {
+        let [logits, gs]: [Tensor; 2] = take(ops.matmul_many(&[self.router, self.shared_gate_inp], f)?);
         // logits [T, E] (F32 router), gs [T, 1]: scalar gate of the shared expert
-        let routing = ops.route(&logits, c.n_expert_used)?;
-        let y = ops.moe(layer, f, &routing, &gs)?; // [T, D] = Σ_e w_e·y_e + σ(gs)·s
+        let routing = ops.route(logits, c.n_expert_used)?;
+        let y = ops.moe(layer, f, routing, gs)?; // [T, D] = Σ_e w_e·y_e + σ(gs)·s
         Ok((y, routing))
     }
 }
 
 /// The outputs of a `matmul_many` as an array.
-fn take<const N: usize>(v: Vec<Mat>) -> [Mat; N] {
-    v.try_into().unwrap_or_else(|v: Vec<Mat>| panic!("expected {N} outputs, got {}", v.len()))
+fn take<const N: usize>(v: Vec<Tensor>) -> [Tensor; N] {
+    v.try_into().unwrap_or_else(|v: Vec<Tensor>| panic!("expected {N} outputs, got {}", v.len()))
 }

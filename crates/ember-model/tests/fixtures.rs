@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::{CpuBackend, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model, SeqState};
 use ember_ops::{KvType, Ops};
@@ -31,23 +31,30 @@ fn refs(file: &str) -> &'static HashMap<String, RefTensor> {
     cell.get_or_init(|| read_safetensors(&fixture(&format!("tiny-a/refs/{file}-refs.safetensors"))))
 }
 
-fn exact(m: &Model) -> CpuOps {
-    with_weights(CpuOps::new(Precision::Exact, 2), m)
+fn exact(m: &Model) -> CpuBackend {
+    with_weights(ember_cpu::backend(Precision::Exact, 2), m)
 }
 
-fn fast(m: &Model) -> CpuOps {
-    with_weights(CpuOps::new(Precision::Fast, 2), m)
+fn fast(m: &Model) -> CpuBackend {
+    with_weights(ember_cpu::backend(Precision::Fast, 2), m)
+}
+
+/// Sizes `ops`' state store for `slots` sequences of `n_ctx` tokens with `kv` rows, and returns
+/// a sequence in the first slot.
+fn state(m: &Model, ops: &mut dyn Ops, kv: KvType, slots: usize, n_ctx: usize) -> SeqState {
+    m.configure_store(ops, kv, slots, n_ctx, 0).unwrap();
+    m.new_state(ops, n_ctx).unwrap()
 }
 
 /// `ops` with `m`'s weights registered.
-fn with_weights(mut ops: CpuOps, m: &Model) -> CpuOps {
+fn with_weights(mut ops: CpuBackend, m: &Model) -> CpuBackend {
     ops.register(m.weights().clone()).unwrap();
     ops
 }
 
 /// All-position logits of `ids` in one prompt batch.
-fn logits(m: &Model, ops: &dyn Ops, ids: &[u32], kv: KvType, delta: DeltaMode) -> Vec<f32> {
-    let mut st = SeqState::new(&m.config, ids.len() + 64, kv).unwrap();
+fn logits(m: &Model, ops: &mut dyn Ops, ids: &[u32], kv: KvType, delta: DeltaMode) -> Vec<f32> {
+    let mut st = state(m, ops, kv, 1, ids.len() + 64);
     m.forward(ops, ids, &mut st, Forward { logits: Some(Logits::All), delta, ..Default::default() }).unwrap().data
 }
 
@@ -67,10 +74,10 @@ fn assert_f32_bounds(what: &str, s: &LogitStats) {
 #[test]
 fn bf16_exact_matches_hf_f64() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let mut all = Vec::new();
     for case in CASES {
-        let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+        let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
         let s = LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]);
         assert_f32_bounds(&format!("BF16 exact {case}"), &s);
         all.push(s);
@@ -84,18 +91,18 @@ fn bf16_exact_matches_hf_f64() {
 #[test]
 fn bf16_exact_greedy_teacher_forced() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     for case in ["g_chat", "g_p37"] {
         let ids = tiny_case_ids(case);
         let want_tokens = &refs("hf")[&format!("greedy.{case}.tokens.f64")];
         let want_logits = &refs("hf")[&format!("greedy.{case}.logits.f64")];
-        let mut st = SeqState::new(&m.config, ids.len() + 40, KvType::F32).unwrap();
-        let mut got = m.forward(&ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
+        let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len() + 40);
+        let mut got = m.forward(&mut ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
         let mut rows = Vec::new();
         for step in 0..want_tokens.data.len() {
             rows.extend_from_slice(&got);
             let tok = want_tokens.data[step] as u32;
-            got = m.forward(&ops, &[tok], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
+            got = m.forward(&mut ops, &[tok], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
         }
         let s = LogitStats::compare(&rows, want_logits);
         assert_f32_bounds(&format!("greedy {case}"), &s);
@@ -108,9 +115,9 @@ fn bf16_exact_greedy_teacher_forced() {
 fn quantised_exact_matches_hfdq() {
     for q in ["Q8_0", "Q6_K", "Q4_K_M"] {
         let m = model(q);
-        let ops = exact(&m);
+        let mut ops = exact(&m);
         for case in ["p300", "rand50"] {
-            let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+            let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             let s = LogitStats::compare(&got, &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")]);
             assert_f32_bounds(&format!("{q} exact {case}"), &s);
         }
@@ -129,11 +136,11 @@ fn quantised_exact_matches_hfdq() {
 fn fast_path_at_least_as_close_as_llama_cpp() {
     for q in ["Q8_0", "Q6_K", "Q4_K_M"] {
         let m = model(q);
-        let ops = fast(&m);
+        let mut ops = fast(&m);
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for case in ["p300", "rand50"] {
             let want = &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")];
-            let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+            let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             ours.push(LogitStats::compare(&got, want));
             let llama: Vec<f32> = refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
             theirs.push(LogitStats::compare(&llama, want));
@@ -142,7 +149,7 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
         eprintln!("{q} fast vs hfdq:      {o}\n{q} llama.cpp vs hfdq: {t}");
         for case in ["p300", "rand50"] {
             let l = &refs("llama")[&format!("llama.{q}.logits.{case}")];
-            let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+            let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             eprintln!("{q} fast vs llama.cpp {case}: {}", LogitStats::compare(&got, l));
         }
         assert!(
@@ -156,10 +163,10 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
     // BF16: llama.cpp's BF16 path (bf16 activations) reaches p50 rel 5.2e-3 and top-1 0.9969 vs
     // HF float64 (fixture agreement table); ours keeps f32 activations for float weights.
     let m = model("BF16");
-    let ops = fast(&m);
+    let mut ops = fast(&m);
     let mut all = Vec::new();
     for case in CASES {
-        let got = logits(&m, &ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
+        let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
         all.push(LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]));
     }
     let o = LogitStats::pooled(&all);
@@ -172,12 +179,12 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
 #[test]
 fn kv_cache_types() {
     let m = model("BF16");
-    let ops = fast(&m);
+    let mut ops = fast(&m);
     let ids = tiny_case_ids("p300");
-    let base = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Auto);
+    let base = logits(&m, &mut ops, &ids, KvType::F32, DeltaMode::Auto);
     let base = RefTensor { shape: vec![ids.len(), m.config.n_vocab], data: base.iter().map(|&x| x as f64).collect() };
     for (kv, bound) in [(KvType::F16, 2e-3), (KvType::Q8_0, 2e-2)] {
-        let got = logits(&m, &ops, &ids, kv, DeltaMode::Auto);
+        let got = logits(&m, &mut ops, &ids, kv, DeltaMode::Auto);
         let s = LogitStats::compare(&got, &base);
         eprintln!("{kv:?} cache vs f32 cache: {s}");
         assert!(s.percentile(50.0) <= bound, "{kv:?}: p50 rel {:.3e} > {bound}", s.percentile(50.0));
@@ -189,11 +196,11 @@ fn kv_cache_types() {
 #[test]
 fn chunked_equals_recurrent() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let ids = tiny_case_ids("p300");
     let want = &refs("hf")["logits.p300.f64"];
-    let rec = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Recurrent);
-    let chk = logits(&m, &ops, &ids, KvType::F32, DeltaMode::Chunked);
+    let rec = logits(&m, &mut ops, &ids, KvType::F32, DeltaMode::Recurrent);
+    let chk = logits(&m, &mut ops, &ids, KvType::F32, DeltaMode::Chunked);
     assert_f32_bounds("recurrent p300", &LogitStats::compare(&rec, want));
     assert_f32_bounds("chunked p300", &LogitStats::compare(&chk, want));
     let rec_t = RefTensor { shape: vec![ids.len(), m.config.n_vocab], data: rec.iter().map(|&x| x as f64).collect() };
@@ -207,17 +214,17 @@ fn chunked_equals_recurrent() {
 #[test]
 fn prompt_and_decode_paths_agree() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let ids = tiny_case_ids("p130");
     let want = &refs("hf")["logits.p130.f64"];
     for splits in [vec![60, 1], vec![64, 36, 30]] {
-        let mut st = SeqState::new(&m.config, ids.len(), KvType::F32).unwrap();
+        let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len());
         let mut rows = Vec::new();
         let mut at = 0;
         let mut k = 0;
         while at < ids.len() {
             let n = splits[k.min(splits.len() - 1)].min(ids.len() - at);
-            let l = m.forward(&ops, &ids[at..at + n], &mut st, Forward::default()).unwrap();
+            let l = m.forward(&mut ops, &ids[at..at + n], &mut st, Forward::default()).unwrap();
             rows.extend_from_slice(&l.data);
             at += n;
             k += 1;
@@ -230,16 +237,16 @@ fn prompt_and_decode_paths_agree() {
 #[test]
 fn batch_errors() {
     let m = model("Q8_0");
-    let ops = fast(&m);
-    let mut st = SeqState::new(&m.config, 4, KvType::F16).unwrap();
-    let e = m.forward(&ops, &[], &mut st, Forward::default()).unwrap_err();
+    let mut ops = fast(&m);
+    let mut st = state(&m, &mut ops, KvType::F16, 1, 4);
+    let e = m.forward(&mut ops, &[], &mut st, Forward::default()).unwrap_err();
     assert!(e.to_string().contains("no tokens"), "{e}");
-    let e = m.forward(&ops, &[9999], &mut st, Forward::default()).unwrap_err();
+    let e = m.forward(&mut ops, &[9999], &mut st, Forward::default()).unwrap_err();
     assert!(e.to_string().contains("out of range"), "{e}");
-    let e = m.forward(&ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap_err();
+    let e = m.forward(&mut ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap_err();
     assert!(e.to_string().contains("context full"), "{e}");
-    m.forward(&ops, &[1, 2, 3, 4], &mut st, Forward::default()).unwrap();
-    let e = m.forward(&ops, &[1], &mut st, Forward::default()).unwrap_err();
+    m.forward(&mut ops, &[1, 2, 3, 4], &mut st, Forward::default()).unwrap();
+    let e = m.forward(&mut ops, &[1], &mut st, Forward::default()).unwrap_err();
     assert!(e.to_string().contains("context full"), "{e}");
 }
 
@@ -250,23 +257,24 @@ fn batch_errors() {
 fn batched_sequences_equal_separate_calls() {
     use ember_model::SeqBatch;
     let m = model("Q4_K_M");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let a = tiny_case_ids("p65");
     let b = tiny_case_ids("rand50");
-    let new_state = || SeqState::new(&m.config, 200, KvType::F16).unwrap();
+    m.configure_store(&mut ops, KvType::F16, 4, 200, 0).unwrap();
+    let new_state = |ops: &mut CpuBackend| m.new_state(ops, 200).unwrap();
     // Separate: a[..40] then a[40], b[..50], a[41..].
-    let (mut s1, mut s2) = (new_state(), new_state());
-    m.forward(&ops, &a[..40], &mut s1, Forward::default()).unwrap();
-    let want_a = m.forward(&ops, &a[40..41], &mut s1, Forward::default()).unwrap();
-    let want_b = m.forward(&ops, &b, &mut s2, Forward::default()).unwrap();
+    let (mut s1, mut s2) = (new_state(&mut ops), new_state(&mut ops));
+    m.forward(&mut ops, &a[..40], &mut s1, Forward::default()).unwrap();
+    let want_a = m.forward(&mut ops, &a[40..41], &mut s1, Forward::default()).unwrap();
+    let want_b = m.forward(&mut ops, &b, &mut s2, Forward::default()).unwrap();
     // Batched: the same prefixes, then both continuations in one call.
-    let (mut t1, mut t2) = (new_state(), new_state());
-    m.forward(&ops, &a[..40], &mut t1, Forward::default()).unwrap();
+    let (mut t1, mut t2) = (new_state(&mut ops), new_state(&mut ops));
+    m.forward(&mut ops, &a[..40], &mut t1, Forward::default()).unwrap();
     let mut seqs = [
         SeqBatch { tokens: &a[40..41], state: &mut t1, logits: Logits::All },
         SeqBatch { tokens: &b, state: &mut t2, logits: Logits::All },
     ];
-    let got = m.forward_batch(&ops, &mut seqs, DeltaMode::Auto, None).unwrap();
+    let got = m.forward_batch(&mut ops, &mut seqs, DeltaMode::Auto, None).unwrap();
     for (g, w) in got.iter().zip([&want_a, &want_b]) {
         let wt = RefTensor { shape: vec![w.n, w.d], data: w.data.iter().map(|&x| x as f64).collect() };
         let s = LogitStats::compare(&g.data, &wt);
@@ -282,16 +290,16 @@ fn batched_sequences_equal_separate_calls() {
 #[test]
 fn snapshot_restore_continues_exactly() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let ids = tiny_case_ids("p130");
-    let mut st = SeqState::new(&m.config, 200, KvType::F32).unwrap();
-    m.forward(&ops, &ids[..50], &mut st, Forward::default()).unwrap();
-    let snap = st.snapshot();
-    assert_eq!(snap.n_past(), 50);
+    let mut st = state(&m, &mut ops, KvType::F32, 1, 200);
+    m.forward(&mut ops, &ids[..50], &mut st, Forward::default()).unwrap();
+    let snap = st.snapshot(&mut ops).unwrap();
+    assert_eq!(snap.len(), 50);
     assert!(snap.bytes() > 0);
-    m.forward(&ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap(); // a different continuation
-    st.restore(&snap).unwrap();
-    let rest = m.forward(&ops, &ids[50..], &mut st, Forward::default()).unwrap();
+    m.forward(&mut ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap(); // a different continuation
+    st.restore(&mut ops, &snap).unwrap();
+    let rest = m.forward(&mut ops, &ids[50..], &mut st, Forward::default()).unwrap();
     let want = &refs("hf")["logits.p130.f64"];
     let want_tail = RefTensor { shape: vec![80, want.shape[1]], data: want.data[50 * want.shape[1]..].to_vec() };
     assert_f32_bounds("restored p130[50..]", &LogitStats::compare(&rest.data, &want_tail));
@@ -312,8 +320,9 @@ fn greedy_continuations() {
                 _ => refs("hfdq")[&format!("hfdq.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect(),
             };
             let llama: Vec<u32> = refs("llama")[&format!("llama.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect();
-            let run = |ops: &dyn Ops| -> Vec<u32> {
-                let mut st = SeqState::new(&m.config, ids.len() + 40, KvType::F32).unwrap();
+            let run = |mut ops: CpuBackend| -> Vec<u32> {
+                let ops: &mut dyn Ops = &mut ops;
+                let mut st = state(&m, ops, KvType::F32, 1, ids.len() + 40);
                 let mut l = m.forward(ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
                 let mut out = Vec::new();
                 for _ in 0..want.len() {
@@ -324,8 +333,8 @@ fn greedy_continuations() {
                 out
             };
             let same = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-            let ex = run(&exact(&m));
-            let fa = run(&fast(&m));
+            let ex = run(exact(&m));
+            let fa = run(fast(&m));
             eprintln!(
                 "{q} {case}: exact = reference for {}/32, fast = reference for {}, fast = llama.cpp for {}, llama.cpp = reference for {}",
                 same(&ex, &want),
@@ -346,8 +355,8 @@ fn greedy_continuations() {
 #[test]
 fn batch_invariant_precision_is_bitwise_invariant_to_splits() {
     let ids = tiny_case_ids("p300");
-    let last = |m: &Model, ops: &CpuOps, parts: &[usize]| -> Vec<f32> {
-        let mut st = SeqState::new(&m.config, ids.len() + 8, KvType::F16).unwrap();
+    let last = |m: &Model, ops: &mut CpuBackend, parts: &[usize]| -> Vec<f32> {
+        let mut st = state(m, ops, KvType::F16, 1, ids.len() + 8);
         let mut at = 0;
         let mut out = Vec::new();
         for &n in parts {
@@ -360,12 +369,12 @@ fn batch_invariant_precision_is_bitwise_invariant_to_splits() {
     };
     for q in ["Q4_K_M", "Q8_0"] {
         let m = model(q);
-        let inv = with_weights(CpuOps::new(Precision::BatchInvariant, 2), &m);
-        let whole = last(&m, &inv, &[300]);
-        assert_eq!(whole, last(&m, &inv, &[137, 1, 162]), "{q}: invariant, 137+1+162");
-        assert_eq!(whole, last(&m, &inv, &[1; 300]), "{q}: invariant, one token at a time");
-        let f = fast(&m);
-        let (a, b) = (last(&m, &f, &[300]), last(&m, &f, &[137, 1, 162]));
+        let mut inv = with_weights(ember_cpu::backend(Precision::BatchInvariant, 2), &m);
+        let whole = last(&m, &mut inv, &[300]);
+        assert_eq!(whole, last(&m, &mut inv, &[137, 1, 162]), "{q}: invariant, 137+1+162");
+        assert_eq!(whole, last(&m, &mut inv, &[1; 300]), "{q}: invariant, one token at a time");
+        let mut f = fast(&m);
+        let (a, b) = (last(&m, &mut f, &[300]), last(&m, &mut f, &[137, 1, 162]));
         let rel = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt()
             / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
         eprintln!("{q}: fast precision, whole vs 137+1+162: rel L2 {rel:.2e}");
@@ -384,14 +393,14 @@ fn batch_invariant_precision_is_bitwise_invariant_to_splits() {
 #[test]
 fn hidden_states_routing_and_recurrent_state_match_hf() {
     let m = model("BF16");
-    let ops = exact(&m);
+    let mut ops = exact(&m);
     let c = &m.config;
     let ids = tiny_case_ids("p37");
     let hf = refs("hf");
-    let mut st = SeqState::new(c, ids.len(), KvType::F32).unwrap();
+    let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len());
     let mut taps: Vec<(String, usize, ember_ops::Mat)> = Vec::new();
     let mut tap = |name: &str, i: usize, x: &ember_ops::Mat| taps.push((name.to_string(), i, x.clone()));
-    m.forward(&ops, &ids, &mut st, Forward { logits: Some(Logits::All), tap: Some(&mut tap), ..Default::default() }).unwrap();
+    m.forward(&mut ops, &ids, &mut st, Forward { logits: Some(Logits::All), tap: Some(&mut tap), ..Default::default() }).unwrap();
     let rel = |got: &[f32], want: &[f64]| -> f64 {
         let scale = want.iter().fold(0f64, |a, b| a.max(b.abs()));
         got.iter().zip(want).fold(0f64, |a, (g, w)| a.max((*g as f64 - w).abs())) / scale
@@ -424,7 +433,10 @@ fn hidden_states_routing_and_recurrent_state_match_hf() {
     let hf_head = |h: usize| (h % nk) * (nv / nk) + h / nk; // GGUF value head -> HF value head
     let (mut worst_s, mut worst_c) = (0f64, 0f64);
     for i in 0..c.n_layer {
-        let Some((conv, s)) = st.delta_state(i) else { continue };
+        if c.layer_kinds[i] != ember_model::LayerKind::DeltaNet {
+            continue;
+        }
+        let (conv, s) = st.delta_state(&mut ops, i).unwrap();
         let want = &hf[&format!("state.p37.layer{i}.recurrent.f64")]; // [nv, dk, dv]
         let mut got = vec![0f32; want.data.len()];
         for h in 0..nv {

@@ -2,7 +2,7 @@
 //! message whatever device runs it.
 
 use crate::{
-    AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, Mat, OpError, OpResult, Routing, SeqSpan, WeightInfo,
+    AttnPrep, AttnShape, DeltaMats, DeltaPrep, DeltaShape, DeviceId, Gate, KvRows, Mat, OpError, OpResult, RouteTable, SeqSpan, WeightInfo,
 };
 
 fn dims(m: &Mat) -> String {
@@ -125,7 +125,7 @@ pub fn delta_prep(op: &'static str, dev: DeviceId, s: &DeltaPrep, params: (usize
     Ok(())
 }
 
-pub fn delta_rule(op: &'static str, dev: DeviceId, s: &DeltaShape, x: &DeltaIn, n_state: usize) -> OpResult<()> {
+pub fn delta_rule(op: &'static str, dev: DeviceId, s: &DeltaShape, x: &DeltaMats, n_state: usize) -> OpResult<()> {
     let (nk, nv, dk, dv) = (s.n_k_head, s.n_v_head, s.d_k, s.d_v);
     let rows = [&x.q, &x.k, &x.v, &x.g, &x.beta].iter().all(|m| m.n == s.n_tok);
     let ok = rows
@@ -165,7 +165,7 @@ pub fn route(op: &'static str, dev: DeviceId, logits: &Mat, k: usize) -> OpResul
     Ok(())
 }
 
-pub fn moe(op: &'static str, dev: DeviceId, x: &Mat, r: &Routing, shared_gate: &Mat, n_expert: usize) -> OpResult<()> {
+pub fn moe(op: &'static str, dev: DeviceId, x: &Mat, r: &RouteTable, shared_gate: &Mat, n_expert: usize) -> OpResult<()> {
     let shapes = || format!("x {}, routing {}x{}, shared gate {}, {n_expert} experts", dims(x), r.n_tok, r.k, dims(shared_gate));
     if r.n_tok != x.n || shared_gate.n != x.n || shared_gate.d != 1 || r.ids.len() != r.n_tok * r.k || r.weights.len() != r.ids.len() {
         return Err(err(op, dev, shapes(), "routing, gate and x disagree on the tokens".into()));

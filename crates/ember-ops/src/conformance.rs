@@ -1,6 +1,8 @@
 //! The conformance suite: every op of a backend against [`HostOps`] (the reference) on random
-//! inputs and random odd shapes (one token, a few, many; several sequences in one call), plus
-//! the shape errors every op must return instead of panicking. A backend's test crate calls
+//! inputs and random odd shapes (one token, a few, many; several sequences in one step), the
+//! state store (slots carried across steps, snapshots that share pages, restore, a full page
+//! pool), the arena contract (a repeated step gets the same handles), plus the errors every op
+//! must return instead of panicking. A backend's test crate calls
 //! [`run`] with its constructor and the tolerances it claims, stating next to them the errors
 //! it measured (the [`Report`] prints them).
 //!
@@ -14,8 +16,8 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, quant};
 
 use crate::{
-    AttnHeads, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, ExpertId, Gate, GateUp, HostOps, KvCache, KvRows, KvType, LayerIdx,
-    Mat, MoeWeights, OpResult, Ops, Routing, SeqSpan, WeightId, WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaMode, DeltaPrep, Gate, GateUp, HostOps, KvType, LayerIdx, Mat, MoeWeights, OpResult, Ops,
+    SeqStore, Slot, StateKind, StateLayout, Tensor, WeightId, WeightSet,
 };
 
 /// What a backend claims. Each bound should sit a few times above the error it measured.
@@ -196,44 +198,108 @@ fn fixture(seed: u64) -> Fixture {
 /// chunk switch-overs.
 const TOKENS: [usize; 5] = [1, 3, 9, 33, 70];
 
+/// A pair of handles: the backend's, the reference's.
+type Two = [Tensor; 2];
+
+/// The backend under test and the reference, fed the same inputs, with the same slots.
+struct Pair {
+    b: Box<dyn Ops>,
+    r: HostOps,
+    slots: Vec<(Slot, Slot)>,
+    lens: Vec<usize>,
+    step: Vec<(usize, usize)>,
+}
+
+impl Pair {
+    /// `f` on the backend (index 0) and the reference (index 1).
+    fn both<R>(&mut self, what: &str, f: impl Fn(&mut dyn Ops, usize) -> OpResult<R>) -> [R; 2] {
+        let a = f(&mut *self.b, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let b = f(&mut self.r, 1).unwrap_or_else(|e| panic!("reference {what}: {e}"));
+        [a, b]
+    }
+
+    fn up(&mut self, m: &Mat) -> Two {
+        self.both("upload", |o, _| o.upload(m))
+    }
+
+    fn read(&mut self, t: Two) -> (Mat, Mat) {
+        let [a, b] = self.both("read", |o, i| o.read(t[i]));
+        (a, b)
+    }
+
+    /// Reconfigures both stores and takes every slot.
+    fn configure(&mut self, layout: &StateLayout, n_slots: usize, pages: usize) {
+        self.slots.clear();
+        self.both("configure", |o, _| o.configure(layout.clone(), n_slots, pages));
+        for _ in 0..n_slots {
+            let [a, b] = self.both("alloc_slot", |o, _| o.alloc_slot());
+            self.slots.push((a, b));
+        }
+        self.lens = vec![0; n_slots];
+    }
+
+    /// Begins a step of `seqs` = (slot index, token ids) on both.
+    fn begin_tokens(&mut self, seqs: &[(usize, Vec<u32>)], logit_rows: &[u32]) {
+        let mut bs = [Batch::default(), Batch::default()];
+        for (i, b) in bs.iter_mut().enumerate() {
+            for (s, toks) in seqs {
+                let slot = if i == 0 { &self.slots[*s].0 } else { &self.slots[*s].1 };
+                b.push(slot.id(), self.lens[*s], toks);
+            }
+            b.logit_rows = logit_rows.to_vec();
+        }
+        self.both("begin_step", |o, i| o.begin_step(&bs[i]));
+        self.step = seqs.iter().map(|(s, t)| (*s, t.len())).collect();
+    }
+
+    /// Begins a step of `seqs` = (slot index, token count).
+    fn begin(&mut self, seqs: &[(usize, usize)]) {
+        let seqs: Vec<(usize, Vec<u32>)> = seqs.iter().map(|&(s, n)| (s, vec![0; n])).collect();
+        self.begin_tokens(&seqs, &[]);
+    }
+
+    fn end(&mut self) {
+        self.both("end_step", |o, _| o.end_step());
+        for (s, n) in std::mem::take(&mut self.step) {
+            self.lens[s] += n;
+        }
+    }
+}
+
 /// Runs every check; panics (a test failure) with the op, the case and the error when a bound
 /// is exceeded, or when an op fails or panics where the reference does not.
 pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances) -> Report {
     let fx = fixture(1);
-    let ops = make(fx.set.clone());
-    let host = HostOps::with_weights(fx.set.clone());
+    let mut p = Pair { b: make(fx.set.clone()), r: HostOps::with_weights(fx.set.clone()), slots: vec![], lens: vec![], step: vec![] };
     let mut r = Report::default();
     let mut pooled = Pooled::default();
     let mut rng = Rng::new(2);
-    let ok = |what: &str, res: OpResult<Mat>| res.unwrap_or_else(|e| panic!("{what}: {e}"));
     let check = |r: &mut Report, name: String, err: f32, bound: f32| {
         assert!(err <= bound, "{name}: error {err:.3e} > bound {bound:.1e}");
         r.note(name, err);
     };
 
-    // matmul / matmul_many / get_rows over every weight type.
-    for &(ty, k, rows, id) in &fx.mats {
+    // matmul / matmul_many over every weight type (no sequences: a step of no rows).
+    p.begin(&[]);
+    for &(ty, k, _, id) in &fx.mats {
         for n in TOKENS {
-            let x = rng.mat(n, k, 1.0);
-            let want = ok("reference matmul", host.matmul(id, &x));
-            let got = ok("matmul", ops.matmul(id, &x));
+            let x = p.up(&rng.mat(n, k, 1.0));
+            let y = p.both("matmul", |o, i| o.matmul(id, x[i]));
+            let (got, want) = p.read(y);
             if is_float(ty) {
                 check(&mut r, format!("matmul {ty}"), max_rel(&got.data, &want.data), tol.rel);
             } else {
                 pooled.add(format!("matmul {ty}"), &got.data, &want.data);
             }
         }
-        let ids: Vec<u32> = (0..5).map(|_| rng.below(rows) as u32).chain([rows as u32 - 1]).collect();
-        let got = ok("get_rows", ops.get_rows(id, &ids));
-        check(&mut r, format!("get_rows {ty}"), max_rel(&got.data, &ok("reference get_rows", host.get_rows(id, &ids)).data), tol.rel);
     }
     for n in [1, 9] {
         let ws: Vec<WeightId> = fx.mats.iter().filter(|m| m.1 == 512).map(|m| m.3).collect();
-        let x = rng.mat(n, 512, 1.0);
-        let got = ops.matmul_many(&ws, &x).unwrap_or_else(|e| panic!("matmul_many: {e}"));
-        let want = host.matmul_many(&ws, &x).unwrap_or_else(|e| panic!("reference matmul_many: {e}"));
-        assert_eq!(got.len(), ws.len(), "matmul_many: one output per weight");
-        for ((g, w), &id) in got.iter().zip(&want).zip(&ws) {
+        let x = p.up(&rng.mat(n, 512, 1.0));
+        let [ys, yr] = p.both("matmul_many", |o, i| o.matmul_many(&ws, x[i]));
+        assert_eq!(ys.len(), ws.len(), "matmul_many: one output per weight");
+        for ((g, w), &id) in ys.into_iter().zip(yr).zip(&ws) {
+            let (g, w) = p.read([g, w]);
             // unwrap: ids come from the fixture's set.
             let ty = fx.set.info(id).unwrap().ty;
             if is_float(ty) {
@@ -244,193 +310,299 @@ pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances
         }
     }
 
-    // rms_norm (groups of the weight's width), add, gate, select_rows.
+    // rms_norm (groups of the weight's width), add, gate.
     for n in TOKENS {
         for (w, d) in [(fx.norm64, 64), (fx.norm64, 192), (fx.norm96, 96 * 21)] {
-            let x = rng.mat(n, d, 2.0);
-            let got = ok("rms_norm", ops.rms_norm(&x, w, 1e-6));
-            check(&mut r, "rms_norm".into(), max_rel(&got.data, &ok("reference rms_norm", host.rms_norm(&x, w, 1e-6)).data), tol.rel);
+            let x = p.up(&rng.mat(n, d, 2.0));
+            let y = p.both("rms_norm", |o, i| o.rms_norm(x[i], w, 1e-6));
+            let (got, want) = p.read(y);
+            check(&mut r, "rms_norm".into(), max_rel(&got.data, &want.data), tol.rel);
         }
-        let (mut a, b) = (rng.mat(n, 2048 + 3, 1.0), rng.mat(n, 2048 + 3, 1.0));
-        let mut want = a.clone();
-        ops.add(&mut a, &b).unwrap_or_else(|e| panic!("add: {e}"));
-        host.add(&mut want, &b).unwrap_or_else(|e| panic!("reference add: {e}"));
-        check(&mut r, "add".into(), max_rel(&a.data, &want.data), tol.rel);
+        let (a, b) = (p.up(&rng.mat(n, 2048 + 3, 1.0)), p.up(&rng.mat(n, 2048 + 3, 1.0)));
+        p.both("add", |o, i| o.add(a[i], b[i]));
+        let (got, want) = p.read(a);
+        check(&mut r, "add".into(), max_rel(&got.data, &want.data), tol.rel);
         for act in [Gate::Silu, Gate::Sigmoid] {
-            let (mut y, mut g) = (rng.mat(n, 4096 + 5, 1.0), rng.mat(n, 4096 + 5, 1.0));
+            let mut g = rng.mat(n, 4096 + 5, 1.0);
             g.data.iter_mut().for_each(|v| *v *= 40.0);
-            let mut want = y.clone();
-            ops.gate(&mut y, &g, act).unwrap_or_else(|e| panic!("gate: {e}"));
-            host.gate(&mut want, &g, act).unwrap_or_else(|e| panic!("reference gate: {e}"));
-            check(&mut r, format!("gate {act:?}"), max_rel(&y.data, &want.data), tol.rel);
+            let (y, g) = (p.up(&rng.mat(n, 4096 + 5, 1.0)), p.up(&g));
+            p.both("gate", |o, i| o.gate(y[i], g[i], act));
+            let (got, want) = p.read(y);
+            check(&mut r, format!("gate {act:?}"), max_rel(&got.data, &want.data), tol.rel);
         }
-        let x = rng.mat(n, 33, 1.0);
-        let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
-        check(
-            &mut r,
-            "select_rows".into(),
-            max_rel(&ok("select_rows", ops.select_rows(&x, &rows)).data, &host.select_rows(&x, &rows).unwrap().data),
-            0.0,
-        );
     }
 
-    // attn_prep over several sequences (positions restart, jump, run deep).
+    // Sequence ops over a store of two attention and two DeltaNet layers, three slots.
+    let layout = |kv_type| StateLayout {
+        layers: vec![StateKind::Kv, StateKind::Delta, StateKind::Kv, StateKind::Delta],
+        kv_type,
+        kv_width: 2 * 64,
+        conv: 3 * 40,
+        rec: 4 * 48 * 32,
+    };
+    p.configure(&layout(KvType::F16), 3, 1 << 12);
+
+    // embed and select_rows: the step's tokens and logit rows.
+    for &(ty, _, rows, id) in &fx.mats {
+        let toks: Vec<u32> = (0..5).map(|_| rng.below(rows) as u32).chain([rows as u32 - 1]).collect();
+        p.begin_tokens(&[(0, toks[..2].to_vec()), (1, toks[2..].to_vec())], &[5, 0, 3]);
+        let y = p.both("embed", |o, _| o.embed(id));
+        let (got, want) = p.read(y);
+        check(&mut r, format!("embed {ty}"), max_rel(&got.data, &want.data), tol.rel);
+        let y = p.both("select_rows", |o, i| o.select_rows(y[i]));
+        let (got, want) = p.read(y);
+        assert_eq!(got.n, 3, "select_rows: one row per logit row");
+        check(&mut r, "select_rows".into(), max_rel(&got.data, &want.data), 0.0);
+    }
+
+    // attn_prep at the step's positions: sequences at 0, deep, and restarting.
     let prep =
         AttnPrep { n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 16, rope_base: 1e7, eps: 1e-6, q_norm: fx.norm64, k_norm: fx.norm64 };
-    for pos in [vec![0u32], vec![7, 8, 9, 0, 1, 4000], (0..70).chain(1000..1003).collect::<Vec<_>>()] {
-        let (qg, k) = (rng.mat(pos.len(), 4 * 2 * 64, 2.0), rng.mat(pos.len(), 2 * 64, 2.0));
-        let got = ops.attn_prep(prep, &qg, &k, &pos).unwrap_or_else(|e| panic!("attn_prep: {e}"));
-        let want = host.attn_prep(prep, &qg, &k, &pos).unwrap_or_else(|e| panic!("reference attn_prep: {e}"));
-        for (name, g, w) in [("q", &got.q, &want.q), ("gate", &got.gate, &want.gate), ("k", &got.k, &want.k)] {
-            check(&mut r, format!("attn_prep {name}"), max_rel(&g.data, &w.data), tol.rel);
+    p.begin(&[(2, 4000)]);
+    p.end(); // slot 2 now at position 4000, without KV rows (the store only counts)
+    for seqs in [vec![(0, 1)], vec![(0, 3), (1, 2), (2, 1)], vec![(1, 70), (2, 3)]] {
+        p.begin(&seqs);
+        let n = seqs.iter().map(|s| s.1).sum();
+        let (qg, k) = (p.up(&rng.mat(n, 4 * 2 * 64, 2.0)), p.up(&rng.mat(n, 2 * 64, 2.0)));
+        let [a, b] = p.both("attn_prep", |o, i| o.attn_prep(prep, qg[i], k[i]));
+        for (name, t) in [("q", [a.q, b.q]), ("gate", [a.gate, b.gate]), ("k", [a.k, b.k])] {
+            let (got, want) = p.read(t);
+            check(&mut r, format!("attn_prep {name}"), max_rel(&got.data, &want.data), tol.rel);
         }
+        p.end();
     }
 
     // kv_append + attention, per cache type: three sequences growing in steps that mix decode
-    // (one token) and prompt chunks, all sequences of a step in one call.
+    // (one token) and prompt chunks, all sequences of a step in one call, on both attention
+    // layers; conv and the delta rule carried on the DeltaNet layers of the same slots.
     let steps: [[usize; 3]; 5] = [[5, 1, 70], [1, 1, 1], [70, 3, 1], [1, 9, 2], [3, 1, 1]];
-    for kv in [KvType::F32, KvType::F16, KvType::Q8_0] {
-        let heads = AttnHeads { n_head: 8, n_head_kv: 2, head_dim: 64, scale: 0.125 };
-        let w = 2 * 64;
-        let mut mine: Vec<(KvRows, KvRows)> = (0..3).map(|_| (KvRows::new(kv, w), KvRows::new(kv, w))).collect();
-        let mut refs = mine.clone();
-        for step in steps {
-            let spans = spans_of(&step, &mine.iter().map(|c| c.0.len).collect::<Vec<_>>());
-            let n: usize = step.iter().sum();
-            let (k, v, q) = (rng.mat(n, w, 1.0), rng.mat(n, w, 1.0), rng.mat(n, 8 * 64, 1.0));
-            let mut caches: Vec<KvCache> = mine.iter_mut().map(|(k, v)| KvCache { k, v }).collect();
-            ops.kv_append(&spans, &k, &v, &mut caches).unwrap_or_else(|e| panic!("kv_append: {e}"));
-            let got = ok("attention", ops.attention(heads, &spans, &q, &caches));
-            let mut rcaches: Vec<KvCache> = refs.iter_mut().map(|(k, v)| KvCache { k, v }).collect();
-            host.kv_append(&spans, &k, &v, &mut rcaches).unwrap();
-            let want = ok("reference attention", host.attention(heads, &spans, &q, &rcaches));
-            for (c, r) in caches.iter().zip(&rcaches) {
-                assert_eq!(c.k.len, r.k.len, "kv_append {kv:?}: cache lengths differ");
-                for p in 0..c.k.len {
-                    assert_eq!((c.k.row(p), c.v.row(p)), (r.k.row(p), r.v.row(p)), "kv_append {kv:?}: row {p} differs from the reference");
-                }
-            }
-            check(&mut r, format!("attention {kv:?}"), max_rel(&got.data, &want.data), tol.rel);
-        }
-    }
-
-    // conv1d_silu with the states of three sequences carried across steps.
-    let (mut st, mut st_ref) = (vec![vec![0f32; 3 * 40]; 3], vec![vec![0f32; 3 * 40]; 3]);
-    for step in steps {
-        let spans = spans_of(&step, &[0; 3]);
-        let x = rng.mat(step.iter().sum(), 40, 1.0);
-        let mut sm: Vec<&mut [f32]> = st.iter_mut().map(|v| &mut v[..]).collect();
-        let got = ok("conv1d_silu", ops.conv1d_silu(&spans, &x, fx.conv, &mut sm));
-        let mut sr: Vec<&mut [f32]> = st_ref.iter_mut().map(|v| &mut v[..]).collect();
-        let want = ok("reference conv1d_silu", host.conv1d_silu(&spans, &x, fx.conv, &mut sr));
-        check(&mut r, "conv1d_silu".into(), max_rel(&got.data, &want.data), tol.rel);
-        check(&mut r, "conv1d_silu state".into(), max_rel(&st.concat(), &st_ref.concat()), tol.rel);
-    }
-
-    // delta_prep, then the delta rule (every form) over three sequences with their states carried.
+    let heads = AttnHeads { n_head: 8, n_head_kv: 2, head_dim: 64, scale: 0.125 };
     let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
     let dh = DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
-    let s_len = 4 * 48 * 32;
-    for mode in [DeltaMode::Auto, DeltaMode::Recurrent, DeltaMode::Chunked] {
-        let (mut st, mut st_ref) = (vec![vec![0f32; s_len]; 3], vec![vec![0f32; s_len]; 3]);
+    for (kv, mode) in [(KvType::F32, DeltaMode::Auto), (KvType::F16, DeltaMode::Recurrent), (KvType::Q8_0, DeltaMode::Chunked)] {
+        p.configure(&layout(kv), 3, 1 << 12);
         for step in steps {
-            let spans = spans_of(&step, &[0; 3]);
-            let n = step.iter().sum();
-            let cu = rng.mat(n, 2 * 2 * 32 + 4 * 48, 1.0);
-            let (b, al) = (rng.mat(n, 4, 3.0), rng.mat(n, 4, 3.0));
-            let din: DeltaIn = ops.delta_prep(dp, &cu, &b, &al).unwrap_or_else(|e| panic!("delta_prep: {e}"));
-            let want = host.delta_prep(dp, &cu, &b, &al).unwrap();
-            for (name, g, w) in [
-                ("q", &din.q, &want.q),
-                ("k", &din.k, &want.k),
-                ("v", &din.v, &want.v),
-                ("g", &din.g, &want.g),
-                ("beta", &din.beta, &want.beta),
-            ] {
-                check(&mut r, format!("delta_prep {name}"), max_rel(&g.data, &w.data), tol.rel);
+            let seqs: Vec<(usize, usize)> = step.iter().copied().enumerate().collect();
+            p.begin(&seqs);
+            let n: usize = step.iter().sum();
+            for layer in [LayerIdx(0), LayerIdx(2)] {
+                let (k, v, q) = (p.up(&rng.mat(n, 128, 1.0)), p.up(&rng.mat(n, 128, 1.0)), p.up(&rng.mat(n, 8 * 64, 1.0)));
+                p.both("kv_append", |o, i| o.kv_append(layer, k[i], v[i]));
+                let y = p.both("attention", |o, i| o.attention(layer, heads, q[i]));
+                let (got, want) = p.read(y);
+                check(&mut r, format!("attention {kv:?}"), max_rel(&got.data, &want.data), tol.rel);
             }
-            let mut sm: Vec<&mut [f32]> = st.iter_mut().map(|v| &mut v[..]).collect();
-            let got = ok("gated_delta_rule", ops.gated_delta_rule(dh, &spans, &want, &mut sm, mode));
-            let mut sr: Vec<&mut [f32]> = st_ref.iter_mut().map(|v| &mut v[..]).collect();
-            let w = ok("reference gated_delta_rule", host.gated_delta_rule(dh, &spans, &want, &mut sr, mode));
-            check(&mut r, "gated_delta_rule".into(), max_rel(&got.data, &w.data), tol.rel);
-            check(&mut r, "gated_delta_rule state".into(), max_rel(&st.concat(), &st_ref.concat()), tol.rel);
+            for layer in [LayerIdx(1), LayerIdx(3)] {
+                let x = p.up(&rng.mat(n, 40, 1.0));
+                let y = p.both("conv1d_silu", |o, i| o.conv1d_silu(layer, x[i], fx.conv));
+                let (got, want) = p.read(y);
+                check(&mut r, "conv1d_silu".into(), max_rel(&got.data, &want.data), tol.rel);
+                let cu = p.up(&rng.mat(n, 2 * 2 * 32 + 4 * 48, 1.0));
+                let (b, al) = (p.up(&rng.mat(n, 4, 3.0)), p.up(&rng.mat(n, 4, 3.0)));
+                let [din, dref] = p.both("delta_prep", |o, i| o.delta_prep(dp, cu[i], b[i], al[i]));
+                for (name, t) in [
+                    ("q", [din.q, dref.q]),
+                    ("k", [din.k, dref.k]),
+                    ("v", [din.v, dref.v]),
+                    ("g", [din.g, dref.g]),
+                    ("beta", [din.beta, dref.beta]),
+                ] {
+                    let (got, want) = p.read(t);
+                    check(&mut r, format!("delta_prep {name}"), max_rel(&got.data, &want.data), tol.rel);
+                }
+                // Both run the delta rule on the reference's prep, so only the rule is compared.
+                let y = p.both("gated_delta_rule", |o, i| {
+                    let x = if i == 0 { din } else { dref };
+                    o.gated_delta_rule(layer, dh, x, mode)
+                });
+                let (got, want) = p.read(y);
+                check(&mut r, format!("gated_delta_rule {mode:?}"), max_rel(&got.data, &want.data), tol.rel);
+            }
+            p.end();
+            for s in 0..3 {
+                for layer in [LayerIdx(1), LayerIdx(3)] {
+                    let [(c, st), (cr, sr)] = {
+                        let slots = &p.slots[s];
+                        let a = p.b.read_delta(&slots.0, layer).unwrap_or_else(|e| panic!("read_delta: {e}"));
+                        let b = p.r.read_delta(&slots.1, layer).unwrap_or_else(|e| panic!("reference read_delta: {e}"));
+                        [a, b]
+                    };
+                    check(&mut r, "conv1d_silu state".into(), max_rel(&c, &cr), tol.rel);
+                    check(&mut r, format!("gated_delta_rule {mode:?} state"), max_rel(&st, &sr), tol.rel);
+                }
+            }
         }
     }
 
     // route (ids exact, weights close) and the MoE on that routing.
+    p.begin(&[]);
     for n in TOKENS {
-        let logits = rng.mat(n, fx.n_expert, 3.0);
-        let got: Routing = ops.route(&logits, fx.moe_k).unwrap_or_else(|e| panic!("route: {e}"));
-        let want = host.route(&logits, fx.moe_k).unwrap();
+        let logits = p.up(&rng.mat(n, fx.n_expert, 3.0));
+        let rt = p.both("route", |o, i| o.route(logits[i], fx.moe_k));
+        let [got, want] = p.both("read_routing", |o, i| o.read_routing(rt[i]));
         assert_eq!(got.ids, want.ids, "route: expert ids differ from the reference ({n} tokens)");
         check(&mut r, "route weights".into(), max_rel(&got.weights, &want.weights), tol.rel);
-        let x = rng.mat(n, D_MOE, 1.0);
-        let gs = rng.mat(n, 1, 2.0);
-        let got = ok("moe", ops.moe(LayerIdx(0), &x, &want, &gs));
-        pooled.add("moe".into(), &got.data, &ok("reference moe", host.moe(LayerIdx(0), &x, &want, &gs)).data);
+        let (x, gs) = (p.up(&rng.mat(n, D_MOE, 1.0)), p.up(&rng.mat(n, 1, 2.0)));
+        let y = p.both("moe", |o, i| o.moe(LayerIdx(0), x[i], rt[i], gs[i]));
+        let (got, want) = p.read(y);
+        pooled.add("moe".into(), &got.data, &want.data);
     }
     pooled.finish(&mut r, tol.quant_nmse);
 
-    shape_errors(&*ops, &fx);
+    store(&mut *p.b, &mut rng, &layout(KvType::F16), &fx);
+    arena_repeats(&mut *p.b, &fx);
+    shape_errors(&mut *p.b, &fx);
     r
 }
 
-/// Spans of `counts` tokens, rows in order, each sequence at position `pos[i]`.
-fn spans_of(counts: &[usize], pos: &[usize]) -> Vec<SeqSpan> {
-    let mut row0 = 0;
-    counts
-        .iter()
-        .zip(pos)
-        .map(|(&n, &pos0)| {
-            let sp = SeqSpan { row0, n, pos0 };
-            row0 += n;
-            sp
-        })
-        .collect()
+/// One decode-like step on `slot`: a K/V row appended to layer 0 and attention over it, a
+/// delta rule step on layer 1. Returns the attention and delta outputs.
+fn state_step(o: &mut dyn Ops, slot: &Slot, x: &[Mat; 4], fx: &Fixture) -> OpResult<Vec<f32>> {
+    let len = o.slot_len(slot)?;
+    let mut b = Batch::default();
+    b.push(slot.id(), len, &[0]);
+    o.begin_step(&b)?;
+    let [k, v, q, cu] = [o.upload(&x[0])?, o.upload(&x[1])?, o.upload(&x[2])?, o.upload(&x[3])?];
+    o.kv_append(LayerIdx(0), k, v)?;
+    let heads = AttnHeads { n_head: 8, n_head_kv: 2, head_dim: 64, scale: 0.125 };
+    let a = o.attention(LayerIdx(0), heads, q)?;
+    let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
+    let one = o.upload(&Mat::from_vec(1, 4, vec![0.5; 4]))?;
+    let din = o.delta_prep(dp, cu, one, one)?;
+    let d = o.gated_delta_rule(LayerIdx(1), DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 }, din, DeltaMode::Auto)?;
+    let mut out = o.read(a)?.data;
+    out.extend(o.read(d)?.data);
+    o.end_step()?;
+    Ok(out)
 }
 
-/// Every op rejects inputs of the wrong shape (or unknown ids) with an error naming the op.
-fn shape_errors(ops: &dyn Ops, fx: &Fixture) {
+/// The store: a snapshot shares pages and copies the DeltaNet state; restored into another
+/// slot, the same inputs give the same outputs, bit for bit, and the original slot is
+/// untouched by writes after the snapshot; a full page pool is an error; freed slots and
+/// snapshots give their pages back.
+fn store(o: &mut dyn Ops, rng: &mut Rng, layout: &StateLayout, fx: &Fixture) {
+    let ok = |what: &str, e: crate::OpError| -> ! { panic!("{what}: {e}") };
+    let pages = 2 * 2 * 3; // 2 KV layers x (K, V) x 3 pages: one slot of 130 tokens, nothing more
+    o.configure(layout.clone(), 3, pages).unwrap_or_else(|e| ok("configure", e));
+    let st = o.store_stats();
+    assert_eq!((st.slots, st.slots_free, st.pages, st.pages_free), (3, 3, pages, pages), "store_stats after configure");
+    let inputs = |rng: &mut Rng| [rng.mat(1, 128, 1.0), rng.mat(1, 128, 1.0), rng.mat(1, 512, 1.0), rng.mat(1, 320, 1.0)];
+    let a = o.alloc_slot().unwrap_or_else(|e| ok("alloc_slot", e));
+    for _ in 0..70 {
+        let x = inputs(rng);
+        state_step(o, &a, &x, fx).unwrap_or_else(|e| ok("state step", e));
+    }
+    // 70 tokens: two pages per KV cache, the second partial. Layer 2 (Kv) was never written.
+    assert_eq!(o.store_stats().pages_free, pages - 4, "pages after 70 tokens on one KV layer");
+    let snap = o.snapshot(&a).unwrap_or_else(|e| ok("snapshot", e));
+    assert_eq!(snap.len(), 70, "snapshot length");
+    assert_eq!(snap.own_bytes(), layout.delta_bytes(), "a snapshot owns exactly the DeltaNet state");
+    assert_eq!(snap.kv_pages().len(), 4, "a snapshot references the slot's pages");
+    assert_eq!(o.store_stats().pages_free, pages - 4, "a snapshot takes no pages");
+    let next: Vec<[Mat; 4]> = (0..3).map(|_| inputs(rng)).collect();
+    let want: Vec<Vec<f32>> = next.iter().map(|x| state_step(o, &a, x, fx).unwrap_or_else(|e| ok("state step", e))).collect();
+    assert_eq!(o.store_stats().pages_free, pages - 6, "the first write after a snapshot copies the partial page (K and V)");
+    let b = o.alloc_slot().unwrap_or_else(|e| ok("alloc_slot", e));
+    o.restore(&b, &snap).unwrap_or_else(|e| ok("restore", e));
+    assert_eq!(o.slot_len(&b).unwrap_or_else(|e| ok("slot_len", e)), 70, "restored length");
+    for (x, w) in next.iter().zip(&want) {
+        let got = state_step(o, &b, x, fx).unwrap_or_else(|e| ok("state step after restore", e));
+        assert_eq!(&got, w, "restore: the same inputs after a restore give different outputs");
+    }
+    // Grow `a` until the pool runs out: an error, not a panic.
+    let mut hit = None;
+    for i in 0..200 {
+        if let Err(e) = state_step(o, &a, &inputs(rng), fx) {
+            hit = Some((i, e));
+            break;
+        }
+    }
+    let (_, e) = hit.expect("a full KV page pool must be an error");
+    assert!(e.op == "kv_append" && e.to_string().contains("pool"), "a full pool names kv_append and the pool: {e}");
+    drop((a, b, snap));
+    let st = o.store_stats();
+    assert_eq!((st.slots_free, st.pages_free, st.snapshots), (3, pages, 0), "dropped slots and snapshots give everything back");
+    // A slot of another store (or of a reconfigured one) is refused.
+    let c = o.alloc_slot().unwrap_or_else(|e| ok("alloc_slot", e));
+    o.configure(layout.clone(), 1, pages).unwrap_or_else(|e| ok("configure", e));
+    assert!(o.slot_len(&c).is_err(), "a slot from before configure must be refused");
+    let _d = o.alloc_slot().unwrap_or_else(|e| ok("alloc_slot", e));
+    assert!(o.alloc_slot().is_err(), "alloc_slot with every slot in use must be an error");
+}
+
+/// Two steps that allocate in the same order get the same handles.
+fn arena_repeats(o: &mut dyn Ops, fx: &Fixture) {
+    let run = |o: &mut dyn Ops| -> OpResult<Vec<Tensor>> {
+        o.begin_step(&Batch::default())?;
+        let x = o.upload(&Mat::from_vec(2, 64, vec![0.25; 128]))?;
+        let y = o.rms_norm(x, fx.norm64, 1e-6)?;
+        let (_, k, _, id) = fx.mats[3];
+        let w = o.upload(&Mat::from_vec(2, k, vec![0.5; 2 * k]))?;
+        let z = o.matmul(id, w)?;
+        Ok(vec![x, y, w, z])
+    };
+    let a = run(o).unwrap_or_else(|e| panic!("arena step: {e}"));
+    let b = run(o).unwrap_or_else(|e| panic!("arena step: {e}"));
+    assert_eq!(a, b, "the same allocations in a new step must give the same handles");
+}
+
+/// Every op rejects inputs of the wrong shape (or unknown ids and handles) with an error naming
+/// the op.
+fn shape_errors(o: &mut dyn Ops, fx: &Fixture) {
     let named = |op: &str, res: Result<(), crate::OpError>| match res {
         Ok(()) => panic!("{op}: accepted a bad input"),
         Err(e) => assert!(e.op == op && e.to_string().contains(op), "{op}: error does not name the op: {e}"),
     };
-    let (ty, k, rows, id) = fx.mats[4];
-    let bad = Mat::zeros(2, k + 1);
-    named("matmul", ops.matmul(id, &bad).map(drop));
-    named("matmul", ops.matmul(WeightId(99_999), &Mat::zeros(1, k)).map(drop));
-    named("matmul_many", ops.matmul_many(&[id, id], &bad).map(drop));
-    named("get_rows", ops.get_rows(id, &[rows as u32]).map(drop));
-    named("rms_norm", ops.rms_norm(&Mat::zeros(1, 65), fx.norm64, 1e-6).map(drop));
-    named("rms_norm", ops.rms_norm(&Mat::zeros(1, 64), id, 1e-6).map(drop));
-    named("add", ops.add(&mut Mat::zeros(2, 3), &Mat::zeros(3, 2)));
-    named("gate", ops.gate(&mut Mat::zeros(2, 3), &Mat::zeros(2, 4), Gate::Silu));
-    named("select_rows", ops.select_rows(&Mat::zeros(2, 3), &[2]).map(drop));
+    let layout =
+        StateLayout { layers: vec![StateKind::Kv, StateKind::Delta], kv_type: KvType::F16, kv_width: 128, conv: 3 * 40, rec: 4 * 48 * 32 };
+    o.configure(layout, 2, 64).unwrap_or_else(|e| panic!("configure: {e}"));
+    let s = o.alloc_slot().unwrap_or_else(|e| panic!("alloc_slot: {e}"));
+    let mut b = Batch::default();
+    b.push(s.id(), 0, &[0, 0]);
+    let mut bad = b.clone();
+    bad.seqs[0].pos0 = 5;
+    named("begin_step", o.begin_step(&bad));
+    let mut bad = b.clone();
+    bad.logit_rows = vec![2];
+    named("begin_step", o.begin_step(&bad));
+    let mut bad = b.clone();
+    bad.push(s.id(), 0, &[0]);
+    named("begin_step", o.begin_step(&bad));
+    o.begin_step(&b).unwrap_or_else(|e| panic!("begin_step: {e}"));
+    let mut up = |n: usize, d: usize| o.upload(&Mat::zeros(n, d)).unwrap_or_else(|e| panic!("upload: {e}"));
+    let (_, k, rows, id) = fx.mats[4];
+    let (x_bad, x1, n65, n64, a23, a32, y23, y24) = (up(2, k + 1), up(1, k), up(1, 65), up(1, 64), up(2, 3), up(3, 2), up(2, 3), up(2, 4));
+    let (qg, k2, k64, q256, x40, cu, b4, din_q, ghost) =
+        (up(2, 4 * 2 * 64), up(2, 128), up(2, 64), up(2, 256), up(2, 40), up(2, 10), up(2, 4), up(2, 64), Tensor { id: 9999, n: 1, d: 1 });
+    let (logits, x_moe, gs) = (up(1, 6), up(1, D_MOE), up(1, 1));
+    let _ = rows;
+    named("matmul", o.matmul(id, x_bad).map(drop));
+    named("matmul", o.matmul(WeightId(99_999), x1).map(drop));
+    named("matmul", o.matmul(id, ghost).map(drop));
+    named("matmul_many", o.matmul_many(&[id, id], x_bad).map(drop));
+    named("rms_norm", o.rms_norm(n65, fx.norm64, 1e-6).map(drop));
+    named("rms_norm", o.rms_norm(n64, id, 1e-6).map(drop));
+    named("add", o.add(a23, a32));
+    named("gate", o.gate(y23, y24, Gate::Silu));
+    named("select_rows", o.select_rows(a32).map(drop));
     let prep =
         AttnPrep { n_head: 4, n_head_kv: 2, head_dim: 64, n_rot: 16, rope_base: 1e7, eps: 1e-6, q_norm: fx.norm64, k_norm: fx.norm64 };
-    named("attn_prep", ops.attn_prep(prep, &Mat::zeros(2, 4 * 2 * 64), &Mat::zeros(2, 128), &[0]).map(drop));
-    let (mut kc, mut vc) = (KvRows::new(KvType::F16, 128), KvRows::new(KvType::F16, 128));
-    let one = [SeqSpan { row0: 0, n: 1, pos0: 0 }];
-    named("kv_append", ops.kv_append(&one, &Mat::zeros(1, 64), &Mat::zeros(1, 64), &mut [KvCache { k: &mut kc, v: &mut vc }]));
-    named("kv_append", ops.kv_append(&one, &Mat::zeros(2, 128), &Mat::zeros(2, 128), &mut [KvCache { k: &mut kc, v: &mut vc }]));
+    named("attn_prep", o.attn_prep(prep, qg, k64).map(drop));
+    named("attn_prep", o.attn_prep(prep, x1, k2).map(drop));
+    named("kv_append", o.kv_append(LayerIdx(0), k64, k64));
+    named("kv_append", o.kv_append(LayerIdx(1), k2, k2));
+    named("kv_append", o.kv_append(LayerIdx(9), k2, k2));
     let heads = AttnHeads { n_head: 4, n_head_kv: 2, head_dim: 64, scale: 1.0 };
-    named("attention", ops.attention(heads, &one, &Mat::zeros(1, 256), &[KvCache { k: &mut kc, v: &mut vc }]).map(drop));
-    named("conv1d_silu", ops.conv1d_silu(&one, &Mat::zeros(1, 40), fx.conv, &mut [&mut [0.0; 7][..]]).map(drop));
-    named("conv1d_silu", ops.conv1d_silu(&one, &Mat::zeros(1, 40), fx.conv, &mut []).map(drop));
+    named("attention", o.attention(LayerIdx(0), heads, q256).map(drop));
+    named("conv1d_silu", o.conv1d_silu(LayerIdx(0), x40, fx.conv).map(drop));
+    named("conv1d_silu", o.conv1d_silu(LayerIdx(1), x1, fx.conv).map(drop));
     let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
-    named("delta_prep", ops.delta_prep(dp, &Mat::zeros(1, 10), &Mat::zeros(1, 4), &Mat::zeros(1, 4)).map(drop));
-    let z = |d| Mat::zeros(1, d);
-    let din = DeltaIn { q: z(64), k: z(64), v: z(192), g: z(4), beta: z(4) };
+    named("delta_prep", o.delta_prep(dp, cu, b4, b4).map(drop));
     let dh = DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
-    named("gated_delta_rule", ops.gated_delta_rule(dh, &one, &din, &mut [&mut [0.0; 10][..]], DeltaMode::Auto).map(drop));
-    let two = [SeqSpan { row0: 0, n: 1, pos0: 0 }, SeqSpan { row0: 2, n: 1, pos0: 0 }];
-    let mut s2 = [vec![0f32; 4 * 48 * 32], vec![0f32; 4 * 48 * 32]];
-    let mut sm: Vec<&mut [f32]> = s2.iter_mut().map(|v| &mut v[..]).collect();
-    named("gated_delta_rule", ops.gated_delta_rule(dh, &two, &din, &mut sm, DeltaMode::Auto).map(drop));
-    named("route", ops.route(&Mat::zeros(1, 6), 7).map(drop));
-    let routing = Routing { n_tok: 1, k: 1, ids: vec![ExpertId(fx.n_expert as u16)], weights: vec![1.0] };
-    named("moe", ops.moe(LayerIdx(0), &Mat::zeros(1, D_MOE), &routing, &Mat::zeros(1, 1)).map(drop));
-    named("moe", ops.moe(LayerIdx(7), &Mat::zeros(1, D_MOE), &routing, &Mat::zeros(1, 1)).map(drop));
-    let _ = ty;
+    let din = crate::DeltaIn { q: din_q, k: din_q, v: din_q, g: b4, beta: b4 };
+    named("gated_delta_rule", o.gated_delta_rule(LayerIdx(1), dh, din, DeltaMode::Auto).map(drop));
+    named("route", o.route(logits, 7).map(drop));
+    let rt = o.route(logits, 1).unwrap_or_else(|e| panic!("route: {e}"));
+    named("moe", o.moe(LayerIdx(7), x_moe, rt, gs).map(drop));
+    named("moe", o.moe(LayerIdx(0), x_moe, crate::Routing { id: 99, n_tok: 1, k: 1 }, gs).map(drop));
 }

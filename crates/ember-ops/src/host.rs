@@ -1,30 +1,39 @@
-//! [`HostOps`]: every op as written in [`crate::reference`], on one thread. The reference
-//! backend that the conformance suite ([`crate::conformance`]) runs every other backend against.
+//! [`HostBackend`]: the [`Ops`] of any host kernel set ([`HostKernels`]): handles index an arena
+//! of [`Mat`]s, state lives in a [`HostStore`]. [`RefKernels`]: every op as written in
+//! [`crate::reference`], on one thread; over it, [`HostOps`] is the reference backend that the
+//! conformance suite ([`crate::conformance`]) runs every other backend against.
 
 use std::sync::Arc;
 
 use crate::{
-    AttnHeads, AttnIn, AttnPrep, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvCache, LayerIdx, Mat, MoeSlot, OpError,
-    OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet, WeightView,
+    AttnHeads, AttnMats, AttnPrep, DeltaHeads, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, HostBackend, HostKernels, KvCache,
+    LayerIdx, Mat, MoeSlot, OpError, OpResult, Ops, PagePool, Registry, RouteTable, SeqSpan, WeightId, WeightSet, WeightView,
 };
 use crate::{check, reference};
 
 const DEV: DeviceId = DeviceId::Host;
 
+/// The reference kernels.
 #[derive(Debug, Default, Clone)]
-pub struct HostOps {
+pub struct RefKernels {
     weights: Registry,
 }
 
-impl HostOps {
+impl RefKernels {
     pub fn new() -> Self {
-        HostOps { weights: Registry::new(DEV) }
+        RefKernels { weights: Registry::new(DEV) }
     }
+}
 
+/// The reference backend.
+pub type HostOps = HostBackend<RefKernels>;
+
+impl HostOps {
     /// A reference backend with `weights` registered.
     pub fn with_weights(weights: Arc<WeightSet>) -> Self {
-        let mut h = HostOps::new();
-        h.weights.set(weights);
+        let mut h = HostBackend::new(RefKernels::new());
+        // unwrap_or_else: registering on the host only stores the set.
+        h.register(weights).unwrap_or_else(|e| panic!("{e}"));
         h
     }
 }
@@ -36,7 +45,7 @@ pub fn moe_via(
     reg: &Registry,
     layer: LayerIdx,
     x: &Mat,
-    routing: &Routing,
+    routing: &RouteTable,
     shared_gate: &Mat,
     run: impl FnOnce(&[MoeSlot], &Mat) -> OpResult<Mat>,
 ) -> OpResult<Mat> {
@@ -73,7 +82,7 @@ pub fn per_span(spans: &[SeqSpan], x: &Mat, width: usize, mut f: impl FnMut(usiz
 }
 
 /// The rows of span `sp` of every input of the delta rule (all of it for one span).
-pub fn delta_rows<'a>(spans: &[SeqSpan], x: &'a DeltaIn, sp: &SeqSpan) -> std::borrow::Cow<'a, DeltaIn> {
+pub fn delta_rows<'a>(spans: &[SeqSpan], x: &'a DeltaMats, sp: &SeqSpan) -> std::borrow::Cow<'a, DeltaMats> {
     if spans.len() == 1 { std::borrow::Cow::Borrowed(x) } else { std::borrow::Cow::Owned(x.rows(sp.row0, sp.n)) }
 }
 
@@ -105,14 +114,14 @@ pub fn add(h: &mut Mat, x: &Mat) -> OpResult<()> {
     Ok(())
 }
 
-pub fn delta_prep(reg: &Registry, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+pub fn delta_prep(reg: &Registry, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats> {
     const OP: &str = "delta_prep";
     let (a, dt) = (reg.vector(OP, s.a)?, reg.vector(OP, s.dt_bias)?);
     check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
     Ok(reference::delta_prep(&s, a, dt, cu, b, alpha))
 }
 
-pub fn route(logits: &Mat, k: usize) -> OpResult<Routing> {
+pub fn route(logits: &Mat, k: usize) -> OpResult<RouteTable> {
     check::route("route", DEV, logits, k)?;
     Ok(reference::route(logits, k))
 }
@@ -123,7 +132,7 @@ pub fn select_rows(x: &Mat, rows: &[usize]) -> OpResult<Mat> {
 }
 
 /// [`Ops::kv_append`] on host caches: every sequence's rows pushed in turn.
-pub fn kv_append_each(spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
+pub fn kv_append_each(spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()> {
     const OP: &str = "kv_append";
     check::spans(OP, DEV, spans, k.n, caches.len())?;
     check::same(OP, DEV, k, v)?;
@@ -131,14 +140,14 @@ pub fn kv_append_each(spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache
         let (ks, vs) = (k.rows(sp.row0, sp.n), v.rows(sp.row0, sp.n));
         check::kv_append(OP, DEV, c.k, &ks)?;
         check::kv_append(OP, DEV, c.v, &vs)?;
-        let fail = |e: ember_gguf::Error| OpError::new(OP, DEV, format!("{}x{}", ks.n, ks.d), e.to_string());
-        c.k.push(&ks).map_err(fail)?;
-        c.v.push(&vs).map_err(fail)?;
+        let fail = |e: String| OpError::new(OP, DEV, format!("{}x{}", ks.n, ks.d), e);
+        c.k.push(&ks, pool).map_err(fail)?;
+        c.v.push(&vs, pool).map_err(fail)?;
     }
     Ok(())
 }
 
-impl Ops for HostOps {
+impl HostKernels for RefKernels {
     fn name(&self) -> &'static str {
         "reference"
     }
@@ -176,15 +185,15 @@ impl Ops for HostOps {
         add(h, x)
     }
 
-    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnMats> {
         const OP: &str = "attn_prep";
         let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
         check::attn_prep(OP, DEV, &s, (qn.len(), kn.len()), qg, k, pos)?;
         Ok(reference::attn_prep(&s, qn, kn, qg, k, pos))
     }
 
-    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
-        kv_append_each(spans, k, v, caches)
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()> {
+        kv_append_each(spans, k, v, caches, pool)
     }
 
     fn attention(&self, h: AttnHeads, spans: &[SeqSpan], q: &Mat, caches: &[KvCache<'_>]) -> OpResult<Mat> {
@@ -207,11 +216,18 @@ impl Ops for HostOps {
         })
     }
 
-    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats> {
         delta_prep(&self.weights, s, cu, b, alpha)
     }
 
-    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+    fn gated_delta_rule(
+        &self,
+        h: DeltaHeads,
+        spans: &[SeqSpan],
+        x: &DeltaMats,
+        states: &mut [&mut [f32]],
+        mode: DeltaMode,
+    ) -> OpResult<Mat> {
         const OP: &str = "gated_delta_rule";
         check::spans(OP, DEV, spans, x.q.n, states.len())?;
         per_span(spans, &x.q, h.n_v_head * h.d_v, |i, sp, _| {
@@ -232,11 +248,11 @@ impl Ops for HostOps {
         Ok(())
     }
 
-    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<RouteTable> {
         route(logits, k)
     }
 
-    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &RouteTable, shared_gate: &Mat) -> OpResult<Mat> {
         moe_via("moe", &self.weights, layer, x, routing, shared_gate, |slots, x| Ok(reference::moe(reference::matmul, slots, x)))
     }
 

@@ -3,30 +3,39 @@
 //!
 //! Model code (`ember-model`) is written only against the [`Ops`] trait and does no arithmetic
 //! of its own: residual adds, the attention prep (q|gate split, q/k norms, RoPE), the DeltaNet
-//! prep (L2 norms, β, decay), routing and the choice of logit rows are ops. Weights are
-//! registered once ([`WeightSet`]) and named by [`WeightId`]; the MoE op gets the layer, the
-//! [`Routing`] and the shared-expert gate, so a backend sees every `(layer, expert)` pair used.
-//! Every op returns [`OpResult`]; there are no default bodies, so a backend cannot silently
-//! fall back to the reference. The decision a reader may question: activations are still host
-//! [`Mat`]s at this stage of the redesign (shared/GPU.md §2); the per-op signatures are
-//! already device-neutral in what they name (ids, layers, routing), so moving activations into
-//! backend-owned handles changes only the carrier type.
+//! prep (L2 norms, β, decay), routing and the choice of logit rows are ops. Ops take and return
+//! handles the backend owns ([`Tensor`], [`Routing`]), from a per-step arena; a step's token
+//! ids, positions, sequences and logit rows are written once ([`Batch`], [`Ops::begin_step`]).
+//! Per-sequence state lives in the backend's [`SeqStore`]: fixed DeltaNet slots, KV rows in
+//! pages from a bounded pool, snapshots that share pages. Weights are registered once
+//! ([`WeightSet`]) and named by [`WeightId`]; the MoE op gets the layer, the routing handle and
+//! the shared-expert gate, so a backend sees every `(layer, expert)` pair used. Every op returns
+//! [`OpResult`]; there are no default bodies, so a backend cannot silently fall back to the
+//! reference.
+//!
+//! Host backends are one generic [`HostBackend`] (arena of [`Mat`]s + [`HostStore`]) over
+//! [`HostKernels`], the op set on host matrices: the reference kernels ([`RefKernels`]) make
+//! [`HostOps`], the CPU's SIMD kernels make the CPU backend.
 
 #![forbid(unsafe_code)]
 
+mod backend;
 pub mod check;
 pub mod conformance;
 mod error;
 pub mod host;
 mod ids;
 pub mod reference;
+pub mod store;
 mod weights;
 
 use ember_gguf::GgmlType;
 
+pub use backend::HostBackend;
 pub use error::{OpError, OpResult};
-pub use host::HostOps;
+pub use host::{HostOps, RefKernels};
 pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
+pub use store::{HostStore, KvPage, PagePool, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats};
 pub use weights::{ExpertView, GateUp, MoeWeights, Registry, WeightInfo, WeightSet};
 
 /// A row-major matrix of activations: `n` rows (usually tokens) of `d` values.
@@ -139,9 +148,6 @@ impl KvType {
 /// costs nothing.
 pub const KV_PAGE: usize = 64;
 
-/// One page of [`KV_PAGE`] cached rows.
-pub type KvPage = std::sync::Arc<Vec<u8>>;
-
 /// The K or V rows of one attention layer of one sequence, stored in `ty` blocks: row `p` is
 /// position `p`, holding `n_head_kv * head_dim` values. Rows live in pages of [`KV_PAGE`]
 /// positions (the page table is `pages`); a clone (a snapshot) shares every page, and a write
@@ -177,16 +183,25 @@ impl KvRows {
         &self.pages[p / KV_PAGE][(p % KV_PAGE) * rb..(p % KV_PAGE + 1) * rb]
     }
 
-    /// Appends rows (quantised to the cache type).
-    pub fn push(&mut self, rows: &Mat) -> Result<(), ember_gguf::Error> {
+    /// Appends rows (quantised to the cache type), taking new pages from `pool`; an error when
+    /// the pool has none left (rows appended before that stay).
+    pub fn push(&mut self, rows: &Mat, pool: &PagePool) -> Result<(), String> {
         let rb = self.row_bytes();
+        let full = || format!("the KV page pool is full ({} pages)", pool.cap());
         for i in 0..rows.n {
             let (pg, at) = (self.len / KV_PAGE, self.len % KV_PAGE);
             if pg == self.pages.len() {
-                self.pages.push(std::sync::Arc::new(vec![0u8; KV_PAGE * rb]));
+                self.pages.push(pool.page(KV_PAGE * rb).ok_or_else(full)?);
             }
             // A page shared with a snapshot is copied before the write.
-            let dst = &mut std::sync::Arc::make_mut(&mut self.pages[pg])[at * rb..(at + 1) * rb];
+            if std::sync::Arc::get_mut(&mut self.pages[pg]).is_none() {
+                let mut copy = pool.page(KV_PAGE * rb).ok_or_else(full)?;
+                // unwrap: a page just drawn has no other holder.
+                std::sync::Arc::get_mut(&mut copy).unwrap().copy_from_slice(&self.pages[pg]);
+                self.pages[pg] = copy;
+            }
+            // unwrap: the page is now held by this cache alone.
+            let dst = &mut std::sync::Arc::get_mut(&mut self.pages[pg]).unwrap()[at * rb..(at + 1) * rb];
             match self.ty {
                 KvType::F32 => {
                     for (d, x) in dst.chunks_exact_mut(4).zip(rows.row(i)) {
@@ -198,7 +213,7 @@ impl KvRows {
                         d.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes());
                     }
                 }
-                KvType::Q8_0 => ember_gguf::quant::quantize(self.ty.ggml(), rows.row(i), dst)?,
+                KvType::Q8_0 => ember_gguf::quant::quantize(self.ty.ggml(), rows.row(i), dst).map_err(|e| e.to_string())?,
             }
             self.len += 1;
         }
@@ -247,7 +262,7 @@ impl KvRows {
 }
 
 /// An expert and the tokens routed to it: `(row of x, weight)`, rows in increasing order
-/// (host backends build these from a [`Routing`]).
+/// (host backends build these from a [`RouteTable`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeSlot<'a> {
     pub expert: ExpertView<'a>,
@@ -282,7 +297,7 @@ pub struct DeltaPrep {
 /// The inputs of the delta rule for a batch of tokens: q (L2-normed, scaled by 1/√d_k) and k
 /// (L2-normed) [T, n_k_head·d_k], v [T, n_v_head·d_v], log-decay g ≤ 0 and β [T, n_v_head].
 #[derive(Debug, Clone, PartialEq)]
-pub struct DeltaIn {
+pub struct DeltaMats {
     pub q: Mat,
     pub k: Mat,
     pub v: Mat,
@@ -290,10 +305,10 @@ pub struct DeltaIn {
     pub beta: Mat,
 }
 
-impl DeltaIn {
+impl DeltaMats {
     /// Rows `start..start + n` of every input (one sequence of a batch).
-    pub fn rows(&self, start: usize, n: usize) -> DeltaIn {
-        DeltaIn {
+    pub fn rows(&self, start: usize, n: usize) -> DeltaMats {
+        DeltaMats {
             q: self.q.rows(start, n),
             k: self.k.rows(start, n),
             v: self.v.rows(start, n),
@@ -320,7 +335,7 @@ pub struct AttnPrep {
 /// What [`Ops::attn_prep`] returns: q and its gate [T, n_head·head_dim], k [T, n_head_kv·head_dim]
 /// normed and rotated.
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttnIn {
+pub struct AttnMats {
     pub q: Mat,
     pub gate: Mat,
     pub k: Mat,
@@ -418,14 +433,14 @@ pub enum Gate {
 /// `ids[t*k..(t+1)*k]` (largest weight first) with weights `weights[..]` summing to 1
 /// (softmax over all experts, top-k, renormalised; qwen35moe.md §6.6 steps 1–3).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
+pub struct RouteTable {
     pub n_tok: usize,
     pub k: usize,
     pub ids: Vec<ExpertId>,
     pub weights: Vec<f32>,
 }
 
-impl Routing {
+impl RouteTable {
     /// Per expert (index < n_expert): the tokens routed to it with their weights, tokens in
     /// increasing order.
     pub fn per_expert(&self, n_expert: usize) -> Vec<Vec<(usize, f32)>> {
@@ -442,8 +457,184 @@ impl Routing {
     }
 }
 
-/// The op set. Shapes are documented per op; `T` is the number of token rows.
-pub trait Ops: Send + Sync {
+/// A backend-owned activation: `n` rows of `d` f32 values in slot `id` of the backend's
+/// per-step arena. Handles are valid until the next [`Ops::begin_step`]; a step that allocates
+/// in the same order gets the same ids (and, on a device, the same addresses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tensor {
+    pub id: u32,
+    pub n: usize,
+    pub d: usize,
+}
+
+/// A backend-owned routing of `n_tok` tokens through one MoE layer, `k` experts each (ids and
+/// weights stay where the backend computed them; [`Ops::read_routing`] downloads them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Routing {
+    pub id: u32,
+    pub n_tok: usize,
+    pub k: usize,
+}
+
+/// What [`Ops::attn_prep`] returns: q and its gate [T, n_head·head_dim], k [T, n_head_kv·head_dim]
+/// normed and rotated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnIn {
+    pub q: Tensor,
+    pub gate: Tensor,
+    pub k: Tensor,
+}
+
+/// The inputs of the delta rule ([`Ops::delta_prep`]): q, k [T, n_k_head·d_k], v
+/// [T, n_v_head·d_v], g and β [T, n_v_head].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaIn {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub g: Tensor,
+    pub beta: Tensor,
+}
+
+/// One sequence of a step: its slot, and `n` tokens at positions `pos0..pos0 + n` (`pos0` must
+/// equal the slot's length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSeq {
+    pub slot: SlotId,
+    pub pos0: usize,
+    pub n: usize,
+}
+
+/// A step's inputs, written to the backend once ([`Ops::begin_step`]): every sequence's token
+/// ids in order, the sequences (their rows follow each other in that order), and the rows that
+/// get logits ([`Ops::select_rows`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub seqs: Vec<BatchSeq>,
+    pub logit_rows: Vec<u32>,
+}
+
+impl Batch {
+    /// Adds a sequence's tokens (rows `tokens.len()` on from the current end).
+    pub fn push(&mut self, slot: SlotId, pos0: usize, tokens: &[u32]) {
+        self.seqs.push(BatchSeq { slot, pos0, n: tokens.len() });
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// Rows of the step.
+    pub fn n_rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.n).sum()
+    }
+
+    /// Each sequence's rows and positions.
+    pub fn spans(&self) -> Vec<SeqSpan> {
+        let mut row0 = 0;
+        self.seqs
+            .iter()
+            .map(|s| {
+                let sp = SeqSpan { row0, n: s.n, pos0: s.pos0 };
+                row0 += s.n;
+                sp
+            })
+            .collect()
+    }
+
+    /// Every row's position.
+    pub fn positions(&self) -> Vec<u32> {
+        self.seqs.iter().flat_map(|s| (s.pos0..s.pos0 + s.n).map(|p| p as u32)).collect()
+    }
+}
+
+/// The op set a backend implements, on handles it owns. A step is `begin_step`, ops, then
+/// `end_step`; the model does nothing else. Every op returns [`OpResult`]; there are no default
+/// bodies. Shapes are documented per op; `T` is the number of rows of the step's batch unless
+/// an op says otherwise.
+pub trait Ops: SeqStore + Send {
+    fn name(&self) -> &'static str;
+
+    fn device(&self) -> DeviceId;
+
+    /// Registers the weights later ops name by id (once per model, at load; a new set replaces
+    /// the old one). A device backend uploads them here.
+    fn register(&mut self, weights: std::sync::Arc<WeightSet>) -> OpResult<()>;
+
+    /// Starts a step: frees the previous step's handles and writes the batch (token ids,
+    /// positions, sequences with their slots, logit rows). Checks every slot is in use and each
+    /// sequence continues at its slot's length.
+    fn begin_step(&mut self, batch: &Batch) -> OpResult<()>;
+
+    /// Ends the step: each sequence's slot now holds its `n` more tokens.
+    fn end_step(&mut self) -> OpResult<()>;
+
+    /// A host matrix as a handle of this step (inputs of tests and tools; the model uses none).
+    fn upload(&mut self, x: &Mat) -> OpResult<Tensor>;
+
+    /// A handle's values on the host.
+    fn read(&mut self, x: Tensor) -> OpResult<Mat>;
+
+    /// A routing's ids and weights on the host.
+    fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable>;
+
+    /// The embedding rows of the step's tokens ([T, k]).
+    fn embed(&mut self, w: WeightId) -> OpResult<Tensor>;
+
+    /// `y[t] = W·x[t]` for every row of `x` ([N, k] -> [N, n_rows]).
+    fn matmul(&mut self, w: WeightId, x: Tensor) -> OpResult<Tensor>;
+
+    /// `[W_i·x]` for several weights that read the same input.
+    fn matmul_many(&mut self, ws: &[WeightId], x: Tensor) -> OpResult<Vec<Tensor>>;
+
+    /// RMSNorm of every `len(w)`-wide group of every row, times the vector weight `w`.
+    fn rms_norm(&mut self, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor>;
+
+    /// `h ← h + x` (same shapes): the residual adds.
+    fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()>;
+
+    /// Gated attention prep (qwen35moe.md §6.3 steps 1–4) at the step's positions: splits `qg`
+    /// [T, n_head·2·head_dim] into q and gate, RMS-normalises q and `k` per head, NeoX RoPE.
+    fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn>;
+
+    /// Appends each sequence's rows of `k` and `v` [T, n_head_kv·head_dim] to the KV rows of
+    /// attention layer `layer` of its slot.
+    fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()>;
+
+    /// Causal GQA attention of every sequence's rows of `q` over its slot's K/V rows of
+    /// `layer` (token t of a sequence at pos0 sees positions 0..=pos0 + t).
+    fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor>;
+
+    /// Causal depthwise conv (taps `[ch][j]`) over each sequence's conv history of `layer` and
+    /// its rows of `x`, then SiLU; the history is updated.
+    fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor>;
+
+    /// DeltaNet prep (qwen35moe.md §6.4 steps 3–6): q | k | v split, L2 norms (q also scaled by
+    /// 1/√d_k), β = sigmoid(`b`), g = a·softplus(`alpha` + dt_bias).
+    fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn>;
+
+    /// Gated delta rule over each sequence's rows, continuing its slot's recurrent state of
+    /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
+    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;
+
+    /// `y ← y ⊙ act(g)` element by element (same shapes).
+    fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()>;
+
+    /// Routing from router logits [N, n_expert]: softmax, the `k` largest (ties to the lower
+    /// id), renormalised.
+    fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing>;
+
+    /// The mixture of experts of `layer` on `routing` plus the gated shared expert
+    /// (qwen35moe.md §6.6 steps 4–7); `shared_gate` [N, 1]. Returns [N, D].
+    fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor>;
+
+    /// The step's logit rows of `x`, in the batch's order.
+    fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor>;
+}
+
+/// The op set on host matrices, with state passed in: what a host backend's kernels implement
+/// ([`HostOps`] = [`HostBackend`] over the reference kernels, the CPU backend over its SIMD
+/// kernels). [`HostBackend`] turns it into [`Ops`]. Shapes are documented per op; `T` is the
+/// number of token rows.
+pub trait HostKernels: Send + Sync {
     fn name(&self) -> &'static str;
 
     fn device(&self) -> DeviceId;
@@ -471,11 +662,11 @@ pub trait Ops: Send + Sync {
     /// Gated attention prep (qwen35moe.md §6.3 steps 1–4): splits `qg` [T, n_head·2·head_dim]
     /// (per head `[q | gate]`) into q and gate, RMS-normalises q and `k` per head with their
     /// weights, and applies NeoX RoPE to both at the positions `pos` (one per row).
-    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn>;
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnMats>;
 
     /// Appends each sequence's rows of `k` and `v` [ΣT, n_head_kv·head_dim] to its caches
-    /// (quantised to their type); `caches[i]` belongs to `spans[i]`.
-    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()>;
+    /// (quantised to their type, new pages from `pool`); `caches[i]` belongs to `spans[i]`.
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()>;
 
     /// Causal GQA attention of every sequence's rows of `q` [ΣT, n_head·head_dim] over its
     /// cached K/V rows (token t of span s sees positions 0..=s.pos0 + t).
@@ -489,25 +680,32 @@ pub trait Ops: Send + Sync {
     /// DeltaNet prep (qwen35moe.md §6.4 steps 3–6): splits the conv output `cu`
     /// [T, 2·n_k_head·d_k + n_v_head·d_v] into q | k | v, L2-normalises q and k per head (q also
     /// scaled by 1/√d_k), β = sigmoid(`b`) and g = a·softplus(`alpha` + dt_bias) per value head.
-    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn>;
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats>;
 
     /// Gated delta rule over every sequence's rows of `x`, continuing `states[i]` (one
     /// `d_v x d_k` matrix per value head, row jv = value index); recurrent or chunked form per
     /// `mode` (equal up to rounding). Returns o [ΣT, n_v_head·d_v].
-    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat>;
+    fn gated_delta_rule(
+        &self,
+        h: DeltaHeads,
+        spans: &[SeqSpan],
+        x: &DeltaMats,
+        states: &mut [&mut [f32]],
+        mode: DeltaMode,
+    ) -> OpResult<Mat>;
 
     /// `y ← y ⊙ act(g)` element by element (same shapes): the output gates of the DeltaNet
     /// (SiLU of z) and of gated attention (sigmoid).
     fn gate(&self, y: &mut Mat, g: &Mat, act: Gate) -> OpResult<()>;
 
-    /// Routing from router logits [T, n_expert]: softmax over all experts, the `k` largest
+    /// RouteTable from router logits [T, n_expert]: softmax over all experts, the `k` largest
     /// (ties to the lower id), renormalised to sum 1.
-    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing>;
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<RouteTable>;
 
     /// The mixture of experts of `layer` (qwen35moe.md §6.6 steps 4–7):
     /// `y[t] = Σ_j w_tj · E_{id_tj}(x_t) + sigmoid(shared_gate[t]) · S(x_t)`, `E(x) =
     /// down(silu(gate·x) ⊙ up·x)`, `S` the shared expert, `shared_gate` [T, 1]. Returns [T, D].
-    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat>;
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &RouteTable, shared_gate: &Mat) -> OpResult<Mat>;
 
     /// Rows `rows` of `x`, in that order (the rows that get logits).
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat>;

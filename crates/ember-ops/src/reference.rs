@@ -1,7 +1,7 @@
 //! Scalar reference ops: straightforward, single-threaded, f32 storage with f64 sums where a
 //! reduction is long. This is the spec in code; fast backends are tested against it.
 
-use crate::{AttnIn, AttnPrep, AttnShape, DeltaIn, DeltaPrep, DeltaShape, ExpertId, KvRows, Mat, MoeSlot, Routing, WeightView};
+use crate::{AttnMats, AttnPrep, AttnShape, DeltaMats, DeltaPrep, DeltaShape, ExpertId, KvRows, Mat, MoeSlot, RouteTable, WeightView};
 
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -417,7 +417,7 @@ pub fn select_rows(x: &Mat, rows: &[usize]) -> Mat {
 
 /// [`crate::Ops::attn_prep`]: split per head `[q | gate]`, per-head RMSNorm of q and k, NeoX
 /// RoPE at each row's position. `q_norm`, `k_norm` are the head_dim-wide norm weights.
-pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat, pos: &[u32]) -> AttnIn {
+pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat, pos: &[u32]) -> AttnMats {
     let (hd, nh) = (s.head_dim, s.n_head);
     let (mut q, mut gate) = (Vec::with_capacity(qg.n * nh * hd), Vec::with_capacity(qg.n * nh * hd));
     for head in qg.data.chunks_exact(2 * hd) {
@@ -429,7 +429,7 @@ pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat
     let mut k = rms_norm(k, k_norm, s.eps);
     rope_at(&mut q, hd, s.n_rot, pos, s.rope_base);
     rope_at(&mut k, hd, s.n_rot, pos, s.rope_base);
-    AttnIn { q, gate, k }
+    AttnMats { q, gate, k }
 }
 
 /// [`rope`] with one position per row (the same angles, computed the same way).
@@ -454,7 +454,7 @@ pub fn rope_at(x: &mut Mat, head_dim: usize, n_rot: usize, pos: &[u32], base: f3
 
 /// [`crate::Ops::delta_prep`]: q | k | v split of the conv output, L2 norms (q scaled by
 /// 1/√d_k), β = sigmoid(b), g = a·softplus(alpha + dt_bias) ≤ 0 (qwen35moe.md §6.4).
-pub fn delta_prep(s: &DeltaPrep, a: &[f32], dt_bias: &[f32], cu: &Mat, b: &Mat, alpha: &Mat) -> DeltaIn {
+pub fn delta_prep(s: &DeltaPrep, a: &[f32], dt_bias: &[f32], cu: &Mat, b: &Mat, alpha: &Mat) -> DeltaMats {
     let (nk, dk) = (s.n_k_head, s.d_k);
     let mut q = cu.cols(0, nk * dk);
     let mut k = cu.cols(nk * dk, nk * dk);
@@ -475,7 +475,7 @@ pub fn delta_prep(s: &DeltaPrep, a: &[f32], dt_bias: &[f32], cu: &Mat, b: &Mat, 
             *x = a[h] * softplus(*x + dt_bias[h]);
         }
     }
-    DeltaIn { q, k, v, g, beta }
+    DeltaMats { q, k, v, g, beta }
 }
 
 /// The smallest normal f16: llama.cpp clamps the routing weights' sum to it before
@@ -484,7 +484,7 @@ pub const ROUTE_SUM_MIN: f32 = 6.103_515_6e-5;
 
 /// [`crate::Ops::route`]: softmax over all experts (f64 sum), the `k` largest (ties to the lower
 /// id, largest first), weights renormalised by their sum (clamped to [`ROUTE_SUM_MIN`]).
-pub fn route(logits: &Mat, k: usize) -> Routing {
+pub fn route(logits: &Mat, k: usize) -> RouteTable {
     let k = k.min(logits.d);
     let mut ids = Vec::with_capacity(logits.n * k);
     let mut weights = Vec::with_capacity(logits.n * k);
@@ -500,7 +500,7 @@ pub fn route(logits: &Mat, k: usize) -> Routing {
             weights.push(p[e] / norm);
         }
     }
-    Routing { n_tok: logits.n, k, ids, weights }
+    RouteTable { n_tok: logits.n, k, ids, weights }
 }
 
 /// Softmax of one row, the sum in f64.
@@ -538,7 +538,7 @@ pub type TokenWeights = Vec<(usize, f32)>;
 /// The token lists of a MoE call: per used expert (increasing id) its tokens and weights, then
 /// the shared expert with sigmoid(shared_gate[t]) for every token. [`moe_slots`] pairs them
 /// with the expert weights.
-pub fn moe_tokens(routing: &Routing, n_expert: usize, shared_gate: &Mat) -> (Vec<(ExpertId, TokenWeights)>, TokenWeights) {
+pub fn moe_tokens(routing: &RouteTable, n_expert: usize, shared_gate: &Mat) -> (Vec<(ExpertId, TokenWeights)>, TokenWeights) {
     let routed = routing
         .per_expert(n_expert)
         .into_iter()

@@ -141,6 +141,8 @@ impl Metrics {
         );
         counter(&mut out, "ember_prompt_cache_checkpoints_total", "Checkpoints stored.", ld(&engine.cache_checkpoints));
         counter(&mut out, "ember_prompt_cache_tokens_total", "Prompt tokens restored instead of computed.", ld(&engine.tokens_cached));
+        gauge(&mut out, "ember_kv_pages_free", "KV pages free in the backend's pool.", engine.kv_pages_free.load(Ordering::Relaxed) as u64);
+        gauge(&mut out, "ember_kv_pages_total", "KV pages in the backend's pool.", engine.kv_pages_total.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_prompt_cache_entries", "Checkpoints held.", engine.cache_entries.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_prompt_cache_bytes", "Bytes held by checkpoints.", engine.cache_bytes.load(Ordering::Relaxed) as u64);
         gauge(

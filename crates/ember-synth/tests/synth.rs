@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ember_cpu::{CpuOps, Precision};
+use ember_cpu::Precision;
 use ember_gguf::{GgmlType, GgufFile};
-use ember_model::{Forward, Logits, Model, SeqState};
+use ember_model::{Forward, Logits, Model};
 use ember_ops::{KvType, Mat, Ops};
 use ember_synth::{Plan, Recipe, Shape, SynthOptions};
 
@@ -113,9 +113,10 @@ pub fn probe(path: &Path, text: &str, n_tok: usize) -> Probe {
         ids.extend_from_within(..);
     }
     ids.truncate(n_tok);
-    let mut ops = CpuOps::new(Precision::Fast, 0);
+    let mut ops = ember_cpu::backend(Precision::Fast, 0);
     ops.register(model.weights().clone()).unwrap();
-    let mut st = SeqState::new(&c, ids.len() + 1, KvType::F16).unwrap();
+    model.configure_store(&mut ops, KvType::F16, 1, ids.len() + 1, 0).unwrap();
+    let mut st = model.new_state(&mut ops, ids.len() + 1).unwrap();
     let mut hs: Vec<Mat> = Vec::new();
     let logits = {
         let mut tap = |name: &str, _i: usize, m: &Mat| {
@@ -123,7 +124,7 @@ pub fn probe(path: &Path, text: &str, n_tok: usize) -> Probe {
                 hs.push(m.clone());
             }
         };
-        model.forward(&ops, &ids, &mut st, Forward { logits: Some(Logits::All), tap: Some(&mut tap), ..Default::default() }).unwrap()
+        model.forward(&mut ops, &ids, &mut st, Forward { logits: Some(Logits::All), tap: Some(&mut tap), ..Default::default() }).unwrap()
     };
     let rms = hs.iter().map(|h| (h.data.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / h.data.len() as f64).sqrt()).collect();
     let mut counts = vec![vec![0usize; c.n_expert]; c.n_layer];

@@ -5,8 +5,9 @@ use std::sync::Arc;
 
 use ember_ops::host::{self, delta_rows, kv_append_each, moe_via, per_span};
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, AttnShape, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeltaShape, DeviceId, Gate, KvCache, KvRows,
-    LayerIdx, Mat, MoeSlot, OpResult, Ops, Registry, Routing, SeqSpan, WeightId, WeightSet, WeightView, check, reference,
+    AttnHeads, AttnMats, AttnPrep, AttnShape, DeltaHeads, DeltaMats, DeltaMode, DeltaPrep, DeltaShape, DeviceId, Gate, HostKernels,
+    KvCache, KvRows, LayerIdx, Mat, MoeSlot, OpResult, PagePool, Registry, RouteTable, SeqSpan, WeightId, WeightSet, WeightView, check,
+    reference,
 };
 
 use crate::kernels::{self, ActRow};
@@ -654,7 +655,7 @@ impl CpuOps {
 
 const DEV: DeviceId = DeviceId::Host;
 
-impl Ops for CpuOps {
+impl HostKernels for CpuOps {
     fn name(&self) -> &'static str {
         match self.precision {
             Precision::Exact => "cpu-exact",
@@ -697,7 +698,7 @@ impl Ops for CpuOps {
     }
 
     /// The split and RoPE as in the reference; the norms through [`CpuOps::rms_norm_vec`].
-    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnIn> {
+    fn attn_prep(&self, s: AttnPrep, qg: &Mat, k: &Mat, pos: &[u32]) -> OpResult<AttnMats> {
         const OP: &str = "attn_prep";
         let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
         check::attn_prep(OP, DEV, &s, (qn.len(), kn.len()), qg, k, pos)?;
@@ -711,11 +712,11 @@ impl Ops for CpuOps {
         let mut k = self.rms_norm_vec(k, kn, s.eps);
         reference::rope_at(&mut q, hd, s.n_rot, pos, s.rope_base);
         reference::rope_at(&mut k, hd, s.n_rot, pos, s.rope_base);
-        Ok(AttnIn { q, gate, k })
+        Ok(AttnMats { q, gate, k })
     }
 
-    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>]) -> OpResult<()> {
-        kv_append_each(spans, k, v, caches)
+    fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()> {
+        kv_append_each(spans, k, v, caches, pool)
     }
 
     /// Sequence by sequence, each split across the workers by (KV head, token).
@@ -739,11 +740,18 @@ impl Ops for CpuOps {
         })
     }
 
-    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaIn> {
+    fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats> {
         host::delta_prep(&self.weights, s, cu, b, alpha)
     }
 
-    fn gated_delta_rule(&self, h: DeltaHeads, spans: &[SeqSpan], x: &DeltaIn, states: &mut [&mut [f32]], mode: DeltaMode) -> OpResult<Mat> {
+    fn gated_delta_rule(
+        &self,
+        h: DeltaHeads,
+        spans: &[SeqSpan],
+        x: &DeltaMats,
+        states: &mut [&mut [f32]],
+        mode: DeltaMode,
+    ) -> OpResult<Mat> {
         const OP: &str = "gated_delta_rule";
         check::spans(OP, DEV, spans, x.q.n, states.len())?;
         per_span(spans, &x.q, h.n_v_head * h.d_v, |i, sp, _| {
@@ -759,11 +767,11 @@ impl Ops for CpuOps {
         Ok(())
     }
 
-    fn route(&self, logits: &Mat, k: usize) -> OpResult<Routing> {
+    fn route(&self, logits: &Mat, k: usize) -> OpResult<RouteTable> {
         host::route(logits, k)
     }
 
-    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &Routing, shared_gate: &Mat) -> OpResult<Mat> {
+    fn moe(&self, layer: LayerIdx, x: &Mat, routing: &RouteTable, shared_gate: &Mat) -> OpResult<Mat> {
         moe_via("moe", &self.weights, layer, x, routing, shared_gate, |slots, x| Ok(self.moe_slots(slots, x)))
     }
 
