@@ -1,0 +1,488 @@
+//! Every kernel against ember_ops::reference on random shapes (odd sizes, one token and many),
+//! fresh random data (never zeros), outputs poisoned with NaN before the run.
+//!
+//! With no NVIDIA driver every test prints why and passes (CI has no GPU). On a GPU:
+//! `cargo test -p ember-cuda --release --test gpu -- --test-threads=1`; the timings:
+//! `... -- --ignored --nocapture bench`.
+//!
+//! Tolerances: `|got − ref| <= atol + rtol·scale`, where scale is |ref| for elementwise ops and
+//! Σ_j |w_j·x_j| for dot products (an f32 sum of k terms is off by ~√k·ε·Σ|terms|, whatever the
+//! cancellation in the result). Each states the largest error measured on the H200.
+
+use std::sync::OnceLock;
+
+use ember_cuda::ops::{Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape};
+use ember_cuda::{Buf, Error, Gpu};
+use ember_gguf::GgmlType;
+use ember_ops::{Mat, WeightId, WeightView, reference};
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    let g = GPU.get_or_init(|| match Gpu::new(0) {
+        Ok(g) => {
+            let i = g.info();
+            println!("GPU 0: {} sm_{} driver {} NVRTC {:?}", i.name, i.sm(), g.driver_version(), g.nvrtc().map(|n| n.version()));
+            Some(g)
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    });
+    g.as_ref()
+}
+
+/// xorshift64*; the seed is printed so a failure can be replayed with EMBER_SEED.
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let seed = std::env::var("EMBER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
+        });
+        println!("EMBER_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Uniform in [lo, hi), never exactly zero.
+    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let v = lo + (hi - lo) * u;
+        if v == 0.0 { 1e-3 } else { v }
+    }
+
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32(lo, hi)).collect()
+    }
+}
+
+fn poisoned(g: &Gpu, n: usize) -> Buf<f32> {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+/// Checks `|got − want| <= atol + rtol·scale[i]` everywhere; returns the largest
+/// |got − want| / scale[i] (the "relative error" quoted in the tolerance comments).
+fn check(what: &str, got: &[f32], want: &[f32], scale: &[f32], atol: f32, rtol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let err = (g - w).abs();
+        assert!(err <= atol + rtol * s.abs(), "{what}: [{i}] got {g}, want {w} (err {err:e}, scale {s}, atol {atol:e}, rtol {rtol:e})");
+        worst = worst.max(err / s.abs().max(1e-30));
+    }
+    worst
+}
+
+fn check_rel(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
+    check(what, got, want, want, atol, rtol)
+}
+
+fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
+    let w = rng.vec(k * n_rows, -1.0, 1.0);
+    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
+    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
+    bytes
+}
+
+const MATMUL_TYPES: [GgmlType; 8] =
+    [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
+
+// Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 1,280 terms against the f64
+// reference). Measured on the H200: see MATMUL_MEASURED.
+#[test]
+fn matmul_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let block = ty.block_size();
+        let mut worst = 0f32;
+        for case in 0..8 {
+            // k: a whole number of blocks; float types also get k not a multiple of 32 (tiled path).
+            let k = if block == 1 { [37, 544, 1280, 3][case % 4] } else { block * (1 + rng.below(1280 / block)) };
+            let n_rows = 1 + 2 * rng.below(150);
+            let n_tok = [1, 3, 8, 9, 16, 17, 67, 1][case];
+            let bytes = quantised(ty, &mut rng, k, n_rows);
+            let view = WeightView { ty, k, n_rows, data: &bytes };
+            let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
+            let want = reference::matmul(&view, &x);
+            // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
+            let mut wr = vec![0f32; k];
+            let mut scale = vec![0f32; n_tok * n_rows];
+            for r in 0..n_rows {
+                ember_gguf::quant::dequantize(ty, view.row(r), &mut wr).unwrap();
+                for t in 0..n_tok {
+                    scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
+                }
+            }
+            let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+            let xb = g.upload(&x.data).unwrap();
+            let mut y = poisoned(g, n_tok * n_rows);
+            g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
+            let got = g.download(&y).unwrap();
+            let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+            worst = worst.max(check(&what, &got, &want.data, &scale, 0.0, 1e-5));
+
+            // A row range of the same weight (an expert of a stacked tensor).
+            if n_rows > 2 {
+                let (r0, nr) = (1, n_rows - 2);
+                let mut y2 = poisoned(g, n_tok * nr);
+                g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
+                let got2 = g.download(&y2).unwrap();
+                for t in 0..n_tok {
+                    assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
+                }
+            }
+        }
+        println!("MATMUL_MEASURED {}: max err / Σ|w·x| = {worst:.2e}", ty.name());
+    }
+}
+
+// Dequantisation alone: the reference is bit-exact ggml order without FMA; the kernel may fuse
+// d·q − m, so allow 1e-6 relative (measured: see output).
+#[test]
+fn get_rows_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let block = ty.block_size();
+        let k = if block == 1 { 37 + rng.below(300) } else { block * (1 + rng.below(4)) };
+        let n_rows = 3 + rng.below(100);
+        let bytes = quantised(ty, &mut rng, k, n_rows);
+        let view = WeightView { ty, k, n_rows, data: &bytes };
+        let ids: Vec<u32> = (0..1 + rng.below(40)).map(|_| rng.below(n_rows) as u32).collect();
+        let want = reference::get_rows(&view, &ids);
+        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+        let idb = g.upload(&ids).unwrap();
+        let mut out = poisoned(g, ids.len() * k);
+        g.get_rows(&dw, &idb, ids.len(), &mut out).unwrap();
+        let got = g.download(&out).unwrap();
+        let worst = check_rel(&format!("get_rows {}", ty.name()), &got, &want.data, 1e-30, 1e-6);
+        println!("get_rows {}: max rel err {worst:.2e}", ty.name());
+    }
+    // An id past the end gives NaN, not a read past the weight.
+    let bytes = quantised(GgmlType::Q8_0, &mut rng, 64, 4);
+    let dw = g.upload_weight(GgmlType::Q8_0, 64, 4, &bytes).unwrap();
+    let mut out = g.zeros::<f32>(64).unwrap();
+    g.get_rows(&dw, &g.upload(&[4u32]).unwrap(), 1, &mut out).unwrap();
+    assert!(g.download(&out).unwrap().iter().all(|v| v.is_nan()));
+}
+
+// f32 sum of squares against the reference's f64: rtol 1e-5 (measured: see output).
+#[test]
+fn rms_norm_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n, gw, m) in [(1, 2048, 1), (7, 128, 3), (3, 37, 5), (33, 256, 2), (1, 128, 32)] {
+        let d = gw * m;
+        let x = Mat::from_vec(n, d, rng.vec(n * d, -3.0, 3.0));
+        let w = rng.vec(gw, 0.5, 1.5);
+        let want = reference::rms_norm(&x, &w, 1e-6);
+        let mut out = poisoned(g, n * d);
+        g.rms_norm(&g.upload(&x.data).unwrap(), n, d, &g.upload(&w).unwrap(), 1e-6, &mut out).unwrap();
+        let worst = check_rel(&format!("rms_norm n={n} d={d} g={gw}"), &g.download(&out).unwrap(), &want.data, 1e-6, 1e-5);
+        println!("rms_norm n={n} d={d} g={gw}: max rel err {worst:.2e}");
+    }
+}
+
+// add is exact; gate's expf is within 2 ulp of Rust's exp: rtol 1e-6.
+#[test]
+fn add_gate_select_rows_match_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n, d) in [(1, 2048), (5, 37), (17, 513)] {
+        let h = Mat::from_vec(n, d, rng.vec(n * d, -4.0, 4.0));
+        let x = Mat::from_vec(n, d, rng.vec(n * d, -4.0, 4.0));
+        let mut want = h.clone();
+        reference::add(&mut want, &x);
+        let mut hb = g.upload(&h.data).unwrap();
+        g.add(&mut hb, &g.upload(&x.data).unwrap(), n * d).unwrap();
+        check_rel("add", &g.download(&hb).unwrap(), &want.data, 0.0, 0.0);
+
+        for (act, gate) in [(Act::Silu, ember_ops::Gate::Silu), (Act::Sigmoid, ember_ops::Gate::Sigmoid)] {
+            let gm = Mat::from_vec(n, d, rng.vec(n * d, -12.0, 12.0));
+            let mut want = h.clone();
+            reference::gate(&mut want, &gm, gate);
+            let mut yb = g.upload(&h.data).unwrap();
+            g.gate(&mut yb, &g.upload(&gm.data).unwrap(), n * d, act).unwrap();
+            let worst = check_rel(&format!("gate {act:?}"), &g.download(&yb).unwrap(), &want.data, 1e-30, 1e-6);
+            println!("gate {act:?} {n}x{d}: max rel err {worst:.2e}");
+        }
+
+        let rows: Vec<usize> = (0..1 + rng.below(2 * n)).map(|_| rng.below(n)).collect();
+        let want = reference::select_rows(&h, &rows);
+        let rows32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let mut out = poisoned(g, rows.len() * d);
+        g.select_rows(&g.upload(&h.data).unwrap(), n, d, &g.upload(&rows32).unwrap(), rows.len(), &mut out).unwrap();
+        check_rel("select_rows", &g.download(&out).unwrap(), &want.data, 0.0, 0.0);
+    }
+}
+
+// ids must equal the reference's; a different id is accepted only where the two probabilities
+// tie to 1e-6 (expf vs exp). Weights: rtol 1e-5.
+#[test]
+fn route_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_expert, k) in [(1, 256, 8), (5, 64, 1), (33, 7, 7), (3, 100, 10), (2, 512, 8)] {
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -6.0, 6.0));
+        let want = reference::route(&logits, k);
+        let mut ids = g.upload(&vec![u32::MAX; n_tok * k]).unwrap();
+        let mut w = poisoned(g, n_tok * k);
+        g.route(&g.upload(&logits.data).unwrap(), n_tok, n_expert, k, &mut ids, &mut w).unwrap();
+        let (got_ids, got_w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+        let mut p = vec![0f32; n_expert];
+        for t in 0..n_tok {
+            reference::softmax(logits.row(t), &mut p);
+            for j in 0..k {
+                let (a, b) = (got_ids[t * k + j] as usize, want.ids[t * k + j].0 as usize);
+                assert!(a == b || (p[a] - p[b]).abs() <= 1e-6 * p[b], "route t={t} j={j}: id {a}, want {b}");
+            }
+        }
+        let worst = check_rel(&format!("route weights {n_tok}x{n_expert} k={k}"), &got_w, &want.weights, 1e-30, 1e-5);
+        println!("route {n_tok}x{n_expert} k={k}: max rel err {worst:.2e}");
+    }
+}
+
+// RMSNorm (f32 vs f64 sums) then RoPE with the same f64 angles: atol 1e-5 on O(1) values.
+#[test]
+fn attn_prep_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_head, n_head_kv, head_dim, n_rot) in [(1, 16, 2, 256, 64), (7, 3, 1, 64, 64), (2, 2, 2, 128, 16), (13, 4, 2, 96, 32)] {
+        let s = ember_ops::AttnPrep {
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_rot,
+            rope_base: 10_000_000.0,
+            eps: 1e-6,
+            q_norm: WeightId(0),
+            k_norm: WeightId(1),
+        };
+        let qg = Mat::from_vec(n_tok, n_head * 2 * head_dim, rng.vec(n_tok * n_head * 2 * head_dim, -3.0, 3.0));
+        let k = Mat::from_vec(n_tok, n_head_kv * head_dim, rng.vec(n_tok * n_head_kv * head_dim, -3.0, 3.0));
+        let (qn, kn) = (rng.vec(head_dim, 0.5, 1.5), rng.vec(head_dim, 0.5, 1.5));
+        let pos: Vec<u32> = (0..n_tok).map(|_| rng.below(200_000) as u32).collect();
+        let want = reference::attn_prep(&s, &qn, &kn, &qg, &k, &pos);
+        let (mut q, mut gate, mut ko) =
+            (poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * n_head_kv * head_dim));
+        let shape = AttnPrepShape { n_tok, n_head, n_head_kv, head_dim, n_rot, eps: s.eps, rope_base: s.rope_base };
+        let (qgb, kb, qnb, knb, posb) = (
+            g.upload(&qg.data).unwrap(),
+            g.upload(&k.data).unwrap(),
+            g.upload(&qn).unwrap(),
+            g.upload(&kn).unwrap(),
+            g.upload(&pos).unwrap(),
+        );
+        let inputs = AttnPrepIn { qg: &qgb, k: &kb, q_norm: &qnb, k_norm: &knb, pos: &posb };
+        g.attn_prep(shape, inputs, &mut q, &mut gate, &mut ko).unwrap();
+        let what = format!("attn_prep t={n_tok} h={n_head}/{n_head_kv} hd={head_dim} rot={n_rot}");
+        let e1 = check_rel(&format!("{what} q"), &g.download(&q).unwrap(), &want.q.data, 1e-5, 1e-5);
+        check_rel(&format!("{what} gate"), &g.download(&gate).unwrap(), &want.gate.data, 0.0, 0.0);
+        let e2 = check_rel(&format!("{what} k"), &g.download(&ko).unwrap(), &want.k.data, 1e-5, 1e-5);
+        println!("{what}: max rel err q {e1:.2e} k {e2:.2e}");
+    }
+}
+
+// L2 norms (f32 vs f64 sums), sigmoid and softplus (expf/log1pf vs Rust): rtol 1e-5.
+#[test]
+fn delta_prep_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_k_head, d_k, n_v_head, d_v) in [(1, 16, 128, 32, 128), (5, 1, 32, 2, 48), (9, 2, 64, 4, 33)] {
+        let s = ember_ops::DeltaPrep { n_k_head, n_v_head, d_k, d_v, eps: 1e-6, a: WeightId(0), dt_bias: WeightId(1) };
+        let w = 2 * n_k_head * d_k + n_v_head * d_v;
+        let cu = Mat::from_vec(n_tok, w, rng.vec(n_tok * w, -2.0, 2.0));
+        let b = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -6.0, 6.0));
+        // alpha + dt_bias spans softplus' threshold 20 on both sides.
+        let alpha = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -25.0, 25.0));
+        let a = rng.vec(n_v_head, -8.0, -0.1);
+        let dt_bias = rng.vec(n_v_head, -2.0, 2.0);
+        let want = reference::delta_prep(&s, &a, &dt_bias, &cu, &b, &alpha);
+        let nkd = n_tok * n_k_head * d_k;
+        let (mut q, mut k, mut v, mut gg, mut beta) = (
+            poisoned(g, nkd),
+            poisoned(g, nkd),
+            poisoned(g, n_tok * n_v_head * d_v),
+            poisoned(g, n_tok * n_v_head),
+            poisoned(g, n_tok * n_v_head),
+        );
+        let (cub, bb, alb, ab, dtb) = (
+            g.upload(&cu.data).unwrap(),
+            g.upload(&b.data).unwrap(),
+            g.upload(&alpha.data).unwrap(),
+            g.upload(&a).unwrap(),
+            g.upload(&dt_bias).unwrap(),
+        );
+        let shape = DeltaPrepShape { n_tok, n_k_head, d_k, n_v_head, d_v, eps: s.eps };
+        let i = DeltaPrepIn { cu: &cub, b: &bb, alpha: &alb, a: &ab, dt_bias: &dtb };
+        g.delta_prep(shape, i, DeltaPrepOut { q: &mut q, k: &mut k, v: &mut v, g: &mut gg, beta: &mut beta }).unwrap();
+        let what = format!("delta_prep t={n_tok} k {n_k_head}x{d_k} v {n_v_head}x{d_v}");
+        let mut worst = 0f32;
+        for (name, got, want) in
+            [("q", &q, &want.q), ("k", &k, &want.k), ("v", &v, &want.v), ("g", &gg, &want.g), ("beta", &beta, &want.beta)]
+        {
+            worst = worst.max(check_rel(&format!("{what} {name}"), &g.download(got).unwrap(), &want.data, 1e-7, 1e-5));
+        }
+        println!("{what}: max rel err {worst:.2e}");
+    }
+}
+
+// The same f32 sums in the same order (FMA contraction aside), expf in SiLU: rtol 1e-5;
+// the state is copied, exact. Two calls in a row check that the state carries.
+#[test]
+fn conv1d_silu_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (c, kernel, toks) in [(8192, 4, [1, 1]), (37, 4, [5, 2]), (300, 2, [1, 7]), (65, 1, [3, 1]), (19, 4, [2, 1])] {
+        let w = rng.vec(c * kernel, -1.0, 1.0);
+        let mut state = rng.vec((kernel - 1) * c, -2.0, 2.0);
+        let (wb, mut sb) = (g.upload(&w).unwrap(), g.upload(&state).unwrap());
+        let mut worst = 0f32;
+        for n_tok in toks {
+            let x = Mat::from_vec(n_tok, c, rng.vec(n_tok * c, -2.0, 2.0));
+            let want = reference::conv1d_silu(&x, &w, &mut state);
+            let mut out = poisoned(g, n_tok * c);
+            g.conv1d_silu(&g.upload(&x.data).unwrap(), n_tok, c, &wb, kernel, &mut sb, &mut out).unwrap();
+            worst = worst.max(check_rel(
+                &format!("conv1d_silu c={c} k={kernel} t={n_tok}"),
+                &g.download(&out).unwrap(),
+                &want.data,
+                1e-6,
+                1e-5,
+            ));
+            check_rel("conv1d_silu state", &g.download(&sb).unwrap(), &state, 0.0, 0.0);
+        }
+        println!("conv1d_silu c={c} k={kernel}: max rel err {worst:.2e}");
+    }
+}
+
+// f32 warp sums against f64 dots, repeated over tokens with the state carried: the output is
+// compared with atol 1e-4 + rtol 1e-4 (values O(1)), the state likewise.
+#[test]
+fn delta_rule_recurrent_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_k_head, d_k, n_v_head, d_v) in [(1, 16, 128, 32, 128), (7, 2, 64, 4, 33), (3, 1, 32, 3, 5), (20, 2, 256, 2, 16)] {
+        let s = ember_ops::DeltaShape { n_tok, n_k_head, n_v_head, d_k, d_v };
+        let unit = |rng: &mut Rng, n: usize| -> Mat {
+            // L2-normalised rows of d_k per head, as delta_prep makes them.
+            let mut m = Mat::from_vec(n, n_k_head * d_k, rng.vec(n * n_k_head * d_k, -1.0, 1.0));
+            m.data.chunks_exact_mut(d_k).for_each(|h| reference::l2_norm(h, 1e-6));
+            m
+        };
+        let (q, k) = (unit(&mut rng, n_tok), unit(&mut rng, n_tok));
+        let v = Mat::from_vec(n_tok, n_v_head * d_v, rng.vec(n_tok * n_v_head * d_v, -2.0, 2.0));
+        let gm = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -3.0, -0.01));
+        let beta = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, 0.01, 1.0));
+        let mut state = rng.vec(n_v_head * d_v * d_k, -1.0, 1.0);
+        let mut sb = g.upload(&state).unwrap();
+        let want = reference::delta_rule_recurrent(s, &q, &k, &v, &gm, &beta, &mut state);
+        let (qb, kb, vb, gb, bb) = (
+            g.upload(&q.data).unwrap(),
+            g.upload(&k.data).unwrap(),
+            g.upload(&v.data).unwrap(),
+            g.upload(&gm.data).unwrap(),
+            g.upload(&beta.data).unwrap(),
+        );
+        let mut out = poisoned(g, n_tok * n_v_head * d_v);
+        let shape = DeltaShape { n_tok, n_k_head, d_k, n_v_head, d_v };
+        g.delta_rule_recurrent(shape, DeltaIn { q: &qb, k: &kb, v: &vb, g: &gb, beta: &bb }, &mut sb, &mut out).unwrap();
+        let what = format!("delta_rule t={n_tok} k {n_k_head}x{d_k} v {n_v_head}x{d_v}");
+        let e1 = check_rel(&format!("{what} out"), &g.download(&out).unwrap(), &want.data, 1e-4, 1e-4);
+        let e2 = check_rel(&format!("{what} state"), &g.download(&sb).unwrap(), &state, 1e-4, 1e-4);
+        println!("{what}: max rel err out {e1:.2e} state {e2:.2e}");
+    }
+}
+
+#[test]
+fn devices_lists_gpus_or_says_why_not() {
+    match ember_cuda::devices() {
+        Ok(list) => {
+            assert!(!list.is_empty());
+            for d in list {
+                println!("{d:?}");
+                assert!(d.bytes_free <= d.bytes_total && d.cc.0 >= 5);
+            }
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            println!("no GPU: {msg}");
+            assert!(matches!(e, Error::NoDriver(_)) && msg.contains("libcuda.so.1"), "{msg}");
+        }
+    }
+}
+
+#[test]
+fn allocation_failure_names_asked_and_free() {
+    let Some(g) = gpu() else { return };
+    let e = g.alloc::<f32>(1 << 40).unwrap_err();
+    let msg = e.to_string();
+    println!("{msg}");
+    assert!(matches!(e, Error::OutOfMemory { bytes_asked, .. } if bytes_asked == 4 << 40), "{msg}");
+    assert!(msg.contains("asked for") && msg.contains("free"), "{msg}");
+}
+
+/// GB/s of the matmul kernel on 35B-A3B-sized weights (weight bytes per call / time).
+#[test]
+#[ignore]
+fn bench_matmul() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases: &[(&str, GgmlType, usize, usize)] = &[
+        ("expert gate/up, one expert", GgmlType::Q4K, 2048, 512),
+        ("expert gate/up, 256 experts stacked", GgmlType::Q4K, 2048, 512 * 256),
+        ("expert down, 256 experts stacked", GgmlType::Q4K, 512, 2048 * 256),
+        ("output head", GgmlType::Q6K, 2048, 248_320),
+        ("2048 x 65536", GgmlType::Q5K, 2048, 65_536),
+        ("2048 x 65536", GgmlType::Q8_0, 2048, 65_536),
+        ("2048 x 65536", GgmlType::IQ4XS, 2048, 65_536),
+        ("2048 x 65536", GgmlType::F16, 2048, 65_536),
+        ("2048 x 65536", GgmlType::BF16, 2048, 65_536),
+        ("2048 x 65536", GgmlType::F32, 2048, 65_536),
+    ];
+    for &(what, ty, k, n_rows) in cases {
+        // Random bytes quantise slowly on the host for 500 MB; tile one quantised block of rows.
+        let tile_rows = 256.min(n_rows);
+        let tile = quantised(ty, &mut rng, k, tile_rows);
+        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
+        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+        for n_tok in [1, 8, 512] {
+            if n_tok == 512 && n_rows > 65_536 {
+                continue;
+            }
+            let x = g.upload(&rng.vec(n_tok * k, -1.0, 1.0)).unwrap();
+            let mut y = g.alloc::<f32>(n_tok * n_rows).unwrap();
+            g.matmul(dw.all(), &x, n_tok, &mut y).unwrap(); // warm-up (and compile)
+            let iters = if bytes.len() < 10 << 20 { 200 } else { 20 };
+            let ms = g
+                .time_ms(|| {
+                    for _ in 0..iters {
+                        g.matmul(dw.all(), &x, n_tok, &mut y)?;
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                / iters as f32;
+            let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
+            let tflops = 2.0 * (k * n_rows * n_tok) as f64 / (ms as f64 * 1e-3) / 1e12;
+            println!(
+                "bench matmul {:6} {what:38} k={k:5} rows={n_rows:6} tok={n_tok:3}: {:8.4} ms  {gbs:7.0} GB/s ({:4.1}% of 4300)  {tflops:6.2} TFLOP/s",
+                ty.name(),
+                ms,
+                gbs / 43.0
+            );
+        }
+    }
+}
