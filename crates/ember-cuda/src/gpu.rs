@@ -87,16 +87,18 @@ impl Elem for u8 {}
 /// A typed device buffer of one [`Gpu`]; freed (stream-ordered) on drop.
 #[derive(Debug)]
 pub struct Buf<T> {
+    /// At least one element: the driver has no empty allocations.
     slice: CudaSlice<T>,
+    len: usize,
 }
 
 impl<T> Buf<T> {
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
+        self.len == 0
     }
 
     /// The raw device address, for a kernel's parameter struct.
@@ -170,7 +172,7 @@ impl Gpu {
         // buffer before reading it, and `download` of an unwritten buffer only yields garbage
         // values of a plain-old-data type (Elem: ValidAsZeroBits types have no invalid bits).
         match unsafe { self.stream.alloc::<T>(len.max(1)) } {
-            Ok(slice) => Ok(Buf { slice }),
+            Ok(slice) => Ok(Buf { slice, len }),
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(oom(self.mem_info().map(|m| m.0).unwrap_or(0))),
             Err(e) => Err(drv("cuMemAlloc")(e)),
         }
@@ -203,8 +205,9 @@ impl Gpu {
 
     /// The buffer's contents (waits for the stream).
     pub fn download<T: Elem>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
-        let v = self.stream.clone_dtoh(&buf.slice).map_err(drv("cuMemcpyDtoHAsync"))?;
+        let mut v = self.stream.clone_dtoh(&buf.slice).map_err(drv("cuMemcpyDtoHAsync"))?;
         self.sync()?;
+        v.truncate(buf.len);
         Ok(v)
     }
 

@@ -11,10 +11,12 @@
 
 use std::sync::OnceLock;
 
-use ember_cuda::ops::{Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape};
+use ember_cuda::ops::{
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MoeExperts, MoeRouting,
+};
 use ember_cuda::{Buf, Error, Gpu};
 use ember_gguf::GgmlType;
-use ember_ops::{Mat, WeightId, WeightView, reference};
+use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
@@ -406,6 +408,75 @@ fn delta_rule_recurrent_matches_reference() {
     }
 }
 
+// Dot products as in matmul, then a sum over k experts in another order than the reference's
+// (routing order against increasing id): rtol 1e-5 of Σ_j |w_j|·Σ_i |down_i·h_i| plus atol
+// 1e-6 (silu·up then the down dot, both f32).
+#[test]
+fn moe_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases = [
+        (GgmlType::Q4K, GgmlType::Q6K, 512, 256, 8, 4, 1),
+        (GgmlType::Q4K, GgmlType::Q4K, 256, 512, 6, 3, 9),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 3),
+        (GgmlType::IQ4XS, GgmlType::Q5K, 256, 256, 3, 1, 17),
+    ];
+    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok) in cases {
+        let gate = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let up = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let down = quantised(ty_dn, &mut rng, n_ff, n_expert * d);
+        let (gv, uv, dv) = (
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &gate },
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &up },
+            WeightView { ty: ty_dn, k: n_ff, n_rows: n_expert * d, data: &down },
+        );
+        let x = Mat::from_vec(n_tok, d, rng.vec(n_tok * d, -1.0, 1.0));
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
+        let routing = reference::route(&logits, k);
+        let per_expert = routing.per_expert(n_expert);
+        let slots: Vec<MoeSlot> = per_expert
+            .iter()
+            .enumerate()
+            .map(|(e, toks)| MoeSlot {
+                expert: ExpertView { gate: gv.rows(e * n_ff, n_ff), up: uv.rows(e * n_ff, n_ff), down: dv.rows(e * d, d) },
+                tokens: toks,
+            })
+            .collect();
+        let want = reference::moe(reference::matmul, &slots, &x);
+        // scale[t][i] = Σ_j |w_j| · Σ_m |down_e[i][m]·h_tj[m]| with the reference's h.
+        let mut scale = vec![0f32; n_tok * d];
+        let mut row = vec![0f32; n_ff];
+        for t in 0..n_tok {
+            for j in 0..k {
+                let e = routing.ids[t * k + j].0 as usize;
+                let xe = x.rows(t, 1);
+                let mut h = reference::matmul(&gv.rows(e * n_ff, n_ff), &xe);
+                let u = reference::matmul(&uv.rows(e * n_ff, n_ff), &xe);
+                h.data.iter_mut().zip(&u.data).for_each(|(a, b)| *a = reference::silu(*a) * b);
+                for i in 0..d {
+                    ember_gguf::quant::dequantize(ty_dn, dv.row(e * d + i), &mut row).unwrap();
+                    let s: f32 = row.iter().zip(&h.data).map(|(a, b)| (a * b).abs()).sum();
+                    scale[t * d + i] += routing.weights[t * k + j].abs() * s;
+                }
+            }
+        }
+        let (gw, uw, dw) = (
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
+            g.upload_weight(ty_dn, n_ff, n_expert * d, &down).unwrap(),
+        );
+        let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
+        let mut h = poisoned(g, n_tok * k * n_ff);
+        let mut out = poisoned(g, n_tok * d);
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        g.moe(experts, &g.upload(&x.data).unwrap(), n_tok, MoeRouting { ids: &idb, weights: &wb, k }, &mut h, &mut out).unwrap();
+        let what = format!("moe {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
+        let worst = check(&what, &g.download(&out).unwrap(), &want.data, &scale, 1e-6, 1e-5);
+        println!("{what}: max err / scale {worst:.2e}");
+    }
+}
+
 #[test]
 fn devices_lists_gpus_or_says_why_not() {
     match ember_cuda::devices() {
@@ -432,6 +503,49 @@ fn allocation_failure_names_asked_and_free() {
     println!("{msg}");
     assert!(matches!(e, Error::OutOfMemory { bytes_asked, .. } if bytes_asked == 4 << 40), "{msg}");
     assert!(msg.contains("asked for") && msg.contains("free"), "{msg}");
+}
+
+/// One MoE layer of the 35B model at decode (256 experts, top-8, d 2048, n_ff 512, Q4_K
+/// gate/up, Q6_K down): GB/s over the bytes of the 8 routed experts.
+#[test]
+#[ignore]
+fn bench_moe() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let (d, n_ff, n_expert, k) = (2048, 512, 256, 8);
+    let tiled = |ty: GgmlType, rng: &mut Rng, kk: usize, rows: usize| -> Vec<u8> {
+        let tile = quantised(ty, rng, kk, 256);
+        tile.iter().copied().cycle().take(tile.len() * rows / 256).collect()
+    };
+    let gw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let uw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let dw = g.upload_weight(GgmlType::Q6K, n_ff, n_expert * d, &tiled(GgmlType::Q6K, &mut rng, n_ff, n_expert * d)).unwrap();
+    for n_tok in [1, 4] {
+        let ids: Vec<u32> = (0..n_tok * k).map(|i| ((i * 37 + 11) % n_expert) as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&rng.vec(n_tok * k, 0.0, 0.25)).unwrap());
+        let x = g.upload(&rng.vec(n_tok * d, -1.0, 1.0)).unwrap();
+        let mut h = g.alloc::<f32>(n_tok * k * n_ff).unwrap();
+        let mut out = g.alloc::<f32>(n_tok * d).unwrap();
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let r = MoeRouting { ids: &idb, weights: &wb, k };
+        g.moe(experts, &x, n_tok, r, &mut h, &mut out).unwrap();
+        let iters = 200;
+        let ms = g
+            .time_ms(|| {
+                for _ in 0..iters {
+                    g.moe(experts, &x, n_tok, r, &mut h, &mut out)?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            / iters as f32;
+        let bytes = (n_tok * k) as f64 * (2 * n_ff * gw.row_bytes + d * dw.row_bytes) as f64;
+        println!(
+            "bench moe Q4_K/Q6_K tok={n_tok} (distinct experts {}): {ms:.4} ms  {:6.0} GB/s over the routed experts' bytes",
+            n_tok * k,
+            bytes / (ms as f64 * 1e-3) / 1e9
+        );
+    }
 }
 
 /// GB/s of the matmul kernel on 35B-A3B-sized weights (weight bytes per call / time).

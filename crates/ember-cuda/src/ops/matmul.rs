@@ -44,17 +44,18 @@ impl DeviceWeight {
     }
 }
 
-/// The GEMV kernel of each supported type, by entry name.
-fn gemv_entry(ty: GgmlType) -> Option<&'static str> {
+/// The suffix of the per-type kernel entries (`matmul_gemv_q4_k`, `moe_down_q6_k`, ...), for
+/// the weight types with CUDA kernels.
+pub(crate) fn type_suffix(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
-        GgmlType::F32 => "matmul_gemv_f32",
-        GgmlType::F16 => "matmul_gemv_f16",
-        GgmlType::BF16 => "matmul_gemv_bf16",
-        GgmlType::Q8_0 => "matmul_gemv_q8_0",
-        GgmlType::Q4K => "matmul_gemv_q4_k",
-        GgmlType::Q5K => "matmul_gemv_q5_k",
-        GgmlType::Q6K => "matmul_gemv_q6_k",
-        GgmlType::IQ4XS => "matmul_gemv_iq4_xs",
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        GgmlType::IQ4XS => "iq4_xs",
         _ => return None,
     })
 }
@@ -83,7 +84,7 @@ unsafe impl DeviceRepr for MatmulParams {}
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
     pub fn upload_weight(&self, ty: GgmlType, k: usize, n_rows: usize, data: &[u8]) -> Result<DeviceWeight> {
-        if gemv_entry(ty).is_none() {
+        if type_suffix(ty).is_none() {
             return Err(shape(OP, format!("weight type {} has no CUDA kernel", ty.name())));
         }
         let row_bytes = ty.row_bytes(k).ok_or_else(|| shape(OP, format!("k = {k} is not a multiple of {}'s block", ty.name())))?;
@@ -112,15 +113,16 @@ impl Gpu {
             row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
             pad: 0,
         };
-        let gemv = gemv_entry(dw.ty).filter(|_| n_tok <= GEMV_MAX_TOKENS && dw.k.is_multiple_of(32));
+        let gemv = type_suffix(dw.ty).filter(|_| n_tok <= GEMV_MAX_TOKENS && dw.k.is_multiple_of(8));
         // SAFETY: x holds n_tok·k floats and y n_tok·n_rows (checked above); the weight pointer
         // plus n_rows·row_bytes stays inside the uploaded bytes (WeightRef is bounds-checked),
         // and its alignment is that of row_bytes, which the GEMV's wide loads rely on
-        // (multiples of 16 for Q4_K/Q5_K/f32/f16/bf16 with k % 32 == 0, of 8 for IQ4_XS).
+        // (16-byte loads for f32/f16/bf16, which k % 8 == 0 makes aligned; 4-byte loads for
+        // Q4_K/Q5_K/IQ4_XS, whose block sizes are multiples of 4; Q8_0/Q6_K read 2 bytes at a time).
         unsafe {
             match gemv {
-                Some(entry) => {
-                    let f = self.function(&MATMUL, entry)?;
+                Some(suffix) => {
+                    let f = self.function(&MATMUL, &format!("matmul_gemv_{suffix}"))?;
                     let grid = (blocks(w.n_rows, GEMV_ROWS_PER_BLOCK), blocks(n_tok, GEMV_NT), 1);
                     self.launch(&f, grid, 32 * GEMV_ROWS_PER_BLOCK as u32, 0, &p)
                 }

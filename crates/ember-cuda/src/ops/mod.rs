@@ -11,6 +11,7 @@ mod delta_rule;
 mod gate;
 mod get_rows;
 mod matmul;
+mod moe;
 mod rms_norm;
 mod route;
 mod select_rows;
@@ -19,7 +20,8 @@ pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DeltaIn, DeltaShape};
 pub use gate::Act;
-pub use matmul::{DeviceWeight, WeightRef};
+pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, WeightRef};
+pub use moe::{MoeExperts, MoeRouting};
 pub use route::ROUTE_SUM_MIN;
 
 use crate::error::{Result, shape};
