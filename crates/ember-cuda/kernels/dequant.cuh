@@ -16,6 +16,19 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* s, int* sc, int* m
     }
 }
 
+// scale_min_k4 from the scale bytes as three little-endian words s0 = bytes 0..4, s1 = 4..8,
+// s2 = 8..12.
+__device__ __forceinline__ void scale_min_k4_words(int j, u32 s0, u32 s1, u32 s2, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = (s0 >> (8 * j)) & 63;
+        *mn = (s1 >> (8 * j)) & 63;
+    } else {
+        const int i = 8 * (j - 4);
+        *sc = ((s2 >> i) & 0xF) | (((s0 >> (i + 6)) & 3) << 4);
+        *mn = ((s2 >> (i + 4)) & 0xF) | (((s1 >> (i + 6)) & 3) << 4);
+    }
+}
+
 // Six-bit IQ4_XS scale of sub-block s, minus 32.
 __device__ __forceinline__ int scale_iq4xs(int s, const u8* b) {
     const int low = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF;
@@ -161,10 +174,12 @@ __device__ __forceinline__ bool chunk8_k4(const u8* row, int c, int lane, float*
     const u8* b = row + (Q5 ? 176 : 144) * c;
     const int p = lane / 8, m = lane % 8;
     *a0 = 256 * c + 64 * p + 4 * m, *a1 = *a0 + 32;
-    const float d = f16_to_f32(ld_u16(b)), dmin = f16_to_f32(ld_u16(b + 2));
+    // d, dmin and the 12 scale bytes as four 4-byte loads (the block is 4-byte aligned).
+    const u32 dd = *(const u32*)b, s0 = *(const u32*)(b + 4), s1 = *(const u32*)(b + 8), s2 = *(const u32*)(b + 12);
+    const float d = f16_to_f32((u16)(dd & 0xFFFF)), dmin = f16_to_f32((u16)(dd >> 16));
     int sc0, mn0, sc1, mn1;
-    scale_min_k4(2 * p, b + 4, &sc0, &mn0);
-    scale_min_k4(2 * p + 1, b + 4, &sc1, &mn1);
+    scale_min_k4_words(2 * p, s0, s1, s2, &sc0, &mn0);
+    scale_min_k4_words(2 * p + 1, s0, s1, s2, &sc1, &mn1);
     const u32 qw = *(const u32*)(b + (Q5 ? 48 : 16) + 32 * p + 4 * m);
     u32 lo = qw & 0x0F0F0F0Fu, hi = (qw >> 4) & 0x0F0F0F0Fu;
     if (Q5) {

@@ -21,6 +21,8 @@ pub struct DeviceInfo {
     pub name: String,
     /// Compute capability (major, minor), e.g. (9, 0).
     pub cc: (u32, u32),
+    /// Streaming multiprocessors.
+    pub n_sm: u32,
     pub bytes_total: usize,
     /// Free memory as `cuMemGetInfo` sees it once a context exists (the context itself costs
     /// ~0.5 GiB: shared/STACK.md, "GPU probe").
@@ -71,6 +73,7 @@ fn info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
         index: ctx.ordinal(),
         name: ctx.name().map_err(drv("cuDeviceGetName"))?,
         cc: (maj as u32, min as u32),
+        n_sm: ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("cuDeviceGetAttribute"))? as u32,
         bytes_total: total,
         bytes_free: free,
     })

@@ -100,7 +100,43 @@ fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
 const MATMUL_TYPES: [GgmlType; 8] =
     [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
 
-// Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 1,280 terms against the f64
+/// One matmul against the reference; returns max |err| / Σ_j |w_j·x_j|.
+fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
+    let bytes = quantised(ty, rng, k, n_rows);
+    let view = WeightView { ty, k, n_rows, data: &bytes };
+    let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
+    let want = reference::matmul(&view, &x);
+    // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
+    let mut wr = vec![0f32; k];
+    let mut scale = vec![0f32; n_tok * n_rows];
+    for r in 0..n_rows {
+        ember_gguf::quant::dequantize(ty, view.row(r), &mut wr).unwrap();
+        for t in 0..n_tok {
+            scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
+        }
+    }
+    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+    let xb = g.upload(&x.data).unwrap();
+    let mut y = poisoned(g, n_tok * n_rows);
+    g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
+    let got = g.download(&y).unwrap();
+    let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+    let worst = check(&what, &got, &want.data, &scale, 0.0, 1e-5);
+
+    // A row range of the same weight (an expert of a stacked tensor).
+    if n_rows > 2 {
+        let (r0, nr) = (1, n_rows - 2);
+        let mut y2 = poisoned(g, n_tok * nr);
+        g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
+        let got2 = g.download(&y2).unwrap();
+        for t in 0..n_tok {
+            assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
+        }
+    }
+    worst
+}
+
+// Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 16,384 terms against the f64
 // reference). Measured on the H200: see MATMUL_MEASURED.
 #[test]
 fn matmul_matches_reference() {
@@ -110,43 +146,31 @@ fn matmul_matches_reference() {
         let block = ty.block_size();
         let mut worst = 0f32;
         for case in 0..8 {
-            // k: a whole number of blocks; float types also get k not a multiple of 32 (tiled path).
+            // k: a whole number of blocks; float types also get k not a multiple of 8 (tiled path).
             let k = if block == 1 { [37, 544, 1280, 3][case % 4] } else { block * (1 + rng.below(1280 / block)) };
             let n_rows = 1 + 2 * rng.below(150);
             let n_tok = [1, 3, 8, 9, 16, 17, 67, 1][case];
-            let bytes = quantised(ty, &mut rng, k, n_rows);
-            let view = WeightView { ty, k, n_rows, data: &bytes };
-            let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
-            let want = reference::matmul(&view, &x);
-            // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
-            let mut wr = vec![0f32; k];
-            let mut scale = vec![0f32; n_tok * n_rows];
-            for r in 0..n_rows {
-                ember_gguf::quant::dequantize(ty, view.row(r), &mut wr).unwrap();
-                for t in 0..n_tok {
-                    scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
-                }
-            }
-            let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
-            let xb = g.upload(&x.data).unwrap();
-            let mut y = poisoned(g, n_tok * n_rows);
-            g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
-            let got = g.download(&y).unwrap();
-            let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
-            worst = worst.max(check(&what, &got, &want.data, &scale, 0.0, 1e-5));
-
-            // A row range of the same weight (an expert of a stacked tensor).
-            if n_rows > 2 {
-                let (r0, nr) = (1, n_rows - 2);
-                let mut y2 = poisoned(g, n_tok * nr);
-                g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
-                let got2 = g.download(&y2).unwrap();
-                for t in 0..n_tok {
-                    assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-                }
-            }
+            worst = worst.max(matmul_case(g, &mut rng, ty, k, n_rows, n_tok));
         }
         println!("MATMUL_MEASURED {}: max err / Σ|w·x| = {worst:.2e}", ty.name());
+    }
+}
+
+// The GEMV's block shapes: many rows per warp (n_rows over 4 blocks per SM), several token
+// blocks (k = 4096 stages 3 tokens), one token per block (k = 12288), none (k = 16384: tiled).
+#[test]
+fn matmul_block_shapes_match_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (ty, k, n_rows, n_tok) in [
+        (GgmlType::Q4K, 256, 20_001, 3),
+        (GgmlType::Q6K, 4096, 37, 7),
+        (GgmlType::F16, 12_288, 5, 2),
+        (GgmlType::F32, 16_384, 3, 1),
+        (GgmlType::Q8_0, 96, 70_001, 1),
+    ] {
+        let worst = matmul_case(g, &mut rng, ty, k, n_rows, n_tok);
+        println!("MATMUL_MEASURED {} k={k} n_rows={n_rows} n_tok={n_tok}: max err / Σ|w·x| = {worst:.2e}", ty.name());
     }
 }
 
@@ -599,4 +623,65 @@ fn bench_matmul() {
             );
         }
     }
+}
+
+/// Per-call time of the small ops at the 35B model's decode shapes (one token), launches
+/// included (200 back-to-back calls, no graph). delta_rule also as GB/s of state read + written.
+#[test]
+#[ignore]
+fn bench_ops() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let mut buf = |n: usize| g.upload(&rng.vec(n, -1.0, 1.0)).unwrap();
+    let time = |what: &str, f: &mut dyn FnMut() -> ember_cuda::Result<()>| {
+        f().unwrap();
+        let iters = 200;
+        let ms = g
+            .time_ms(|| {
+                for _ in 0..iters {
+                    f()?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            / iters as f32;
+        println!("bench op {what:44}: {:7.2} us", ms * 1e3);
+        ms
+    };
+    let (x, w, mut out) = (buf(2048), buf(2048), buf(2048));
+    time("rms_norm 1x2048", &mut || g.rms_norm(&x, 1, 2048, &w, 1e-6, &mut out));
+    let (mut h, xa) = (buf(2048), buf(2048));
+    time("add 2048", &mut || g.add(&mut h, &xa, 2048));
+    let logits = buf(256);
+    let (mut ids, mut wt) = (g.alloc::<u32>(8).unwrap(), buf(8));
+    time("route 256 experts, k 8", &mut || g.route(&logits, 1, 256, 8, &mut ids, &mut wt));
+    let (qg, k, qn, kn) = (buf(16 * 2 * 256), buf(2 * 256), buf(256), buf(256));
+    let pos = g.upload(&[12345u32]).unwrap();
+    let (mut q, mut gate, mut ko) = (buf(16 * 256), buf(16 * 256), buf(2 * 256));
+    let s = AttnPrepShape { n_tok: 1, n_head: 16, n_head_kv: 2, head_dim: 256, n_rot: 64, eps: 1e-6, rope_base: 1e7 };
+    time("attn_prep 16/2 heads x 256, rot 64", &mut || {
+        g.attn_prep(s, AttnPrepIn { qg: &qg, k: &k, q_norm: &qn, k_norm: &kn, pos: &pos }, &mut q, &mut gate, &mut ko)
+    });
+    let (cx, cw, mut cs, mut co) = (buf(8192), buf(8192 * 4), buf(3 * 8192), buf(8192));
+    time("conv1d_silu 8192 ch, kernel 4", &mut || g.conv1d_silu(&cx, 1, 8192, &cw, 4, &mut cs, &mut co));
+    let (cu, b, al, a, dt) = (buf(8192), buf(32), buf(32), buf(32), buf(32));
+    let (mut dq, mut dk, mut dv, mut dg, mut db) = (buf(2048), buf(2048), buf(4096), buf(32), buf(32));
+    let ds = DeltaPrepShape { n_tok: 1, n_k_head: 16, d_k: 128, n_v_head: 32, d_v: 128, eps: 1e-6 };
+    time("delta_prep k 16x128, v 32x128", &mut || {
+        let o = DeltaPrepOut { q: &mut dq, k: &mut dk, v: &mut dv, g: &mut dg, beta: &mut db };
+        g.delta_prep(ds, DeltaPrepIn { cu: &cu, b: &b, alpha: &al, a: &a, dt_bias: &dt }, o)
+    });
+    let (q1, k1, v1) = (buf(2048), buf(2048), buf(4096));
+    let gl = g.upload(&[-0.1f32; 32]).unwrap();
+    let be = g.upload(&[0.5f32; 32]).unwrap();
+    let mut st = g.upload(&vec![0.01f32; 32 * 128 * 128]).unwrap();
+    let mut o1 = buf(4096);
+    let sh = DeltaShape { n_tok: 1, n_k_head: 16, d_k: 128, n_v_head: 32, d_v: 128 };
+    let ms = time("delta_rule_recurrent 32 heads 128x128, 1 tok", &mut || {
+        g.delta_rule_recurrent(sh, DeltaIn { q: &q1, k: &k1, v: &v1, g: &gl, beta: &be }, &mut st, &mut o1)
+    });
+    println!(
+        "bench op delta_rule state traffic: {:.0} GB/s (2 MiB read + written)",
+        2.0 * 32.0 * 128.0 * 128.0 * 4.0 / (ms as f64 * 1e-3) / 1e9
+    );
 }

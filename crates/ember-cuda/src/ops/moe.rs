@@ -1,6 +1,6 @@
 use cudarc::driver::DeviceRepr;
 
-use super::matmul::type_suffix;
+use super::matmul::{rows_per_block, type_suffix};
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
@@ -8,6 +8,8 @@ use crate::kernels::MOE;
 use crate::ops::DeviceWeight;
 
 const OP: &str = "moe";
+/// Shared memory for the staged activations (x_t: d floats; h_t: k·n_ff floats).
+const SMEM: usize = 48 << 10;
 
 /// The routed experts of one MoE layer, stacked as in the GGUF file: gate and up hold
 /// `n_expert · n_ff` rows of `d` weights, down `n_expert · d` rows of `n_ff`.
@@ -44,7 +46,7 @@ struct MoeParams {
     k_top: u32,
     row_bytes_gu: u32,
     row_bytes_down: u32,
-    pad: u32,
+    rows_per_block: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeParams` in kernels/moe.cu.
@@ -71,10 +73,12 @@ impl Gpu {
             && e.up.n_rows == ne * n_ff
             && e.down.n_rows == ne * d
             && d.is_multiple_of(8)
-            && n_ff.is_multiple_of(8);
+            && n_ff.is_multiple_of(8)
+            && 4 * d <= SMEM
+            && 4 * r.k * n_ff <= SMEM;
         if !ok {
             let desc = |w: &DeviceWeight| format!("{} {}x{}", w.ty.name(), w.n_rows, w.k);
-            return Err(shape(OP, format!("{ne} experts: gate {}, up {}, down {}", desc(e.gate), desc(e.up), desc(e.down))));
+            return Err(shape(OP, format!("{ne} experts, k = {}: gate {}, up {}, down {}", r.k, desc(e.gate), desc(e.up), desc(e.down))));
         }
         let (Some(gu), Some(dn)) = (type_suffix(e.gate.ty), type_suffix(e.down.ty)) else {
             return Err(shape(OP, format!("no CUDA kernel for {} / {}", e.gate.ty.name(), e.down.ty.name())));
@@ -87,7 +91,7 @@ impl Gpu {
         if n_tok == 0 {
             return Ok(());
         }
-        let p = MoeParams {
+        let mut p = MoeParams {
             gate: e.gate.ptr(),
             up: e.up.ptr(),
             down: e.down.ptr(),
@@ -103,16 +107,20 @@ impl Gpu {
             k_top: u32_of(OP, "k", r.k)?,
             row_bytes_gu: u32_of(OP, "row bytes", e.gate.row_bytes)?,
             row_bytes_down: u32_of(OP, "row bytes", e.down.row_bytes)?,
-            pad: 0,
+            rows_per_block: 0,
         };
         let f_gu = self.function(&MOE, &format!("moe_gate_up_{gu}"))?;
         let f_dn = self.function(&MOE, &format!("moe_down_{dn}"))?;
         let pairs = u32_of(OP, "n_tok · k", n_tok * r.k)?;
         // SAFETY: the weights have the stacked shapes checked above; x, ids, weights, h and out
         // hold what the shapes need; the kernels bounds-check each expert id against n_expert.
+        // Shared memory: d floats (gate/up), k·n_ff floats (down), both <= SMEM (checked).
+        let n_sm = self.info().n_sm;
         unsafe {
-            self.launch(&f_gu, (blocks(n_ff, 4), pairs, 1), 128, 0, &p)?;
-            self.launch(&f_dn, (blocks(d, 4), p.n_tok, 1), 128, 0, &p)
+            p.rows_per_block = rows_per_block(n_ff * n_tok * r.k, n_sm) as u32;
+            self.launch(&f_gu, (blocks(n_ff, p.rows_per_block as usize), pairs, 1), 256, 4 * d as u32, &p)?;
+            p.rows_per_block = rows_per_block(d * n_tok, n_sm) as u32;
+            self.launch(&f_dn, (blocks(d, p.rows_per_block as usize), p.n_tok, 1), 256, 4 * (r.k * n_ff) as u32, &p)
         }
     }
 }
