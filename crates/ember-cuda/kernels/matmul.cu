@@ -2,8 +2,7 @@
 // activations x [n_tok, k] -> y [n_tok, n_rows]. Reference: ember_ops::reference::matmul.
 //
 // Two paths (the launcher picks):
-// * matmul_gemv_<type>: small n_tok. A block stages x of up to GEMV_NT tokens in shared memory,
-//   then each warp takes rows of the block's range in turn;
+// * matmul_gemv_<type>: small n_tok. One warp per output row, up to GEMV_NT tokens per pass;
 //   a warp walks the row in 256-weight chunks, each lane decoding 8 weights per chunk (one
 //   4-byte load of quants for the block types, 16 bytes for f16/bf16, 32 for f32) so the lanes'
 //   weight and x reads are both contiguous. Needs k % 8 == 0 (block types always qualify;
@@ -15,55 +14,45 @@ struct MatmulParams {
     u64 w;  // n_rows rows of row_bytes
     u64 x;  // [n_tok, k] f32
     u64 y;  // [n_tok, n_rows] f32
-    u32 ty, k, n_rows, n_tok, row_bytes;
-    u32 nt_block;        // GEMV: tokens per block (x of those tokens fits in shared memory)
-    u32 rows_per_block;  // GEMV: rows per block, shared by its warps
-    u32 pad;
+    u32 ty, k, n_rows, n_tok, row_bytes, pad;
 };
 
 #define GEMV_NT 8
 
-// Why x goes through shared memory: read straight from global memory, every row re-reads all
-// of x from L2 (the weight stream evicts it from L1), and at k = 2048 that is as many bytes as
-// an f32 weight: every type then ran at the f32 time (H200: 0.12 ms for 65536 rows whatever
-// the type). Staged once per block of up to 64 rows, x costs a small fraction of the weights.
 template <int TY>
 __device__ __forceinline__ void gemv(const MatmulParams& p) {
-    extern __shared__ float4 xs4[];  // [nt][k] of this block's tokens
     __shared__ float iq4[16];
+    load_iq4_table(iq4);
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= (int)p.n_rows) return;  // whole warps leave together
+    const int t0 = blockIdx.y * GEMV_NT;
+    const int nt = min(GEMV_NT, (int)p.n_tok - t0);
     const int k = p.k;
-    const int t0 = blockIdx.y * p.nt_block;
-    const int nt = min((int)p.nt_block, (int)p.n_tok - t0);
-    const float4* xg = (const float4*)((const float*)p.x + (u64)t0 * k);
-    for (int i = threadIdx.x; i < nt * k / 4; i += blockDim.x) xs4[i] = xg[i];
-    load_iq4_table(iq4);  // also the barrier after the x copy
-    const float* xs = (const float*)xs4;
-    const int lane = threadIdx.x % 32, n_warp = blockDim.x / 32;
-    const int r_end = min((int)p.n_rows, (int)((blockIdx.x + 1) * p.rows_per_block));
-    for (int row = blockIdx.x * p.rows_per_block + threadIdx.x / 32; row < r_end; row += n_warp) {
-        const u8* wrow = (const u8*)p.w + (u64)row * p.row_bytes;
-        float acc[GEMV_NT];
+    const u8* wrow = (const u8*)p.w + (u64)row * p.row_bytes;
+    const float* x = (const float*)p.x + (u64)t0 * k;
+    float acc[GEMV_NT];
 #pragma unroll
-        for (int t = 0; t < GEMV_NT; ++t) acc[t] = 0.0f;
+    for (int t = 0; t < GEMV_NT; ++t) acc[t] = 0.0f;
+    const int n_chunk = (k + 255) / 256;
 #pragma unroll 2
-        for (int c = 0; c < (k + 255) / 256; ++c) {
-            float w[8];
-            int a0, a1;
-            if (!chunk8<TY>(wrow, c, lane, k, iq4, w, &a0, &a1)) continue;
-#pragma unroll
-            for (int t = 0; t < GEMV_NT; ++t) {
-                if (t < nt) {
-                    const float4 x0 = *(const float4*)(xs + t * k + a0), x1 = *(const float4*)(xs + t * k + a1);
-                    acc[t] += w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w + w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
-                }
-            }
-        }
+    for (int c = 0; c < n_chunk; ++c) {
+        float w[8];
+        int a0, a1;
+        if (!chunk8<TY>(wrow, c, lane, k, iq4, w, &a0, &a1)) continue;
 #pragma unroll
         for (int t = 0; t < GEMV_NT; ++t) {
             if (t < nt) {
-                const float s = warp_sum(acc[t]);
-                if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
+                const float4 x0 = *(const float4*)(x + (u64)t * k + a0), x1 = *(const float4*)(x + (u64)t * k + a1);
+                acc[t] += w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w + w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
             }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_NT; ++t) {
+        if (t < nt) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
         }
     }
 }

@@ -8,7 +8,8 @@
 //! is found at run time by our own loader ([`nvrtc`]); see shared/STACK.md.
 //!
 //! FFI and `unsafe` live here only: the NVRTC symbols ([`nvrtc`]), a few driver calls and the
-//! launches ([`Gpu`]), each block with its invariant.
+//! launches ([`Gpu`]), each block with its invariant. README.md beside this crate lists the
+//! kernels, the errors and speeds measured on an H200, and what is left.
 
 mod error;
 mod gpu;

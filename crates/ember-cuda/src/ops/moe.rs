@@ -1,6 +1,6 @@
 use cudarc::driver::DeviceRepr;
 
-use super::matmul::{rows_per_block, type_suffix};
+use super::matmul::type_suffix;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
@@ -8,8 +8,18 @@ use crate::kernels::MOE;
 use crate::ops::DeviceWeight;
 
 const OP: &str = "moe";
-/// Shared memory for the staged activations (x_t: d floats; h_t: k·n_ff floats).
-const SMEM: usize = 48 << 10;
+/// Shared memory for the staged activations (x_t: d floats; h_t: k·n_ff floats): under the
+/// 48 KiB a block gets without opt-in, less 1 KiB for the kernels' static arrays (the IQ4_XS
+/// table). The launch fails otherwise (seen on the H200 with the GEMV's 48 KiB + 64 bytes).
+const SMEM: usize = 47 << 10;
+/// Warps per block.
+const WARPS: usize = 8;
+
+/// Rows per block: enough blocks for ~4 per SM, each with 8 to 64 rows (a multiple of the
+/// warps), so what a block stages is shared by as many rows as the size allows.
+fn rows_per_block(n_rows: usize, n_sm: u32) -> usize {
+    (n_rows / (4 * n_sm.max(1) as usize)).next_multiple_of(WARPS).clamp(WARPS, 64)
+}
 
 /// The routed experts of one MoE layer, stacked as in the GGUF file: gate and up hold
 /// `n_expert · n_ff` rows of `d` weights, down `n_expert · d` rows of `n_ff`.
@@ -118,9 +128,9 @@ impl Gpu {
         let n_sm = self.info().n_sm;
         unsafe {
             p.rows_per_block = rows_per_block(n_ff * n_tok * r.k, n_sm) as u32;
-            self.launch(&f_gu, (blocks(n_ff, p.rows_per_block as usize), pairs, 1), 256, 4 * d as u32, &p)?;
+            self.launch(&f_gu, (blocks(n_ff, p.rows_per_block as usize), pairs, 1), 32 * WARPS as u32, 4 * d as u32, &p)?;
             p.rows_per_block = rows_per_block(d * n_tok, n_sm) as u32;
-            self.launch(&f_dn, (blocks(d, p.rows_per_block as usize), p.n_tok, 1), 256, 4 * (r.k * n_ff) as u32, &p)
+            self.launch(&f_dn, (blocks(d, p.rows_per_block as usize), p.n_tok, 1), 32 * WARPS as u32, 4 * (r.k * n_ff) as u32, &p)
         }
     }
 }
