@@ -1,0 +1,61 @@
+// attn_prep: split each head of qg [T, n_head·2·hd] into q | gate, RMSNorm q and k per head
+// (head_dim-wide weights), NeoX RoPE on the first n_rot dims at each row's position.
+// Reference: ember_ops::reference::attn_prep and rope_at (qwen35moe.md §6.3.4): pairs
+// (d, d + n_rot/2), angle pos · base^(−2d/n_rot), computed in f64 like the reference.
+
+struct AttnPrepParams {
+    u64 qg;      // [n_tok, n_head · 2 · hd] f32
+    u64 k;       // [n_tok, n_head_kv · hd] f32
+    u64 q_norm;  // [hd] f32
+    u64 k_norm;  // [hd] f32
+    u64 pos;     // [n_tok] u32
+    u64 q_out;   // [n_tok, n_head · hd] f32
+    u64 gate;    // [n_tok, n_head · hd] f32
+    u64 k_out;   // [n_tok, n_head_kv · hd] f32
+    u32 n_tok, n_head, n_head_kv, head_dim, n_rot, pad;
+    float eps, rope_base;
+};
+
+// grid (n_head + n_head_kv, n_tok), blockDim a multiple of 32; dynamic shared memory
+// head_dim floats. Blocks below n_head do a q head (and copy its gate), the rest a k head.
+extern "C" __global__ void attn_prep(const AttnPrepParams p) {
+    extern __shared__ float v[];
+    __shared__ float scratch[32];
+    const u32 t = blockIdx.y, hd = p.head_dim;
+    const bool is_q = blockIdx.x < p.n_head;
+    const u32 h = is_q ? blockIdx.x : blockIdx.x - p.n_head;
+    const float* src;
+    float* dst;
+    const float* w;
+    if (is_q) {
+        const float* row = (const float*)p.qg + (u64)t * p.n_head * 2 * hd + (u64)h * 2 * hd;
+        src = row;
+        float* g = (float*)p.gate + (u64)t * p.n_head * hd + (u64)h * hd;
+        for (u32 i = threadIdx.x; i < hd; i += blockDim.x) g[i] = row[hd + i];
+        dst = (float*)p.q_out + (u64)t * p.n_head * hd + (u64)h * hd;
+        w = (const float*)p.q_norm;
+    } else {
+        src = (const float*)p.k + (u64)t * p.n_head_kv * hd + (u64)h * hd;
+        dst = (float*)p.k_out + (u64)t * p.n_head_kv * hd + (u64)h * hd;
+        w = (const float*)p.k_norm;
+    }
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) ss += src[i] * src[i];
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)hd + p.eps);
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) v[i] = src[i] * scale * w[i];
+    __syncthreads();
+    const u32 half = p.n_rot / 2;
+    const double pos = (double)((const u32*)p.pos)[t];
+    for (u32 i = threadIdx.x; i < hd; i += blockDim.x) {
+        float o = v[i];
+        if (i < p.n_rot) {
+            const u32 d = i < half ? i : i - half;
+            const double f = pow((double)p.rope_base, -2.0 * (double)d / (double)p.n_rot);
+            const float c = (float)cos(pos * f), s = (float)sin(pos * f);
+            const float a = v[d], b = v[d + half];
+            o = i < half ? a * c - b * s : a * s + b * c;
+        }
+        dst[i] = o;
+    }
+}

@@ -1,0 +1,116 @@
+// matmul: y[t][r] = Σ_j W[r][j]·x[t][j] for a weight in its file's block format and f32
+// activations x [n_tok, k] -> y [n_tok, n_rows]. Reference: ember_ops::reference::matmul.
+//
+// Two paths (the launcher picks):
+// * matmul_gemv_<type>: small n_tok. One warp per output row, up to GEMV_NT tokens per pass;
+//   a warp walks the row in 256-weight chunks, each lane decoding 8 weights per chunk (one
+//   4-byte load of quants for the block types, 16 bytes for f16/bf16, 32 for f32) so the lanes'
+//   weight and x reads are both contiguous. Needs k % 8 == 0 (block types always qualify;
+//   other float weights go tiled).
+// * matmul_tiled: any shape. 64x64 output tiles, k in steps of 32, weights decoded into shared
+//   memory by deq8. Plain FMA; tensor cores come later.
+
+struct MatmulParams {
+    u64 w;  // n_rows rows of row_bytes
+    u64 x;  // [n_tok, k] f32
+    u64 y;  // [n_tok, n_rows] f32
+    u32 ty, k, n_rows, n_tok, row_bytes, pad;
+};
+
+#define GEMV_NT 8
+
+template <int TY>
+__device__ __forceinline__ void gemv(const MatmulParams& p) {
+    __shared__ float iq4[16];
+    load_iq4_table(iq4);
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= (int)p.n_rows) return;  // whole warps leave together
+    const int t0 = blockIdx.y * GEMV_NT;
+    const int nt = min(GEMV_NT, (int)p.n_tok - t0);
+    const int k = p.k;
+    const u8* wrow = (const u8*)p.w + (u64)row * p.row_bytes;
+    const float* x = (const float*)p.x + (u64)t0 * k;
+    float acc[GEMV_NT];
+#pragma unroll
+    for (int t = 0; t < GEMV_NT; ++t) acc[t] = 0.0f;
+    const int n_chunk = (k + 255) / 256;
+#pragma unroll 2
+    for (int c = 0; c < n_chunk; ++c) {
+        float w[8];
+        int a0, a1;
+        if (!chunk8<TY>(wrow, c, lane, k, iq4, w, &a0, &a1)) continue;
+#pragma unroll
+        for (int t = 0; t < GEMV_NT; ++t) {
+            if (t < nt) {
+                const float4 x0 = *(const float4*)(x + (u64)t * k + a0), x1 = *(const float4*)(x + (u64)t * k + a1);
+                acc[t] += w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w + w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_NT; ++t) {
+        if (t < nt) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
+        }
+    }
+}
+
+extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { gemv<TY_F32>(p); }
+extern "C" __global__ void matmul_gemv_f16(const MatmulParams p) { gemv<TY_F16>(p); }
+extern "C" __global__ void matmul_gemv_bf16(const MatmulParams p) { gemv<TY_BF16>(p); }
+extern "C" __global__ void matmul_gemv_q8_0(const MatmulParams p) { gemv<TY_Q8_0>(p); }
+extern "C" __global__ void matmul_gemv_q4_k(const MatmulParams p) { gemv<TY_Q4_K>(p); }
+extern "C" __global__ void matmul_gemv_q5_k(const MatmulParams p) { gemv<TY_Q5_K>(p); }
+extern "C" __global__ void matmul_gemv_q6_k(const MatmulParams p) { gemv<TY_Q6_K>(p); }
+extern "C" __global__ void matmul_gemv_iq4_xs(const MatmulParams p) { gemv<TY_IQ4_XS>(p); }
+
+// grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
+// tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.
+extern "C" __global__ void matmul_tiled(const MatmulParams p) {
+    __shared__ float ws[64][33];
+    __shared__ float xs[64][33];
+    const int tid = threadIdx.x, tr = tid / 16, tt = tid % 16;
+    const int r0 = blockIdx.x * 64, t0 = blockIdx.y * 64;
+    const float* x = (const float*)p.x;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < (int)p.k; k0 += 32) {
+        const int rr = tid / 4, piece = tid % 4;
+        float v[8];
+        if (r0 + rr < (int)p.n_rows) {
+            deq8(p.ty, (const u8*)p.w + (u64)(r0 + rr) * p.row_bytes, k0 + 8 * piece, p.k, v);
+        } else {
+            for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+        }
+        for (int j = 0; j < 8; ++j) ws[rr][8 * piece + j] = v[j];
+        const int t = t0 + rr;
+        for (int j = 0; j < 8; ++j) {
+            const int i = k0 + 8 * piece + j;
+            xs[rr][8 * piece + j] = t < (int)p.n_tok && i < (int)p.k ? x[(u64)t * p.k + i] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < 32; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = ws[tr + 16 * i][kk], b[i] = xs[tt + 16 * i][kk];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + tr + 16 * i;
+        for (int j = 0; j < 4; ++j) {
+            const int t = t0 + tt + 16 * j;
+            if (r < (int)p.n_rows && t < (int)p.n_tok) ((float*)p.y)[(u64)t * p.n_rows + r] = acc[i][j];
+        }
+    }
+}

@@ -1,0 +1,67 @@
+// Prepended to every kernel source by ember-cuda (src/kernels.rs). Header-free on purpose:
+// NVRTC has no include path by default, so there is no <cuda_fp16.h>; the conversions below
+// are one PTX instruction each (shared/STACK.md, "Verdict" 1).
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+
+// ggml type ids (gguf-format.md §2), as passed in the `ty` fields of the parameter structs.
+#define TY_F32 0
+#define TY_F16 1
+#define TY_Q8_0 8
+#define TY_Q4_K 12
+#define TY_Q5_K 13
+#define TY_Q6_K 14
+#define TY_IQ4_XS 23
+#define TY_BF16 30
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Little-endian loads at 2-byte alignment (block formats with odd block sizes: Q8_0, Q6_K).
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 ld_u32_a2(const u8* p) {
+    return (u32)ld_u16(p) | ((u32)ld_u16(p + 2) << 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warp = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warp ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,288 @@
+//! The driver side: GPU discovery, a [`Gpu`] (primary context + one stream), typed device
+//! buffers, module loading by kernel name and launches.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    result, sys,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::{Error, Result, drv};
+use crate::kernels::{self, Kernel};
+use crate::nvrtc::{Image, Nvrtc};
+
+/// What the driver says about one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub index: usize,
+    pub name: String,
+    /// Compute capability (major, minor), e.g. (9, 0).
+    pub cc: (u32, u32),
+    /// Streaming multiprocessors.
+    pub n_sm: u32,
+    pub bytes_total: usize,
+    /// Free memory as `cuMemGetInfo` sees it once a context exists (the context itself costs
+    /// ~0.5 GiB: shared/STACK.md, "GPU probe").
+    pub bytes_free: usize,
+}
+
+impl DeviceInfo {
+    /// `sm_XX` number: 90 for (9, 0).
+    pub fn sm(&self) -> u32 {
+        self.cc.0 * 10 + self.cc.1
+    }
+}
+
+/// The CUDA version of the driver as `cuDriverGetVersion` gives it (13000 for 13.0), or the
+/// error saying why there is no driver. Never panics: cudarc's lazily loaded symbols panic
+/// when libcuda is absent, so its presence is checked first.
+pub fn driver_version() -> Result<u32> {
+    static INIT: OnceLock<std::result::Result<u32, String>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only tries to dlopen libcuda.so(.1) by name.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcuda.so.1 could not be loaded".into());
+        }
+        result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        let mut v = 0;
+        // SAFETY: libcuda is loaded (checked above); the call writes one int.
+        let rc = unsafe { sys::cuDriverGetVersion(&mut v) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuDriverGetVersion: {rc:?}"));
+        }
+        Ok(v as u32)
+    })
+    .clone()
+    .map_err(Error::NoDriver)
+}
+
+/// Every GPU the driver sees. An error (never a panic) when there is no driver or no device.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    driver_version()?;
+    let n = result::device::get_count().map_err(drv("cuDeviceGetCount"))?;
+    (0..n as usize).map(|i| info(&CudaContext::new(i).map_err(drv("cuDevicePrimaryCtxRetain"))?)).collect()
+}
+
+fn info(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+    let (maj, min) = ctx.compute_capability().map_err(drv("cuDeviceGetAttribute"))?;
+    let (free, total) = ctx.mem_get_info().map_err(drv("cuMemGetInfo"))?;
+    Ok(DeviceInfo {
+        index: ctx.ordinal(),
+        name: ctx.name().map_err(drv("cuDeviceGetName"))?,
+        cc: (maj as u32, min as u32),
+        n_sm: ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(drv("cuDeviceGetAttribute"))? as u32,
+        bytes_total: total,
+        bytes_free: free,
+    })
+}
+
+/// Element types of device buffers.
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {}
+impl Elem for f32 {}
+impl Elem for u32 {}
+impl Elem for i32 {}
+impl Elem for u16 {}
+impl Elem for u8 {}
+
+/// A typed device buffer of one [`Gpu`]; freed (stream-ordered) on drop.
+#[derive(Debug)]
+pub struct Buf<T> {
+    /// At least one element: the driver has no empty allocations.
+    slice: CudaSlice<T>,
+    len: usize,
+}
+
+impl<T> Buf<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The raw device address, for a kernel's parameter struct.
+    pub fn ptr(&self) -> u64 {
+        // Event tracking is off (Gpu::new), so the returned guard records nothing.
+        self.slice.device_ptr(self.slice.stream()).0
+    }
+}
+
+/// One GPU: its primary context and one stream every call of this crate runs on, in order.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    driver: u32,
+    nvrtc: OnceLock<std::result::Result<Arc<Nvrtc>, String>>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Gpu {
+    /// Opens GPU `index`.
+    pub fn new(index: usize) -> Result<Gpu> {
+        let driver = driver_version()?;
+        let ctx = CudaContext::new(index).map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: called before any allocation of this context; we order work ourselves on the
+        // one stream (and later with explicit events), so per-buffer events are not needed and
+        // cost 1.5–2.4 µs per launch (shared/STACK.md, "cudarc").
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        let info = info(&ctx)?;
+        Ok(Gpu { ctx, stream, info, driver, nvrtc: OnceLock::new(), modules: Mutex::default(), functions: Mutex::default() })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The driver's CUDA version (13000 for 13.0).
+    pub fn driver_version(&self) -> u32 {
+        self.driver
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// (free, total) bytes now.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(drv("cuMemGetInfo"))
+    }
+
+    /// The NVRTC this GPU compiles with (loaded on first use, no newer than the driver).
+    pub fn nvrtc(&self) -> Result<Arc<Nvrtc>> {
+        self.nvrtc
+            .get_or_init(|| Nvrtc::load(Some(self.driver / 1000)).map(Arc::new).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(|msg| Error::Nvrtc { op: "load", msg })
+    }
+
+    /// An uninitialised buffer of `len` elements. Fails with [`Error::OutOfMemory`] naming the
+    /// bytes asked for and free.
+    pub fn alloc<T: Elem>(&self, len: usize) -> Result<Buf<T>> {
+        let bytes = len * std::mem::size_of::<T>();
+        let oom = |free| Error::OutOfMemory { device: self.info.index, bytes_asked: bytes, bytes_free: free };
+        let (free, _) = self.mem_info()?;
+        if bytes > free {
+            return Err(oom(free));
+        }
+        // SAFETY: the memory is uninitialised; every kernel and copy of this crate writes a
+        // buffer before reading it, and `download` of an unwritten buffer only yields garbage
+        // values of a plain-old-data type (Elem: ValidAsZeroBits types have no invalid bits).
+        match unsafe { self.stream.alloc::<T>(len.max(1)) } {
+            Ok(slice) => Ok(Buf { slice, len }),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(oom(self.mem_info().map(|m| m.0).unwrap_or(0))),
+            Err(e) => Err(drv("cuMemAlloc")(e)),
+        }
+    }
+
+    /// A zeroed buffer.
+    pub fn zeros<T: Elem>(&self, len: usize) -> Result<Buf<T>> {
+        let mut b = self.alloc(len)?;
+        self.stream.memset_zeros(&mut b.slice).map_err(drv("cuMemsetD8Async"))?;
+        Ok(b)
+    }
+
+    /// A new buffer holding `data`.
+    pub fn upload<T: Elem>(&self, data: &[T]) -> Result<Buf<T>> {
+        let mut b = self.alloc(data.len())?;
+        self.write(&mut b, data)?;
+        Ok(b)
+    }
+
+    /// Overwrites the start of `buf` with `data`.
+    pub fn write<T: Elem>(&self, buf: &mut Buf<T>, data: &[T]) -> Result<()> {
+        if data.len() > buf.len() {
+            return Err(crate::error::shape("write", format!("{} values into a buffer of {}", data.len(), buf.len())));
+        }
+        let mut view = buf.slice.slice_mut(0..data.len());
+        self.stream.memcpy_htod(data, &mut view).map_err(drv("cuMemcpyHtoDAsync"))?;
+        // A pageable source must stay alive until the copy is done; waiting makes that true.
+        self.sync()
+    }
+
+    /// The buffer's contents (waits for the stream).
+    pub fn download<T: Elem>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
+        let mut v = self.stream.clone_dtoh(&buf.slice).map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.sync()?;
+        v.truncate(buf.len);
+        Ok(v)
+    }
+
+    /// Waits until all work on the stream is done.
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
+    /// The kernel function `entry` of source `kernel`, compiling (or reading the disk cache)
+    /// and loading the module on first use.
+    pub fn function(&self, kernel: &'static Kernel, entry: &str) -> Result<CudaFunction> {
+        let key = format!("{}/{entry}", kernel.name);
+        if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(f.clone());
+        }
+        let module = self.module(kernel)?;
+        let f = module.load_function(entry).map_err(drv("cuModuleGetFunction"))?;
+        self.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f.clone());
+        Ok(f)
+    }
+
+    fn module(&self, kernel: &'static Kernel) -> Result<Arc<CudaModule>> {
+        if let Some(m) = self.modules.lock().unwrap_or_else(|e| e.into_inner()).get(kernel.name) {
+            return Ok(m.clone());
+        }
+        let image = kernels::load_or_compile(&*self.nvrtc()?, kernel, self.info.sm())?;
+        let ptx = match image {
+            Image::Cubin(b) => Ptx::from_binary(b),
+            Image::Ptx(s) => Ptx::from_src(s),
+        };
+        let m = self.ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
+        self.modules.lock().unwrap_or_else(|e| e.into_inner()).insert(kernel.name, m.clone());
+        Ok(m)
+    }
+
+    /// Launches `f` with one parameter struct on the stream.
+    ///
+    /// # Safety
+    /// `P` must have exactly the layout of the kernel's parameter struct, and every device
+    /// pointer in it must point into live buffers of this GPU large enough for what the kernel
+    /// reads and writes with these sizes (each op's launcher checks that).
+    pub(crate) unsafe fn launch<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &P,
+    ) -> Result<()> {
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        // SAFETY: the caller's contract above.
+        unsafe { self.stream.launch_builder(f).arg(params).launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    /// Milliseconds of GPU time that `f`'s work takes, from events around it (the driver must be
+    /// ≥ 12.8 for `cuEventElapsedTime_v2`; older drivers get host time after a sync).
+    pub fn time_ms(&self, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
+        if self.driver < 12080 {
+            self.sync()?;
+            let t = std::time::Instant::now();
+            f()?;
+            self.sync()?;
+            return Ok(t.elapsed().as_secs_f32() * 1e3);
+        }
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
+        let end = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
+        start.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        f()?;
+        end.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        end.synchronize().map_err(drv("cuEventSynchronize"))?;
+        start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))
+    }
+}

@@ -1,0 +1,116 @@
+//! The kernel sources (`kernels/*.cu`, one op per file), embedded in the binary, and the disk
+//! cache of their compiled images.
+//!
+//! A source is compiled as `prelude.cuh` + the listed parts: no `#include`, so NVRTC needs no
+//! include path and no CUDA headers at run time.
+
+use std::path::PathBuf;
+
+use crate::error::Result;
+use crate::nvrtc::{Image, Nvrtc};
+
+const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+const DEQUANT: &str = include_str!("../kernels/dequant.cuh");
+
+/// One compilation unit: an op's `.cu` file and the shared parts it needs.
+#[derive(Debug)]
+pub struct Kernel {
+    pub name: &'static str,
+    parts: &'static [&'static str],
+}
+
+impl Kernel {
+    /// The full source NVRTC compiles.
+    pub fn source(&self) -> String {
+        let mut s = String::from(PRELUDE);
+        for p in self.parts {
+            s.push('\n');
+            s.push_str(p);
+        }
+        s
+    }
+}
+
+macro_rules! kernel {
+    ($id:ident, $name:literal $(, $part:expr)*) => {
+        pub static $id: Kernel = Kernel { name: $name, parts: &[$($part,)* include_str!(concat!("../kernels/", $name, ".cu"))] };
+    };
+}
+
+kernel!(MATMUL, "matmul", DEQUANT);
+kernel!(GET_ROWS, "get_rows", DEQUANT);
+kernel!(RMS_NORM, "rms_norm");
+kernel!(ADD, "add");
+kernel!(GATE, "gate");
+kernel!(SELECT_ROWS, "select_rows");
+kernel!(ROUTE, "route");
+kernel!(ATTN_PREP, "attn_prep");
+kernel!(DELTA_PREP, "delta_prep");
+kernel!(CONV1D_SILU, "conv1d_silu");
+kernel!(DELTA_RULE, "delta_rule");
+kernel!(MOE, "moe", DEQUANT);
+
+/// Every kernel source (the NVRTC compile test walks this).
+pub static ALL: &[&Kernel] =
+    &[&MATMUL, &GET_ROWS, &RMS_NORM, &ADD, &GATE, &SELECT_ROWS, &ROUTE, &ATTN_PREP, &DELTA_PREP, &CONV1D_SILU, &DELTA_RULE, &MOE];
+
+/// NVRTC options for every kernel. No `--use_fast_math`: the kernels are checked against the
+/// scalar reference, and fast `expf`/division would widen every tolerance.
+pub const OPTIONS: &[&str] = &["-std=c++17", "--fmad=true"];
+
+/// `$XDG_CACHE_HOME/ember/kernels` or `~/.cache/ember/kernels`; `EMBER_KERNEL_CACHE` overrides.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("EMBER_KERNEL_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("ember").join("kernels"))
+}
+
+/// 128-bit FNV-1a: stable across Rust releases (std's hasher is not promised to be), and a cache
+/// key needs no more.
+fn fnv128(parts: &[&[u8]]) -> u128 {
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for p in parts {
+        for &b in p.iter().chain(&[0xff]) {
+            h ^= b as u128;
+            h = h.wrapping_mul(0x0000000001000000000000000000013B);
+        }
+    }
+    h
+}
+
+/// The image of `kernel` for compute capability `cc`: from the disk cache if there, else
+/// compiled and stored (a cache that cannot be written is skipped, not an error).
+/// The key covers the source, the options, the NVRTC version and the architecture.
+pub fn load_or_compile(nvrtc: &Nvrtc, kernel: &'static Kernel, cc: u32) -> Result<Image> {
+    let src = kernel.source();
+    let (maj, min) = nvrtc.version();
+    let key = fnv128(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), format!("nvrtc {maj}.{min} sm_{cc}").as_bytes()]);
+    let dir = cache_dir();
+    let stem = format!("{}-sm{cc}-{key:032x}", kernel.name);
+    if let Some(d) = &dir {
+        if let Ok(b) = std::fs::read(d.join(format!("{stem}.cubin"))) {
+            return Ok(Image::Cubin(b));
+        }
+        if let Ok(s) = std::fs::read_to_string(d.join(format!("{stem}.ptx"))) {
+            return Ok(Image::Ptx(s));
+        }
+    }
+    let image = nvrtc.compile(kernel.name, &src, cc, OPTIONS)?;
+    if let Some(d) = &dir {
+        let (ext, bytes) = match &image {
+            Image::Cubin(b) => ("cubin", b.as_slice()),
+            Image::Ptx(s) => ("ptx", s.as_bytes()),
+        };
+        // Write then rename, so a concurrent reader never sees half a file.
+        let tmp = d.join(format!("{stem}.{}.tmp", std::process::id()));
+        let ok = std::fs::create_dir_all(d).is_ok() && std::fs::write(&tmp, bytes).is_ok();
+        if !ok || std::fs::rename(&tmp, d.join(format!("{stem}.{ext}"))).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(image)
+}

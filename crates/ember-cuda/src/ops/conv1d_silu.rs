@@ -1,0 +1,66 @@
+use cudarc::driver::DeviceRepr;
+
+use super::{blocks, need, u32_of};
+use crate::error::{Result, shape};
+use crate::gpu::{Buf, Gpu};
+use crate::kernels::CONV1D_SILU;
+
+const OP: &str = "conv1d_silu";
+/// `CONV_MAX_K` in kernels/conv1d_silu.cu.
+const MAX_KERNEL: usize = 8;
+
+#[repr(C)]
+struct ConvParams {
+    x: u64,
+    w: u64,
+    state: u64,
+    out: u64,
+    n_tok: u32,
+    c: u32,
+    k: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `ConvParams` in kernels/conv1d_silu.cu.
+unsafe impl DeviceRepr for ConvParams {}
+
+impl Gpu {
+    /// Causal depthwise conv of x [n_tok, c] with w [c · kernel] (`w[ch·kernel + j]`) over the
+    /// carried state [(kernel − 1) · c], then SiLU, into out [n_tok, c]; the state becomes the
+    /// last kernel − 1 inputs.
+    #[allow(clippy::too_many_arguments)] // the op's own arguments: x, w and state with their sizes
+    pub fn conv1d_silu(
+        &self,
+        x: &Buf<f32>,
+        n_tok: usize,
+        c: usize,
+        w: &Buf<f32>,
+        kernel: usize,
+        state: &mut Buf<f32>,
+        out: &mut Buf<f32>,
+    ) -> Result<()> {
+        if kernel == 0 || kernel > MAX_KERNEL {
+            return Err(shape(OP, format!("kernel length {kernel} (1..={MAX_KERNEL})")));
+        }
+        need(OP, "x", x, n_tok * c)?;
+        need(OP, "w", w, c * kernel)?;
+        need(OP, "state", state, (kernel - 1) * c)?;
+        need(OP, "out", out, n_tok * c)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let p = ConvParams {
+            x: x.ptr(),
+            w: w.ptr(),
+            state: state.ptr(),
+            out: out.ptr(),
+            n_tok: u32_of(OP, "n_tok", n_tok)?,
+            c: u32_of(OP, "c", c)?,
+            k: kernel as u32,
+            pad: 0,
+        };
+        let f = self.function(&CONV1D_SILU, "conv1d_silu")?;
+        // SAFETY: sizes checked above; kernel <= CONV_MAX_K.
+        unsafe { self.launch(&f, (blocks(c, 128), 1, 1), 128, 0, &p) }
+    }
+}

@@ -1,0 +1,136 @@
+use cudarc::driver::DeviceRepr;
+
+use super::matmul::type_suffix;
+use super::{blocks, need, u32_of};
+use crate::error::{Result, shape};
+use crate::gpu::{Buf, Gpu};
+use crate::kernels::MOE;
+use crate::ops::DeviceWeight;
+
+const OP: &str = "moe";
+/// Shared memory for the staged activations (x_t: d floats; h_t: k·n_ff floats): under the
+/// 48 KiB a block gets without opt-in, less 1 KiB for the kernels' static arrays (the IQ4_XS
+/// table). The launch fails otherwise (seen on the H200 with the GEMV's 48 KiB + 64 bytes).
+const SMEM: usize = 47 << 10;
+/// Warps per block.
+const WARPS: usize = 8;
+
+/// Rows per block: enough blocks for ~4 per SM, each with 8 to 64 rows (a multiple of the
+/// warps), so what a block stages is shared by as many rows as the size allows.
+fn rows_per_block(n_rows: usize, n_sm: u32) -> usize {
+    (n_rows / (4 * n_sm.max(1) as usize)).next_multiple_of(WARPS).clamp(WARPS, 64)
+}
+
+/// The routed experts of one MoE layer, stacked as in the GGUF file: gate and up hold
+/// `n_expert · n_ff` rows of `d` weights, down `n_expert · d` rows of `n_ff`.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeExperts<'a> {
+    pub gate: &'a DeviceWeight,
+    pub up: &'a DeviceWeight,
+    pub down: &'a DeviceWeight,
+    pub n_expert: usize,
+}
+
+/// A routing on the device ([`Gpu::route`]'s output): `k` expert ids and weights per token.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeRouting<'a> {
+    pub ids: &'a Buf<u32>,
+    pub weights: &'a Buf<f32>,
+    pub k: usize,
+}
+
+#[repr(C)]
+struct MoeParams {
+    gate: u64,
+    up: u64,
+    down: u64,
+    x: u64,
+    ids: u64,
+    weights: u64,
+    h: u64,
+    out: u64,
+    d: u32,
+    n_ff: u32,
+    n_expert: u32,
+    n_tok: u32,
+    k_top: u32,
+    row_bytes_gu: u32,
+    row_bytes_down: u32,
+    rows_per_block: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MoeParams` in kernels/moe.cu.
+unsafe impl DeviceRepr for MoeParams {}
+
+impl Gpu {
+    /// `out[t] = Σ_j w[t][j] · down_e(silu(gate_e·x_t) ⊙ up_e·x_t)`, e = ids[t][j], for x
+    /// [n_tok, d]; `h` is scratch of n_tok·k·n_ff floats. Only the routed experts are read.
+    pub fn moe(
+        &self,
+        e: MoeExperts<'_>,
+        x: &Buf<f32>,
+        n_tok: usize,
+        r: MoeRouting<'_>,
+        h: &mut Buf<f32>,
+        out: &mut Buf<f32>,
+    ) -> Result<()> {
+        let (d, ne) = (e.gate.k, e.n_expert);
+        let n_ff = e.down.k;
+        let ok = ne > 0
+            && e.up.k == d
+            && e.gate.ty == e.up.ty
+            && e.gate.n_rows == ne * n_ff
+            && e.up.n_rows == ne * n_ff
+            && e.down.n_rows == ne * d
+            && d.is_multiple_of(8)
+            && n_ff.is_multiple_of(8)
+            && 4 * d <= SMEM
+            && 4 * r.k * n_ff <= SMEM;
+        if !ok {
+            let desc = |w: &DeviceWeight| format!("{} {}x{}", w.ty.name(), w.n_rows, w.k);
+            return Err(shape(OP, format!("{ne} experts, k = {}: gate {}, up {}, down {}", r.k, desc(e.gate), desc(e.up), desc(e.down))));
+        }
+        let (Some(gu), Some(dn)) = (type_suffix(e.gate.ty), type_suffix(e.down.ty)) else {
+            return Err(shape(OP, format!("no CUDA kernel for {} / {}", e.gate.ty.name(), e.down.ty.name())));
+        };
+        need(OP, "x", x, n_tok * d)?;
+        need(OP, "ids", r.ids, n_tok * r.k)?;
+        need(OP, "weights", r.weights, n_tok * r.k)?;
+        need(OP, "h", h, n_tok * r.k * n_ff)?;
+        need(OP, "out", out, n_tok * d)?;
+        if n_tok == 0 {
+            return Ok(());
+        }
+        let mut p = MoeParams {
+            gate: e.gate.ptr(),
+            up: e.up.ptr(),
+            down: e.down.ptr(),
+            x: x.ptr(),
+            ids: r.ids.ptr(),
+            weights: r.weights.ptr(),
+            h: h.ptr(),
+            out: out.ptr(),
+            d: u32_of(OP, "d", d)?,
+            n_ff: u32_of(OP, "n_ff", n_ff)?,
+            n_expert: u32_of(OP, "n_expert", ne)?,
+            n_tok: u32_of(OP, "n_tok", n_tok)?,
+            k_top: u32_of(OP, "k", r.k)?,
+            row_bytes_gu: u32_of(OP, "row bytes", e.gate.row_bytes)?,
+            row_bytes_down: u32_of(OP, "row bytes", e.down.row_bytes)?,
+            rows_per_block: 0,
+        };
+        let f_gu = self.function(&MOE, &format!("moe_gate_up_{gu}"))?;
+        let f_dn = self.function(&MOE, &format!("moe_down_{dn}"))?;
+        let pairs = u32_of(OP, "n_tok · k", n_tok * r.k)?;
+        // SAFETY: the weights have the stacked shapes checked above; x, ids, weights, h and out
+        // hold what the shapes need; the kernels bounds-check each expert id against n_expert.
+        // Shared memory: d floats (gate/up), k·n_ff floats (down), both <= SMEM (checked).
+        let n_sm = self.info().n_sm;
+        unsafe {
+            p.rows_per_block = rows_per_block(n_ff * n_tok * r.k, n_sm) as u32;
+            self.launch(&f_gu, (blocks(n_ff, p.rows_per_block as usize), pairs, 1), 32 * WARPS as u32, 4 * d as u32, &p)?;
+            p.rows_per_block = rows_per_block(d * n_tok, n_sm) as u32;
+            self.launch(&f_dn, (blocks(d, p.rows_per_block as usize), p.n_tok, 1), 32 * WARPS as u32, 4 * (r.k * n_ff) as u32, &p)
+        }
+    }
+}

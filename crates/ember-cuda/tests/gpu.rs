@@ -1,0 +1,694 @@
+//! Every kernel against ember_ops::reference on random shapes (odd sizes, one token and many),
+//! fresh random data (never zeros), outputs poisoned with NaN before the run.
+//!
+//! With no NVIDIA driver every test prints why and passes (CI has no GPU). On a GPU:
+//! `cargo test -p ember-cuda --release --test gpu -- --test-threads=1`; the timings:
+//! `... -- --ignored --nocapture bench`.
+//!
+//! Tolerances: `|got − ref| <= atol + rtol·scale`, where scale is |ref| for elementwise ops and
+//! Σ_j |w_j·x_j| for dot products (an f32 sum of k terms is off by ~√k·ε·Σ|terms|, whatever the
+//! cancellation in the result). Each states the largest error measured on the H200.
+
+use std::sync::OnceLock;
+
+use ember_cuda::ops::{
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MoeExperts, MoeRouting,
+};
+use ember_cuda::{Buf, Error, Gpu};
+use ember_gguf::GgmlType;
+use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    let g = GPU.get_or_init(|| match Gpu::new(0) {
+        Ok(g) => {
+            let i = g.info();
+            println!("GPU 0: {} sm_{} driver {} NVRTC {:?}", i.name, i.sm(), g.driver_version(), g.nvrtc().map(|n| n.version()));
+            Some(g)
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    });
+    g.as_ref()
+}
+
+/// xorshift64*; the seed is printed so a failure can be replayed with EMBER_SEED.
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let seed = std::env::var("EMBER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
+        });
+        println!("EMBER_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Uniform in [lo, hi), never exactly zero.
+    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let v = lo + (hi - lo) * u;
+        if v == 0.0 { 1e-3 } else { v }
+    }
+
+    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32(lo, hi)).collect()
+    }
+}
+
+fn poisoned(g: &Gpu, n: usize) -> Buf<f32> {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+/// Checks `|got − want| <= atol + rtol·scale[i]` everywhere; returns the largest
+/// |got − want| / scale[i] (the "relative error" quoted in the tolerance comments).
+fn check(what: &str, got: &[f32], want: &[f32], scale: &[f32], atol: f32, rtol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let err = (g - w).abs();
+        assert!(err <= atol + rtol * s.abs(), "{what}: [{i}] got {g}, want {w} (err {err:e}, scale {s}, atol {atol:e}, rtol {rtol:e})");
+        worst = worst.max(err / s.abs().max(1e-30));
+    }
+    worst
+}
+
+fn check_rel(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
+    check(what, got, want, want, atol, rtol)
+}
+
+fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
+    let w = rng.vec(k * n_rows, -1.0, 1.0);
+    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
+    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
+    bytes
+}
+
+const MATMUL_TYPES: [GgmlType; 8] =
+    [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
+
+/// One matmul against the reference; returns max |err| / Σ_j |w_j·x_j|.
+fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
+    let bytes = quantised(ty, rng, k, n_rows);
+    let view = WeightView { ty, k, n_rows, data: &bytes };
+    let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
+    let want = reference::matmul(&view, &x);
+    // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
+    let mut wr = vec![0f32; k];
+    let mut scale = vec![0f32; n_tok * n_rows];
+    for r in 0..n_rows {
+        ember_gguf::quant::dequantize(ty, view.row(r), &mut wr).unwrap();
+        for t in 0..n_tok {
+            scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
+        }
+    }
+    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+    let xb = g.upload(&x.data).unwrap();
+    let mut y = poisoned(g, n_tok * n_rows);
+    g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
+    let got = g.download(&y).unwrap();
+    let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+    let worst = check(&what, &got, &want.data, &scale, 0.0, 1e-5);
+
+    // A row range of the same weight (an expert of a stacked tensor).
+    if n_rows > 2 {
+        let (r0, nr) = (1, n_rows - 2);
+        let mut y2 = poisoned(g, n_tok * nr);
+        g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
+        let got2 = g.download(&y2).unwrap();
+        for t in 0..n_tok {
+            assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
+        }
+    }
+    worst
+}
+
+// Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 16,384 terms against the f64
+// reference). Measured on the H200 (2026-12-03, 3 runs): at most 2.6e-7 over the 8 types.
+#[test]
+fn matmul_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let block = ty.block_size();
+        let mut worst = 0f32;
+        for case in 0..8 {
+            // k: a whole number of blocks; float types also get k not a multiple of 8 (tiled path).
+            let k = if block == 1 { [37, 544, 1280, 3][case % 4] } else { block * (1 + rng.below(1280 / block)) };
+            let n_rows = 1 + 2 * rng.below(150);
+            let n_tok = [1, 3, 8, 9, 16, 17, 67, 1][case];
+            worst = worst.max(matmul_case(g, &mut rng, ty, k, n_rows, n_tok));
+        }
+        println!("MATMUL_MEASURED {}: max err / Σ|w·x| = {worst:.2e}", ty.name());
+    }
+}
+
+// Measured: at most 6.7e-8 of Σ|w·x|. The GEMV's block shapes: many rows per warp (n_rows over 4 blocks per SM), several token
+// blocks (k = 4096 stages 3 tokens), one token per block (k = 12288), none (k = 16384: tiled).
+#[test]
+fn matmul_block_shapes_match_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (ty, k, n_rows, n_tok) in [
+        (GgmlType::Q4K, 256, 20_001, 3),
+        (GgmlType::Q6K, 4096, 37, 7),
+        (GgmlType::F16, 12_288, 5, 2),
+        (GgmlType::F32, 16_384, 3, 1),
+        (GgmlType::Q8_0, 96, 70_001, 1),
+    ] {
+        let worst = matmul_case(g, &mut rng, ty, k, n_rows, n_tok);
+        println!("MATMUL_MEASURED {} k={k} n_rows={n_rows} n_tok={n_tok}: max err / Σ|w·x| = {worst:.2e}", ty.name());
+    }
+}
+
+// Dequantisation alone: the reference is bit-exact ggml order without FMA; the kernel may fuse
+// d·q − m, so allow 1e-6 relative (measured: bit-exact, 0, for all 8 types).
+#[test]
+fn get_rows_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let block = ty.block_size();
+        let k = if block == 1 { 37 + rng.below(300) } else { block * (1 + rng.below(4)) };
+        let n_rows = 3 + rng.below(100);
+        let bytes = quantised(ty, &mut rng, k, n_rows);
+        let view = WeightView { ty, k, n_rows, data: &bytes };
+        let ids: Vec<u32> = (0..1 + rng.below(40)).map(|_| rng.below(n_rows) as u32).collect();
+        let want = reference::get_rows(&view, &ids);
+        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+        let idb = g.upload(&ids).unwrap();
+        let mut out = poisoned(g, ids.len() * k);
+        g.get_rows(&dw, &idb, ids.len(), &mut out).unwrap();
+        let got = g.download(&out).unwrap();
+        let worst = check_rel(&format!("get_rows {}", ty.name()), &got, &want.data, 1e-30, 1e-6);
+        println!("get_rows {}: max rel err {worst:.2e}", ty.name());
+    }
+    // An id past the end gives NaN, not a read past the weight.
+    let bytes = quantised(GgmlType::Q8_0, &mut rng, 64, 4);
+    let dw = g.upload_weight(GgmlType::Q8_0, 64, 4, &bytes).unwrap();
+    let mut out = g.zeros::<f32>(64).unwrap();
+    g.get_rows(&dw, &g.upload(&[4u32]).unwrap(), 1, &mut out).unwrap();
+    assert!(g.download(&out).unwrap().iter().all(|v| v.is_nan()));
+}
+
+// f32 sum of squares against the reference's f64: rtol 1e-5 (measured: at most 2.8e-7).
+#[test]
+fn rms_norm_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n, gw, m) in [(1, 2048, 1), (7, 128, 3), (3, 37, 5), (33, 256, 2), (1, 128, 32)] {
+        let d = gw * m;
+        let x = Mat::from_vec(n, d, rng.vec(n * d, -3.0, 3.0));
+        let w = rng.vec(gw, 0.5, 1.5);
+        let want = reference::rms_norm(&x, &w, 1e-6);
+        let mut out = poisoned(g, n * d);
+        g.rms_norm(&g.upload(&x.data).unwrap(), n, d, &g.upload(&w).unwrap(), 1e-6, &mut out).unwrap();
+        let worst = check_rel(&format!("rms_norm n={n} d={d} g={gw}"), &g.download(&out).unwrap(), &want.data, 1e-6, 1e-5);
+        println!("rms_norm n={n} d={d} g={gw}: max rel err {worst:.2e}");
+    }
+}
+
+// add is exact; gate's expf is within 2 ulp of Rust's exp: rtol 1e-6 (measured: add and
+// select_rows exact, gate at most 3.0e-7).
+#[test]
+fn add_gate_select_rows_match_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n, d) in [(1, 2048), (5, 37), (17, 513)] {
+        let h = Mat::from_vec(n, d, rng.vec(n * d, -4.0, 4.0));
+        let x = Mat::from_vec(n, d, rng.vec(n * d, -4.0, 4.0));
+        let mut want = h.clone();
+        reference::add(&mut want, &x);
+        let mut hb = g.upload(&h.data).unwrap();
+        g.add(&mut hb, &g.upload(&x.data).unwrap(), n * d).unwrap();
+        check_rel("add", &g.download(&hb).unwrap(), &want.data, 0.0, 0.0);
+
+        for (act, gate) in [(Act::Silu, ember_ops::Gate::Silu), (Act::Sigmoid, ember_ops::Gate::Sigmoid)] {
+            let gm = Mat::from_vec(n, d, rng.vec(n * d, -12.0, 12.0));
+            let mut want = h.clone();
+            reference::gate(&mut want, &gm, gate);
+            let mut yb = g.upload(&h.data).unwrap();
+            g.gate(&mut yb, &g.upload(&gm.data).unwrap(), n * d, act).unwrap();
+            let worst = check_rel(&format!("gate {act:?}"), &g.download(&yb).unwrap(), &want.data, 1e-30, 1e-6);
+            println!("gate {act:?} {n}x{d}: max rel err {worst:.2e}");
+        }
+
+        let rows: Vec<usize> = (0..1 + rng.below(2 * n)).map(|_| rng.below(n)).collect();
+        let want = reference::select_rows(&h, &rows);
+        let rows32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let mut out = poisoned(g, rows.len() * d);
+        g.select_rows(&g.upload(&h.data).unwrap(), n, d, &g.upload(&rows32).unwrap(), rows.len(), &mut out).unwrap();
+        check_rel("select_rows", &g.download(&out).unwrap(), &want.data, 0.0, 0.0);
+    }
+}
+
+// ids must equal the reference's; a different id is accepted only where the two probabilities
+// tie to 1e-6 (expf vs exp). Weights: rtol 1e-5 (measured: ids always equal, weights at most
+// 2.4e-7).
+#[test]
+fn route_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_expert, k) in [(1, 256, 8), (5, 64, 1), (33, 7, 7), (3, 100, 10), (2, 512, 8)] {
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -6.0, 6.0));
+        let want = reference::route(&logits, k);
+        let mut ids = g.upload(&vec![u32::MAX; n_tok * k]).unwrap();
+        let mut w = poisoned(g, n_tok * k);
+        g.route(&g.upload(&logits.data).unwrap(), n_tok, n_expert, k, &mut ids, &mut w).unwrap();
+        let (got_ids, got_w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+        let mut p = vec![0f32; n_expert];
+        for t in 0..n_tok {
+            reference::softmax(logits.row(t), &mut p);
+            for j in 0..k {
+                let (a, b) = (got_ids[t * k + j] as usize, want.ids[t * k + j].0 as usize);
+                assert!(a == b || (p[a] - p[b]).abs() <= 1e-6 * p[b], "route t={t} j={j}: id {a}, want {b}");
+            }
+        }
+        let worst = check_rel(&format!("route weights {n_tok}x{n_expert} k={k}"), &got_w, &want.weights, 1e-30, 1e-5);
+        println!("route {n_tok}x{n_expert} k={k}: max rel err {worst:.2e}");
+    }
+}
+
+// RMSNorm (f32 vs f64 sums) then RoPE with the same f64 angles: atol 1e-5 + rtol 1e-5 on
+// O(1) values (measured: relative error at most 7.6e-5, only on entries with |ref| << 1, which
+// the atol covers; the gate copy is exact).
+#[test]
+fn attn_prep_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_head, n_head_kv, head_dim, n_rot) in [(1, 16, 2, 256, 64), (7, 3, 1, 64, 64), (2, 2, 2, 128, 16), (13, 4, 2, 96, 32)] {
+        let s = ember_ops::AttnPrep {
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_rot,
+            rope_base: 10_000_000.0,
+            eps: 1e-6,
+            q_norm: WeightId(0),
+            k_norm: WeightId(1),
+        };
+        let qg = Mat::from_vec(n_tok, n_head * 2 * head_dim, rng.vec(n_tok * n_head * 2 * head_dim, -3.0, 3.0));
+        let k = Mat::from_vec(n_tok, n_head_kv * head_dim, rng.vec(n_tok * n_head_kv * head_dim, -3.0, 3.0));
+        let (qn, kn) = (rng.vec(head_dim, 0.5, 1.5), rng.vec(head_dim, 0.5, 1.5));
+        let pos: Vec<u32> = (0..n_tok).map(|_| rng.below(200_000) as u32).collect();
+        let want = reference::attn_prep(&s, &qn, &kn, &qg, &k, &pos);
+        let (mut q, mut gate, mut ko) =
+            (poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * n_head_kv * head_dim));
+        let shape = AttnPrepShape { n_tok, n_head, n_head_kv, head_dim, n_rot, eps: s.eps, rope_base: s.rope_base };
+        let (qgb, kb, qnb, knb, posb) = (
+            g.upload(&qg.data).unwrap(),
+            g.upload(&k.data).unwrap(),
+            g.upload(&qn).unwrap(),
+            g.upload(&kn).unwrap(),
+            g.upload(&pos).unwrap(),
+        );
+        let inputs = AttnPrepIn { qg: &qgb, k: &kb, q_norm: &qnb, k_norm: &knb, pos: &posb };
+        g.attn_prep(shape, inputs, &mut q, &mut gate, &mut ko).unwrap();
+        let what = format!("attn_prep t={n_tok} h={n_head}/{n_head_kv} hd={head_dim} rot={n_rot}");
+        let e1 = check_rel(&format!("{what} q"), &g.download(&q).unwrap(), &want.q.data, 1e-5, 1e-5);
+        check_rel(&format!("{what} gate"), &g.download(&gate).unwrap(), &want.gate.data, 0.0, 0.0);
+        let e2 = check_rel(&format!("{what} k"), &g.download(&ko).unwrap(), &want.k.data, 1e-5, 1e-5);
+        println!("{what}: max rel err q {e1:.2e} k {e2:.2e}");
+    }
+}
+
+// L2 norms (f32 vs f64 sums), sigmoid and softplus (expf/log1pf vs Rust): rtol 1e-5
+// (measured: at most 2.4e-7).
+#[test]
+fn delta_prep_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_k_head, d_k, n_v_head, d_v) in [(1, 16, 128, 32, 128), (5, 1, 32, 2, 48), (9, 2, 64, 4, 33)] {
+        let s = ember_ops::DeltaPrep { n_k_head, n_v_head, d_k, d_v, eps: 1e-6, a: WeightId(0), dt_bias: WeightId(1) };
+        let w = 2 * n_k_head * d_k + n_v_head * d_v;
+        let cu = Mat::from_vec(n_tok, w, rng.vec(n_tok * w, -2.0, 2.0));
+        let b = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -6.0, 6.0));
+        // alpha + dt_bias spans softplus' threshold 20 on both sides.
+        let alpha = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -25.0, 25.0));
+        let a = rng.vec(n_v_head, -8.0, -0.1);
+        let dt_bias = rng.vec(n_v_head, -2.0, 2.0);
+        let want = reference::delta_prep(&s, &a, &dt_bias, &cu, &b, &alpha);
+        let nkd = n_tok * n_k_head * d_k;
+        let (mut q, mut k, mut v, mut gg, mut beta) = (
+            poisoned(g, nkd),
+            poisoned(g, nkd),
+            poisoned(g, n_tok * n_v_head * d_v),
+            poisoned(g, n_tok * n_v_head),
+            poisoned(g, n_tok * n_v_head),
+        );
+        let (cub, bb, alb, ab, dtb) = (
+            g.upload(&cu.data).unwrap(),
+            g.upload(&b.data).unwrap(),
+            g.upload(&alpha.data).unwrap(),
+            g.upload(&a).unwrap(),
+            g.upload(&dt_bias).unwrap(),
+        );
+        let shape = DeltaPrepShape { n_tok, n_k_head, d_k, n_v_head, d_v, eps: s.eps };
+        let i = DeltaPrepIn { cu: &cub, b: &bb, alpha: &alb, a: &ab, dt_bias: &dtb };
+        g.delta_prep(shape, i, DeltaPrepOut { q: &mut q, k: &mut k, v: &mut v, g: &mut gg, beta: &mut beta }).unwrap();
+        let what = format!("delta_prep t={n_tok} k {n_k_head}x{d_k} v {n_v_head}x{d_v}");
+        let mut worst = 0f32;
+        for (name, got, want) in
+            [("q", &q, &want.q), ("k", &k, &want.k), ("v", &v, &want.v), ("g", &gg, &want.g), ("beta", &beta, &want.beta)]
+        {
+            worst = worst.max(check_rel(&format!("{what} {name}"), &g.download(got).unwrap(), &want.data, 1e-7, 1e-5));
+        }
+        println!("{what}: max rel err {worst:.2e}");
+    }
+}
+
+// The same f32 sums in the same order (FMA contraction aside), expf in SiLU: rtol 1e-5;
+// the state is copied, exact. Two calls in a row check that the state carries. Measured:
+// relative error up to 2.3e-4 on outputs near zero (|ref| ~ 1e-3), inside atol 1e-6.
+#[test]
+fn conv1d_silu_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (c, kernel, toks) in [(8192, 4, [1, 1]), (37, 4, [5, 2]), (300, 2, [1, 7]), (65, 1, [3, 1]), (19, 4, [2, 1])] {
+        let w = rng.vec(c * kernel, -1.0, 1.0);
+        let mut state = rng.vec((kernel - 1) * c, -2.0, 2.0);
+        let (wb, mut sb) = (g.upload(&w).unwrap(), g.upload(&state).unwrap());
+        let mut worst = 0f32;
+        for n_tok in toks {
+            let x = Mat::from_vec(n_tok, c, rng.vec(n_tok * c, -2.0, 2.0));
+            let want = reference::conv1d_silu(&x, &w, &mut state);
+            let mut out = poisoned(g, n_tok * c);
+            g.conv1d_silu(&g.upload(&x.data).unwrap(), n_tok, c, &wb, kernel, &mut sb, &mut out).unwrap();
+            worst = worst.max(check_rel(
+                &format!("conv1d_silu c={c} k={kernel} t={n_tok}"),
+                &g.download(&out).unwrap(),
+                &want.data,
+                1e-6,
+                1e-5,
+            ));
+            check_rel("conv1d_silu state", &g.download(&sb).unwrap(), &state, 0.0, 0.0);
+        }
+        println!("conv1d_silu c={c} k={kernel}: max rel err {worst:.2e}");
+    }
+}
+
+// f32 warp sums against f64 dots, repeated over tokens with the state carried: the output is
+// compared with atol 1e-4 + rtol 1e-4 (values O(1)), the state likewise. Measured: relative
+// error up to 9.5e-4 (output) and 1.4e-2 (state) on entries near zero, inside the atol.
+#[test]
+fn delta_rule_recurrent_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (n_tok, n_k_head, d_k, n_v_head, d_v) in [(1, 16, 128, 32, 128), (7, 2, 64, 4, 33), (3, 1, 32, 3, 5), (20, 2, 256, 2, 16)] {
+        let s = ember_ops::DeltaShape { n_tok, n_k_head, n_v_head, d_k, d_v };
+        let unit = |rng: &mut Rng, n: usize| -> Mat {
+            // L2-normalised rows of d_k per head, as delta_prep makes them.
+            let mut m = Mat::from_vec(n, n_k_head * d_k, rng.vec(n * n_k_head * d_k, -1.0, 1.0));
+            m.data.chunks_exact_mut(d_k).for_each(|h| reference::l2_norm(h, 1e-6));
+            m
+        };
+        let (q, k) = (unit(&mut rng, n_tok), unit(&mut rng, n_tok));
+        let v = Mat::from_vec(n_tok, n_v_head * d_v, rng.vec(n_tok * n_v_head * d_v, -2.0, 2.0));
+        let gm = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, -3.0, -0.01));
+        let beta = Mat::from_vec(n_tok, n_v_head, rng.vec(n_tok * n_v_head, 0.01, 1.0));
+        let mut state = rng.vec(n_v_head * d_v * d_k, -1.0, 1.0);
+        let mut sb = g.upload(&state).unwrap();
+        let want = reference::delta_rule_recurrent(s, &q, &k, &v, &gm, &beta, &mut state);
+        let (qb, kb, vb, gb, bb) = (
+            g.upload(&q.data).unwrap(),
+            g.upload(&k.data).unwrap(),
+            g.upload(&v.data).unwrap(),
+            g.upload(&gm.data).unwrap(),
+            g.upload(&beta.data).unwrap(),
+        );
+        let mut out = poisoned(g, n_tok * n_v_head * d_v);
+        let shape = DeltaShape { n_tok, n_k_head, d_k, n_v_head, d_v };
+        g.delta_rule_recurrent(shape, DeltaIn { q: &qb, k: &kb, v: &vb, g: &gb, beta: &bb }, &mut sb, &mut out).unwrap();
+        let what = format!("delta_rule t={n_tok} k {n_k_head}x{d_k} v {n_v_head}x{d_v}");
+        let e1 = check_rel(&format!("{what} out"), &g.download(&out).unwrap(), &want.data, 1e-4, 1e-4);
+        let e2 = check_rel(&format!("{what} state"), &g.download(&sb).unwrap(), &state, 1e-4, 1e-4);
+        println!("{what}: max rel err out {e1:.2e} state {e2:.2e}");
+    }
+}
+
+// Dot products as in matmul, then a sum over k experts in another order than the reference's
+// (routing order against increasing id): rtol 1e-5 of Σ_j |w_j|·Σ_i |down_i·h_i| plus atol
+// 1e-6 (silu·up then the down dot, both f32). Measured: at most 1.8e-7 of the scale.
+#[test]
+fn moe_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases = [
+        (GgmlType::Q4K, GgmlType::Q6K, 512, 256, 8, 4, 1),
+        (GgmlType::Q4K, GgmlType::Q4K, 256, 512, 6, 3, 9),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 3),
+        (GgmlType::IQ4XS, GgmlType::Q5K, 256, 256, 3, 1, 17),
+    ];
+    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok) in cases {
+        let gate = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let up = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let down = quantised(ty_dn, &mut rng, n_ff, n_expert * d);
+        let (gv, uv, dv) = (
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &gate },
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &up },
+            WeightView { ty: ty_dn, k: n_ff, n_rows: n_expert * d, data: &down },
+        );
+        let x = Mat::from_vec(n_tok, d, rng.vec(n_tok * d, -1.0, 1.0));
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
+        let routing = reference::route(&logits, k);
+        let per_expert = routing.per_expert(n_expert);
+        let slots: Vec<MoeSlot> = per_expert
+            .iter()
+            .enumerate()
+            .map(|(e, toks)| MoeSlot {
+                expert: ExpertView { gate: gv.rows(e * n_ff, n_ff), up: uv.rows(e * n_ff, n_ff), down: dv.rows(e * d, d) },
+                tokens: toks,
+            })
+            .collect();
+        let want = reference::moe(reference::matmul, &slots, &x);
+        // scale[t][i] = Σ_j |w_j| · Σ_m |down_e[i][m]·h_tj[m]| with the reference's h.
+        let mut scale = vec![0f32; n_tok * d];
+        let mut row = vec![0f32; n_ff];
+        for t in 0..n_tok {
+            for j in 0..k {
+                let e = routing.ids[t * k + j].0 as usize;
+                let xe = x.rows(t, 1);
+                let mut h = reference::matmul(&gv.rows(e * n_ff, n_ff), &xe);
+                let u = reference::matmul(&uv.rows(e * n_ff, n_ff), &xe);
+                h.data.iter_mut().zip(&u.data).for_each(|(a, b)| *a = reference::silu(*a) * b);
+                for i in 0..d {
+                    ember_gguf::quant::dequantize(ty_dn, dv.row(e * d + i), &mut row).unwrap();
+                    let s: f32 = row.iter().zip(&h.data).map(|(a, b)| (a * b).abs()).sum();
+                    scale[t * d + i] += routing.weights[t * k + j].abs() * s;
+                }
+            }
+        }
+        let (gw, uw, dw) = (
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
+            g.upload_weight(ty_dn, n_ff, n_expert * d, &down).unwrap(),
+        );
+        let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
+        let mut h = poisoned(g, n_tok * k * n_ff);
+        let mut out = poisoned(g, n_tok * d);
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        g.moe(experts, &g.upload(&x.data).unwrap(), n_tok, MoeRouting { ids: &idb, weights: &wb, k }, &mut h, &mut out).unwrap();
+        let what = format!("moe {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
+        let worst = check(&what, &g.download(&out).unwrap(), &want.data, &scale, 1e-6, 1e-5);
+        println!("{what}: max err / scale {worst:.2e}");
+    }
+}
+
+#[test]
+fn devices_lists_gpus_or_says_why_not() {
+    match ember_cuda::devices() {
+        Ok(list) => {
+            assert!(!list.is_empty());
+            for d in list {
+                println!("{d:?}");
+                assert!(d.bytes_free <= d.bytes_total && d.cc.0 >= 5);
+            }
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            println!("no GPU: {msg}");
+            assert!(matches!(e, Error::NoDriver(_)) && msg.contains("libcuda.so.1"), "{msg}");
+        }
+    }
+}
+
+#[test]
+fn allocation_failure_names_asked_and_free() {
+    let Some(g) = gpu() else { return };
+    let e = g.alloc::<f32>(1 << 40).unwrap_err();
+    let msg = e.to_string();
+    println!("{msg}");
+    assert!(matches!(e, Error::OutOfMemory { bytes_asked, .. } if bytes_asked == 4 << 40), "{msg}");
+    assert!(msg.contains("asked for") && msg.contains("free"), "{msg}");
+}
+
+/// One MoE layer of the 35B model at decode (256 experts, top-8, d 2048, n_ff 512, Q4_K
+/// gate/up, Q6_K down): GB/s over the bytes of the 8 routed experts.
+#[test]
+#[ignore]
+fn bench_moe() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let (d, n_ff, n_expert, k) = (2048, 512, 256, 8);
+    let tiled = |ty: GgmlType, rng: &mut Rng, kk: usize, rows: usize| -> Vec<u8> {
+        let tile = quantised(ty, rng, kk, 256);
+        tile.iter().copied().cycle().take(tile.len() * rows / 256).collect()
+    };
+    let gw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let uw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let dw = g.upload_weight(GgmlType::Q6K, n_ff, n_expert * d, &tiled(GgmlType::Q6K, &mut rng, n_ff, n_expert * d)).unwrap();
+    for n_tok in [1, 4] {
+        let ids: Vec<u32> = (0..n_tok * k).map(|i| ((i * 37 + 11) % n_expert) as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&rng.vec(n_tok * k, 0.0, 0.25)).unwrap());
+        let x = g.upload(&rng.vec(n_tok * d, -1.0, 1.0)).unwrap();
+        let mut h = g.alloc::<f32>(n_tok * k * n_ff).unwrap();
+        let mut out = g.alloc::<f32>(n_tok * d).unwrap();
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let r = MoeRouting { ids: &idb, weights: &wb, k };
+        g.moe(experts, &x, n_tok, r, &mut h, &mut out).unwrap();
+        let iters = 200;
+        let ms = g
+            .time_ms(|| {
+                for _ in 0..iters {
+                    g.moe(experts, &x, n_tok, r, &mut h, &mut out)?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            / iters as f32;
+        let bytes = (n_tok * k) as f64 * (2 * n_ff * gw.row_bytes + d * dw.row_bytes) as f64;
+        println!(
+            "bench moe Q4_K/Q6_K tok={n_tok} (distinct experts {}): {ms:.4} ms  {:6.0} GB/s over the routed experts' bytes",
+            n_tok * k,
+            bytes / (ms as f64 * 1e-3) / 1e9
+        );
+    }
+}
+
+/// GB/s of the matmul kernel on 35B-A3B-sized weights (weight bytes per call / time).
+#[test]
+#[ignore]
+fn bench_matmul() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases: &[(&str, GgmlType, usize, usize)] = &[
+        ("expert gate/up, one expert", GgmlType::Q4K, 2048, 512),
+        ("expert gate/up, 256 experts stacked", GgmlType::Q4K, 2048, 512 * 256),
+        ("expert down, 256 experts stacked", GgmlType::Q4K, 512, 2048 * 256),
+        ("output head", GgmlType::Q6K, 2048, 248_320),
+        ("2048 x 65536", GgmlType::Q5K, 2048, 65_536),
+        ("2048 x 65536", GgmlType::Q8_0, 2048, 65_536),
+        ("2048 x 65536", GgmlType::IQ4XS, 2048, 65_536),
+        ("2048 x 65536", GgmlType::F16, 2048, 65_536),
+        ("2048 x 65536", GgmlType::BF16, 2048, 65_536),
+        ("2048 x 65536", GgmlType::F32, 2048, 65_536),
+    ];
+    for &(what, ty, k, n_rows) in cases {
+        // Random bytes quantise slowly on the host for 500 MB; tile one quantised block of rows.
+        let tile_rows = 256.min(n_rows);
+        let tile = quantised(ty, &mut rng, k, tile_rows);
+        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
+        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+        for n_tok in [1, 8, 512] {
+            if n_tok == 512 && n_rows > 65_536 {
+                continue;
+            }
+            let x = g.upload(&rng.vec(n_tok * k, -1.0, 1.0)).unwrap();
+            let mut y = g.alloc::<f32>(n_tok * n_rows).unwrap();
+            g.matmul(dw.all(), &x, n_tok, &mut y).unwrap(); // warm-up (and compile)
+            let iters = if bytes.len() < 10 << 20 { 200 } else { 20 };
+            let ms = g
+                .time_ms(|| {
+                    for _ in 0..iters {
+                        g.matmul(dw.all(), &x, n_tok, &mut y)?;
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                / iters as f32;
+            let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
+            let tflops = 2.0 * (k * n_rows * n_tok) as f64 / (ms as f64 * 1e-3) / 1e12;
+            println!(
+                "bench matmul {:6} {what:38} k={k:5} rows={n_rows:6} tok={n_tok:3}: {:8.4} ms  {gbs:7.0} GB/s ({:4.1}% of 4300)  {tflops:6.2} TFLOP/s",
+                ty.name(),
+                ms,
+                gbs / 43.0
+            );
+        }
+    }
+}
+
+/// Per-call time of the small ops at the 35B model's decode shapes (one token), launches
+/// included (200 back-to-back calls, no graph). delta_rule also as GB/s of state read + written.
+#[test]
+#[ignore]
+fn bench_ops() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let mut buf = |n: usize| g.upload(&rng.vec(n, -1.0, 1.0)).unwrap();
+    let time = |what: &str, f: &mut dyn FnMut() -> ember_cuda::Result<()>| {
+        f().unwrap();
+        let iters = 200;
+        let ms = g
+            .time_ms(|| {
+                for _ in 0..iters {
+                    f()?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            / iters as f32;
+        println!("bench op {what:44}: {:7.2} us", ms * 1e3);
+        ms
+    };
+    let (x, w, mut out) = (buf(2048), buf(2048), buf(2048));
+    time("rms_norm 1x2048", &mut || g.rms_norm(&x, 1, 2048, &w, 1e-6, &mut out));
+    let (mut h, xa) = (buf(2048), buf(2048));
+    time("add 2048", &mut || g.add(&mut h, &xa, 2048));
+    let logits = buf(256);
+    let (mut ids, mut wt) = (g.alloc::<u32>(8).unwrap(), buf(8));
+    time("route 256 experts, k 8", &mut || g.route(&logits, 1, 256, 8, &mut ids, &mut wt));
+    let (qg, k, qn, kn) = (buf(16 * 2 * 256), buf(2 * 256), buf(256), buf(256));
+    let pos = g.upload(&[12345u32]).unwrap();
+    let (mut q, mut gate, mut ko) = (buf(16 * 256), buf(16 * 256), buf(2 * 256));
+    let s = AttnPrepShape { n_tok: 1, n_head: 16, n_head_kv: 2, head_dim: 256, n_rot: 64, eps: 1e-6, rope_base: 1e7 };
+    time("attn_prep 16/2 heads x 256, rot 64", &mut || {
+        g.attn_prep(s, AttnPrepIn { qg: &qg, k: &k, q_norm: &qn, k_norm: &kn, pos: &pos }, &mut q, &mut gate, &mut ko)
+    });
+    let (cx, cw, mut cs, mut co) = (buf(8192), buf(8192 * 4), buf(3 * 8192), buf(8192));
+    time("conv1d_silu 8192 ch, kernel 4", &mut || g.conv1d_silu(&cx, 1, 8192, &cw, 4, &mut cs, &mut co));
+    let (cu, b, al, a, dt) = (buf(8192), buf(32), buf(32), buf(32), buf(32));
+    let (mut dq, mut dk, mut dv, mut dg, mut db) = (buf(2048), buf(2048), buf(4096), buf(32), buf(32));
+    let ds = DeltaPrepShape { n_tok: 1, n_k_head: 16, d_k: 128, n_v_head: 32, d_v: 128, eps: 1e-6 };
+    time("delta_prep k 16x128, v 32x128", &mut || {
+        let o = DeltaPrepOut { q: &mut dq, k: &mut dk, v: &mut dv, g: &mut dg, beta: &mut db };
+        g.delta_prep(ds, DeltaPrepIn { cu: &cu, b: &b, alpha: &al, a: &a, dt_bias: &dt }, o)
+    });
+    let (q1, k1, v1) = (buf(2048), buf(2048), buf(4096));
+    let gl = g.upload(&[-0.1f32; 32]).unwrap();
+    let be = g.upload(&[0.5f32; 32]).unwrap();
+    let mut st = g.upload(&vec![0.01f32; 32 * 128 * 128]).unwrap();
+    let mut o1 = buf(4096);
+    let sh = DeltaShape { n_tok: 1, n_k_head: 16, d_k: 128, n_v_head: 32, d_v: 128 };
+    let ms = time("delta_rule_recurrent 32 heads 128x128, 1 tok", &mut || {
+        g.delta_rule_recurrent(sh, DeltaIn { q: &q1, k: &k1, v: &v1, g: &gl, beta: &be }, &mut st, &mut o1)
+    });
+    println!(
+        "bench op delta_rule state traffic: {:.0} GB/s (2 MiB read + written)",
+        2.0 * 32.0 * 128.0 * 128.0 * 4.0 / (ms as f64 * 1e-3) / 1e9
+    );
+}

@@ -1,0 +1,40 @@
+//! Every kernel source compiles with NVRTC for sm_75, sm_86 and sm_90, with no GPU and no
+//! driver: NVRTC only. Without NVRTC the test skips with a line saying why, unless `CI` is set
+//! (CI installs it from PyPI: .ci/run), where a missing NVRTC fails.
+
+use ember_cuda::kernels::{ALL, OPTIONS};
+use ember_cuda::nvrtc::{Image, Nvrtc};
+
+#[test]
+fn every_kernel_compiles_for_sm75_sm86_sm90() {
+    let nvrtc = match Nvrtc::load(None) {
+        Ok(n) => n,
+        Err(e) if std::env::var_os("CI").is_none() => {
+            println!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("CI is set and NVRTC is missing: {e}"),
+    };
+    println!("NVRTC {:?} from {}", nvrtc.version(), nvrtc.path().display());
+    for kernel in ALL {
+        for cc in [75, 86, 90] {
+            let t = std::time::Instant::now();
+            let image = nvrtc.compile(kernel.name, &kernel.source(), cc, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
+            let Image::Cubin(bytes) = image else { panic!("{} sm_{cc}: PTX instead of a CUBIN", kernel.name) };
+            // An ELF image.
+            assert_eq!(&bytes[..4], b"\x7fELF", "{} sm_{cc}", kernel.name);
+            println!("{} sm_{cc}: {} bytes in {:.0} ms", kernel.name, bytes.len(), t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+}
+
+#[test]
+fn a_compile_error_is_an_error_with_the_log() {
+    let Ok(nvrtc) = Nvrtc::load(None) else {
+        println!("skipped: no NVRTC");
+        return;
+    };
+    static BAD: &str = "extern \"C\" __global__ void k() { undefined_thing(); }";
+    let e = nvrtc.compile("bad", BAD, 90, OPTIONS).unwrap_err().to_string();
+    assert!(e.contains("undefined_thing"), "{e}");
+}
