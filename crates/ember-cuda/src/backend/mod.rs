@@ -135,6 +135,24 @@ impl CudaOps {
         &self.gpu
     }
 
+    /// The most KV pages a store of `slots` slots of `layout` can have on this GPU now, keeping
+    /// `reserve` bytes free for activations and scratch: (free memory − the slots' DeltaNet
+    /// state − the current store's memory, which `configure` gives back first − `reserve`) over
+    /// the page size. What an engine clamps its pool to before [`SeqStore::configure`].
+    pub fn kv_pages_that_fit(&self, layout: &StateLayout, slots: usize, reserve: usize) -> OpResult<usize> {
+        let (free, _) = self.gpu.mem_info().map_err(cuda("kv_pages_that_fit", self.dev))?;
+        let held = self.store.pool.as_ref().map_or(0, |p| p.len()) + 4 * self.store.delta.as_ref().map_or(0, |d| d.len());
+        let delta = slots.saturating_mul(layout.delta_bytes());
+        let page = layout.page_bytes().max(1);
+        Ok((free + held).saturating_sub(delta).saturating_sub(reserve) / page)
+    }
+
+    /// The device address of a handle of this step (what a captured CUDA graph bakes in: a
+    /// step that allocates the same shapes in the same order gets the same addresses).
+    pub fn device_ptr(&self, t: Tensor) -> OpResult<u64> {
+        Ok(self.arena.buf("device_ptr", t)?.ptr())
+    }
+
     fn rows_check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
         let n = self.batch.n_rows();
         if t.n != n {
