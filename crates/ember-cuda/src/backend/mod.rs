@@ -479,7 +479,13 @@ impl Ops for CudaOps {
             check::attention(OP, dev, &h.shape(sp), &Mat { n: sp.n, d: q.d, data: Vec::new() }, &rows(0), &rows(1))?;
         }
         self.store.sync_table(&self.gpu, OP)?;
+        let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
+        let shape =
+            AttentionShape { n_rows: q.n, n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: h.head_dim, scale: h.scale, max_keys };
+        // The output, then the scratch of the split over the keys (always allocated, so the
+        // handles that follow do not depend on the depth).
         let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
+        self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
         let st = &self.store;
         let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
             return Err(OpError::new(OP, dev, "", "the store is not configured"));
@@ -495,9 +501,9 @@ impl Ops for CudaOps {
             n_slots: st.n_slots(),
             layer: a,
         };
-        let shape = AttentionShape { n_rows: q.n, n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: h.head_dim, scale: h.scale };
         let (ins, outs) = self.arena.split(y.id);
-        self.gpu.attention(&pages, shape, &ins[q.id as usize], &self.step.row_slot, &self.step.pos, &mut outs[0]).map_err(cuda(OP, dev))?;
+        let [yb, sb, ..] = outs else { unreachable!("two buffers were just allocated") };
+        self.gpu.attention(&pages, shape, &ins[q.id as usize], &self.step.row_slot, &self.step.pos, yb, sb).map_err(cuda(OP, dev))?;
         Ok(y)
     }
 
