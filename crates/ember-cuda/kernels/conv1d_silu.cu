@@ -2,6 +2,10 @@
 // Reference: ember_ops::reference::conv1d_silu. u(i) for i < 0 is the state
 // (state[(hist + i)·C + ch]); out[t][ch] = silu(Σ_j w[ch·K + j]·u(t − hist + j)); the new
 // state is the last hist inputs.
+//   conv1d_silu: one sequence, its state at `state`.
+//   conv1d_silu_seqs: every sequence of a step in one launch; sequence s has rows
+//     row0[s]..row0[s] + n[s] and its state in slot slot[s] of the store's DeltaNet buffer
+//     (state + slot · slot_stride + offset).
 
 #define CONV_MAX_K 8
 
@@ -13,22 +17,51 @@ struct ConvParams {
     u32 n_tok, c, k, pad;
 };
 
+struct ConvSeqsParams {
+    u64 x;      // [n_rows, C] f32
+    u64 w;      // [C · K] f32
+    u64 state;  // the store's DeltaNet buffer, updated in place
+    u64 out;    // [n_rows, C] f32
+    u64 row0;   // [n_seq] u32
+    u64 n;      // [n_seq] u32
+    u64 slot;   // [n_seq] u32
+    u64 slot_stride, offset;  // floats
+    u32 c, k, n_slots, pad;
+};
+
+// Channel `ch` of rows t0..t1 of x, continuing and updating the history `state`.
+__device__ __forceinline__ void conv_channel(const float* x, const float* wt, float* state, float* out, u32 t0, u32 t1, u32 c, u32 k,
+                                             u32 ch) {
+    const int hist = k - 1;
+    float w[CONV_MAX_K], win[CONV_MAX_K];
+    for (int j = 0; j < (int)k; ++j) w[j] = wt[(u64)ch * k + j];
+    for (int j = 0; j < hist; ++j) win[j] = state[(u64)j * c + ch];
+    for (u32 t = t0; t < t1; ++t) {
+        win[hist] = x[(u64)t * c + ch];
+        float acc = 0.0f;
+        for (int j = 0; j < (int)k; ++j) acc += w[j] * win[j];
+        out[(u64)t * c + ch] = silu_f(acc);
+        for (int j = 0; j < hist; ++j) win[j] = win[j + 1];
+    }
+    for (int j = 0; j < hist; ++j) state[(u64)j * c + ch] = win[j];
+}
+
 // One thread per channel; it walks the tokens with the window in registers.
 extern "C" __global__ void conv1d_silu(const ConvParams p) {
     const u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= p.c) return;
-    const int hist = p.k - 1;
-    float* state = (float*)p.state;
-    const float* x = (const float*)p.x;
-    float w[CONV_MAX_K], win[CONV_MAX_K];
-    for (int j = 0; j < (int)p.k; ++j) w[j] = ((const float*)p.w)[(u64)ch * p.k + j];
-    for (int j = 0; j < hist; ++j) win[j] = state[(u64)j * p.c + ch];
-    for (u32 t = 0; t < p.n_tok; ++t) {
-        win[hist] = x[(u64)t * p.c + ch];
-        float acc = 0.0f;
-        for (int j = 0; j < (int)p.k; ++j) acc += w[j] * win[j];
-        ((float*)p.out)[(u64)t * p.c + ch] = silu_f(acc);
-        for (int j = 0; j < hist; ++j) win[j] = win[j + 1];
+    conv_channel((const float*)p.x, (const float*)p.w, (float*)p.state, (float*)p.out, 0, p.n_tok, p.c, p.k, ch);
+}
+
+// grid (ceil(C / blockDim), n_seq): one thread per (channel, sequence).
+extern "C" __global__ void conv1d_silu_seqs(const ConvSeqsParams p) {
+    const u32 ch = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
+    if (ch >= p.c) return;
+    const u32 t0 = ((const u32*)p.row0)[s], t1 = t0 + ((const u32*)p.n)[s], slot = ((const u32*)p.slot)[s];
+    if (slot >= p.n_slots) {
+        for (u32 t = t0; t < t1; ++t) ((float*)p.out)[(u64)t * p.c + ch] = __int_as_float(0x7fffffff);
+        return;
     }
-    for (int j = 0; j < hist; ++j) state[(u64)j * p.c + ch] = win[j];
+    float* state = (float*)p.state + slot * p.slot_stride + p.offset;
+    conv_channel((const float*)p.x, (const float*)p.w, state, (float*)p.out, t0, t1, p.c, p.k, ch);
 }

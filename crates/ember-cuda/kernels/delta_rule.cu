@@ -5,6 +5,10 @@
 //   S ← e^g S;  δ = β (v − Sᵀk);  S ← S + k δᵀ;  o = Sᵀ q.
 // One warp per column (h, jv), the column in registers (d_k / 32 values per lane): one read and
 // one write of the state per call, whatever n_tok (shared/GPU.md §3).
+//   delta_rule_recurrent: one sequence, its state at `state`.
+//   delta_rule_seqs: every sequence of a step in one launch; sequence s has rows
+//     row0[s]..row0[s] + n[s] and its state in slot slot[s] of the store's DeltaNet buffer
+//     (state + slot · slot_stride + offset).
 
 #define DELTA_MAX_PER_LANE 8  // d_k <= 256
 
@@ -19,22 +23,30 @@ struct DeltaRuleParams {
     u32 n_tok, n_k_head, d_k, n_v_head, d_v, pad;
 };
 
-// blockDim 128 (4 columns per block); grid ceil(nv·dv / 4). d_k % 32 == 0.
-extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
-    const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (col >= p.n_v_head * p.d_v) return;  // whole warps
-    const u32 h = col / p.d_v, jv = col % p.d_v, kh = h % p.n_k_head;
-    const u32 dk = p.d_k, n_per = dk / 32, nkdk = p.n_k_head * dk;
-    float* st = (float*)p.state + (u64)col * dk;
+struct DeltaSeqsParams {
+    u64 q, k, v, g, beta;  // as above, n_rows rows
+    u64 state;             // the store's DeltaNet buffer, updated in place
+    u64 out;               // [n_rows, nv·dv] f32
+    u64 row0;              // [n_seq] u32
+    u64 n;                 // [n_seq] u32
+    u64 slot;              // [n_seq] u32
+    u64 slot_stride, offset;  // floats
+    u32 n_k_head, d_k, n_v_head, d_v, n_slots, pad;
+};
+
+// Column `col` (value head h, index jv) over rows t0..t1, the column `st` in registers.
+__device__ __forceinline__ void delta_column(const float* qp, const float* kp, const float* vp, const float* gp, const float* bp, float* st,
+                                             float* outp, u32 t0, u32 t1, u32 nk, u32 dk, u32 nv, u32 dv, u32 col, int lane) {
+    const u32 h = col / dv, kh = h % nk;
+    const u32 n_per = dk / 32, nkdk = nk * dk;
     float s[DELTA_MAX_PER_LANE];
 #pragma unroll
     for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) s[i] = i < (int)n_per ? st[32 * i + lane] : 0.0f;
-    for (u32 t = 0; t < p.n_tok; ++t) {
-        const float* q = (const float*)p.q + (u64)t * nkdk + kh * dk;
-        const float* k = (const float*)p.k + (u64)t * nkdk + kh * dk;
-        const float decay = expf(((const float*)p.g)[(u64)t * p.n_v_head + h]);
-        const float b = ((const float*)p.beta)[(u64)t * p.n_v_head + h];
+    for (u32 t = t0; t < t1; ++t) {
+        const float* q = qp + (u64)t * nkdk + kh * dk;
+        const float* k = kp + (u64)t * nkdk + kh * dk;
+        const float decay = expf(gp[(u64)t * nv + h]);
+        const float b = bp[(u64)t * nv + h];
         float kv[DELTA_MAX_PER_LANE], qv[DELTA_MAX_PER_LANE];
         float sk = 0.0f;
 #pragma unroll
@@ -47,7 +59,7 @@ extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
             }
         }
         sk = warp_sum(sk);
-        const float delta = b * (((const float*)p.v)[(u64)t * p.n_v_head * p.d_v + col] - sk);
+        const float delta = b * (vp[(u64)t * nv * dv + col] - sk);
         float o = 0.0f;
 #pragma unroll
         for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
@@ -57,9 +69,33 @@ extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
             }
         }
         o = warp_sum(o);
-        if (lane == 0) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = o;
+        if (lane == 0) outp[(u64)t * nv * dv + col] = o;
     }
 #pragma unroll
     for (int i = 0; i < DELTA_MAX_PER_LANE; ++i)
         if (i < (int)n_per) st[32 * i + lane] = s[i];
+}
+
+// blockDim 128 (4 columns per block); grid ceil(nv·dv / 4). d_k % 32 == 0.
+extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
+    const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= p.n_v_head * p.d_v) return;  // whole warps
+    float* st = (float*)p.state + (u64)col * p.d_k;
+    delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, 0,
+                 p.n_tok, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, threadIdx.x % 32);
+}
+
+// blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0.
+extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
+    const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, s = blockIdx.y;
+    if (col >= p.n_v_head * p.d_v) return;  // whole warps
+    const u32 t0 = ((const u32*)p.row0)[s], t1 = t0 + ((const u32*)p.n)[s], slot = ((const u32*)p.slot)[s];
+    if (slot >= p.n_slots) {
+        if (threadIdx.x % 32 == 0)
+            for (u32 t = t0; t < t1; ++t) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
+        return;
+    }
+    float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * p.d_k;
+    delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t0, t1,
+                 p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, threadIdx.x % 32);
 }

@@ -111,6 +111,14 @@ impl<T> Buf<T> {
     }
 }
 
+/// Checks that `at..at + len` lies inside a buffer of `cap` elements.
+fn range(op: &'static str, cap: usize, at: usize, len: usize) -> Result<()> {
+    if at.checked_add(len).is_none_or(|end| end > cap) {
+        return Err(crate::error::shape(op, format!("elements {at}..{} of a buffer of {cap}", at.saturating_add(len))));
+    }
+    Ok(())
+}
+
 /// One GPU: its primary context and one stream every call of this crate runs on, in order.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -212,6 +220,76 @@ impl Gpu {
         self.sync()?;
         v.truncate(buf.len);
         Ok(v)
+    }
+
+    /// Overwrites `buf[at..at + data.len()]` with `data`.
+    pub fn write_at<T: Elem>(&self, buf: &mut Buf<T>, at: usize, data: &[T]) -> Result<()> {
+        range("write_at", buf.len, at, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut view = buf.slice.slice_mut(at..at + data.len());
+        self.stream.memcpy_htod(data, &mut view).map_err(drv("cuMemcpyHtoDAsync"))?;
+        // A pageable source must stay alive until the copy is done; waiting makes that true.
+        self.sync()
+    }
+
+    /// `buf[at..at + len]` on the host (waits for the stream).
+    pub fn download_range<T: Elem>(&self, buf: &Buf<T>, at: usize, len: usize) -> Result<Vec<T>> {
+        range("download_range", buf.len, at, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let view = buf.slice.slice(at..at + len);
+        let v = self.stream.clone_dtoh(&view).map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.sync()?;
+        Ok(v)
+    }
+
+    /// Zeroes `buf[at..at + len]` (stream-ordered).
+    pub fn zero_range<T: Elem>(&self, buf: &mut Buf<T>, at: usize, len: usize) -> Result<()> {
+        range("zero_range", buf.len, at, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let mut view = buf.slice.slice_mut(at..at + len);
+        self.stream.memset_zeros(&mut view).map_err(drv("cuMemsetD8Async"))
+    }
+
+    /// Copies `src[src_at..src_at + len]` into `dst[dst_at..dst_at + len]` (stream-ordered).
+    pub fn copy<T: Elem>(&self, src: &Buf<T>, src_at: usize, dst: &mut Buf<T>, dst_at: usize, len: usize) -> Result<()> {
+        range("copy", src.len, src_at, len)?;
+        range("copy", dst.len, dst_at, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let from = src.slice.slice(src_at..src_at + len);
+        let mut to = dst.slice.slice_mut(dst_at..dst_at + len);
+        self.stream.memcpy_dtod(&from, &mut to).map_err(drv("cuMemcpyDtoDAsync"))
+    }
+
+    /// Copies `buf[from..from + len]` to `buf[to..to + len]` (ranges must not overlap;
+    /// stream-ordered).
+    pub fn copy_within<T: Elem>(&self, buf: &mut Buf<T>, from: usize, to: usize, len: usize) -> Result<()> {
+        range("copy_within", buf.len, from, len)?;
+        range("copy_within", buf.len, to, len)?;
+        if len == 0 || from == to {
+            return Ok(());
+        }
+        if from < to && from + len > to || to < from && to + len > from {
+            return Err(crate::error::shape("copy_within", format!("ranges {from}+{len} and {to}+{len} overlap")));
+        }
+        if from < to {
+            let (lo, mut hi) = buf.slice.split_at_mut(to);
+            let src = lo.slice(from..from + len);
+            let mut dst = hi.slice_mut(0..len);
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(drv("cuMemcpyDtoDAsync"))
+        } else {
+            let (mut lo, hi) = buf.slice.split_at_mut(from);
+            let src = hi.slice(0..len);
+            let mut dst = lo.slice_mut(to..to + len);
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(drv("cuMemcpyDtoDAsync"))
+        }
     }
 
     /// Waits until all work on the stream is done.

@@ -49,10 +49,28 @@ kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
 kernel!(MOE, "moe", DEQUANT);
+kernel!(MOE_SHARED, "moe_shared");
+kernel!(KV_APPEND, "kv_append");
+kernel!(ATTENTION, "attention");
 
 /// Every kernel source (the NVRTC compile test walks this).
-pub static ALL: &[&Kernel] =
-    &[&MATMUL, &GET_ROWS, &RMS_NORM, &ADD, &GATE, &SELECT_ROWS, &ROUTE, &ATTN_PREP, &DELTA_PREP, &CONV1D_SILU, &DELTA_RULE, &MOE];
+pub static ALL: &[&Kernel] = &[
+    &MATMUL,
+    &GET_ROWS,
+    &RMS_NORM,
+    &ADD,
+    &GATE,
+    &SELECT_ROWS,
+    &ROUTE,
+    &ATTN_PREP,
+    &DELTA_PREP,
+    &CONV1D_SILU,
+    &DELTA_RULE,
+    &MOE,
+    &MOE_SHARED,
+    &KV_APPEND,
+    &ATTENTION,
+];
 
 /// NVRTC options for every kernel. No `--use_fast_math`: the kernels are checked against the
 /// scalar reference, and fast `expf`/division would widen every tolerance.

@@ -1,6 +1,6 @@
 //! ember's CUDA layer: driver and NVRTC loading, the kernel cache, device buffers, and the
-//! kernels (`kernels/*.cu`, one op per file) with their launchers ([`ops`]). The future
-//! `CudaOps` backend calls this crate; it knows no model.
+//! kernels (`kernels/*.cu`, one op per file) with their launchers ([`ops`]), and [`CudaOps`],
+//! ember's op trait (`ember_ops::Ops` + `SeqStore`) on one GPU built on them. It knows no model.
 //!
 //! The decision a reader may question: kernels are CUDA C++ compiled at run time by NVRTC for
 //! the exact GPU (`sm_XX` CUBIN, cached on disk), not built by nvcc at build time. So every
@@ -11,11 +11,13 @@
 //! launches ([`Gpu`]), each block with its invariant. README.md beside this crate lists the
 //! kernels, the errors and speeds measured on an H200, and what is left.
 
+mod backend;
 mod error;
 mod gpu;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
+pub use backend::CudaOps;
 pub use error::{Error, Result};
 pub use gpu::{Buf, DeviceInfo, Elem, Gpu, devices, driver_version};

@@ -4,28 +4,73 @@
 //! on the host: the kernels turn an out-of-range index into a NaN row instead of reading past.
 
 mod add;
+mod attention;
 mod attn_prep;
 mod conv1d_silu;
 mod delta_prep;
 mod delta_rule;
 mod gate;
 mod get_rows;
+mod kv_append;
 mod matmul;
 mod moe;
 mod rms_norm;
 mod route;
 mod select_rows;
 
+pub use attention::{ATTENTION_SPLIT_KEYS, AttentionShape};
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DeltaIn, DeltaShape};
 pub use gate::Act;
+pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, WeightRef};
 pub use moe::{MoeExperts, MoeRouting};
 pub use route::ROUTE_SUM_MIN;
 
 use crate::error::{Result, shape};
 use crate::gpu::Buf;
+
+/// The sequences of a step, as device buffers written once per step: sequence s has rows
+/// `row0[s]..row0[s] + n[s]` of the activations and its state in slot `slot[s]`.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqRows<'a> {
+    pub row0: &'a Buf<u32>,
+    pub n: &'a Buf<u32>,
+    pub slot: &'a Buf<u32>,
+    pub n_seq: usize,
+}
+
+impl SeqRows<'_> {
+    fn check(&self, op: &'static str) -> Result<()> {
+        need(op, "row0", self.row0, self.n_seq)?;
+        need(op, "n", self.n, self.n_seq)?;
+        need(op, "slot", self.slot, self.n_seq)?;
+        if self.n_seq > 65535 {
+            return Err(shape(op, format!("{} sequences (at most 65535 per call)", self.n_seq)));
+        }
+        Ok(())
+    }
+}
+
+/// Where one layer's state sits in a buffer of per-slot states: slot s at
+/// `s · slot_stride + offset`, `len` floats, for `n_slots` slots.
+#[derive(Debug, Clone, Copy)]
+pub struct StateAt {
+    pub slot_stride: usize,
+    pub offset: usize,
+    pub len: usize,
+    pub n_slots: usize,
+}
+
+impl StateAt {
+    fn check(&self, op: &'static str, state: &Buf<f32>) -> Result<()> {
+        if self.n_slots > 0 && self.offset + self.len > self.slot_stride {
+            return Err(shape(op, format!("state {}+{} in slots of {}", self.offset, self.len, self.slot_stride)));
+        }
+        need(op, "state", state, self.n_slots * self.slot_stride)
+    }
+}
 
 /// Checks that `buf` holds at least `need` elements.
 fn need<T>(op: &'static str, what: &str, buf: &Buf<T>, need: usize) -> Result<()> {

@@ -4,7 +4,7 @@ use super::matmul::type_suffix;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::MOE;
+use crate::kernels::{MOE, MOE_SHARED};
 use crate::ops::DeviceWeight;
 
 const OP: &str = "moe";
@@ -62,7 +62,38 @@ struct MoeParams {
 // SAFETY: plain #[repr(C)] data matching `MoeParams` in kernels/moe.cu.
 unsafe impl DeviceRepr for MoeParams {}
 
+#[repr(C)]
+struct MoeSharedParams {
+    out: u64,
+    s: u64,
+    gate: u64,
+    n_tok: u32,
+    d: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MoeSharedParams` in kernels/moe_shared.cu.
+unsafe impl DeviceRepr for MoeSharedParams {}
+
 impl Gpu {
+    /// The shared expert's share of the MoE: `out[t][i] += sigmoid(gate[t]) · s[t][i]` for
+    /// out and s [n_tok, d], gate [n_tok].
+    pub fn moe_shared_add(&self, out: &mut Buf<f32>, s: &Buf<f32>, gate: &Buf<f32>, n_tok: usize, d: usize) -> Result<()> {
+        const OP: &str = "moe_shared_add";
+        need(OP, "out", out, n_tok * d)?;
+        need(OP, "s", s, n_tok * d)?;
+        need(OP, "gate", gate, n_tok)?;
+        if n_tok == 0 || d == 0 {
+            return Ok(());
+        }
+        if n_tok > 65535 {
+            return Err(shape(OP, format!("{n_tok} tokens (at most 65535 per call)")));
+        }
+        let p = MoeSharedParams { out: out.ptr(), s: s.ptr(), gate: gate.ptr(), n_tok: n_tok as u32, d: u32_of(OP, "d", d)? };
+        let f = self.function(&MOE_SHARED, "moe_shared_add")?;
+        // SAFETY: out and s hold n_tok·d floats, gate n_tok (checked above).
+        unsafe { self.launch(&f, (blocks(d, 256), p.n_tok, 1), 256, 0, &p) }
+    }
+
     /// `out[t] = Σ_j w[t][j] · down_e(silu(gate_e·x_t) ⊙ up_e·x_t)`, e = ids[t][j], for x
     /// [n_tok, d]; `h` is scratch of n_tok·k·n_ff floats. Only the routed experts are read.
     pub fn moe(

@@ -1,0 +1,674 @@
+//! [`CudaOps`]: ember's op trait ([`Ops`] + [`SeqStore`]) on one GPU.
+//!
+//! * Weights are uploaded once at [`Ops::register`] ([`weights`]).
+//! * Activations are handles into a per-step arena of device buffers ([`arena`]): the same
+//!   allocations in the same order give the same handles and addresses step after step.
+//! * [`Ops::begin_step`] checks the batch as [`ember_ops::HostBackend`] does and writes it to the
+//!   device once: token ids, positions, each row's slot, the logit rows, and per sequence its
+//!   first row, length and slot. The sequence ops read those buffers: every sequence of a step
+//!   in one launch.
+//! * State lives in a device [`SeqStore`] ([`store`]): DeltaNet slots and a paged KV pool.
+//! * Every op runs the shape checks of [`ember_ops::check`] (so errors match every backend's)
+//!   before touching the GPU; routing stays on the device; `read`/`read_routing` are the only
+//!   downloads.
+//!
+//! The chunked delta rule ([`DeltaMode::Chunked`], and `Auto` for spans of several tokens) runs
+//! as the recurrent scan: the same function up to rounding, checked against the chunked
+//! reference by the conformance suite.
+
+mod arena;
+mod store;
+mod weights;
+
+use std::sync::Arc;
+
+use ember_ops::{
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, ExpertId, Gate, KvRows, LayerIdx,
+    Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind, StateLayout, StoreStats,
+    Tensor, WeightId, WeightInfo, WeightSet, check,
+};
+
+use crate::ops::{
+    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, KvPages, MoeExperts, MoeRouting,
+    SeqRows, StateAt,
+};
+use crate::{Buf, Gpu};
+
+use arena::{Arena, Routes};
+use store::DevStore;
+use weights::DevWeights;
+
+/// The batch of the current step on the device.
+struct StepBufs {
+    tokens: Buf<u32>,
+    pos: Buf<u32>,
+    row_slot: Buf<u32>,
+    logit_rows: Buf<u32>,
+    seq_row0: Buf<u32>,
+    seq_n: Buf<u32>,
+    seq_slot: Buf<u32>,
+    /// Per-call positions for a `kv_append` whose caches are not at the sequences' pos0.
+    kv_pos: Buf<u32>,
+}
+
+/// ember's ops on one CUDA GPU.
+pub struct CudaOps {
+    gpu: Gpu,
+    dev: DeviceId,
+    weights: DevWeights,
+    arena: Arena,
+    routes: Routes,
+    batch: Batch,
+    spans: Vec<SeqSpan>,
+    slots: Vec<SlotId>,
+    pos: Vec<u32>,
+    stepping: bool,
+    step: StepBufs,
+    store: DevStore,
+}
+
+/// A host matrix with the shape of `t` and no data, for the shared shape checks.
+fn shape_of(t: Tensor) -> Mat {
+    Mat { n: t.n, d: t.d, data: Vec::new() }
+}
+
+fn cuda(op: &'static str, dev: DeviceId) -> impl Fn(crate::Error) -> OpError {
+    move |e| OpError::new(op, dev, "", e.to_string())
+}
+
+/// [`check::matmul`] on a handle (that check also compares the host data's length, which a
+/// handle has none of): the same message.
+fn check_matmul(op: &'static str, dev: DeviceId, w: &WeightInfo, x: Tensor) -> OpResult<()> {
+    if x.d != w.k {
+        return Err(OpError::new(
+            op,
+            dev,
+            format!("x {}x{}, w {}", x.n, x.d, w.describe()),
+            format!("x has {} columns, weight rows have {}", x.d, w.k),
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `data` to the start of `buf`, growing it first if needed.
+fn put(gpu: &Gpu, buf: &mut Buf<u32>, data: &[u32]) -> crate::Result<()> {
+    if buf.len() < data.len() {
+        *buf = gpu.alloc(data.len().next_power_of_two())?;
+    }
+    if data.is_empty() { Ok(()) } else { gpu.write(buf, data) }
+}
+
+impl CudaOps {
+    /// Opens GPU `device_index` (kernels compile on first use).
+    pub fn new(device_index: usize) -> crate::Result<Self> {
+        let gpu = Gpu::new(device_index)?;
+        let dev = DeviceId::Gpu(u16::try_from(device_index).unwrap_or(u16::MAX));
+        let one = || gpu.zeros::<u32>(1);
+        let step = StepBufs {
+            tokens: one()?,
+            pos: one()?,
+            row_slot: one()?,
+            logit_rows: one()?,
+            seq_row0: one()?,
+            seq_n: one()?,
+            seq_slot: one()?,
+            kv_pos: one()?,
+        };
+        Ok(CudaOps {
+            dev,
+            weights: DevWeights::empty(dev),
+            arena: Arena::new(dev),
+            routes: Routes::new(dev),
+            batch: Batch::default(),
+            spans: Vec::new(),
+            slots: Vec::new(),
+            pos: Vec::new(),
+            stepping: false,
+            step,
+            store: DevStore::new(dev),
+            gpu,
+        })
+    }
+
+    /// The GPU (device info, timings).
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The most KV pages a store of `slots` slots of `layout` can have on this GPU now, keeping
+    /// `reserve` bytes free for activations and scratch: (free memory − the slots' DeltaNet
+    /// state − the current store's memory, which `configure` gives back first − `reserve`) over
+    /// the page size. What an engine clamps its pool to before [`SeqStore::configure`].
+    pub fn kv_pages_that_fit(&self, layout: &StateLayout, slots: usize, reserve: usize) -> OpResult<usize> {
+        let (free, _) = self.gpu.mem_info().map_err(cuda("kv_pages_that_fit", self.dev))?;
+        let held = self.store.pool.as_ref().map_or(0, |p| p.len()) + 4 * self.store.delta.as_ref().map_or(0, |d| d.len());
+        let delta = slots.saturating_mul(layout.delta_bytes());
+        let page = layout.page_bytes().max(1);
+        Ok((free + held).saturating_sub(delta).saturating_sub(reserve) / page)
+    }
+
+    /// The device address of a handle of this step (what a captured CUDA graph bakes in: a
+    /// step that allocates the same shapes in the same order gets the same addresses).
+    pub fn device_ptr(&self, t: Tensor) -> OpResult<u64> {
+        Ok(self.arena.buf("device_ptr", t)?.ptr())
+    }
+
+    fn rows_check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
+        let n = self.batch.n_rows();
+        if t.n != n {
+            return Err(OpError::new(op, self.dev, format!("{}x{}", t.n, t.d), format!("the step's batch has {n} rows")));
+        }
+        Ok(())
+    }
+
+    /// Where DeltaNet layer ordinal `d` sits in every slot: (conv, rec).
+    fn delta_at(&self, d: usize) -> (StateAt, StateAt) {
+        let (c, r) = self.store.delta_at(d);
+        let (per, n_slots) = (self.store.slot_floats(), self.store.n_slots());
+        let l = &self.store.layout;
+        (StateAt { slot_stride: per, offset: c, len: l.conv, n_slots }, StateAt { slot_stride: per, offset: r, len: l.rec, n_slots })
+    }
+
+    /// Checks the step's slots are still live and distinct (a store reconfigured since
+    /// `begin_step` refuses them).
+    fn live_slots(&self, op: &'static str) -> OpResult<()> {
+        self.store.live_all(op, &self.slots)
+    }
+
+    /// `h ← f(h, x)` in place for an elementwise op; `x` may be `h` itself (then copied first).
+    fn in_place(
+        &mut self,
+        op: &'static str,
+        h: Tensor,
+        x: Tensor,
+        f: impl FnOnce(&Gpu, &mut Buf<f32>, &Buf<f32>, usize) -> crate::Result<()>,
+    ) -> OpResult<()> {
+        self.arena.check(op, h)?;
+        self.arena.check(op, x)?;
+        check::same(op, self.dev, &shape_of(h), &shape_of(x))?;
+        let src = if h.id == x.id {
+            let tmp = self.arena.alloc(&self.gpu, op, x.n, x.d)?;
+            let (dst, src) = self.arena.pair(tmp.id, x.id);
+            self.gpu.copy(src, 0, dst, 0, x.n * x.d).map_err(cuda(op, self.dev))?;
+            tmp
+        } else {
+            x
+        };
+        let (hb, xb) = self.arena.pair(h.id, src.id);
+        f(&self.gpu, hb, xb, h.n * h.d).map_err(cuda(op, self.dev))
+    }
+}
+
+impl SeqStore for CudaOps {
+    fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
+        self.store.configure(&self.gpu, layout, slots, kv_pages)
+    }
+
+    fn alloc_slot(&mut self) -> OpResult<Slot> {
+        self.store.alloc_slot(&self.gpu)
+    }
+
+    fn clear_slot(&mut self, slot: &Slot) -> OpResult<()> {
+        self.store.clear_slot(&self.gpu, slot)
+    }
+
+    fn slot_len(&mut self, slot: &Slot) -> OpResult<usize> {
+        self.store.slot_len(slot)
+    }
+
+    fn snapshot(&mut self, slot: &Slot) -> OpResult<Snapshot> {
+        self.store.snapshot(&self.gpu, slot)
+    }
+
+    fn restore(&mut self, slot: &Slot, snap: &Snapshot) -> OpResult<()> {
+        self.store.restore(&self.gpu, slot, snap)
+    }
+
+    fn read_delta(&mut self, slot: &Slot, layer: LayerIdx) -> OpResult<(Vec<f32>, Vec<f32>)> {
+        self.store.read_delta(&self.gpu, slot, layer)
+    }
+
+    fn store_stats(&mut self) -> StoreStats {
+        self.store.store_stats()
+    }
+}
+
+impl Ops for CudaOps {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> DeviceId {
+        self.dev
+    }
+
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        // The old set's memory goes first.
+        self.weights = DevWeights::empty(self.dev);
+        self.weights = DevWeights::upload(&self.gpu, self.dev, weights)?;
+        Ok(())
+    }
+
+    fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
+        const OP: &str = "begin_step";
+        let dev = self.dev;
+        self.store.collect();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let len = self.store.live_len(OP, s.slot)?;
+            if s.pos0 != len {
+                return Err(OpError::new(
+                    OP,
+                    dev,
+                    s.slot.to_string(),
+                    format!("the sequence continues at {} but its slot holds {len} tokens", s.pos0),
+                ));
+            }
+            if batch.seqs[..i].iter().any(|t| t.slot == s.slot) {
+                return Err(OpError::new(OP, dev, s.slot.to_string(), "a slot appears twice in one step"));
+            }
+        }
+        let n = batch.n_rows();
+        if batch.tokens.len() != n {
+            return Err(OpError::new(OP, dev, format!("{} tokens", batch.tokens.len()), format!("the sequences have {n} rows")));
+        }
+        if let Some(r) = batch.logit_rows.iter().find(|&&r| r as usize >= n) {
+            return Err(OpError::new(OP, dev, format!("logit row {r}"), format!("the step has {n} rows")));
+        }
+        if let Some(s) = batch.seqs.iter().find(|s| u32::try_from(s.pos0 + s.n).is_err()) {
+            return Err(OpError::new(OP, dev, s.slot.to_string(), "positions beyond u32"));
+        }
+        self.stepping = false;
+        self.arena.reset();
+        self.routes.reset();
+        self.batch.clone_from(batch);
+        self.spans = batch.spans();
+        self.slots = batch.seqs.iter().map(|s| s.slot).collect();
+        self.pos = batch.positions();
+        let row_slot: Vec<u32> = batch.seqs.iter().flat_map(|s| std::iter::repeat_n(s.slot.0, s.n)).collect();
+        let row0: Vec<u32> = self.spans.iter().map(|s| s.row0 as u32).collect();
+        let seq_n: Vec<u32> = self.spans.iter().map(|s| s.n as u32).collect();
+        let slot: Vec<u32> = self.slots.iter().map(|s| s.0).collect();
+        let (g, st) = (&self.gpu, &mut self.step);
+        let mut up = || -> crate::Result<()> {
+            put(g, &mut st.tokens, &batch.tokens)?;
+            put(g, &mut st.pos, &self.pos)?;
+            put(g, &mut st.row_slot, &row_slot)?;
+            put(g, &mut st.logit_rows, &batch.logit_rows)?;
+            put(g, &mut st.seq_row0, &row0)?;
+            put(g, &mut st.seq_n, &seq_n)?;
+            put(g, &mut st.seq_slot, &slot)
+        };
+        up().map_err(cuda(OP, dev))?;
+        self.stepping = true;
+        Ok(())
+    }
+
+    fn end_step(&mut self) -> OpResult<()> {
+        if std::mem::take(&mut self.stepping) {
+            for s in &self.batch.seqs {
+                self.store.advance(s.slot, s.n);
+            }
+        }
+        Ok(())
+    }
+
+    fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
+        const OP: &str = "upload";
+        if x.data.len() != x.n * x.d {
+            return Err(OpError::new(OP, self.dev, format!("{}x{}", x.n, x.d), format!("{} values", x.data.len())));
+        }
+        let t = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (_, outs) = self.arena.split(t.id);
+        if !x.data.is_empty() {
+            self.gpu.write(&mut outs[0], &x.data).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(t)
+    }
+
+    fn read(&mut self, x: Tensor) -> OpResult<Mat> {
+        const OP: &str = "read";
+        let b = self.arena.buf(OP, x)?;
+        let data = self.gpu.download_range(b, 0, x.n * x.d).map_err(cuda(OP, self.dev))?;
+        Ok(Mat { n: x.n, d: x.d, data })
+    }
+
+    fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
+        const OP: &str = "read_routing";
+        let (b, _) = self.routes.get(OP, r)?;
+        let n = r.n_tok * r.k;
+        let ids = self.gpu.download_range(&b.ids, 0, n).map_err(cuda(OP, self.dev))?;
+        let weights = self.gpu.download_range(&b.weights, 0, n).map_err(cuda(OP, self.dev))?;
+        Ok(RouteTable { n_tok: r.n_tok, k: r.k, ids: ids.into_iter().map(|e| ExpertId(e as u16)).collect(), weights })
+    }
+
+    fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
+        const OP: &str = "embed";
+        let (info, dw) = self.weights.matrix(OP, w)?;
+        check::get_rows(OP, self.dev, info, &self.batch.tokens)?;
+        let n = self.batch.tokens.len();
+        let y = self.arena.alloc(&self.gpu, OP, n, info.k)?;
+        let (_, outs) = self.arena.split(y.id);
+        self.gpu.get_rows(dw, &self.step.tokens, n, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+
+    fn matmul(&mut self, w: WeightId, x: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "matmul";
+        self.arena.check(OP, x)?;
+        let (info, dw) = self.weights.matrix(OP, w)?;
+        check_matmul(OP, self.dev, info, x)?;
+        let y = self.arena.alloc(&self.gpu, OP, x.n, info.n_rows)?;
+        let (ins, outs) = self.arena.split(y.id);
+        self.gpu.matmul(dw.all(), &ins[x.id as usize], x.n, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+
+    fn matmul_many(&mut self, ws: &[WeightId], x: Tensor) -> OpResult<Vec<Tensor>> {
+        const OP: &str = "matmul_many";
+        self.arena.check(OP, x)?;
+        for &w in ws {
+            check_matmul(OP, self.dev, self.weights.matrix(OP, w)?.0, x)?;
+        }
+        let mut ys = Vec::with_capacity(ws.len());
+        for &w in ws {
+            let rows = self.weights.matrix(OP, w)?.0.n_rows;
+            ys.push(self.arena.alloc(&self.gpu, OP, x.n, rows)?);
+        }
+        let Some(first) = ys.first().map(|y| y.id) else { return Ok(ys) };
+        let (ins, outs) = self.arena.split(first);
+        for (j, &w) in ws.iter().enumerate() {
+            let dw = self.weights.matrix(OP, w)?.1;
+            self.gpu.matmul(dw.all(), &ins[x.id as usize], x.n, &mut outs[j]).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(ys)
+    }
+
+    fn rms_norm(&mut self, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        const OP: &str = "rms_norm";
+        self.arena.check(OP, x)?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (ins, outs) = self.arena.split(y.id);
+        self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+
+    fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()> {
+        self.in_place("add", h, x, |g, h, x, n| g.add(h, x, n))
+    }
+
+    fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
+        const OP: &str = "attn_prep";
+        self.rows_check(OP, qg)?;
+        self.arena.check(OP, qg)?;
+        self.arena.check(OP, k)?;
+        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
+        check::attn_prep(OP, self.dev, &s, (qn.len(), kn.len()), &shape_of(qg), &shape_of(k), &self.pos)?;
+        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
+        let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
+        let (ins, outs) = self.arena.split(q.id);
+        let [qb, gb, kb, ..] = outs else { unreachable!("three outputs were just allocated") };
+        let shape =
+            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
+        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
+        self.gpu.attn_prep(shape, input, qb, gb, kb).map_err(cuda(OP, self.dev))?;
+        Ok(AttnIn { q, gate, k: ko })
+    }
+
+    fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
+        const OP: &str = "kv_append";
+        let dev = self.dev;
+        self.rows_check(OP, k)?;
+        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
+        self.arena.check(OP, k)?;
+        self.arena.check(OP, v)?;
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, k.n, self.spans.len())?;
+        check::same(OP, dev, &shape_of(k), &shape_of(v))?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for sp in &self.spans {
+            check::kv_append(OP, dev, &KvRows::new(ty, width), &Mat { n: sp.n, d: k.d, data: Vec::new() })?;
+        }
+        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let before = self.store.grow(&self.gpu, OP, &self.slots, &ns, a)?;
+        self.store.sync_table(&self.gpu, OP)?;
+        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
+        let at_pos0 = before.iter().zip(&self.spans).all(|(b, s)| *b == s.pos0);
+        if !at_pos0 {
+            let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
+            put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(OP, dev))?;
+        }
+        let st = &self.store;
+        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
+            return Err(OpError::new(OP, dev, "", "the store is not configured"));
+        };
+        let pages = KvPages {
+            pool,
+            table,
+            ty: ty.ggml(),
+            width,
+            n_pages: st.cap,
+            stride: st.stride,
+            n_kv: st.n_kv(),
+            n_slots: st.n_slots(),
+            layer: a,
+        };
+        let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
+        let (kb, vb) = (self.arena.buf(OP, k)?, self.arena.buf(OP, v)?);
+        self.gpu.kv_append(&pages, kb, vb, k.n, &self.step.row_slot, pos).map_err(cuda(OP, dev))
+    }
+
+    fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "attention";
+        let dev = self.dev;
+        self.rows_check(OP, q)?;
+        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
+        self.arena.check(OP, q)?;
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, q.n, self.spans.len())?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for (sp, slot) in self.spans.iter().zip(&self.slots) {
+            let rows = |kv| {
+                let mut r = KvRows::new(ty, width);
+                r.len = self.store.cache(*slot, a, kv).len;
+                r
+            };
+            check::attention(OP, dev, &h.shape(sp), &Mat { n: sp.n, d: q.d, data: Vec::new() }, &rows(0), &rows(1))?;
+        }
+        self.store.sync_table(&self.gpu, OP)?;
+        let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
+        let shape =
+            AttentionShape { n_rows: q.n, n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: h.head_dim, scale: h.scale, max_keys };
+        // The output, then the scratch of the split over the keys (always allocated, so the
+        // handles that follow do not depend on the depth).
+        let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
+        self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
+        let st = &self.store;
+        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
+            return Err(OpError::new(OP, dev, "", "the store is not configured"));
+        };
+        let pages = KvPages {
+            pool,
+            table,
+            ty: ty.ggml(),
+            width,
+            n_pages: st.cap,
+            stride: st.stride,
+            n_kv: st.n_kv(),
+            n_slots: st.n_slots(),
+            layer: a,
+        };
+        let (ins, outs) = self.arena.split(y.id);
+        let [yb, sb, ..] = outs else { unreachable!("two buffers were just allocated") };
+        self.gpu.attention(&pages, shape, &ins[q.id as usize], &self.step.row_slot, &self.step.pos, yb, sb).map_err(cuda(OP, dev))?;
+        Ok(y)
+    }
+
+    fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
+        const OP: &str = "conv1d_silu";
+        let dev = self.dev;
+        self.rows_check(OP, x)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        self.arena.check(OP, x)?;
+        self.live_slots(OP)?;
+        let wv = self.weights.vector(OP, w)?;
+        check::spans(OP, dev, &self.spans, x.n, self.spans.len())?;
+        let conv = self.store.layout.conv;
+        for sp in &self.spans {
+            check::conv(OP, dev, &Mat { n: sp.n, d: x.d, data: Vec::new() }, wv.len(), conv)?;
+        }
+        let kernel = wv.len().checked_div(x.d).unwrap_or(0);
+        let (at, _) = self.delta_at(d);
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, outs) = self.arena.split(y.id);
+        self.gpu.conv1d_silu_seqs(&ins[x.id as usize], x.n, x.d, wv, kernel, seqs, state, at, &mut outs[0]).map_err(cuda(OP, dev))?;
+        Ok(y)
+    }
+
+    fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        const OP: &str = "delta_prep";
+        for t in [cu, b, alpha] {
+            self.arena.check(OP, t)?;
+        }
+        let (av, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, self.dev, &s, (av.len(), dt.len()), &shape_of(cu), &shape_of(b), &shape_of(alpha))?;
+        let (n, nk, dk, nv, dv) = (cu.n, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+        let q = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let k = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let v = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
+        let g = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let beta = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let (ins, outs) = self.arena.split(q.id);
+        let [qb, kb, vb, gb, bb, ..] = outs else { unreachable!("five outputs were just allocated") };
+        let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
+        let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
+        self.gpu.delta_prep(shape, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, self.dev))?;
+        Ok(DeltaIn { q, k, v, g, beta })
+    }
+
+    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, _mode: DeltaMode) -> OpResult<Tensor> {
+        const OP: &str = "gated_delta_rule";
+        let dev = self.dev;
+        self.rows_check(OP, x.q)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        for t in [x.q, x.k, x.v, x.g, x.beta] {
+            self.arena.check(OP, t)?;
+        }
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
+        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
+        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
+        let (_, at) = self.delta_at(d);
+        let n = x.q.n;
+        let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, outs) = self.arena.split(y.id);
+        let input = crate::ops::DeltaIn {
+            q: &ins[x.q.id as usize],
+            k: &ins[x.k.id as usize],
+            v: &ins[x.v.id as usize],
+            g: &ins[x.g.id as usize],
+            beta: &ins[x.beta.id as usize],
+        };
+        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
+        // The recurrent scan for every mode (equal to the chunked form up to rounding).
+        self.gpu.delta_rule_seqs(shape, input, seqs, state, at, &mut outs[0]).map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
+        Ok(y)
+    }
+
+    fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
+        let act = match act {
+            Gate::Silu => Act::Silu,
+            Gate::Sigmoid => Act::Sigmoid,
+        };
+        self.in_place("gate", y, g, |gpu, y, g, n| gpu.gate(y, g, n, act))
+    }
+
+    fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
+        const OP: &str = "route";
+        let lb = self.arena.buf(OP, logits)?;
+        check::route(OP, self.dev, &shape_of(logits), k)?;
+        let (r, rb) = self.routes.alloc(&self.gpu, OP, logits.n, k, logits.d)?;
+        self.gpu.route(lb, logits.n, logits.d, k, &mut rb.ids, &mut rb.weights).map_err(cuda(OP, self.dev))?;
+        Ok(r)
+    }
+
+    fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "moe";
+        let dev = self.dev;
+        let m = *self.weights.reg.moe(OP, layer)?;
+        let (_, routed_over) = self.routes.get(OP, routing)?;
+        self.arena.check(OP, x)?;
+        self.arena.check(OP, shared_gate)?;
+        let nk = routing.n_tok * routing.k;
+        let table = RouteTable { n_tok: routing.n_tok, k: routing.k, ids: vec![ExpertId(0); nk], weights: vec![0.0; nk] };
+        check::moe(OP, dev, &shape_of(x), &table, &shape_of(shared_gate), m.n_expert)?;
+        if routed_over > m.n_expert {
+            return Err(OpError::new(
+                OP,
+                dev,
+                format!("routing {}x{} over {routed_over} experts", routing.n_tok, routing.k),
+                format!("{layer} has {} experts", m.n_expert),
+            ));
+        }
+        let (gate, up) = self.weights.gate_up(OP, m.gate_up)?;
+        let down = self.weights.matrix(OP, m.down)?.1;
+        let [sg, su, sd] = m.shared;
+        let (sg, su, sd) = (self.weights.matrix(OP, sg)?.1, self.weights.matrix(OP, su)?.1, self.weights.matrix(OP, sd)?.1);
+        let d_out = sd.n_rows;
+        let chain = gate.k == x.d
+            && up.k == x.d
+            && gate.n_rows == m.n_expert * m.n_ff
+            && up.n_rows == gate.n_rows
+            && down.k == m.n_ff
+            && down.n_rows == m.n_expert * d_out
+            && sg.k == x.d
+            && su.k == x.d
+            && sg.n_rows == su.n_rows
+            && sd.k == sg.n_rows;
+        if !chain {
+            return Err(OpError::new(OP, dev, format!("x {}x{}, {layer}", x.n, x.d), "expert shapes do not chain"));
+        }
+        let (n, n_ffs) = (x.n, sg.n_rows);
+        let (gpu, arena) = (&self.gpu, &mut self.arena);
+        // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
+        // up and down outputs (consecutive, after the output).
+        let out = arena.alloc(gpu, OP, n, d_out)?;
+        for (rows, width) in [(n * routing.k, m.n_ff), (n, n_ffs), (n, n_ffs), (n, d_out)] {
+            arena.alloc(gpu, OP, rows, width)?;
+        }
+        let (rb, _) = self.routes.get(OP, routing)?;
+        let (ins, outs) = arena.split(out.id);
+        let [ob, hb, gb, ub, db, ..] = outs else { unreachable!("five buffers were just allocated") };
+        let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
+        let mut run = || -> crate::Result<()> {
+            let experts = MoeExperts { gate, up, down, n_expert: m.n_expert };
+            gpu.moe(experts, xb, n, MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k }, hb, ob)?;
+            gpu.matmul(sg.all(), xb, n, gb)?;
+            gpu.matmul(su.all(), xb, n, ub)?;
+            gpu.gate(ub, gb, n * n_ffs, Act::Silu)?;
+            gpu.matmul(sd.all(), ub, n, db)?;
+            gpu.moe_shared_add(ob, db, gsb, n, d_out)
+        };
+        run().map_err(cuda(OP, dev))?;
+        Ok(out)
+    }
+
+    fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "select_rows";
+        self.rows_check(OP, x)?;
+        self.arena.check(OP, x)?;
+        let rows: Vec<usize> = self.batch.logit_rows.iter().map(|&r| r as usize).collect();
+        check::select_rows(OP, self.dev, &shape_of(x), &rows)?;
+        let y = self.arena.alloc(&self.gpu, OP, rows.len(), x.d)?;
+        let (ins, outs) = self.arena.split(y.id);
+        self.gpu.select_rows(&ins[x.id as usize], x.n, x.d, &self.step.logit_rows, rows.len(), &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+}
