@@ -18,7 +18,7 @@ use ember_ops::KvType;
 use ember_synth::rng::Rng;
 use serde_json::json;
 
-use crate::load;
+use crate::{device, load};
 
 /// The bundled real-text corpus (see bench/corpus/README.md).
 pub const CORPUS: &str = include_str!("../../../bench/corpus/corpus.txt");
@@ -54,6 +54,9 @@ pub struct Args {
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 3)]
     reps: usize,
+    /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, value_parser = device::parse_device, default_value = "auto")]
+    device: device::Device,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -138,8 +141,8 @@ pub fn main(a: Args) -> Result<()> {
     }
     let model = load::open_model(Some(&a.model))?;
     let c = model.config.clone();
-    let ops = ember_cpu::backend(Precision::Fast, a.threads);
-    let n_threads = ops.kernels().n_threads();
+    let ops = device::backend(a.device, Precision::Fast, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let n_threads = device::threads(a.threads);
     let corpus = match a.prompts {
         Prompts::Real => {
             let tok = load::tokenizer(model.file())?;

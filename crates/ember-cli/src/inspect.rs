@@ -20,7 +20,8 @@ pub struct Args {
 
 pub fn main(a: Args) -> Result<()> {
     let file = load::open_gguf(a.model.as_deref())?;
-    let report = report(&file);
+    let mut report = report(&file);
+    report["gpus"] = crate::device::gpu_report();
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -132,6 +133,22 @@ fn print_text(r: &serde_json::Value) {
         file["n_kv"]
     );
     println!("architecture: {}", r["architecture"].as_str().unwrap_or("(none)"));
+    match r["gpus"].as_array() {
+        Some(gpus) if !gpus.is_empty() => {
+            for g in gpus {
+                println!(
+                    "gpu {}: {} (compute {}), {:.2} GiB free of {:.2} GiB",
+                    g["index"],
+                    g["name"].as_str().unwrap_or("?"),
+                    g["compute_capability"].as_str().unwrap_or("?"),
+                    gib(&g["free_bytes"]),
+                    gib(&g["total_bytes"])
+                );
+            }
+        }
+        Some(_) => println!("gpus: none"),
+        None => println!("gpus: none ({})", r["gpus"]["error"].as_str().unwrap_or("unknown")),
+    }
     println!("\nhyper-parameters:");
     match r["config"].get("error") {
         Some(e) => println!("  (not loadable as a model: {})", e.as_str().unwrap_or("")),

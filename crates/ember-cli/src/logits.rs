@@ -6,7 +6,7 @@ use ember_cpu::Precision;
 use ember_engine::{Backend, Logits, ModelBackend};
 use ember_ops::KvType;
 
-use crate::load;
+use crate::{device, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -25,6 +25,9 @@ pub struct Args {
     /// KV cache type: f16 (default), q8_0, or f32 (default with --exact).
     #[arg(long, value_parser = load::parse_kv_type)]
     kv_type: Option<KvType>,
+    /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, value_parser = device::parse_device, default_value = "auto")]
+    device: device::Device,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -50,7 +53,8 @@ pub fn main(a: Args) -> Result<()> {
     let kv_type = a.kv_type.unwrap_or(default_kv);
     let n_vocab = model.config.n_vocab;
     // The engine's forward path (ModelBackend::forward).
-    let mut backend = ModelBackend::new(model, ember_cpu::backend(precision, a.threads), kv_type)?;
+    let ops = device::backend(a.device, precision, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let mut backend = ModelBackend::new(model, ops, kv_type)?;
     backend.configure(1, ids.len(), 0)?;
     let mut st = backend.new_state(ids.len())?;
     let mut logits = Vec::with_capacity(ids.len() * n_vocab);

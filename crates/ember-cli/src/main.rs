@@ -4,6 +4,7 @@
 mod bench;
 mod bench_http;
 mod chat;
+mod device;
 mod inspect;
 mod load;
 mod logits;

@@ -8,7 +8,7 @@ use ember_engine::{EngineConfig, Event, EventSink, FinishReason, GenRequest, Mod
 use ember_ops::KvType;
 use ember_tokenizer::StreamDecoder;
 
-use crate::load;
+use crate::{device, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -46,6 +46,9 @@ pub struct Args {
     ctx: Option<usize>,
     #[arg(long, value_parser = load::parse_kv_type, default_value = "f16")]
     kv_type: KvType,
+    /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, value_parser = device::parse_device, default_value = "auto")]
+    device: device::Device,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -77,8 +80,8 @@ pub fn main(a: Args) -> Result<()> {
     if ids.len() > n_ctx {
         bail!("the prompt has {} tokens, more than the context size {n_ctx}", ids.len());
     }
-    let ops = ember_cpu::backend(Precision::Fast, a.threads);
-    let n_threads = ops.kernels().n_threads();
+    let ops = device::backend(a.device, Precision::Fast, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let n_threads = device::threads(a.threads);
     let seed = a.seed;
     let sampler = SamplerConfig {
         temperature: a.temp,

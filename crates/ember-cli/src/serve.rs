@@ -13,7 +13,7 @@ use ember_ops::KvType;
 use ember_server::AppState;
 use serde_json::json;
 
-use crate::load;
+use crate::{device, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -45,6 +45,9 @@ pub struct Args {
     /// Model name served in /v1/models and expected in requests (default: the file name).
     #[arg(long)]
     alias: Option<String>,
+    /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
+    #[arg(long, value_parser = device::parse_device, default_value = "auto")]
+    device: device::Device,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -124,8 +127,8 @@ pub fn main(a: Args) -> Result<()> {
         }
         None => {
             let precision = if a.batch_invariant { Precision::BatchInvariant } else { Precision::Fast };
-            let ops = ember_cpu::backend(precision, a.threads);
-            tracing::info!("{} threads, {} sequences of {n_ctx} tokens, queue {}", ops.kernels().n_threads(), a.parallel, a.queue);
+            let ops = device::backend(a.device, precision, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+            tracing::info!("{} sequences of {n_ctx} tokens, queue {}", a.parallel, a.queue);
             ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }
     }

@@ -141,3 +141,35 @@ fn bad_inputs_are_clear_errors() {
     fails(&["logits", "--tokens", "1,2", "--prefill", "5", "-o", "/tmp/x.safetensors"], "--prefill 5");
     fails(&["logits", "--tokens", "1,700", "-o", "/tmp/x.safetensors"], "out of range");
 }
+
+/// Issue 15: `--device`. Where no NVIDIA driver is present (CI), `--device cuda` is a one-line
+/// error naming what is missing (exit 1, no panic) and `auto` runs on the CPU saying why; with a
+/// GPU, both run there. A bad device name is a usage error; `inspect` lists the GPUs.
+#[test]
+fn device_choice() {
+    let m = path("tiny-a/gguf/tiny-a-Q8_0.gguf");
+    fails(&["run", "-m", &m, "-p", "Hi", "-n", "1", "--device", "tpu"], "not a device");
+    let gpus = ember_cuda::devices();
+    let o = ok(&["run", "-m", &m, "-p", "Hi", "-n", "2", "--device", "auto"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let inspect = ok(&["inspect", "-m", &m, "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    match gpus {
+        Err(e) => {
+            let o = ember(&["run", "-m", &m, "-p", "Hi", "-n", "1", "--device", "cuda"]);
+            let msg = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "--device cuda without a driver: {msg}");
+            assert!(msg.contains("no NVIDIA driver") && !msg.contains("panicked"), "{msg}");
+            assert_eq!(msg.trim().lines().count(), 1, "one line: {msg}");
+            assert!(err.contains("running on the CPU") && err.contains("no usable GPU"), "auto says why: {err}");
+            assert!(report["gpus"]["error"].as_str().unwrap().contains("driver"), "{report}");
+            eprintln!("no GPU here ({e}): checked the errors");
+        }
+        Ok(g) => {
+            assert!(err.contains("running there"), "auto picks the GPU: {err}");
+            ok(&["run", "-m", &m, "-p", "Hi", "-n", "2", "--device", "cuda:0"]);
+            fails(&["run", "-m", &m, "-p", "Hi", "-n", "1", "--device", &format!("cuda:{}", g.len())], "CUDA devices");
+            assert_eq!(report["gpus"].as_array().unwrap().len(), g.len());
+        }
+    }
+}

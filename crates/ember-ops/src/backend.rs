@@ -362,3 +362,103 @@ impl<K: HostKernels> Ops for HostBackend<K> {
         Ok(self.put(y))
     }
 }
+
+/// A backend chosen at run time (`--device`) is a `Box<dyn Ops>`: it forwards every call.
+impl<T: SeqStore + ?Sized> SeqStore for Box<T> {
+    fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
+        (**self).configure(layout, slots, kv_pages)
+    }
+    fn alloc_slot(&mut self) -> OpResult<Slot> {
+        (**self).alloc_slot()
+    }
+    fn clear_slot(&mut self, slot: &Slot) -> OpResult<()> {
+        (**self).clear_slot(slot)
+    }
+    fn slot_len(&mut self, slot: &Slot) -> OpResult<usize> {
+        (**self).slot_len(slot)
+    }
+    fn snapshot(&mut self, slot: &Slot) -> OpResult<Snapshot> {
+        (**self).snapshot(slot)
+    }
+    fn restore(&mut self, slot: &Slot, snap: &Snapshot) -> OpResult<()> {
+        (**self).restore(slot, snap)
+    }
+    fn read_delta(&mut self, slot: &Slot, layer: LayerIdx) -> OpResult<(Vec<f32>, Vec<f32>)> {
+        (**self).read_delta(slot, layer)
+    }
+    fn store_stats(&mut self) -> StoreStats {
+        (**self).store_stats()
+    }
+}
+
+impl<T: Ops + ?Sized> Ops for Box<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn device(&self) -> DeviceId {
+        (**self).device()
+    }
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        (**self).register(weights)
+    }
+    fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
+        (**self).begin_step(batch)
+    }
+    fn end_step(&mut self) -> OpResult<()> {
+        (**self).end_step()
+    }
+    fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
+        (**self).upload(x)
+    }
+    fn read(&mut self, x: Tensor) -> OpResult<Mat> {
+        (**self).read(x)
+    }
+    fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
+        (**self).read_routing(r)
+    }
+    fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
+        (**self).embed(w)
+    }
+    fn matmul(&mut self, w: WeightId, x: Tensor) -> OpResult<Tensor> {
+        (**self).matmul(w, x)
+    }
+    fn matmul_many(&mut self, ws: &[WeightId], x: Tensor) -> OpResult<Vec<Tensor>> {
+        (**self).matmul_many(ws, x)
+    }
+    fn rms_norm(&mut self, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        (**self).rms_norm(x, w, eps)
+    }
+    fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()> {
+        (**self).add(h, x)
+    }
+    fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
+        (**self).attn_prep(s, qg, k)
+    }
+    fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
+        (**self).kv_append(layer, k, v)
+    }
+    fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
+        (**self).attention(layer, h, q)
+    }
+    fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
+        (**self).conv1d_silu(layer, x, w)
+    }
+    fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        (**self).delta_prep(s, cu, b, alpha)
+    }
+    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
+        (**self).gated_delta_rule(layer, h, x, mode)
+    }
+    fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
+        (**self).gate(y, g, act)
+    }
+    fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
+        (**self).route(logits, k)
+    }
+    fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
+        (**self).moe(layer, x, routing, shared_gate)
+    }
+    fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
+        (**self).select_rows(x)
+    }
+}
