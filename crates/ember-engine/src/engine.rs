@@ -70,7 +70,6 @@ impl Checkpoint for ember_model::Snapshot {
 pub struct ModelBackend<O> {
     model: ember_model::Model,
     ops: O,
-    kv_type: ember_ops::KvType,
     layout: ember_ops::StateLayout,
 }
 
@@ -80,7 +79,7 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
     pub fn new(model: ember_model::Model, mut ops: O, kv_type: ember_ops::KvType) -> Result<Self, Error> {
         let layout = model.state_layout(kv_type).map_err(|e| Error::Backend(e.to_string()))?;
         ops.register(model.weights().clone()).map_err(|e| Error::Backend(e.to_string()))?;
-        Ok(ModelBackend { model, ops, kv_type, layout })
+        Ok(ModelBackend { model, ops, layout })
     }
 
     pub fn model(&self) -> &ember_model::Model {
@@ -106,6 +105,26 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
     }
 }
 
+/// The KV page pool for `slots` sequences of up to `n_ctx` tokens and a prompt cache of
+/// `cache_bytes`: every sequence full plus one copy-on-write page per K/V cache, plus the cache's
+/// pages (they count against its byte budget). A backend that budgets its memory (a GPU) may hold
+/// fewer (`fit`): the pool shrinks to that, and admission by free pages keeps requests within it
+/// (one that could never fit fails with a clear error). Fewer pages than one token needs is an
+/// error here.
+pub fn pool_pages(l: &ember_ops::StateLayout, slots: usize, n_ctx: usize, cache_bytes: usize, fit: Option<usize>) -> Result<usize, String> {
+    let extra = cache_bytes / l.page_bytes().max(1);
+    let want = slots.saturating_mul(l.pages_at(n_ctx) + 2 * l.n_kv_layers()).saturating_add(extra);
+    let pages = fit.map_or(want, |f| f.min(want));
+    let one_token = l.pages_at(1);
+    if pages < one_token {
+        return Err(format!(
+            "memory for {pages} KV pages ({} bytes each) is fewer than one token needs ({one_token}); lower --parallel or -c, or use another device",
+            l.page_bytes()
+        ));
+    }
+    Ok(pages)
+}
+
 fn backend_err(e: impl std::fmt::Display) -> Error {
     Error::Backend(e.to_string())
 }
@@ -115,10 +134,10 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     type Snapshot = ember_model::Snapshot;
 
     fn configure(&mut self, slots: usize, n_ctx: usize, cache_bytes: usize) -> Result<(), Error> {
-        // The prompt cache's pages count against its byte budget, so the pool needs room for
-        // at most that many pages beyond the sequences' own.
-        let extra = cache_bytes / self.layout.page_bytes().max(1);
-        self.model.configure_store(&mut self.ops, self.kv_type, slots, n_ctx, extra).map_err(backend_err)
+        let fit = self.ops.kv_pages_that_fit(&self.layout, slots).map_err(backend_err)?;
+        let pages = pool_pages(&self.layout, slots, n_ctx, cache_bytes, fit)
+            .map_err(|e| Error::Backend(format!("device {}: {e}", self.ops.device())))?;
+        self.ops.configure(self.layout.clone(), slots, pages).map_err(backend_err)
     }
 
     fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error> {
@@ -849,5 +868,34 @@ impl Backend for ScriptBackend {
             out.push(Some(rows));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ember_ops::{KvType, StateKind, StateLayout};
+
+    use super::pool_pages;
+
+    /// Pages: sized for every sequence full when memory allows, clamped to what fits otherwise,
+    /// an error when not even one token fits.
+    #[test]
+    fn pool_pages_shrink_to_what_fits() {
+        let l = StateLayout {
+            layers: vec![StateKind::Kv, StateKind::Delta, StateKind::Kv],
+            kv_type: KvType::F16,
+            kv_width: 512,
+            conv: 8,
+            rec: 16,
+        };
+        // 2 KV layers x (K, V) = 4 caches; 4096 tokens = 64 pages each; + 1 copy page each.
+        let full = 2 * (4 * 64 + 4);
+        let page = l.page_bytes();
+        assert_eq!(pool_pages(&l, 2, 4096, 0, None), Ok(full));
+        assert_eq!(pool_pages(&l, 2, 4096, 10 * page, None), Ok(full + 10), "the cache's budget in pages");
+        assert_eq!(pool_pages(&l, 2, 4096, 0, Some(1 << 20)), Ok(full), "more memory than needed: no more pages");
+        assert_eq!(pool_pages(&l, 2, 4096, 0, Some(100)), Ok(100), "less memory: the pool shrinks");
+        let e = pool_pages(&l, 2, 4096, 0, Some(3)).unwrap_err();
+        assert!(e.contains("fewer than one token needs (4)"), "{e}");
     }
 }

@@ -155,6 +155,10 @@ impl<K: HostKernels> SeqStore for HostBackend<K> {
     fn store_stats(&mut self) -> StoreStats {
         self.store.store_stats()
     }
+
+    fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>> {
+        self.store.kv_pages_that_fit(layout, slots)
+    }
 }
 
 impl<K: HostKernels> Ops for HostBackend<K> {
@@ -388,6 +392,9 @@ impl<T: SeqStore + ?Sized> SeqStore for Box<T> {
     }
     fn store_stats(&mut self) -> StoreStats {
         (**self).store_stats()
+    }
+    fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>> {
+        (**self).kv_pages_that_fit(layout, slots)
     }
 }
 

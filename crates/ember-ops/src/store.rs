@@ -302,6 +302,12 @@ pub trait SeqStore {
     fn read_delta(&mut self, slot: &Slot, layer: LayerIdx) -> OpResult<(Vec<f32>, Vec<f32>)>;
 
     fn store_stats(&mut self) -> StoreStats;
+
+    /// The most KV pages a store of `slots` slots of `layout` could hold in the memory this
+    /// backend has free now (after giving back its current store), or `None` when the backend
+    /// does not budget its memory (host RAM: the pool is a count, buffers come on demand). An
+    /// engine clamps its pool to this before [`SeqStore::configure`].
+    fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>>;
 }
 
 /// The host [`SeqStore`]: KV pages from a [`PagePool`], DeltaNet state of all slots in one
@@ -569,6 +575,10 @@ impl SeqStore for HostStore {
         let d = self.ordinal(OP, layer, StateKind::Delta)?;
         let (cs, rs) = self.delta_of(OP, &[SlotId(i as u32)], d)?;
         Ok((cs[0].to_vec(), rs[0].to_vec()))
+    }
+
+    fn kv_pages_that_fit(&mut self, _layout: &StateLayout, _slots: usize) -> OpResult<Option<usize>> {
+        Ok(None)
     }
 
     fn store_stats(&mut self) -> StoreStats {
