@@ -10,13 +10,15 @@
 #![forbid(unsafe_code)]
 
 pub mod engine;
+mod model_backend;
 pub mod prefix_cache;
 pub mod sampler;
 
 pub use engine::{
-    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, ModelBackend, ScriptBackend,
-    Step, TokenLogprobs, start,
+    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, ScriptBackend, Step,
+    TokenLogprobs, start,
 };
+pub use model_backend::{ModelBackend, pool_pages};
 pub use sampler::{Sampler, SamplerConfig};
 
 /// Errors of the engine.

@@ -207,3 +207,39 @@ pub fn spans(op: &'static str, dev: DeviceId, spans: &[SeqSpan], n_rows: usize, 
     }
     Ok(())
 }
+
+/// A step's batch ([`crate::Ops::begin_step`]): each sequence's slot in use (`slot_len` gives
+/// its length, or the error for a slot not in use) and continuing at its length, no slot twice,
+/// one token per row, logit rows and positions in range. Shared by every backend.
+pub fn batch(
+    op: &'static str,
+    dev: DeviceId,
+    batch: &crate::Batch,
+    mut slot_len: impl FnMut(crate::SlotId) -> OpResult<usize>,
+) -> OpResult<()> {
+    for (i, s) in batch.seqs.iter().enumerate() {
+        let len = slot_len(s.slot)?;
+        if s.pos0 != len {
+            return Err(OpError::new(
+                op,
+                dev,
+                s.slot.to_string(),
+                format!("the sequence continues at {} but its slot holds {len} tokens", s.pos0),
+            ));
+        }
+        if batch.seqs[..i].iter().any(|t| t.slot == s.slot) {
+            return Err(OpError::new(op, dev, s.slot.to_string(), "a slot appears twice in one step"));
+        }
+    }
+    let n = batch.n_rows();
+    if batch.tokens.len() != n {
+        return Err(OpError::new(op, dev, format!("{} tokens", batch.tokens.len()), format!("the sequences have {n} rows")));
+    }
+    if let Some(r) = batch.logit_rows.iter().find(|&&r| r as usize >= n) {
+        return Err(OpError::new(op, dev, format!("logit row {r}"), format!("the step has {n} rows")));
+    }
+    if let Some(s) = batch.seqs.iter().find(|s| u32::try_from(s.pos0 + s.n).is_err()) {
+        return Err(OpError::new(op, dev, s.slot.to_string(), "positions beyond u32"));
+    }
+    Ok(())
+}

@@ -263,30 +263,7 @@ impl Ops for CudaOps {
         const OP: &str = "begin_step";
         let dev = self.dev;
         self.store.collect();
-        for (i, s) in batch.seqs.iter().enumerate() {
-            let len = self.store.live_len(OP, s.slot)?;
-            if s.pos0 != len {
-                return Err(OpError::new(
-                    OP,
-                    dev,
-                    s.slot.to_string(),
-                    format!("the sequence continues at {} but its slot holds {len} tokens", s.pos0),
-                ));
-            }
-            if batch.seqs[..i].iter().any(|t| t.slot == s.slot) {
-                return Err(OpError::new(OP, dev, s.slot.to_string(), "a slot appears twice in one step"));
-            }
-        }
-        let n = batch.n_rows();
-        if batch.tokens.len() != n {
-            return Err(OpError::new(OP, dev, format!("{} tokens", batch.tokens.len()), format!("the sequences have {n} rows")));
-        }
-        if let Some(r) = batch.logit_rows.iter().find(|&&r| r as usize >= n) {
-            return Err(OpError::new(OP, dev, format!("logit row {r}"), format!("the step has {n} rows")));
-        }
-        if let Some(s) = batch.seqs.iter().find(|s| u32::try_from(s.pos0 + s.n).is_err()) {
-            return Err(OpError::new(OP, dev, s.slot.to_string(), "positions beyond u32"));
-        }
+        ember_ops::check::batch(OP, dev, batch, |s| self.store.live_len(OP, s))?;
         self.stepping = false;
         self.arena.reset();
         self.routes.reset();
