@@ -2,11 +2,12 @@
 //! buffers, module loading by kernel name and launches.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
-    result, sys,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, ValidAsZeroBits, result, sys,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -128,6 +129,20 @@ pub struct Gpu {
     nvrtc: OnceLock<std::result::Result<Arc<Nvrtc>, String>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Pinned staging buffers for large uploads, made on the first one (None inside: pinned
+    /// memory could not be had, large uploads go pageable).
+    stage: Mutex<Option<Option<Stage>>>,
+}
+
+/// Bytes per staging buffer: large enough that a copy's fixed cost is noise, small enough that
+/// two of them are no burden on the host.
+const STAGE_BYTES: usize = 64 << 20;
+
+/// Two pinned host buffers and, for each, an event recorded after the copy that last read it:
+/// the host fills one while the copy engine drains the other.
+struct Stage {
+    bufs: [PinnedHostSlice<u8>; 2],
+    done: [CudaEvent; 2],
 }
 
 impl Gpu {
@@ -141,7 +156,16 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         let info = info(&ctx)?;
-        Ok(Gpu { ctx, stream, info, driver, nvrtc: OnceLock::new(), modules: Mutex::default(), functions: Mutex::default() })
+        Ok(Gpu {
+            ctx,
+            stream,
+            info,
+            driver,
+            nvrtc: OnceLock::new(),
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+            stage: Mutex::default(),
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -207,6 +231,9 @@ impl Gpu {
     pub fn write<T: Elem>(&self, buf: &mut Buf<T>, data: &[T]) -> Result<()> {
         if data.len() > buf.len() {
             return Err(crate::error::shape("write", format!("{} values into a buffer of {}", data.len(), buf.len())));
+        }
+        if std::mem::size_of_val(data) >= 2 * STAGE_BYTES && self.staged_write(buf.ptr(), data)? {
+            return Ok(());
         }
         let mut view = buf.slice.slice_mut(0..data.len());
         self.stream.memcpy_htod(data, &mut view).map_err(drv("cuMemcpyHtoDAsync"))?;
@@ -297,6 +324,90 @@ impl Gpu {
         self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }
 
+    /// Copies `data` to the device address `dst` through the pinned staging buffers: host
+    /// threads copy a chunk into one buffer while the previous chunk's DMA runs from the other
+    /// (a pageable copy goes through the driver's own small buffers one at a time). Returns
+    /// false, having copied nothing, when pinned memory cannot be had. Waits for the copies.
+    fn staged_write<T: Elem>(&self, dst: u64, data: &[T]) -> Result<bool> {
+        // SAFETY: Elem types are plain numbers (no padding, every bit pattern valid), so their
+        // bytes can be read as u8; the view lives no longer than `data`.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        let mut guard = self.stage.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            *guard = Some(self.new_stage().ok());
+        }
+        let Some(Some(stage)) = guard.as_mut() else { return Ok(false) };
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 8);
+        for (i, chunk) in bytes.chunks(STAGE_BYTES).enumerate() {
+            let b = i % 2;
+            // The copy that last read buffer b (chunk i - 2) has finished.
+            stage.done[b].synchronize().map_err(drv("cuEventSynchronize"))?;
+            let host = &mut stage.bufs[b].as_mut_slice().map_err(drv("cuEventSynchronize"))?[..chunk.len()];
+            let per = chunk.len().div_ceil(threads);
+            std::thread::scope(|s| {
+                for (h, c) in host.chunks_mut(per).zip(chunk.chunks(per)) {
+                    s.spawn(move || h.copy_from_slice(c));
+                }
+            });
+            let at = dst + (i * STAGE_BYTES) as u64;
+            // SAFETY: `at..at + chunk.len()` lies inside the destination buffer (the caller's
+            // `write` checked the length); the source is pinned memory owned by `self.stage`,
+            // not touched again before `done[b]`, recorded right after this copy, has fired.
+            unsafe { result::memcpy_htod_async(at, &*host, self.stream.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"))?;
+            stage.done[b].record(&self.stream).map_err(drv("cuEventRecord"))?;
+        }
+        self.sync()?;
+        Ok(true)
+    }
+
+    fn new_stage(&self) -> Result<Stage> {
+        // SAFETY: the buffers are written before any copy reads them (staged_write).
+        let buf = || unsafe { self.ctx.alloc_pinned_with_flags::<u8>(STAGE_BYTES, 0) }.map_err(drv("cuMemHostAlloc"));
+        let ev = || self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(drv("cuEventCreate"));
+        Ok(Stage { bufs: [buf()?, buf()?], done: [ev()?, ev()?] })
+    }
+
+    /// Gives the pinned staging buffers back (after the weights are up).
+    pub fn release_staging(&self) {
+        *self.stage.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Runs `f` on this thread while worker threads compile (or read from the disk cache) every
+    /// kernel not loaded yet, then loads their modules: a cold start compiles all kernels in
+    /// parallel behind `f` (the weight upload) instead of one at a time on first use.
+    pub fn preparing_kernels<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let nvrtc = self.nvrtc()?;
+        let cc = self.info.sm();
+        let todo: Vec<&'static Kernel> = {
+            let m = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            kernels::ALL.iter().copied().filter(|k| !m.contains_key(k.name)).collect()
+        };
+        let next = AtomicUsize::new(0);
+        let n_threads = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, todo.len().max(1));
+        let (r, images) = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..n_threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(&k) = todo.get(i) else { break out };
+                            out.push((k, kernels::load_or_compile(&nvrtc, k, cc)));
+                        }
+                    })
+                })
+                .collect();
+            let r = f();
+            // A worker that panicked leaves its kernels to be compiled on first use.
+            let images: Vec<_> = workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect();
+            (r, images)
+        });
+        for (k, image) in images {
+            self.load_image(k, image?)?;
+        }
+        Ok(r)
+    }
+
     /// The kernel function `entry` of source `kernel`, compiling (or reading the disk cache)
     /// and loading the module on first use.
     pub fn function(&self, kernel: &'static Kernel, entry: &str) -> Result<CudaFunction> {
@@ -315,6 +426,10 @@ impl Gpu {
             return Ok(m.clone());
         }
         let image = kernels::load_or_compile(&*self.nvrtc()?, kernel, self.info.sm())?;
+        self.load_image(kernel, image)
+    }
+
+    fn load_image(&self, kernel: &'static Kernel, image: Image) -> Result<Arc<CudaModule>> {
         let ptx = match image {
             Image::Cubin(b) => Ptx::from_binary(b),
             Image::Ptx(s) => Ptx::from_src(s),

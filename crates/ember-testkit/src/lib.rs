@@ -7,9 +7,12 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-/// `tests/fixtures/<rel>` at the repository root.
+/// `tests/fixtures/<rel>` at the repository root: the build tree's, or, where a test binary runs
+/// away from the tree it was built in (the GPU machine), the working directory's.
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(rel)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(rel);
+    let local = PathBuf::from("tests/fixtures").join(rel);
+    if !built.exists() && local.exists() { local } else { built }
 }
 
 /// A tensor from a safetensors file, converted to f64 (ints too).

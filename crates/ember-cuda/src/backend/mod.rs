@@ -255,7 +255,13 @@ impl Ops for CudaOps {
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
         // The old set's memory goes first.
         self.weights = DevWeights::empty(self.dev);
-        self.weights = DevWeights::upload(&self.gpu, self.dev, weights)?;
+        // Every kernel compiles (or comes from the disk cache) while the weights go up.
+        let gpu = &self.gpu;
+        let up = gpu
+            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights))
+            .map_err(|e| OpError::new("register", self.dev, "", e.to_string()));
+        gpu.release_staging();
+        self.weights = up??;
         Ok(())
     }
 
