@@ -9,6 +9,7 @@ mod inspect;
 mod load;
 mod logits;
 mod models;
+mod plan;
 mod run;
 mod serve;
 mod synth;
@@ -57,6 +58,8 @@ enum Cmd {
     BenchHttp(bench_http::Args),
     /// GGUF models in the local Hugging Face cache (what `-hf` can open).
     Models(models::Args),
+    /// Where the model would live: layers and experts per GPU and in host memory.
+    Plan(plan::Args),
 }
 
 fn main() {
@@ -71,6 +74,7 @@ fn main() {
     load::set_no_mmap(cli.no_mmap);
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::main(a),
+        Cmd::Plan(a) => plan::main(a),
         Cmd::Tokenize(a) => tokenize::tokenize(a),
         Cmd::Detokenize(a) => tokenize::detokenize(a),
         Cmd::Logits(a) => logits::main(a),

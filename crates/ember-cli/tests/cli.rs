@@ -173,3 +173,36 @@ fn device_choice() {
         }
     }
 }
+
+/// `ember plan` with budgets given (no GPU needed): the JSON has what the planner promises, no
+/// device is overfilled, every expert has one home, and a smaller budget keeps fewer experts.
+#[test]
+fn plan_places_layers_and_experts_within_the_budgets() {
+    let m = path("tiny-a/gguf/tiny-a-Q8_0.gguf");
+    let plan = |mem: &str| -> serde_json::Value {
+        let o = ok(&["plan", "-m", &m, "--gpu-mem", mem, "-c", "2048", "--kv-type", "q8_0", "--parallel", "2", "--json"]);
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let big = plan("0=8GiB");
+    let two = plan("0=1700MiB,1=1600MiB");
+    for p in [&big, &two] {
+        let mut experts = p["host"]["experts"].as_u64().unwrap();
+        for d in p["devices"].as_array().unwrap() {
+            for k in ["id", "budget_bytes", "used_bytes", "trunk_bytes", "kv_bytes", "experts"] {
+                assert!(d.get(k).is_some(), "devices[] lacks {k}: {d}");
+            }
+            assert!(d["used_bytes"].as_u64() <= d["budget_bytes"].as_u64(), "overfilled: {d}");
+            experts += d["experts"].as_u64().unwrap();
+        }
+        assert_eq!(experts, p["experts_total"].as_u64().unwrap(), "every expert has one home: {p}");
+        assert!(p["host"]["bytes"].as_u64().is_some());
+    }
+    assert_eq!(big["host"]["experts"], 0, "the tiny model fits in 8 GiB: {big}");
+    assert_eq!(big["host_bytes_per_token"], 0);
+    let o = ok(&["plan", "-m", &m, "--gpu-mem", "0=8GiB"]);
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("cuda:0") && table.contains("host") && table.contains("routed experts on GPUs"), "{table}");
+    fails(&["plan", "-m", &m, "--gpu-mem", "0=lots"], "is not a size");
+    fails(&["plan", "-m", &m, "--gpu-mem", "0=1GiB,0=2GiB"], "two budgets");
+    fails(&["plan", "-m", &m, "--gpu-mem", "0=1GiB", "--parallel", "0"], "--parallel");
+}

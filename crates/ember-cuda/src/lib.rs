@@ -18,6 +18,6 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
-pub use backend::CudaOps;
+pub use backend::{ACT_RESERVE, CudaOps};
 pub use error::{Error, Result};
 pub use gpu::{Buf, DeviceInfo, Elem, Gpu, devices, driver_version};

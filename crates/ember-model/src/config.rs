@@ -50,6 +50,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// What one sequence keeps in a backend's state store with `kv_type` KV rows.
+    pub fn state_layout(&self, kv_type: ember_ops::KvType) -> Result<ember_ops::StateLayout, Error> {
+        crate::state::layout(self, kv_type)
+    }
+
     pub fn from_gguf(f: &GgufFile) -> Result<Self, Error> {
         let arch = f.get_str("general.architecture").map_err(Error::Gguf)?.to_owned();
         if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
