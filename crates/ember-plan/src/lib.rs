@@ -291,8 +291,8 @@ pub fn plan(sizes: &ModelSizes, budgets: &[Budget], heat: Option<&Heat>, opts: O
             }
         }
         let sum_heat: f64 = heat.map_or(0.0, |h| h.0[l].iter().sum());
-        for e in 0..sizes.n_expert {
-            if expert_home[l][e] == Home::Host {
+        for (e, home) in expert_home[l].iter().enumerate() {
+            if *home == Home::Host {
                 host.experts += 1;
                 host.expert_bytes += s.expert;
                 let p = match heat {
