@@ -9,6 +9,9 @@ use ember_plan::{Budget, ModelSizes, Options};
 
 use crate::load;
 
+/// Tokens after which a routing counts half in the heat (the tier's default).
+const HEAT_HALF_LIFE: f64 = 4096.0;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Model GGUF (default: the bundled demo model).
@@ -29,6 +32,10 @@ pub struct Args {
     /// Sequences served at once (each gets its KV cache and DeltaNet state).
     #[arg(long, default_value_t = 4)]
     parallel: usize,
+    /// Routing heat file (default: the model's in ~/.cache/ember/heat when there is one; none:
+    /// experts evenly by layer).
+    #[arg(long)]
+    heat: Option<PathBuf>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -66,13 +73,24 @@ pub fn main(a: Args) -> Result<()> {
         }
     };
     let opts = Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 };
-    let plan = ember_plan::plan(&sizes, &budgets, None, opts)?;
+    let key = ember_plan::tier::model_key(&file);
+    let heat_path = a.heat.clone().or_else(|| ember_plan::tier::default_heat_path(&key).filter(|p| p.exists()));
+    let heat = match &heat_path {
+        Some(p) => Some(ember_plan::tier::HeatMap::load(p, &key, sizes.layers.len(), sizes.n_expert, HEAT_HALF_LIFE)?),
+        None => None,
+    };
+    let heat_note = match (&heat_path, &heat) {
+        (Some(p), Some(h)) => format!("heat from {} ({} tokens)", p.display(), h.tokens()),
+        _ => "no heat file yet: routed experts evenly by layer".to_string(),
+    };
+    let plan = ember_plan::plan(&sizes, &budgets, heat.as_ref().map(|h| h.heat()).as_ref(), opts)?;
     if a.json {
         let mut j = plan.to_json();
         j["model"] = serde_json::json!({
             "n_ctx": n_ctx, "kv_type": format!("{:?}", a.kv_type).to_lowercase(), "parallel": a.parallel,
             "bytes": sizes.total(), "n_layer": sizes.layers.len(), "n_expert": sizes.n_expert,
         });
+        j["heat"] = serde_json::json!(heat_path.as_ref().map(|p| p.display().to_string()));
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!(
@@ -86,6 +104,7 @@ pub fn main(a: Args) -> Result<()> {
             opts.compute_bytes as f64 / (1u64 << 30) as f64
         );
         print!("{}", plan.table());
+        println!("{heat_note}");
     }
     Ok(())
 }

@@ -15,6 +15,8 @@
 //! boundary, never per expert; the price is that a hot expert of a layer on a full card cannot
 //! use another card's free memory.
 
+pub mod tier;
+
 use std::fmt::Write as _;
 use std::ops::Range;
 
