@@ -2,11 +2,11 @@
 //! the KV cache, each split across workers by heads.
 
 use ember_ops::reference;
-use ember_ops::{AttnShape, DeltaShape, KvRows, KvType, Mat};
+use ember_ops::{AttnShape, DeltaShape, KV_PAGE, KvRows, KvType, Mat};
 
 use std::sync::Mutex;
 
-use super::{CpuOps, lock};
+use super::{CpuOps, Precision, lock};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 use crate::simd::{self, AttnIo, DeltaIo, Kernels};
 
@@ -108,17 +108,40 @@ impl CpuOps {
 
     /// Attention with each K and V row of a KV head converted to f32 once per query token and
     /// used by all the query heads that share it (GQA); softmax with a vectorised exp. Work
-    /// items are (KV head, token), split across workers by their number of positions.
+    /// items are (KV head, token, range of positions), split across workers by their number of
+    /// positions. With fewer (KV head, token) pairs than workers (decode), each pair's
+    /// positions are cut into ranges of at least [`SPLIT_MIN`] so that every worker reads a
+    /// share of the cache; the ranges' results merge by their score maxima and sums
+    /// (flash-decoding). With one range per pair the arithmetic is as it was without ranges.
     pub(super) fn attention_fast<K: Kernels>(&self, kn: K, s: AttnShape, q: &Mat, kc: &KvRows, vc: &KvRows) -> Mat {
         let hd = s.head_dim;
         let g = s.n_head / s.n_head_kv;
         let gw = g * hd;
-        let n_items = s.n_head_kv * s.n_tok;
-        let mut ob = vec![0f32; n_items * gw]; // [kv head][token][g·hd]
+        let n_pairs = s.n_head_kv * s.n_tok;
+        let max_pos = s.pos0 + s.n_tok;
+        let threads = self.n_threads();
+        // Batch-invariant precision computes a token the same way in a prompt and alone: no split.
+        let split = n_pairs < threads && self.precision == Precision::Fast;
+        let n_split = if split { threads.div_ceil(n_pairs).min(max_pos / SPLIT_MIN).max(1) } else { 1 };
+        let n_items = n_pairs * n_split;
+        // Per item: its g·hd outputs, then (largest score, Σ exp(score − largest)) per head.
+        let slot = gw + 2 * g;
+        let mut ob = vec![0f32; n_items * slot]; // [kv head][token][range][slot]
+        // Positions p0..p1 of item i: range c of its pair's 0..=pos, in whole KV pages (the f16
+        // kernel reads a range through the pages from p0 / KV_PAGE on).
+        let range = |i: usize| {
+            let (pair, c) = (i / n_split, i % n_split);
+            let npos = s.pos0 + pair % s.n_tok + 1;
+            let len = npos.div_ceil(n_split).next_multiple_of(KV_PAGE);
+            ((c * len).min(npos), ((c + 1) * len).min(npos))
+        };
         // Split items by cost (positions + a constant), on item boundaries.
-        let cost = |i: usize| s.pos0 + i % s.n_tok + 1 + 16;
+        let cost = |i: usize| {
+            let (p0, p1) = range(i);
+            p1 - p0 + 16
+        };
         let total: usize = (0..n_items).map(cost).sum();
-        let parts = parts_for(self.n_threads()).min(n_items);
+        let parts = parts_for(threads).min(n_items);
         let mut b = [0usize; MAX_PARTS + 1];
         let (mut acc, mut p) = (0usize, 1usize);
         for i in 0..n_items {
@@ -133,54 +156,89 @@ impl CpuOps {
         }
         b[parts] = n_items;
         let ib = b;
-        b.iter_mut().for_each(|e| *e *= gw);
-        let max_pos = s.pos0 + s.n_tok;
+        b.iter_mut().for_each(|e| *e *= slot);
         self.pool.split_mut(&mut ob, &b[..=parts], |pi, out| {
             let mut scores = vec![0f32; g * max_pos];
             let mut row = vec![0f32; hd];
             let mut inv = vec![0f32; g];
-            for (j, o) in out.chunks_exact_mut(gw).enumerate() {
+            for (j, o) in out.chunks_exact_mut(slot).enumerate() {
                 let item = ib[pi] + j;
-                let (m, t) = (item / s.n_tok, item % s.n_tok);
-                let npos = s.pos0 + t + 1;
+                let pair = item / n_split;
+                let (m, t) = (pair / s.n_tok, pair % s.n_tok);
+                let (p0, p1) = range(item);
+                let n = p1 - p0;
+                let (o, ml) = o.split_at_mut(gw);
+                if n == 0 {
+                    // An empty range (a short pair): weight zero in the merge.
+                    ml.chunks_exact_mut(2).for_each(|x| x.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
+                    continue;
+                }
                 let qs = &q.row(t)[m * gw..(m + 1) * gw]; // the g query heads of KV head m
                 if kc.ty == KvType::F16 && vc.ty == KvType::F16 {
-                    let io = AttnIo { q: qs, k: kc.pages(), v: vc.pages(), rb: kc.row_bytes(), off: m * hd, npos, hd, scale: s.scale };
-                    if kn.attn_f16(&io, &mut scores, o) {
+                    let (k, v) = (&kc.pages()[p0 / KV_PAGE..], &vc.pages()[p0 / KV_PAGE..]);
+                    let io = AttnIo { q: qs, k, v, rb: kc.row_bytes(), off: m * hd, npos: n, hd, scale: s.scale };
+                    if kn.attn_f16(&io, &mut scores, o, ml) {
                         continue;
                     }
                 }
-                for p in 0..npos {
+                for p in p0..p1 {
                     kv_row(kn, kc, p, m * hd, &mut row);
-                    for n in 0..g {
-                        scores[n * max_pos + p] = kn.dot_f32(&qs[n * hd..(n + 1) * hd], &row) * s.scale;
+                    for h in 0..g {
+                        scores[h * max_pos + p - p0] = kn.dot_f32(&qs[h * hd..(h + 1) * hd], &row) * s.scale;
                     }
                 }
-                for n in 0..g {
-                    let sc = &mut scores[n * max_pos..n * max_pos + npos];
+                for h in 0..g {
+                    let sc = &mut scores[h * max_pos..h * max_pos + n];
                     let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    inv[n] = 1.0 / kn.exp_sum(sc, mx);
+                    let sum = kn.exp_sum(sc, mx);
+                    (ml[2 * h], ml[2 * h + 1]) = (mx, sum);
+                    inv[h] = 1.0 / sum;
                 }
                 o.fill(0.0);
-                for p in 0..npos {
+                for p in p0..p1 {
                     kv_row(kn, vc, p, m * hd, &mut row);
-                    for n in 0..g {
-                        kn.axpy(scores[n * max_pos + p], &row, &mut o[n * hd..(n + 1) * hd]);
+                    for h in 0..g {
+                        kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
                     }
                 }
-                for n in 0..g {
-                    o[n * hd..(n + 1) * hd].iter_mut().for_each(|x| *x *= inv[n]);
+                for h in 0..g {
+                    o[h * hd..(h + 1) * hd].iter_mut().for_each(|x| *x *= inv[h]);
                 }
             }
         });
         let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
-        for (item, o) in ob.chunks_exact(gw).enumerate() {
-            let (m, t) = (item / s.n_tok, item % s.n_tok);
-            out.row_mut(t)[m * gw..(m + 1) * gw].copy_from_slice(o);
+        for (pair, items) in ob.chunks_exact(n_split * slot).enumerate() {
+            let (m, t) = (pair / s.n_tok, pair % s.n_tok);
+            let dst = &mut out.row_mut(t)[m * gw..(m + 1) * gw];
+            if n_split == 1 {
+                dst.copy_from_slice(&items[..gw]);
+                continue;
+            }
+            // Each range's normalised output weighted by its share of the softmax mass.
+            for h in 0..g {
+                let ml = |c: usize| (items[c * slot + gw + 2 * h], items[c * slot + gw + 2 * h + 1]);
+                let mx = (0..n_split).map(|c| ml(c).0).fold(f32::NEG_INFINITY, f32::max);
+                let d = &mut dst[h * hd..(h + 1) * hd];
+                let mut mass = 0f32;
+                for c in 0..n_split {
+                    let (mc, lc) = ml(c);
+                    if lc == 0.0 {
+                        continue;
+                    }
+                    let w = lc * (mc - mx).exp();
+                    mass += w;
+                    d.iter_mut().zip(&items[c * slot + h * hd..c * slot + (h + 1) * hd]).for_each(|(x, y)| *x += w * y);
+                }
+                d.iter_mut().for_each(|x| *x /= mass);
+            }
         }
         out
     }
 }
+
+/// Fewest positions in one range of a split attention: below this a range's fixed costs (a
+/// merge, a scratch row) outweigh another worker's share of the reads.
+const SPLIT_MIN: usize = 256;
 
 /// Values `start..start + out.len()` of cached row `p`, as f32.
 #[inline]

@@ -44,19 +44,19 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
         true
     }
 
-    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
-        super::attn_f16_groups(io, scores, out, |nh, io, sg, og| {
+    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
+        super::attn_f16_groups(io, scores, out, ml, |nh, io, sg, og, mg| {
             // SAFETY: the CPU has the features (token); attn_f16_groups checked the bounds.
             unsafe {
                 match nh {
-                    8 => attn_group::<8>(io, sg, og),
-                    7 => attn_group::<7>(io, sg, og),
-                    6 => attn_group::<6>(io, sg, og),
-                    5 => attn_group::<5>(io, sg, og),
-                    4 => attn_group::<4>(io, sg, og),
-                    3 => attn_group::<3>(io, sg, og),
-                    2 => attn_group::<2>(io, sg, og),
-                    _ => attn_group::<1>(io, sg, og),
+                    8 => attn_group::<8>(io, sg, og, mg),
+                    7 => attn_group::<7>(io, sg, og, mg),
+                    6 => attn_group::<6>(io, sg, og, mg),
+                    5 => attn_group::<5>(io, sg, og, mg),
+                    4 => attn_group::<4>(io, sg, og, mg),
+                    3 => attn_group::<3>(io, sg, og, mg),
+                    2 => attn_group::<2>(io, sg, og, mg),
+                    _ => attn_group::<1>(io, sg, og, mg),
                 }
             }
         })

@@ -45,19 +45,19 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         true
     }
 
-    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
-        super::attn_f16_groups(io, scores, out, |nh, io, sg, og| {
+    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
+        super::attn_f16_groups(io, scores, out, ml, |nh, io, sg, og, mg| {
             // SAFETY: the CPU has the features (token); attn_f16_groups checked the bounds.
             unsafe {
                 match nh {
-                    8 => attn_group::<8>(io, sg, og),
-                    7 => attn_group::<7>(io, sg, og),
-                    6 => attn_group::<6>(io, sg, og),
-                    5 => attn_group::<5>(io, sg, og),
-                    4 => attn_group::<4>(io, sg, og),
-                    3 => attn_group::<3>(io, sg, og),
-                    2 => attn_group::<2>(io, sg, og),
-                    _ => attn_group::<1>(io, sg, og),
+                    8 => attn_group::<8>(io, sg, og, mg),
+                    7 => attn_group::<7>(io, sg, og, mg),
+                    6 => attn_group::<6>(io, sg, og, mg),
+                    5 => attn_group::<5>(io, sg, og, mg),
+                    4 => attn_group::<4>(io, sg, og, mg),
+                    3 => attn_group::<3>(io, sg, og, mg),
+                    2 => attn_group::<2>(io, sg, og, mg),
+                    _ => attn_group::<1>(io, sg, og, mg),
                 }
             }
         })
@@ -228,7 +228,7 @@ const ATTN_BLOCK: usize = 512;
 /// output in strips of 32 values × NH heads held in registers across a block of positions.
 /// SAFETY (caller): bounds as checked in `attn_f16`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
     let AttnIo { q, npos, hd, scale, .. } = *io;
     let f16x16 = |b: &[u8], at: usize| -> __m512 {
         debug_assert!(at + 32 <= b.len());
@@ -253,7 +253,9 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
     for (n, iv) in inv.iter_mut().enumerate() {
         let sc = &mut scores[n * npos..(n + 1) * npos];
         let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        *iv = 1.0 / exp_sum(sc, mx);
+        let sum = exp_sum(sc, mx);
+        (ml[2 * n], ml[2 * n + 1]) = (mx, sum);
+        *iv = 1.0 / sum;
     }
     out[..NH * hd].fill(0.0);
     for b0 in (0..npos).step_by(ATTN_BLOCK) {

@@ -188,11 +188,13 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     }
 
     /// Attention of the query heads in `io` over their shared KV head (f16 caches):
-    /// `out[n] = softmax(scale·q_n·Kᵀ)·V`. `scores` is scratch of at least heads·npos values.
-    /// Returns false when this instruction set has no such kernel (the caller then runs the
-    /// generic loop); the default has none.
-    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) -> bool {
-        let _ = (io, scores, out);
+    /// `out[n] = softmax(scale·q_n·Kᵀ)·V`. `scores` is scratch of at least heads·npos values;
+    /// `ml[2n]`, `ml[2n + 1]` get head n's largest score and Σ exp(score − largest), so results
+    /// over separate position ranges can be merged (flash-decoding). Returns false when this
+    /// instruction set has no such kernel (the caller then runs the generic loop); the default
+    /// has none.
+    fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
+        let _ = (io, scores, out, ml);
         false
     }
 
@@ -289,21 +291,22 @@ impl AttnIo<'_> {
 }
 
 /// The checks and head grouping shared by the [`Kernels::attn_f16`] kernels: after checking
-/// every slice they read, calls `group(nh, io, scores, out)` for each run of at most 8 query heads
-/// (`io.q`, `scores` and `out` narrowed to them). False, calling nothing, when the shape has no
-/// kernel (head size not a multiple of 32) or nothing to do.
+/// every slice they read, calls `group(nh, io, scores, out, ml)` for each run of at most 8 query
+/// heads (`io.q`, `scores`, `out` and `ml` narrowed to them). False, calling nothing, when the
+/// shape has no kernel (head size not a multiple of 32) or nothing to do.
 pub(crate) fn attn_f16_groups(
     io: &AttnIo<'_>,
     scores: &mut [f32],
     out: &mut [f32],
-    mut group: impl FnMut(usize, &AttnIo<'_>, &mut [f32], &mut [f32]),
+    ml: &mut [f32],
+    mut group: impl FnMut(usize, &AttnIo<'_>, &mut [f32], &mut [f32], &mut [f32]),
 ) -> bool {
     let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
     let heads = q.len() / hd.max(1);
     if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
         return false;
     }
-    assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos);
+    assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos && ml.len() >= 2 * heads);
     // Every position's head slice lies inside both caches (k_row / v_row also check).
     let n_pages = npos.div_ceil(KV_PAGE);
     let whole = |pages: &[KvPage]| pages.len() >= n_pages && pages[..n_pages].iter().all(|pg| pg.len() >= KV_PAGE * rb);
@@ -312,7 +315,7 @@ pub(crate) fn attn_f16_groups(
     while h0 < heads {
         let nh = (heads - h0).min(8);
         let (qg, og) = (&q[h0 * hd..(h0 + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
-        group(nh, &AttnIo { q: qg, ..*io }, &mut scores[h0 * npos..(h0 + nh) * npos], og);
+        group(nh, &AttnIo { q: qg, ..*io }, &mut scores[h0 * npos..(h0 + nh) * npos], og, &mut ml[2 * h0..2 * (h0 + nh)]);
         h0 += nh;
     }
     true

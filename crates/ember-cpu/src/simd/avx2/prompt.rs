@@ -16,7 +16,7 @@ const ATTN_BLOCK: usize = 512;
 /// of 8 values × NH heads held in registers across a block of positions.
 /// SAFETY (caller): bounds as checked in `attn_f16`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32]) {
+pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
     let AttnIo { q, npos, hd, scale, .. } = *io;
     // The loops below index q and scores through pointers (a bounds check per 8-float load
     // cost more than the FMA it guards): q holds NH·hd values, scores NH·npos.
@@ -47,7 +47,9 @@ pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [
     for (n, iv) in inv.iter_mut().enumerate() {
         let sc = &mut scores[n * npos..(n + 1) * npos];
         let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        *iv = 1.0 / exp_sum(sc, mx);
+        let sum = exp_sum(sc, mx);
+        (ml[2 * n], ml[2 * n + 1]) = (mx, sum);
+        *iv = 1.0 / sum;
     }
     out[..NH * hd].fill(0.0);
     // Re-derived after the softmax's borrows of `scores`.
