@@ -11,6 +11,8 @@
 //   attention_split + attention_merge: few rows (decode): the keys split into n_split ranges,
 //     a block per (head, row, range) writing its partial (max, sum, unnormalised values), then
 //     a block per (head, row) merging the ranges (flash-decoding).
+//   attention_tiles (below): prompt chunks and deep contexts, flash attention over tiles of
+//     query vectors sharing a KV head, its key ranges merged by attention_merge when split.
 
 #define KV_PAGE 64
 #define KV_F32 0

@@ -29,15 +29,22 @@ const TILE_THREADS: u32 = 256;
 /// the 64-row page).
 const TILE_SPLIT_MIN_KEYS: usize = 512;
 /// [`AttentionPath::Auto`] takes the tiles when a sequence of the call has at least this many
-/// rows (prompt chunks); below, one block per (head, row) with the keys split for long contexts
-/// (decode).
+/// rows (prompt chunks) or a row sees at least [`ATTENTION_TILE_MIN_KEYS`] keys; else one block
+/// per (head, row) with the keys split for long contexts (decode). Measured on the H200 (16/2
+/// heads x 256, F16, one sequence, GPU ms rows/tiles): at depth 8192 1 row 0.25/0.48, 2 rows
+/// 0.45/0.49, 4 rows 0.87/0.51, 64 rows 13.5/0.85; at depth 32768 1 row 1.67/0.81, 4 rows
+/// 5.5/0.86.
 pub const ATTENTION_TILE_MIN_ROWS: usize = 4;
+/// See [`ATTENTION_TILE_MIN_ROWS`]: one decode row is 2x slower on the tiles at depth 8192 and
+/// 2x faster at 32768; 16384 is between the two measured depths (not measured itself).
+pub const ATTENTION_TILE_MIN_KEYS: usize = 16384;
 
 /// Which kernels [`Gpu::attention`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionPath {
-    /// [`AttentionPath::Tiles`] when a sequence has at least [`ATTENTION_TILE_MIN_ROWS`] rows
-    /// and head_dim is a multiple of 64, else [`AttentionPath::Rows`].
+    /// [`AttentionPath::Tiles`] when head_dim is a multiple of 64 and a sequence has at least
+    /// [`ATTENTION_TILE_MIN_ROWS`] rows or a row sees at least [`ATTENTION_TILE_MIN_KEYS`]
+    /// keys, else [`AttentionPath::Rows`].
     Auto,
     /// A block per (head, row): `attention`, or `attention_split` + `attention_merge`.
     Rows,
@@ -97,7 +104,7 @@ impl AttentionShape {
     fn tiles(&self) -> bool {
         let fits = self.head_dim.is_multiple_of(64) && self.n_tiles > 0;
         match self.path {
-            AttentionPath::Auto => fits && self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS,
+            AttentionPath::Auto => fits && (self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS || self.max_keys >= ATTENTION_TILE_MIN_KEYS),
             AttentionPath::Rows => false,
             AttentionPath::Tiles => fits,
         }
