@@ -473,8 +473,8 @@ impl Ops for CudaOps {
         }
         self.store.sync_table(&self.gpu, OP)?;
         let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
-        let shape =
-            AttentionShape { n_rows: q.n, n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: h.head_dim, scale: h.scale, max_keys };
+        let seq_rows: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
         // The output, then the scratch of the split over the keys (always allocated, so the
         // handles that follow do not depend on the depth).
         let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
@@ -496,7 +496,9 @@ impl Ops for CudaOps {
         };
         let (ins, outs) = self.arena.split(y.id);
         let [yb, sb, ..] = outs else { unreachable!("two buffers were just allocated") };
-        self.gpu.attention(&pages, shape, &ins[q.id as usize], &self.step.row_slot, &self.step.pos, yb, sb).map_err(cuda(OP, dev))?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let (row_slot, pos) = (&self.step.row_slot, &self.step.pos);
+        self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
         Ok(y)
     }
 

@@ -1,7 +1,7 @@
 use cudarc::driver::DeviceRepr;
 
-use super::kv_append::KvPages;
-use super::{need, u32_of};
+use super::kv_append::{KV_PAGE, KvPages};
+use super::{SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::ATTENTION;
@@ -21,6 +21,38 @@ fn split_keys(s: &AttentionShape) -> usize {
     ATTENTION_SPLIT_KEYS.max(s.max_keys.div_ceil(65535))
 }
 
+/// Query vectors (rows x heads) per block of `attention_tiles` (`AT_M` in kernels/attention.cu).
+const TILE_VECTORS: usize = 64;
+/// Threads per block of `attention_tiles` (`AT_THREADS`).
+const TILE_THREADS: u32 = 256;
+/// Fewest keys per range when `attention_tiles` splits the keys of its tiles (a multiple of
+/// the 64-row page).
+const TILE_SPLIT_MIN_KEYS: usize = 512;
+/// [`AttentionPath::Auto`] takes the tiles when a sequence of the call has at least this many
+/// rows (prompt chunks) or a row sees at least [`ATTENTION_TILE_MIN_KEYS`] keys; else one block
+/// per (head, row) with the keys split for long contexts (decode). Measured on the H200 (16/2
+/// heads x 256, F16, one sequence, GPU ms rows/tiles): at depth 8192 1 row 0.25/0.48, 2 rows
+/// 0.45/0.49, 4 rows 0.87/0.51, 64 rows 13.5/0.85; at depth 32768 1 row 1.67/0.81, 4 rows
+/// 5.5/0.86.
+pub const ATTENTION_TILE_MIN_ROWS: usize = 4;
+/// See [`ATTENTION_TILE_MIN_ROWS`]: one decode row is 2x slower on the tiles at depth 8192 and
+/// 2x faster at 32768; 16384 is between the two measured depths (not measured itself).
+pub const ATTENTION_TILE_MIN_KEYS: usize = 16384;
+
+/// Which kernels [`Gpu::attention`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// [`AttentionPath::Tiles`] when head_dim is a multiple of 64 and a sequence has at least
+    /// [`ATTENTION_TILE_MIN_ROWS`] rows or a row sees at least [`ATTENTION_TILE_MIN_KEYS`]
+    /// keys, else [`AttentionPath::Rows`].
+    Auto,
+    /// A block per (head, row): `attention`, or `attention_split` + `attention_merge`.
+    Rows,
+    /// `attention_tiles` (+ `attention_merge` when the keys are split); head_dim a multiple of
+    /// 64.
+    Tiles,
+}
+
 /// The heads of [`Gpu::attention`] (ember_ops::AttnHeads plus the rows).
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -31,6 +63,52 @@ pub struct AttentionShape {
     pub scale: f32,
     /// The most keys any row sees (its position + 1).
     pub max_keys: usize,
+    /// The most rows of one sequence.
+    pub max_seq_rows: usize,
+    /// Blocks of query rows over all sequences: Σ ceil(rows / [`AttentionShape::tile_rows`]).
+    pub n_tiles: usize,
+    pub path: AttentionPath,
+}
+
+impl AttentionShape {
+    /// The shape of a call over sequences of `seq_rows` rows each (in row order), the most keys
+    /// of a row `max_keys`, with the path chosen by [`AttentionPath::Auto`].
+    pub fn new(n_head: usize, n_head_kv: usize, head_dim: usize, scale: f32, seq_rows: &[usize], max_keys: usize) -> AttentionShape {
+        let mut s = AttentionShape {
+            n_rows: seq_rows.iter().sum(),
+            n_head,
+            n_head_kv,
+            head_dim,
+            scale,
+            max_keys,
+            max_seq_rows: seq_rows.iter().copied().max().unwrap_or(0),
+            n_tiles: 0,
+            path: AttentionPath::Auto,
+        };
+        let tr = s.tile_rows();
+        s.n_tiles = seq_rows.iter().map(|n| n.div_ceil(tr)).sum();
+        s
+    }
+
+    /// Query heads of one tile: the largest power of two dividing the GQA ratio, at most 64.
+    pub fn heads_per_tile(&self) -> usize {
+        let g = (self.n_head / self.n_head_kv.max(1)).max(1);
+        (1 << g.trailing_zeros()).min(TILE_VECTORS)
+    }
+
+    /// Rows of one tile (64 query vectors over [`AttentionShape::heads_per_tile`] heads).
+    pub fn tile_rows(&self) -> usize {
+        TILE_VECTORS / self.heads_per_tile()
+    }
+
+    fn tiles(&self) -> bool {
+        let fits = self.head_dim.is_multiple_of(64) && self.n_tiles > 0;
+        match self.path {
+            AttentionPath::Auto => fits && (self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS || self.max_keys >= ATTENTION_TILE_MIN_KEYS),
+            AttentionPath::Rows => false,
+            AttentionPath::Tiles => fits,
+        }
+    }
 }
 
 #[repr(C)]
@@ -43,6 +121,8 @@ struct AttentionParams {
     pos: u64,
     part_ml: u64,
     part_acc: u64,
+    seq_row0: u64,
+    seq_n: u64,
     n_rows: u32,
     n_head: u32,
     n_head_kv: u32,
@@ -56,45 +136,77 @@ struct AttentionParams {
     n_pages: u32,
     n_split: u32,
     keys_per_split: u32,
+    n_seq: u32,
+    heads_per_block: u32,
     scale: f32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cu.
 unsafe impl DeviceRepr for AttentionParams {}
 
+/// How one call runs: which kernels and how many key ranges of how many keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    tiles: bool,
+    n_split: usize,
+    keys_per_split: usize,
+}
+
 impl Gpu {
-    /// Key ranges [`Gpu::attention`] splits each row's keys into: one pass when the rows and
-    /// heads give at least 2 blocks per SM (prefill), else ranges of [`ATTENTION_SPLIT_KEYS`]
-    /// keys (decode: flash-decoding). The ranges are fixed, so a row's result does not depend on
-    /// the other rows of the call as long as the call stays in the decode regime (a row with at
-    /// most that many keys gets the one-pass result bit for bit).
-    pub fn attention_splits(&self, s: &AttentionShape) -> usize {
+    fn attention_plan(&self, s: &AttentionShape) -> Plan {
         let n_sm = self.info().n_sm.max(1) as usize;
-        if s.n_rows * s.n_head >= 2 * n_sm {
-            return 1;
+        if s.tiles() {
+            // Enough blocks for the SMs (2 resident each): the key range count that minimises
+            // the waves of blocks times each block's share of the keys.
+            let blocks = s.n_tiles * (s.n_head / s.heads_per_tile());
+            let slots = 2 * n_sm;
+            let cap = s.max_keys.div_ceil(TILE_SPLIT_MIN_KEYS).clamp(1, 64);
+            let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
+            let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
+            let keys_per_split = s.max_keys.div_ceil(n_split).next_multiple_of(KV_PAGE).max(KV_PAGE);
+            return Plan { tiles: true, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split };
         }
-        s.max_keys.div_ceil(split_keys(s)).max(1)
+        let n_split = if s.n_rows * s.n_head >= 2 * n_sm { 1 } else { s.max_keys.div_ceil(split_keys(s)).max(1) };
+        Plan { tiles: false, n_split, keys_per_split: split_keys(s) }
+    }
+
+    /// Key ranges [`Gpu::attention`] splits each row's keys into. The rows path: one pass when
+    /// the rows and heads give at least 2 blocks per SM (prefill), else ranges of
+    /// [`ATTENTION_SPLIT_KEYS`] keys (decode: flash-decoding); the ranges are fixed, so a row's
+    /// result does not depend on the other rows of the call as long as the call stays in the
+    /// decode regime (a row with at most that many keys gets the one-pass result bit for bit).
+    /// The tiles path: as many ranges (of at least 512 keys) as fill the SMs.
+    pub fn attention_splits(&self, s: &AttentionShape) -> usize {
+        self.attention_plan(s).n_split
+    }
+
+    /// Whether [`Gpu::attention`] runs `s` on the tiles (see [`AttentionPath`]).
+    pub fn attention_uses_tiles(&self, s: &AttentionShape) -> bool {
+        self.attention_plan(s).tiles
     }
 
     /// Floats of scratch [`Gpu::attention`] needs for `s` (the split ranges' partial results).
     pub fn attention_scratch(&self, s: &AttentionShape) -> usize {
         match self.attention_splits(s) {
             1 => 0,
-            n => s.n_rows * s.n_head * n * (2 + s.head_dim),
+            n => part_floats(s.n_rows * s.n_head * n) + s.n_rows * s.n_head * n * s.head_dim,
         }
     }
 
     /// Causal GQA attention of q [n_rows, n_head·hd]: row r attends over positions
     /// 0..=pos[r] of the K/V caches of slot `row_slot[r]` (layer `pages.layer`) into out
-    /// [n_rows, n_head·hd]. The caller guarantees those positions were written and that no
-    /// row sees more than `s.max_keys` keys; a slot or page out of range gives a NaN row.
-    /// `scratch` holds [`Gpu::attention_scratch`] floats.
+    /// [n_rows, n_head·hd]. The rows are those of `seqs` (one slot and consecutive positions
+    /// per sequence; `s` made by [`AttentionShape::new`] from the same row counts). The caller
+    /// guarantees those positions were written and that no row sees more than `s.max_keys`
+    /// keys; a slot or page out of range gives NaN rows. `scratch` holds
+    /// [`Gpu::attention_scratch`] floats.
     #[allow(clippy::too_many_arguments)] // the op's inputs, output and scratch
     pub fn attention(
         &self,
         pages: &KvPages<'_>,
         s: AttentionShape,
         q: &Buf<f32>,
+        seqs: &SeqRows<'_>,
         row_slot: &Buf<u32>,
         pos: &Buf<u32>,
         out: &mut Buf<f32>,
@@ -108,6 +220,10 @@ impl Gpu {
         if s.n_rows > 65535 {
             return Err(shape(OP, format!("{} rows (at most 65535 per call)", s.n_rows)));
         }
+        if s.path == AttentionPath::Tiles && !hd.is_multiple_of(64) {
+            return Err(shape(OP, format!("head_dim {hd} for the tiles (a multiple of 64)")));
+        }
+        seqs.check(OP)?;
         need(OP, "q", q, s.n_rows * nh * hd)?;
         need(OP, "row slots", row_slot, s.n_rows)?;
         need(OP, "positions", pos, s.n_rows)?;
@@ -116,8 +232,8 @@ impl Gpu {
         if s.n_rows == 0 || nh == 0 {
             return Ok(());
         }
-        let n_split = self.attention_splits(&s);
-        let part = s.n_rows * nh * n_split;
+        let plan = self.attention_plan(&s);
+        let part = s.n_rows * nh * plan.n_split;
         let p = AttentionParams {
             q: q.ptr(),
             out: out.ptr(),
@@ -126,7 +242,9 @@ impl Gpu {
             row_slot: row_slot.ptr(),
             pos: pos.ptr(),
             part_ml: scratch.ptr(),
-            part_acc: scratch.ptr() + 4 * 2 * part as u64,
+            part_acc: scratch.ptr() + 4 * part_floats(part) as u64,
+            seq_row0: seqs.row0.ptr(),
+            seq_n: seqs.n.ptr(),
             n_rows: s.n_rows as u32,
             n_head: u32_of(OP, "n_head", nh)?,
             n_head_kv: u32_of(OP, "n_head_kv", nkv)?,
@@ -138,23 +256,44 @@ impl Gpu {
             n_kv: u32_of(OP, "n_kv", pages.n_kv)?,
             n_slots: u32_of(OP, "n_slots", pages.n_slots)?,
             n_pages: u32_of(OP, "n_pages", pages.n_pages)?,
-            n_split: n_split as u32,
-            keys_per_split: u32_of(OP, "keys per split", split_keys(&s))?,
+            n_split: plan.n_split as u32,
+            keys_per_split: u32_of(OP, "keys per split", plan.keys_per_split)?,
+            n_seq: seqs.n_seq as u32,
+            heads_per_block: s.heads_per_tile() as u32,
             scale: s.scale,
         };
-        // SAFETY: q and out hold n_rows·n_head·hd floats, row_slot and pos n_rows values, the pool
-        // n_pages pages and the table its rows, the scratch n_rows·n_head·n_split·(2 + hd)
-        // floats when n_split > 1 (checked above); the kernels read table entries only below
-        // ceil(keys / 64) <= stride and check slots and page ids; hd <= 256.
+        let merge = |gpu: &Gpu| -> Result<()> {
+            let f = gpu.function(&ATTENTION, "attention_merge")?;
+            // SAFETY: as below; the merge reads the n_split partials of each (row, head).
+            unsafe { gpu.launch(&f, (p.n_head, p.n_rows, 1), 128, 0, &p) }
+        };
+        // SAFETY: q and out hold n_rows·n_head·hd floats, row_slot and pos n_rows values, the
+        // sequences' row0 and n n_seq values (whose rows the caller made the rows of q), the
+        // pool n_pages pages and the table its rows, the scratch the partials of n_split ranges
+        // when n_split > 1 (checked above); the kernels read table entries only below
+        // ceil(keys / 64) <= stride and check slots and page ids; hd <= 256 (a multiple of 64
+        // for the tiles).
         unsafe {
-            if n_split == 1 {
+            if plan.tiles {
+                let f = self.function(&ATTENTION, "attention_tiles")?;
+                let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
+                let tiles = u32_of(OP, "tiles", s.n_tiles)?;
+                self.launch(&f, (tiles, groups, p.n_split), TILE_THREADS, 0, &p)?;
+                return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+            }
+            if plan.n_split == 1 {
                 let f = self.function(&ATTENTION, "attention")?;
                 return self.launch(&f, (p.n_head, p.n_rows, 1), 32 * WARPS, 0, &p);
             }
             let split = self.function(&ATTENTION, "attention_split")?;
-            let merge = self.function(&ATTENTION, "attention_merge")?;
             self.launch(&split, (p.n_head, p.n_rows, p.n_split), 32 * WARPS, 0, &p)?;
-            self.launch(&merge, (p.n_head, p.n_rows, 1), 128, 0, &p)
         }
+        merge(self)
     }
+}
+
+/// Floats of the (max, sum) pairs of `part` partial results, rounded up to 4 so the values
+/// after them are 16-byte aligned (the tiles store them as float4).
+fn part_floats(part: usize) -> usize {
+    (2 * part).next_multiple_of(4)
 }

@@ -18,7 +18,7 @@ mod rms_norm;
 mod route;
 mod select_rows;
 
-pub use attention::{ATTENTION_SPLIT_KEYS, AttentionShape};
+pub use attention::{ATTENTION_SPLIT_KEYS, ATTENTION_TILE_MIN_KEYS, ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape};
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DeltaIn, DeltaShape};
