@@ -61,6 +61,10 @@ struct KeyRows {
     bool bad;
 };
 
+// The cache type is a template parameter of the per-row kernels (one instance per type, chosen
+// at entry): a run-time type test per element kept every f16 / q8_0 load in its own branch and
+// made the kernel 2.2x longer (72 -> 105 registers, 3 -> 2 blocks per SM).
+template <int TY>
 __device__ __forceinline__ void load_key(const AttentionParams& p, const u32* tk, const u32* tv, u32 key, u32 base, int lane, KeyRows& kr) {
     const u32 pk = tk[key / KV_PAGE], pv = tv[key / KV_PAGE];
     kr.bad = pk >= p.n_pages || pv >= p.n_pages;
@@ -69,8 +73,8 @@ __device__ __forceinline__ void load_key(const AttentionParams& p, const u32* tk
 #pragma unroll
     for (int j = 0; j < ATT_MAX_PER_LANE; ++j) {
         const u32 i = lane + 32 * j;
-        kr.k[j] = i < p.head_dim ? kv_at(krow, p.ty, base + i) : 0.0f;
-        kr.v[j] = i < p.head_dim ? kv_at(vrow, p.ty, base + i) : 0.0f;
+        kr.k[j] = i < p.head_dim ? kv_at(krow, TY, base + i) : 0.0f;
+        kr.v[j] = i < p.head_dim ? kv_at(vrow, TY, base + i) : 0.0f;
     }
 }
 
@@ -91,6 +95,7 @@ __device__ __forceinline__ void take_key(const AttentionParams& p, const float* 
 // The whole block: keys [k0, k1) of row r for query head n. With `ml` null, writes the
 // normalised output to out[0..hd); else the unnormalised values relative to the block's max to
 // out[0..hd) and (max, sum) to ml[0..2). A page id out of range gives NaN.
+template <int TY>
 __device__ void attend(const AttentionParams& p, u32 n, u32 r, u32 k0, u32 k1, float* out, float* ml) {
     __shared__ float sm_m[ATT_MAX_WARPS], sm_l[ATT_MAX_WARPS];
     __shared__ float sm_acc[ATT_MAX_WARPS][ATT_MAX_PER_LANE * 32];
@@ -117,14 +122,14 @@ __device__ void attend(const AttentionParams& p, u32 n, u32 r, u32 k0, u32 k1, f
     u32 key = ok ? k0 + warp : k1;
     for (; key + n_warp < k1; key += 2 * n_warp) {
         KeyRows a, b;
-        load_key(p, tk, tv, key, base, lane, a);
-        load_key(p, tk, tv, key + n_warp, base, lane, b);
+        load_key<TY>(p, tk, tv, key, base, lane, a);
+        load_key<TY>(p, tk, tv, key + n_warp, base, lane, b);
         take_key(p, qv, a, w);
         take_key(p, qv, b, w);
     }
     if (key < k1) {
         KeyRows a;
-        load_key(p, tk, tv, key, base, lane, a);
+        load_key<TY>(p, tk, tv, key, base, lane, a);
         take_key(p, qv, a, w);
     }
     if (lane == 0) {
@@ -162,7 +167,12 @@ __device__ void attend(const AttentionParams& p, u32 n, u32 r, u32 k0, u32 k1, f
 extern "C" __global__ void attention(const AttentionParams p) {
     const u32 n = blockIdx.x, r = blockIdx.y;
     const u32 n_keys = ((const u32*)p.pos)[r] + 1;
-    attend(p, n, r, 0, n_keys, (float*)p.out + (u64)r * p.n_head * p.head_dim + (u64)n * p.head_dim, nullptr);
+    float* out = (float*)p.out + (u64)r * p.n_head * p.head_dim + (u64)n * p.head_dim;
+    switch (p.ty) {
+        case KV_F32: attend<KV_F32>(p, n, r, 0, n_keys, out, nullptr); break;
+        case KV_F16: attend<KV_F16>(p, n, r, 0, n_keys, out, nullptr); break;
+        default: attend<KV_Q8_0>(p, n, r, 0, n_keys, out, nullptr); break;
+    }
 }
 
 // grid (n_head, n_rows, n_split), blockDim 32 · n_warp: keys [s · kps, (s + 1) · kps) of the row's.
@@ -171,7 +181,12 @@ extern "C" __global__ void attention_split(const AttentionParams p) {
     const u32 n_keys = ((const u32*)p.pos)[r] + 1;
     const u32 k0 = min(n_keys, s * p.keys_per_split), k1 = min(n_keys, k0 + p.keys_per_split);
     const u64 at = ((u64)r * p.n_head + n) * p.n_split + s;
-    attend(p, n, r, k0, k1, (float*)p.part_acc + at * p.head_dim, (float*)p.part_ml + at * 2);
+    float *acc = (float*)p.part_acc + at * p.head_dim, *ml = (float*)p.part_ml + at * 2;
+    switch (p.ty) {
+        case KV_F32: attend<KV_F32>(p, n, r, k0, k1, acc, ml); break;
+        case KV_F16: attend<KV_F16>(p, n, r, k0, k1, acc, ml); break;
+        default: attend<KV_Q8_0>(p, n, r, k0, k1, acc, ml); break;
+    }
 }
 
 // grid (n_head, n_rows), blockDim a multiple of 32: out = Σ_s e^{m_s − M} acc_s / Σ_s e^{m_s − M} l_s.
