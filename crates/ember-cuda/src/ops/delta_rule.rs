@@ -75,8 +75,10 @@ unsafe impl DeviceRepr for DeltaSeqsParams {}
 pub const DELTA_CHUNK: usize = 32;
 
 /// Under `DeltaMode::Auto` (CudaOps::gated_delta_rule), spans of at least this many tokens take
-/// the chunked form, shorter ones the scan.
-pub const DELTA_AUTO_CHUNKED_FROM: usize = 64;
+/// the chunked form, shorter ones the scan. Measured on the H200 at the 35B model's shape (one
+/// sequence, tests/delta_rule.rs's bench): scan 0.070 / chunked 0.078 ms at 64 tokens, 0.103 /
+/// 0.091 at 96, 0.136 / 0.105 at 128.
+pub const DELTA_AUTO_CHUNKED_FROM: usize = 80;
 
 #[repr(C)]
 struct DeltaChunkParams {
@@ -195,36 +197,10 @@ impl Gpu {
         scratch: &mut Buf<f32>,
         from: usize,
     ) -> Result<()> {
-        self.delta_rule_seqs_tiled(s, i, seqs, lens, state, at, out, scratch, from, 0)
-    }
-
-    /// [`Gpu::delta_rule_seqs_split`] with the sequential pass over `tile` state columns per
-    /// block (8 or 16; 0 picks: 8 when 16 would leave fewer than two blocks per SM).
-    #[allow(clippy::too_many_arguments)]
-    pub fn delta_rule_seqs_tiled(
-        &self,
-        s: DeltaShape,
-        i: DeltaIn<'_>,
-        seqs: SeqRows<'_>,
-        lens: &[usize],
-        state: &mut Buf<f32>,
-        at: StateAt,
-        out: &mut Buf<f32>,
-        scratch: &mut Buf<f32>,
-        from: usize,
-        tile: usize,
-    ) -> Result<()> {
         const OP: &str = "delta_rule_seqs_split";
         check_seqs(OP, s, &i, seqs, state, at, out)?;
-        if lens.len() != seqs.n_seq || from < 2 || ![0, 8, 16].contains(&tile) {
-            return Err(shape(
-                OP,
-                format!(
-                    "{} lengths for {} sequences, chunked from {from} tokens (at least 2), tile {tile} (0, 8 or 16)",
-                    lens.len(),
-                    seqs.n_seq
-                ),
-            ));
+        if lens.len() != seqs.n_seq || from < 2 {
+            return Err(shape(OP, format!("{} lengths for {} sequences, chunked from {from} tokens (at least 2)", lens.len(), seqs.n_seq)));
         }
         let longest = lens.iter().copied().filter(|&n| n >= from).max();
         let below = u32::try_from(from).unwrap_or(u32::MAX);
@@ -265,21 +241,15 @@ impl Gpu {
             from: below,
         };
         let chunks = u32_of(OP, "chunks", longest.div_ceil(DELTA_CHUNK))?;
-        let n_chunked = lens.iter().filter(|&&n| n >= from).count();
-        let tile = match tile {
-            0 if n_chunked * nv * s.d_v.div_ceil(16) < 2 * self.info().n_sm as usize => 8,
-            0 => 16,
-            t => t,
-        };
         let prep = self.function(&DELTA_CHUNKED, "delta_chunk_prep")?;
-        let scan = self.function(&DELTA_CHUNKED, if tile == 8 { "delta_chunk_scan8" } else { "delta_chunk_scan16" })?;
+        let scan = self.function(&DELTA_CHUNKED, "delta_chunk_scan")?;
         // SAFETY: the inputs, out and scratch hold what t rows need, the state n_slots slots
         // with the layer's state inside each (checked above); the spans lie inside the rows (the
         // caller's contract) and `lens` are their lengths; the scan skips slots >= n_slots; the
         // shape is chunkable (the kernels' shared arrays).
         unsafe {
             self.launch(&prep, (chunks, nv as u32, seqs.n_seq as u32), 256, 0, &p)?;
-            self.launch(&scan, (s.d_v.div_ceil(tile) as u32, nv as u32, seqs.n_seq as u32), 256, 0, &p)
+            self.launch(&scan, (s.d_v.div_ceil(16) as u32, nv as u32, seqs.n_seq as u32), 256, 0, &p)
         }
     }
 
