@@ -13,8 +13,8 @@
 //!   downloads.
 //!
 //! The delta rule: one token (decode) is always the recurrent scan; a prompt span is the
-//! chunked form under [`DeltaMode::Chunked`], and under `Auto` from [`crate::ops::DELTA_AUTO_CHUNKED_FROM`] tokens
-//! on (the lengths where it was measured faster), the scan below.
+//! chunked form under [`DeltaMode::Chunked`], and under `Auto` from
+//! [`crate::ops::DELTA_AUTO_CHUNKED_FROM`] tokens on (where it was measured faster).
 
 mod arena;
 mod store;
