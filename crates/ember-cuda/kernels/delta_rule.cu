@@ -8,7 +8,8 @@
 //   delta_rule_recurrent: one sequence, its state at `state`.
 //   delta_rule_seqs: every sequence of a step in one launch; sequence s has rows
 //     row0[s]..row0[s] + n[s] and its state in slot slot[s] of the store's DeltaNet buffer
-//     (state + slot · slot_stride + offset).
+//     (state + slot · slot_stride + offset). Only sequences of fewer than scan_below tokens:
+//     delta_chunked.cu takes the others.
 
 #define DELTA_MAX_PER_LANE 8  // d_k <= 256
 
@@ -31,7 +32,7 @@ struct DeltaSeqsParams {
     u64 n;                 // [n_seq] u32
     u64 slot;              // [n_seq] u32
     u64 slot_stride, offset;  // floats
-    u32 n_k_head, d_k, n_v_head, d_v, n_slots, pad;
+    u32 n_k_head, d_k, n_v_head, d_v, n_slots, scan_below;
 };
 
 // Column `col` (value head h, index jv) over rows t0..t1, the column `st` in registers.
@@ -89,7 +90,9 @@ extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
 extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
     const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, s = blockIdx.y;
     if (col >= p.n_v_head * p.d_v) return;  // whole warps
-    const u32 t0 = ((const u32*)p.row0)[s], t1 = t0 + ((const u32*)p.n)[s], slot = ((const u32*)p.slot)[s];
+    const u32 n = ((const u32*)p.n)[s];
+    if (n >= p.scan_below) return;
+    const u32 t0 = ((const u32*)p.row0)[s], t1 = t0 + n, slot = ((const u32*)p.slot)[s];
     if (slot >= p.n_slots) {
         if (threadIdx.x % 32 == 0)
             for (u32 t = t0; t < t1; ++t) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);

@@ -48,6 +48,7 @@ kernel!(ATTN_PREP, "attn_prep");
 kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
+kernel!(DELTA_CHUNKED, "delta_chunked");
 kernel!(MOE, "moe", DEQUANT);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(KV_APPEND, "kv_append");
@@ -66,6 +67,7 @@ pub static ALL: &[&Kernel] = &[
     &DELTA_PREP,
     &CONV1D_SILU,
     &DELTA_RULE,
+    &DELTA_CHUNKED,
     &MOE,
     &MOE_SHARED,
     &KV_APPEND,

@@ -12,9 +12,9 @@
 //!   before touching the GPU; routing stays on the device; `read`/`read_routing` are the only
 //!   downloads.
 //!
-//! The chunked delta rule ([`DeltaMode::Chunked`], and `Auto` for spans of several tokens) runs
-//! as the recurrent scan: the same function up to rounding, checked against the chunked
-//! reference by the conformance suite.
+//! The delta rule: one token (decode) is always the recurrent scan; a prompt span is the
+//! chunked form under [`DeltaMode::Chunked`], and under `Auto` from
+//! [`crate::ops::DELTA_AUTO_CHUNKED_FROM`] tokens on (where it was measured faster).
 
 mod arena;
 mod store;
@@ -546,7 +546,7 @@ impl Ops for CudaOps {
         Ok(DeltaIn { q, k, v, g, beta })
     }
 
-    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, _mode: DeltaMode) -> OpResult<Tensor> {
+    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         const OP: &str = "gated_delta_rule";
         let dev = self.dev;
         self.rows_check(OP, x.q)?;
@@ -560,10 +560,26 @@ impl Ops for CudaOps {
         check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
         let (_, at) = self.delta_at(d);
         let n = x.q.n;
+        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
+        // Sequences of at least `from` tokens take the chunked form, the others the scan
+        // (always one token: decode).
+        let from = match mode {
+            _ if !shape.chunkable() => usize::MAX,
+            DeltaMode::Recurrent => usize::MAX,
+            DeltaMode::Chunked => 2,
+            DeltaMode::Auto => crate::ops::DELTA_AUTO_CHUNKED_FROM,
+        };
+        let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let chunked = lens.iter().any(|&l| l >= from);
+        // The output, then the chunked form's scratch (always allocated, so the handles that
+        // follow do not depend on the mode).
         let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
+        let (sn, sd) = if chunked { (n, shape.chunk_scratch() / n) } else { (1, 1) };
+        self.arena.alloc(&self.gpu, OP, sn, sd)?;
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
         let (ins, outs) = self.arena.split(y.id);
+        let (out, scratch) = outs.split_at_mut(1);
         let input = crate::ops::DeltaIn {
             q: &ins[x.q.id as usize],
             k: &ins[x.k.id as usize],
@@ -571,9 +587,9 @@ impl Ops for CudaOps {
             g: &ins[x.g.id as usize],
             beta: &ins[x.beta.id as usize],
         };
-        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
-        // The recurrent scan for every mode (equal to the chunked form up to rounding).
-        self.gpu.delta_rule_seqs(shape, input, seqs, state, at, &mut outs[0]).map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
+        self.gpu
+            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, &mut out[0], &mut scratch[0], from)
+            .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
         Ok(y)
     }
 

@@ -3,7 +3,7 @@ use cudarc::driver::DeviceRepr;
 use super::{SeqRows, StateAt, blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::DELTA_RULE;
+use crate::kernels::{DELTA_CHUNKED, DELTA_RULE};
 
 const OP: &str = "delta_rule_recurrent";
 
@@ -65,11 +65,62 @@ struct DeltaSeqsParams {
     n_v_head: u32,
     d_v: u32,
     n_slots: u32,
-    pad: u32,
+    scan_below: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `DeltaSeqsParams` in kernels/delta_rule.cu.
 unsafe impl DeviceRepr for DeltaSeqsParams {}
+
+/// Tokens per chunk of the chunked form (`DC` in kernels/delta_chunked.cu).
+pub const DELTA_CHUNK: usize = 32;
+
+/// Under `DeltaMode::Auto` (CudaOps::gated_delta_rule), spans of at least this many tokens take
+/// the chunked form, shorter ones the scan. Measured on the H200 at the 35B model's shape (one
+/// sequence, tests/delta_rule.rs's bench): scan 0.070 / chunked 0.078 ms at 64 tokens, 0.103 /
+/// 0.091 at 96, 0.136 / 0.105 at 128.
+pub const DELTA_AUTO_CHUNKED_FROM: usize = 80;
+
+#[repr(C)]
+struct DeltaChunkParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    g: u64,
+    beta: u64,
+    state: u64,
+    out: u64,
+    w: u64,
+    p: u64,
+    gc: u64,
+    row0: u64,
+    n: u64,
+    slot: u64,
+    slot_stride: u64,
+    offset: u64,
+    n_k_head: u32,
+    d_k: u32,
+    n_v_head: u32,
+    d_v: u32,
+    n_slots: u32,
+    from: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `DeltaChunkParams` in kernels/delta_chunked.cu.
+unsafe impl DeviceRepr for DeltaChunkParams {}
+
+impl DeltaShape {
+    /// Whether the chunked kernels take this shape: d_k 32, 64 or 128, d_v up to 128 (one
+    /// chunk's keys, queries and values in a block's 48 KiB of shared memory).
+    pub fn chunkable(&self) -> bool {
+        [32, 64, 128].contains(&self.d_k) && (1..=128).contains(&self.d_v) && self.n_k_head > 0 && self.n_v_head <= 65535
+    }
+
+    /// Floats of scratch [`Gpu::delta_rule_seqs_split`] needs for `n_tok` rows: per row and
+    /// value head W (d_k), P (a chunk's width) and the cumulative decay.
+    pub fn chunk_scratch(&self) -> usize {
+        self.n_tok * self.n_v_head * (self.d_k + DELTA_CHUNK + 1)
+    }
+}
 
 impl Gpu {
     /// The gated delta rule token by token over the state [n_v_head, d_v, d_k] (updated in
@@ -123,18 +174,99 @@ impl Gpu {
         out: &mut Buf<f32>,
     ) -> Result<()> {
         const OP: &str = "delta_rule_seqs";
-        let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
-        if !dk.is_multiple_of(32) || dk > 256 || nk == 0 || at.len != nv * dv * dk {
-            return Err(shape(OP, format!("d_k = {dk} (a multiple of 32, at most 256), n_k_head = {nk}, state of {}", at.len)));
+        check_seqs(OP, s, &i, seqs, state, at, out)?;
+        self.scan(s, &i, seqs, state, at, out, u32::MAX)
+    }
+
+    /// [`Gpu::delta_rule_seqs`] with the sequences of at least `from` tokens (`lens`, the host's
+    /// copy of `seqs.n`) in the chunked form (qwen35moe.md §6.5, kernels/delta_chunked.cu) and the
+    /// others in the scan: at most three launches for the whole step. `from` is at least 2 (one
+    /// token is always the scan); `usize::MAX` scans everything. `scratch` holds
+    /// [`DeltaShape::chunk_scratch`] floats when a sequence is chunked. Needs
+    /// [`DeltaShape::chunkable`] when a sequence is chunked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule_seqs_split(
+        &self,
+        s: DeltaShape,
+        i: DeltaIn<'_>,
+        seqs: SeqRows<'_>,
+        lens: &[usize],
+        state: &mut Buf<f32>,
+        at: StateAt,
+        out: &mut Buf<f32>,
+        scratch: &mut Buf<f32>,
+        from: usize,
+    ) -> Result<()> {
+        const OP: &str = "delta_rule_seqs_split";
+        check_seqs(OP, s, &i, seqs, state, at, out)?;
+        if lens.len() != seqs.n_seq || from < 2 {
+            return Err(shape(OP, format!("{} lengths for {} sequences, chunked from {from} tokens (at least 2)", lens.len(), seqs.n_seq)));
         }
-        need(OP, "q", i.q, t * nk * dk)?;
-        need(OP, "k", i.k, t * nk * dk)?;
-        need(OP, "v", i.v, t * nv * dv)?;
-        need(OP, "g", i.g, t * nv)?;
-        need(OP, "beta", i.beta, t * nv)?;
-        need(OP, "out", out, t * nv * dv)?;
-        seqs.check(OP)?;
-        at.check(OP, state)?;
+        let longest = lens.iter().copied().filter(|&n| n >= from).max();
+        let below = u32::try_from(from).unwrap_or(u32::MAX);
+        if lens.iter().any(|&n| n < from) {
+            self.scan(s, &i, seqs, state, at, out, below)?;
+        }
+        let Some(longest) = longest else { return Ok(()) };
+        if !s.chunkable() {
+            return Err(shape(OP, format!("d_k = {}, d_v = {} (the chunked form takes d_k 32, 64 or 128, d_v <= 128)", s.d_k, s.d_v)));
+        }
+        let (t, nv, dk) = (s.n_tok, s.n_v_head, s.d_k);
+        need(OP, "scratch", scratch, s.chunk_scratch())?;
+        if nv * s.d_v == 0 || seqs.n_seq == 0 {
+            return Ok(());
+        }
+        let base = scratch.ptr();
+        let p = DeltaChunkParams {
+            q: i.q.ptr(),
+            k: i.k.ptr(),
+            v: i.v.ptr(),
+            g: i.g.ptr(),
+            beta: i.beta.ptr(),
+            state: state.ptr(),
+            out: out.ptr(),
+            w: base,
+            p: base + 4 * (t * nv * dk) as u64,
+            gc: base + 4 * (t * nv * (dk + DELTA_CHUNK)) as u64,
+            row0: seqs.row0.ptr(),
+            n: seqs.n.ptr(),
+            slot: seqs.slot.ptr(),
+            slot_stride: at.slot_stride as u64,
+            offset: at.offset as u64,
+            n_k_head: s.n_k_head as u32,
+            d_k: dk as u32,
+            n_v_head: u32_of(OP, "n_v_head", nv)?,
+            d_v: s.d_v as u32,
+            n_slots: u32_of(OP, "n_slots", at.n_slots)?,
+            from: below,
+        };
+        let chunks = u32_of(OP, "chunks", longest.div_ceil(DELTA_CHUNK))?;
+        let prep = self.function(&DELTA_CHUNKED, "delta_chunk_prep")?;
+        let scan = self.function(&DELTA_CHUNKED, "delta_chunk_scan")?;
+        // SAFETY: the inputs, out and scratch hold what t rows need, the state n_slots slots
+        // with the layer's state inside each (checked above); the spans lie inside the rows (the
+        // caller's contract) and `lens` are their lengths; the scan skips slots >= n_slots; the
+        // shape is chunkable (the kernels' shared arrays).
+        unsafe {
+            self.launch(&prep, (chunks, nv as u32, seqs.n_seq as u32), 256, 0, &p)?;
+            self.launch(&scan, (s.d_v.div_ceil(16) as u32, nv as u32, seqs.n_seq as u32), 256, 0, &p)
+        }
+    }
+
+    /// The scan of the sequences of fewer than `below` tokens (checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn scan(
+        &self,
+        s: DeltaShape,
+        i: &DeltaIn<'_>,
+        seqs: SeqRows<'_>,
+        state: &mut Buf<f32>,
+        at: StateAt,
+        out: &mut Buf<f32>,
+        below: u32,
+    ) -> Result<()> {
+        const OP: &str = "delta_rule_seqs";
+        let (nk, dk, nv, dv) = (s.n_k_head, s.d_k, s.n_v_head, s.d_v);
         if nv * dv == 0 || seqs.n_seq == 0 {
             return Ok(());
         }
@@ -156,12 +288,36 @@ impl Gpu {
             n_v_head: u32_of(OP, "n_v_head", nv)?,
             d_v: u32_of(OP, "d_v", dv)?,
             n_slots: u32_of(OP, "n_slots", at.n_slots)?,
-            pad: 0,
+            scan_below: below,
         };
         let f = self.function(&DELTA_RULE, "delta_rule_seqs")?;
-        // SAFETY: the inputs and out hold what t rows need, the state n_slots slots with the
-        // layer's state inside each (checked above); the spans lie inside the rows (the caller's
-        // contract); the kernel skips slots >= n_slots; d_k / 32 <= DELTA_MAX_PER_LANE.
+        // SAFETY: sizes checked by the caller (check_seqs); the spans lie inside the rows (the
+        // caller's contract); the kernel skips slots >= n_slots; d_k / 32 <= DELTA_MAX_PER_LANE.
         unsafe { self.launch(&f, (blocks(nv * dv, 4), seqs.n_seq as u32, 1), 128, 0, &p) }
     }
+}
+
+/// The checks of a step's delta rule: the shape the scan takes, the inputs and output for
+/// `s.n_tok` rows, the sequences and the state.
+fn check_seqs(
+    op: &'static str,
+    s: DeltaShape,
+    i: &DeltaIn<'_>,
+    seqs: SeqRows<'_>,
+    state: &Buf<f32>,
+    at: StateAt,
+    out: &Buf<f32>,
+) -> Result<()> {
+    let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+    if !dk.is_multiple_of(32) || dk > 256 || nk == 0 || at.len != nv * dv * dk {
+        return Err(shape(op, format!("d_k = {dk} (a multiple of 32, at most 256), n_k_head = {nk}, state of {}", at.len)));
+    }
+    need(op, "q", i.q, t * nk * dk)?;
+    need(op, "k", i.k, t * nk * dk)?;
+    need(op, "v", i.v, t * nv * dv)?;
+    need(op, "g", i.g, t * nv)?;
+    need(op, "beta", i.beta, t * nv)?;
+    need(op, "out", out, t * nv * dv)?;
+    seqs.check(op)?;
+    at.check(op, state)
 }

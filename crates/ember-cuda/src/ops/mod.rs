@@ -21,7 +21,7 @@ mod select_rows;
 pub use attention::{ATTENTION_SPLIT_KEYS, ATTENTION_TILE_MIN_KEYS, ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape};
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
-pub use delta_rule::{DeltaIn, DeltaShape};
+pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, WeightRef};
