@@ -12,8 +12,8 @@
 use std::sync::OnceLock;
 
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts,
-    MoeRouting, Precision,
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts, MoeRouting,
+    Precision,
 };
 use ember_cuda::{Buf, Error, Gpu};
 use ember_gguf::GgmlType;

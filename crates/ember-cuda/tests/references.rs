@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use ember_cuda::{CudaOps, Gpu};
+use ember_cuda::{CudaOps, Gpu, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model, SeqState};
 use ember_ops::{KvType, Ops};
@@ -63,7 +63,7 @@ fn reference(q: &str, case: &str) -> &'static RefTensor {
 }
 
 fn exact_gpu(m: &Model) -> CudaOps {
-    let mut o = CudaOps::new(0).unwrap();
+    let mut o = CudaOps::with_precision(0, Precision::Exact).unwrap();
     o.register(m.weights().clone()).unwrap();
     o
 }

@@ -209,8 +209,9 @@ impl Gpu {
 /// tile (fewer weight decodes per product) that still gives two blocks per SM, at least 32.
 pub(crate) fn mma_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
     let row_blocks = n_rows.div_ceil(MMA_ROWS);
-    [128, 64]
-        .into_iter()
-        .find(|&bm| n_tok >= bm && n_tok.div_ceil(bm) * row_blocks >= 2 * n_sm as usize)
-        .unwrap_or(if n_tok > 32 { 64 } else { 32 })
+    [128, 64].into_iter().find(|&bm| n_tok >= bm && n_tok.div_ceil(bm) * row_blocks >= 2 * n_sm as usize).unwrap_or(if n_tok > 32 {
+        64
+    } else {
+        32
+    })
 }
