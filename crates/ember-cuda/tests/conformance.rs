@@ -22,12 +22,12 @@ use ember_ops::{AttnHeads, Batch, HostOps, KvType, LayerIdx, Mat, Ops, SeqStore,
 /// These are `Precision::Exact`'s.
 const TOL: Tolerances = Tolerances { rel: 3e-5, quant_nmse: 1e-12 };
 
-/// `Precision::Fast`: matmuls of more than 16 tokens (the suite's 33 and 70) on tensor cores,
-/// weights and activations rounded to f16 (relative error <= 2^-11 each), f32 sums. A float
-/// matmul's error is at most ~1e-3 of Σ|w·x|, which for the suite's random data is a few times
-/// the largest |result|: `rel` 1e-2; the quantised matmuls' NMSE from f16 rounding is ~u² =
-/// 2.4e-7 per operand: `quant_nmse` 1e-5. Measured on the H200: see the printed report.
-const TOL_FAST: Tolerances = Tolerances { rel: 1e-2, quant_nmse: 1e-5 };
+/// `Precision::Fast`: matmuls of more than 40 tokens (the suite's 70) and MoE batches of more
+/// than 48 on tensor cores, weights and activations rounded to f16 (relative error <= 2^-11
+/// each), f32 sums. Measured on the H200 (2026-12-03, tensor cores then at 33 and 70 tokens):
+/// float matmuls `rel` 2.6e-4 (F16) to 3.2e-4 (F32); quantised matmuls NMSE 5.8e-8 to 6.6e-8,
+/// the MoE 1.9e-7; every other op as under Exact. Bounds ~5-6x.
+const TOL_FAST: Tolerances = Tolerances { rel: 2e-3, quant_nmse: 1e-6 };
 
 /// One GPU test of this file at a time: the pool test takes nearly all free device memory.
 fn one_at_a_time() -> MutexGuard<'static, ()> {

@@ -25,7 +25,7 @@ pub use delta_rule::{DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, MMA_MIN_TOKENS, MatmulKernel, Precision, WeightRef};
-pub use moe::{MoeExperts, MoeRouting, moe_scratch_len};
+pub use moe::{MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, moe_scratch_len};
 pub use route::ROUTE_SUM_MIN;
 
 use crate::error::{Result, shape};
