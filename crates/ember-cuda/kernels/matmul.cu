@@ -8,7 +8,9 @@
 //   weight and x reads are both contiguous. Needs k % 8 == 0 (block types always qualify;
 //   other float weights go tiled).
 // * matmul_tiled: any shape. 64x64 output tiles, k in steps of 32, weights decoded into shared
-//   memory by deq8. Plain FMA; tensor cores come later.
+//   memory by deq8. Plain f32 FMA: the exact path for many tokens, and the fallback below sm_80.
+// * matmul_mma_<type>_<BM>: prompt-sized batches under Precision::Fast, sm_80+ (mma.cuh): f16
+//   operands on tensor cores, f32 sums; BM tokens x 128 rows per block.
 
 struct MatmulParams {
     u64 w;  // n_rows rows of row_bytes
@@ -114,3 +116,48 @@ extern "C" __global__ void matmul_tiled(const MatmulParams p) {
         }
     }
 }
+
+// grid (ceil(n_tok / BM), ceil(n_rows / MMA_BN)), MMA_THREADS threads. Tokens vary fastest over
+// the blocks, so the blocks in flight share weight tiles (read once from memory, then from L2);
+// the activations (n_tok x k f32) stay in L2.
+template <int TY, int MT>
+__device__ __forceinline__ void matmul_mma(const MatmulParams& p) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int BM = 32 * MT;
+    __shared__ __align__(16) u16 ws[2 * MMA_BN * MMA_LD];
+    __shared__ __align__(16) u16 xs[2 * BM * MMA_LD];
+    __shared__ const float* xrow[BM];
+    __shared__ float iq4[16];
+    const int t0 = blockIdx.x * BM, r0 = blockIdx.y * MMA_BN;
+    const int n_tok = p.n_tok, n_rows = p.n_rows;
+    for (int m = threadIdx.x; m < BM; m += blockDim.x) xrow[m] = t0 + m < n_tok ? (const float*)p.x + (u64)(t0 + m) * p.k : nullptr;
+    load_iq4_table(iq4);  // (a barrier: xrow is ready too)
+    const MmaIn in = {(const u8*)p.w + (u64)r0 * p.row_bytes, p.row_bytes, min(MMA_BN, n_rows - r0), (int)p.k};
+    float acc[MT][4][4];
+    mma_tile<TY, MT>(in, xrow, iq4, ws, xs, acc);
+    float* y = (float*)p.y;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int t = t0 + mma_out_token<MT>(i, c), r = r0 + mma_out_row(j, c);
+                if (t < n_tok && r < n_rows) y[(u64)t * n_rows + r] = acc[i][j][c];
+            }
+#endif
+}
+
+#define MMA_ENTRIES(SUFFIX, TY)                                                                   \
+    extern "C" __global__ void matmul_mma_##SUFFIX##_32(const MatmulParams p) { matmul_mma<TY, 1>(p); }   \
+    extern "C" __global__ void matmul_mma_##SUFFIX##_64(const MatmulParams p) { matmul_mma<TY, 2>(p); }   \
+    extern "C" __global__ void matmul_mma_##SUFFIX##_128(const MatmulParams p) { matmul_mma<TY, 4>(p); }
+
+MMA_ENTRIES(f32, TY_F32)
+MMA_ENTRIES(f16, TY_F16)
+MMA_ENTRIES(bf16, TY_BF16)
+MMA_ENTRIES(q8_0, TY_Q8_0)
+MMA_ENTRIES(q4_k, TY_Q4_K)
+MMA_ENTRIES(q5_k, TY_Q5_K)
+MMA_ENTRIES(q6_k, TY_Q6_K)
+MMA_ENTRIES(iq4_xs, TY_IQ4_XS)

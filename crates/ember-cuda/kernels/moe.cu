@@ -89,3 +89,166 @@ MOE_ENTRIES(q4_k, TY_Q4_K)
 MOE_ENTRIES(q5_k, TY_Q5_K)
 MOE_ENTRIES(q6_k, TY_Q6_K)
 MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
+
+// ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
+// moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of
+// MOE_BM pairs; moe_mma_gate_up_<type> and moe_mma_down_<type> then run one tensor-core tile
+// (mma.cuh) per (tile, 128 rows), so an expert's rows are read once per tile of its tokens, not
+// once per token; moe_combine sums each token's k weighted expert outputs in slot order. All on
+// the device: the launches are sized for the most tiles there can be, and blocks past the
+// plan's tile count leave at once. Where a pair lands in its expert's list (atomics) does not
+// change any result: each output is one row of x against one weight row.
+//
+// The plan (u32 words): [0] the tile count, then per tile (expert, first list entry, pairs),
+// then the list of pair indices (t · k_top + j) grouped by expert.
+
+#define MOE_BM 32
+
+struct MoePlanParams {
+    u64 ids;   // [n_pairs] u32
+    u64 plan;  // u32 words, see above
+    u32 n_pairs, n_expert, max_tiles, pad;
+};
+
+// One block of 1024 threads; shared memory 2 · n_expert words.
+extern "C" __global__ void moe_plan(const MoePlanParams p) {
+    extern __shared__ u32 cnt[];
+    u32* cur = cnt + p.n_expert;
+    u32* plan = (u32*)p.plan;
+    u32* list = plan + 1 + 3 * p.max_tiles;
+    const u32* ids = (const u32*)p.ids;
+    for (u32 e = threadIdx.x; e < p.n_expert; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (u32 q = threadIdx.x; q < p.n_pairs; q += blockDim.x) {
+        const u32 e = ids[q];
+        if (e < p.n_expert) atomicAdd(&cnt[e], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 at = 0, nt = 0;
+        for (u32 e = 0; e < p.n_expert; ++e) {
+            for (u32 s = 0; s < cnt[e]; s += MOE_BM) {
+                plan[1 + 3 * nt] = e;
+                plan[2 + 3 * nt] = at + s;
+                plan[3 + 3 * nt] = min((u32)MOE_BM, cnt[e] - s);
+                ++nt;
+            }
+            cur[e] = at;
+            at += cnt[e];
+        }
+        plan[0] = nt;
+    }
+    __syncthreads();
+    for (u32 q = threadIdx.x; q < p.n_pairs; q += blockDim.x) {
+        const u32 e = ids[q];
+        if (e < p.n_expert) list[atomicAdd(&cur[e], 1u)] = q;
+    }
+}
+
+struct MoeMmaParams {
+    MoeParams m;
+    u64 plan;
+    u64 part;  // [n_tok · k_top, d] f32: weighted expert outputs
+    u32 max_tiles, pad;
+};
+
+// grid (ceil(n_ff / MMA_BN), max_tiles), MMA_THREADS threads: h[pair] = silu(gate_e · x_t) ⊙ up_e · x_t.
+template <int TY>
+__device__ __forceinline__ void moe_mma_gate_up(const MoeMmaParams& q) {
+#if __CUDA_ARCH__ >= 800
+    const MoeParams& p = q.m;
+    __shared__ __align__(16) u16 ws[2 * MMA_BN * MMA_LD];
+    __shared__ __align__(16) u16 xs[2 * MOE_BM * MMA_LD];
+    __shared__ const float* xrow[MOE_BM];
+    __shared__ u32 pair[MOE_BM];
+    __shared__ float iq4[16];
+    const u32* plan = (const u32*)q.plan;
+    const u32 tile = blockIdx.y;
+    if (tile >= plan[0]) return;  // the whole block
+    const u32 e = plan[1 + 3 * tile], first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32* list = plan + 1 + 3 * q.max_tiles;
+    for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
+        pair[m] = m < n ? list[first + m] : 0;
+        xrow[m] = m < n ? (const float*)p.x + (u64)(pair[m] / p.k_top) * p.d : nullptr;
+    }
+    load_iq4_table(iq4);
+    const int r0 = blockIdx.x * MMA_BN, n_w = min(MMA_BN, (int)p.n_ff - r0);
+    const u64 at = ((u64)e * p.n_ff + r0) * p.row_bytes_gu;
+    float g[1][4][4], u[1][4][4];
+    mma_tile<TY, 1>({(const u8*)p.gate + at, p.row_bytes_gu, n_w, (int)p.d}, xrow, iq4, ws, xs, g);
+    __syncthreads();  // the second tile loop rewrites the buffers the first one read last
+    mma_tile<TY, 1>({(const u8*)p.up + at, p.row_bytes_gu, n_w, (int)p.d}, xrow, iq4, ws, xs, u);
+    float* h = (float*)p.h;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int m = mma_out_token<1>(0, c), r = mma_out_row(j, c);
+            if (m < (int)n && r < n_w) h[(u64)pair[m] * p.n_ff + r0 + r] = silu_f(g[0][j][c]) * u[0][j][c];
+        }
+#endif
+}
+
+// grid (ceil(d / MMA_BN), max_tiles), MMA_THREADS threads: part[pair] = w_pair · down_e · h[pair].
+template <int TY>
+__device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {
+#if __CUDA_ARCH__ >= 800
+    const MoeParams& p = q.m;
+    __shared__ __align__(16) u16 ws[2 * MMA_BN * MMA_LD];
+    __shared__ __align__(16) u16 xs[2 * MOE_BM * MMA_LD];
+    __shared__ const float* xrow[MOE_BM];
+    __shared__ u32 pair[MOE_BM];
+    __shared__ float iq4[16];
+    const u32* plan = (const u32*)q.plan;
+    const u32 tile = blockIdx.y;
+    if (tile >= plan[0]) return;
+    const u32 e = plan[1 + 3 * tile], first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32* list = plan + 1 + 3 * q.max_tiles;
+    for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
+        pair[m] = m < n ? list[first + m] : 0;
+        xrow[m] = m < n ? (const float*)p.h + (u64)pair[m] * p.n_ff : nullptr;
+    }
+    load_iq4_table(iq4);
+    const int r0 = blockIdx.x * MMA_BN, n_w = min(MMA_BN, (int)p.d - r0);
+    const u64 at = ((u64)e * p.d + r0) * p.row_bytes_down;
+    float acc[1][4][4];
+    mma_tile<TY, 1>({(const u8*)p.down + at, p.row_bytes_down, n_w, (int)p.n_ff}, xrow, iq4, ws, xs, acc);
+    float* part = (float*)q.part;
+    const float* wt = (const float*)p.weights;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int m = mma_out_token<1>(0, c), r = mma_out_row(j, c);
+            if (m < (int)n && r < n_w) part[(u64)pair[m] * p.d + r0 + r] = wt[pair[m]] * acc[0][j][c];
+        }
+#endif
+}
+
+// grid ceil(n_tok · d / 256), 256 threads: out[t][i] = Σ_j part[t·k + j][i] in slot order (NaN
+// for an expert id out of range).
+extern "C" __global__ void moe_combine(const MoeMmaParams q) {
+    const MoeParams& p = q.m;
+    const u64 at = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (at >= (u64)p.n_tok * p.d) return;
+    const u64 t = at / p.d, i = at % p.d;
+    float s = 0.0f;
+    for (u32 j = 0; j < p.k_top; ++j) {
+        const u64 pr = t * p.k_top + j;
+        s += ((const u32*)p.ids)[pr] < p.n_expert ? ((const float*)q.part)[pr * p.d + i] : MOE_NAN;
+    }
+    ((float*)p.out)[at] = s;
+}
+
+#define MOE_MMA_ENTRIES(SUFFIX, TY)                                                                          \
+    extern "C" __global__ void moe_mma_gate_up_##SUFFIX(const MoeMmaParams q) { moe_mma_gate_up<TY>(q); } \
+    extern "C" __global__ void moe_mma_down_##SUFFIX(const MoeMmaParams q) { moe_mma_down<TY>(q); }
+
+MOE_MMA_ENTRIES(f32, TY_F32)
+MOE_MMA_ENTRIES(f16, TY_F16)
+MOE_MMA_ENTRIES(bf16, TY_BF16)
+MOE_MMA_ENTRIES(q8_0, TY_Q8_0)
+MOE_MMA_ENTRIES(q4_k, TY_Q4_K)
+MOE_MMA_ENTRIES(q5_k, TY_Q5_K)
+MOE_MMA_ENTRIES(q6_k, TY_Q6_K)
+MOE_MMA_ENTRIES(iq4_xs, TY_IQ4_XS)

@@ -11,6 +11,7 @@ use crate::nvrtc::{Image, Nvrtc};
 
 const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 const DEQUANT: &str = include_str!("../kernels/dequant.cuh");
+const MMA: &str = include_str!("../kernels/mma.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -37,7 +38,7 @@ macro_rules! kernel {
     };
 }
 
-kernel!(MATMUL, "matmul", DEQUANT);
+kernel!(MATMUL, "matmul", DEQUANT, MMA);
 kernel!(GET_ROWS, "get_rows", DEQUANT);
 kernel!(RMS_NORM, "rms_norm");
 kernel!(ADD, "add");
@@ -49,7 +50,7 @@ kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
 kernel!(DELTA_CHUNKED, "delta_chunked");
-kernel!(MOE, "moe", DEQUANT);
+kernel!(MOE, "moe", DEQUANT, MMA);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention");

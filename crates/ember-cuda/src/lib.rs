@@ -21,3 +21,4 @@ pub mod ops;
 pub use backend::{ACT_RESERVE, CudaOps};
 pub use error::{Error, Result};
 pub use gpu::{Buf, DeviceInfo, Elem, Gpu, devices, driver_version};
+pub use ops::Precision;

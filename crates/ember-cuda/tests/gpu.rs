@@ -12,7 +12,8 @@
 use std::sync::OnceLock;
 
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MoeExperts, MoeRouting,
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts, MoeRouting,
+    Precision,
 };
 use ember_cuda::{Buf, Error, Gpu};
 use ember_gguf::GgmlType;
@@ -100,12 +101,19 @@ fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
 const MATMUL_TYPES: [GgmlType; 8] =
     [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
 
-/// One matmul against the reference; returns max |err| / Σ_j |w_j·x_j|.
-fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
+/// A random weight, activations, the reference output and each output's Σ_j |w_j·x_j|.
+struct MatmulData {
+    bytes: Vec<u8>,
+    x: Mat,
+    want: Vec<f32>,
+    scale: Vec<f32>,
+}
+
+fn matmul_data(rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> MatmulData {
     let bytes = quantised(ty, rng, k, n_rows);
     let view = WeightView { ty, k, n_rows, data: &bytes };
     let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
-    let want = reference::matmul(&view, &x);
+    let want = reference::matmul(&view, &x).data;
     // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
     let mut wr = vec![0f32; k];
     let mut scale = vec![0f32; n_tok * n_rows];
@@ -115,13 +123,19 @@ fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_
             scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
         }
     }
+    MatmulData { bytes, x, want, scale }
+}
+
+/// One matmul against the reference; returns max |err| / Σ_j |w_j·x_j|.
+fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
+    let MatmulData { bytes, x, want, scale } = matmul_data(rng, ty, k, n_rows, n_tok);
     let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
     let xb = g.upload(&x.data).unwrap();
     let mut y = poisoned(g, n_tok * n_rows);
     g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
     let got = g.download(&y).unwrap();
     let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
-    let worst = check(&what, &got, &want.data, &scale, 0.0, 1e-5);
+    let worst = check(&what, &got, &want, &scale, 0.0, 1e-5);
 
     // A row range of the same weight (an expert of a stacked tensor).
     if n_rows > 2 {
@@ -134,6 +148,66 @@ fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_
         }
     }
     worst
+}
+
+/// The tensor-core matmul (every tile size, and the Fast pick) against the reference; returns
+/// max |err| / Σ_j |w_j·x_j|. A row range (rows 1..) must equal the same rows of the whole.
+fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
+    let MatmulData { bytes, x, want, scale } = matmul_data(rng, ty, k, n_rows, n_tok);
+    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+    let xb = g.upload(&x.data).unwrap();
+    let mut worst = 0f32;
+    for tile_tokens in [32, 64, 128] {
+        let kernel = MatmulKernel::Mma { tile_tokens };
+        let mut y = poisoned(g, n_tok * n_rows);
+        g.matmul_kernel(dw.all(), &xb, n_tok, &mut y, kernel).unwrap();
+        let got = g.download(&y).unwrap();
+        let what = format!("matmul mma/{tile_tokens} {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+        worst = worst.max(check(&what, &got, &want, &scale, 1e-6, MMA_RTOL));
+        if n_rows > 2 {
+            let (r0, nr) = (1, n_rows - 2);
+            let mut y2 = poisoned(g, n_tok * nr);
+            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, kernel).unwrap();
+            let got2 = g.download(&y2).unwrap();
+            for t in 0..n_tok {
+                assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
+            }
+        }
+    }
+    let mut y = poisoned(g, n_tok * n_rows);
+    g.matmul_prec(dw.all(), &xb, n_tok, &mut y, Precision::Fast).unwrap();
+    let what = format!("matmul Fast {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+    worst.max(check(&what, &g.download(&y).unwrap(), &want, &scale, 1e-6, MMA_RTOL))
+}
+
+/// The tensor-core path rounds weights and activations to f16 (relative error at most
+/// u = 2^-11 each) and sums in f32, so |err| <= (2u + u²)·Σ|w·x| + the f32 sum's error:
+/// 1e-3 of Σ|w·x| bounds it for any data (atol 1e-6 for f16 subnormals near zero).
+/// Measured on the H200 (2026-12-03): F32 7.4e-4 (uniform weights: many lose their low bits),
+/// F16/BF16 4.2e-4, Q8_0 5.9e-5, Q4_K 8.0e-5, Q5_K 6.5e-5, Q6_K 9.0e-5, IQ4_XS 5.2e-5.
+const MMA_RTOL: f32 = 1e-3;
+
+// Ragged shapes: n_tok not a multiple of any tile (17 .. 300), odd row counts (a partial
+// 128-row tile), k any multiple of the block (float types: k odd, k % 8 != 0, and k % 4 != 0).
+#[test]
+fn matmul_mma_matches_reference() {
+    let Some(g) = gpu() else { return };
+    if !g.has_mma() {
+        println!("skipped: sm_{} has no tensor-core matmul", g.info().sm());
+        return;
+    }
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let block = ty.block_size();
+        let mut worst = 0f32;
+        for case in 0..5 {
+            let k = if block == 1 { [37, 544, 1282, 3, 2048][case] } else { block * (1 + rng.below(2048 / block)) };
+            let n_rows = 1 + 2 * rng.below(200);
+            let n_tok = [17, 33, 100, 129, 300][case];
+            worst = worst.max(matmul_mma_case(g, &mut rng, ty, k, n_rows, n_tok));
+        }
+        println!("MATMUL_MMA_MEASURED {}: max err / Σ|w·x| = {worst:.2e} (bound {MMA_RTOL:e})", ty.name());
+    }
 }
 
 // Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 16,384 terms against the f64
@@ -508,6 +582,103 @@ fn moe_matches_reference() {
     }
 }
 
+// The grouped tensor-core MoE (Precision::Fast, prompt batches) against the reference. Bound:
+// f16 operands give each gate/up dot an error <= 1e-3·G (G = Σ|gate·x|, U likewise), so
+// |δh| <= 1e-3·(1.1·G·U + G·U) (|silu'| <= 1.1, |silu(g)| <= G, |u| <= U), and the down dot
+// adds 1e-3·Σ|down·h| with |h| <= G·U: the error is at most 3.1e-3 of
+// scale = Σ_j |w_j| · Σ_m |down_e[i][m]|·G_m·U_m. rtol 4e-3 of that, atol 1e-6.
+// Measured on the H200 (2026-12-03): 2.2e-7 to 3.9e-6 of that scale (a worst case far above
+// the typical error); two runs equal bit for bit.
+#[test]
+fn moe_mma_matches_reference() {
+    let Some(g) = gpu() else { return };
+    if !g.has_mma() {
+        println!("skipped: sm_{} has no tensor-core MoE", g.info().sm());
+        return;
+    }
+    let mut rng = Rng::new();
+    let cases = [
+        (GgmlType::Q4K, GgmlType::Q6K, 512, 256, 8, 4, 17),
+        (GgmlType::Q4K, GgmlType::Q4K, 256, 512, 6, 3, 130),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 40),
+        (GgmlType::IQ4XS, GgmlType::Q5K, 256, 256, 3, 1, 75),
+        (GgmlType::F16, GgmlType::BF16, 136, 200, 7, 2, 33),
+        (GgmlType::F32, GgmlType::F32, 64, 40, 4, 4, 20),
+    ];
+    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok) in cases {
+        let gate = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let up = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let down = quantised(ty_dn, &mut rng, n_ff, n_expert * d);
+        let (gv, uv, dv) = (
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &gate },
+            WeightView { ty: ty_gu, k: d, n_rows: n_expert * n_ff, data: &up },
+            WeightView { ty: ty_dn, k: n_ff, n_rows: n_expert * d, data: &down },
+        );
+        let x = Mat::from_vec(n_tok, d, rng.vec(n_tok * d, -1.0, 1.0));
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
+        let routing = reference::route(&logits, k);
+        let per_expert = routing.per_expert(n_expert);
+        let slots: Vec<MoeSlot> = per_expert
+            .iter()
+            .enumerate()
+            .map(|(e, toks)| MoeSlot {
+                expert: ExpertView { gate: gv.rows(e * n_ff, n_ff), up: uv.rows(e * n_ff, n_ff), down: dv.rows(e * d, d) },
+                tokens: toks,
+            })
+            .collect();
+        let want = reference::moe(reference::matmul, &slots, &x);
+        // |gate_e|·|x_t| and |up_e|·|x_t| per hidden row: the reference matmul of |W| and |x|.
+        let abs_view = |v: &WeightView<'_>, e: usize, rows: usize| -> Vec<f32> {
+            let mut w = vec![0f32; rows * v.k];
+            for r in 0..rows {
+                ember_gguf::quant::dequantize(v.ty, v.row(e * rows + r), &mut w[r * v.k..(r + 1) * v.k]).unwrap();
+            }
+            w.iter().map(|a| a.abs()).collect()
+        };
+        let mut scale = vec![0f32; n_tok * d];
+        for t in 0..n_tok {
+            let xa: Vec<f32> = x.row(t).iter().map(|a| a.abs()).collect();
+            for j in 0..k {
+                let e = routing.ids[t * k + j].0 as usize;
+                let (ga, ua, da) = (abs_view(&gv, e, n_ff), abs_view(&uv, e, n_ff), abs_view(&dv, e, d));
+                let gu: Vec<f32> = (0..n_ff)
+                    .map(|m| {
+                        let gs: f32 = ga[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
+                        let us: f32 = ua[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
+                        gs * us
+                    })
+                    .collect();
+                for i in 0..d {
+                    let s: f32 = da[i * n_ff..(i + 1) * n_ff].iter().zip(&gu).map(|(a, b)| a * b).sum();
+                    scale[t * d + i] += routing.weights[t * k + j].abs() * s;
+                }
+            }
+        }
+        let (gw, uw, dw) = (
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
+            g.upload_weight(ty_dn, n_ff, n_expert * d, &down).unwrap(),
+        );
+        let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
+        let mut h = poisoned(g, n_tok * k * n_ff);
+        let mut scratch = poisoned(g, ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d));
+        let mut out = poisoned(g, n_tok * d);
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let r = MoeRouting { ids: &idb, weights: &wb, k };
+        let xb = g.upload(&x.data).unwrap();
+        g.moe_mma(experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
+        let what = format!("moe mma {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
+        let got = g.download(&out).unwrap();
+        let worst = check(&what, &got, &want.data, &scale, 1e-6, 4e-3);
+        // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not).
+        let mut out2 = poisoned(g, n_tok * d);
+        g.moe_mma(experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out2).unwrap();
+        assert_eq!(got, g.download(&out2).unwrap(), "{what}: two runs differ");
+        println!("MOE_MMA_MEASURED {what}: max err / scale {worst:.2e} (bound 4e-3)");
+    }
+}
+
 #[test]
 fn devices_lists_gpus_or_says_why_not() {
     match ember_cuda::devices() {
@@ -691,4 +862,137 @@ fn bench_ops() {
         "bench op delta_rule state traffic: {:.0} GB/s (2 MiB read + written)",
         2.0 * 32.0 * 128.0 * 128.0 * 4.0 / (ms as f64 * 1e-3) / 1e9
     );
+}
+
+/// Prompt-sized matmuls at the 35B-A3B model's shapes: the f32 FMA tiles against the
+/// tensor-core tiles (each tile size, and what Precision::Fast picks), 512 tokens; then the
+/// GEMV against the tensor cores around the switch-over (MMA_MIN_TOKENS). TFLOP/s = 2·k·rows·tok
+/// over GPU time (events around 10-50 back-to-back calls).
+#[test]
+#[ignore]
+fn bench_matmul_prompt() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let weight = |rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize| {
+        let tile_rows = 256.min(n_rows);
+        let tile = quantised(ty, rng, k, tile_rows);
+        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
+        g.upload_weight(ty, k, n_rows, &bytes).unwrap()
+    };
+    let time = |dw: &ember_cuda::ops::DeviceWeight, n_tok: usize, kernel: Option<MatmulKernel>| -> (f32, f64) {
+        let x = g.upload(&vec![0.5f32; n_tok * dw.k]).unwrap();
+        let mut y = g.alloc::<f32>(n_tok * dw.n_rows).unwrap();
+        let mut call = || match kernel {
+            Some(kr) => g.matmul_kernel(dw.all(), &x, n_tok, &mut y, kr),
+            None => g.matmul_prec(dw.all(), &x, n_tok, &mut y, Precision::Fast),
+        };
+        call().unwrap(); // warm-up (and compile)
+        let flop = 2.0 * (dw.k * dw.n_rows * n_tok) as f64;
+        let iters = if flop > 1e11 { 5 } else { 30 };
+        let ms = g
+            .time_ms(|| {
+                for _ in 0..iters {
+                    call()?;
+                }
+                Ok(())
+            })
+            .unwrap()
+            / iters as f32;
+        (ms, flop / (ms as f64 * 1e-3) / 1e12)
+    };
+    let cases: &[(&str, GgmlType, usize, usize)] = &[
+        ("attn_qkv (DeltaNet)", GgmlType::Q4K, 2048, 8192),
+        ("attn_gate", GgmlType::Q4K, 2048, 4096),
+        ("ssm_out", GgmlType::Q4K, 4096, 2048),
+        ("ssm_out", GgmlType::Q6K, 4096, 2048),
+        ("shared expert gate", GgmlType::Q8_0, 2048, 512),
+        ("2048 x 4096", GgmlType::Q5K, 2048, 4096),
+        ("2048 x 4096", GgmlType::IQ4XS, 2048, 4096),
+        ("2048 x 4096", GgmlType::F16, 2048, 4096),
+        ("2048 x 4096", GgmlType::BF16, 2048, 4096),
+        ("2048 x 4096", GgmlType::F32, 2048, 4096),
+        ("output head", GgmlType::Q6K, 2048, 248_320),
+    ];
+    let n_tok = 512;
+    for &(what, ty, k, n_rows) in cases {
+        let dw = weight(&mut rng, ty, k, n_rows);
+        let mut line = format!("bench prompt matmul {:6} {what:20} k={k:5} rows={n_rows:6} tok={n_tok}:", ty.name());
+        let kernels = [
+            ("tiled", Some(MatmulKernel::Tiled)),
+            ("mma32", Some(MatmulKernel::Mma { tile_tokens: 32 })),
+            ("mma64", Some(MatmulKernel::Mma { tile_tokens: 64 })),
+            ("mma128", Some(MatmulKernel::Mma { tile_tokens: 128 })),
+            ("fast", None),
+        ];
+        for (name, kr) in kernels {
+            if name == "tiled" && n_rows > 65_536 {
+                continue; // ~1 s a call
+            }
+            let (ms, tf) = time(&dw, n_tok, kr);
+            line += &format!("  {name} {ms:.3} ms {tf:.1} TF");
+        }
+        println!("{line}");
+    }
+    let dw = weight(&mut rng, GgmlType::Q4K, 2048, 4096);
+    for n_tok in [8, 16, 17, 24, 32, 48, 64, 128] {
+        let mut line = format!("bench switch-over Q4_K k=2048 rows=4096 tok={n_tok:3}:");
+        for (name, kr) in [("gemv", Some(MatmulKernel::Gemv)), ("tiled", Some(MatmulKernel::Tiled)), ("fast", None)] {
+            let (ms, tf) = time(&dw, n_tok, kr);
+            line += &format!("  {name} {:.1} us {tf:.2} TF", ms * 1e3);
+        }
+        println!("{line}");
+    }
+}
+
+/// One MoE layer of the 35B model at prompt sizes (256 experts, top-8, d 2048, n_ff 512, Q4_K
+/// gate/up, Q6_K down): the per-pair kernels (`moe`, what Exact and small batches run) against
+/// the grouped tensor-core path (`moe_mma`). TFLOP/s over the routed work, 2·n_tok·k·3·d·n_ff.
+#[test]
+#[ignore]
+fn bench_moe_prompt() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let (d, n_ff, n_expert, k) = (2048, 512, 256, 8);
+    let tiled = |ty: GgmlType, rng: &mut Rng, kk: usize, rows: usize| -> Vec<u8> {
+        let tile = quantised(ty, rng, kk, 256);
+        tile.iter().copied().cycle().take(tile.len() * rows / 256).collect()
+    };
+    let gw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let uw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
+    let dw = g.upload_weight(GgmlType::Q6K, n_ff, n_expert * d, &tiled(GgmlType::Q6K, &mut rng, n_ff, n_expert * d)).unwrap();
+    for n_tok in [32, 128, 512, 2048] {
+        // Routing: k distinct pseudo-random experts per token.
+        let ids: Vec<u32> = (0..n_tok).flat_map(|t| (0..k).map(move |j| ((t * 97 + j * 31 + (t / 7) * 13) % n_expert) as u32)).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&rng.vec(n_tok * k, 0.0, 0.25)).unwrap());
+        let x = g.upload(&rng.vec(n_tok * d, -1.0, 1.0)).unwrap();
+        let mut h = g.alloc::<f32>(n_tok * k * n_ff).unwrap();
+        let mut scratch = g.alloc::<f32>(ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d)).unwrap();
+        let mut out = g.alloc::<f32>(n_tok * d).unwrap();
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let r = MoeRouting { ids: &idb, weights: &wb, k };
+        let flop = 2.0 * (n_tok * k) as f64 * 3.0 * (d * n_ff) as f64;
+        let mut line = format!("bench moe prompt Q4_K/Q6_K tok={n_tok:4}:");
+        for (name, grouped) in [("per-pair", false), ("grouped", true)] {
+            let mut call = || {
+                if grouped {
+                    g.moe_mma(experts, &x, n_tok, r, &mut h, &mut scratch, &mut out)
+                } else {
+                    g.moe(experts, &x, n_tok, r, &mut h, &mut out)
+                }
+            };
+            call().unwrap();
+            let iters = if !grouped && n_tok >= 512 { 2 } else { 10 };
+            let ms = g
+                .time_ms(|| {
+                    for _ in 0..iters {
+                        call()?;
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                / iters as f32;
+            line += &format!("  {name} {ms:.3} ms {:.1} TF", flop / (ms as f64 * 1e-3) / 1e12);
+        }
+        println!("{line}");
+    }
 }

@@ -1,5 +1,5 @@
 //! The tiny fixture models (tests/fixtures/tiny-a, every GGUF type) through `Model::forward` on
-//! [`CudaOps`] and on the CPU backend (`Precision::Exact`, 2 threads): all-position logits of
+//! [`CudaOps`] (`Precision::Exact`) and on the CPU backend (`Precision::Exact`, 2 threads): all-position logits of
 //! prompts compared per position, for every KV cache type, and free-running greedy
 //! continuations of 32 tokens that must be equal.
 //!
@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use ember_cpu::Precision;
-use ember_cuda::{CudaOps, Gpu};
+use ember_cuda::{CudaOps, Gpu, Precision as CudaPrecision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model, SeqBatch, SeqState};
 use ember_ops::{KvType, Ops};
@@ -77,7 +77,7 @@ fn tiny_models_match_the_cpu_backend() {
     }
     for q in ["BF16", "Q8_0", "Q6_K", "Q4_K_M"] {
         let m = model(q);
-        let mut gpu = CudaOps::new(0).unwrap();
+        let mut gpu = CudaOps::with_precision(0, CudaPrecision::Exact).unwrap();
         gpu.register(m.weights().clone()).unwrap();
         let mut cpu = ember_cpu::backend(Precision::Exact, 2);
         cpu.register(m.weights().clone()).unwrap();
@@ -161,7 +161,7 @@ fn batched_steps_and_snapshots_match_the_cpu_backend() {
     }
     for q in ["BF16", "Q4_K_M"] {
         let m = model(q);
-        let mut gpu = CudaOps::new(0).unwrap();
+        let mut gpu = CudaOps::with_precision(0, CudaPrecision::Exact).unwrap();
         gpu.register(m.weights().clone()).unwrap();
         let mut cpu = ember_cpu::backend(Precision::Exact, 2);
         cpu.register(m.weights().clone()).unwrap();

@@ -30,7 +30,7 @@ use ember_ops::{
 
 use crate::ops::{
     Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, KvPages, MoeExperts, MoeRouting,
-    SeqRows, StateAt,
+    Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
 
@@ -55,6 +55,7 @@ struct StepBufs {
 pub struct CudaOps {
     gpu: Gpu,
     dev: DeviceId,
+    precision: Precision,
     weights: DevWeights,
     arena: Arena,
     routes: Routes,
@@ -99,8 +100,15 @@ fn put(gpu: &Gpu, buf: &mut Buf<u32>, data: &[u32]) -> crate::Result<()> {
 }
 
 impl CudaOps {
-    /// Opens GPU `device_index` (kernels compile on first use).
+    /// Opens GPU `device_index` (kernels compile on first use) at [`Precision::Fast`].
     pub fn new(device_index: usize) -> crate::Result<Self> {
+        Self::with_precision(device_index, Precision::Fast)
+    }
+
+    /// Opens GPU `device_index` at `precision`: [`Precision::Exact`] keeps f32 activations and
+    /// sums for every op (what the tests compare with float64 references at 1e-4);
+    /// [`Precision::Fast`] runs prompt-sized matmuls on tensor cores.
+    pub fn with_precision(device_index: usize, precision: Precision) -> crate::Result<Self> {
         let gpu = Gpu::new(device_index)?;
         let dev = DeviceId::Gpu(u16::try_from(device_index).unwrap_or(u16::MAX));
         let one = || gpu.zeros::<u32>(1);
@@ -116,6 +124,7 @@ impl CudaOps {
         };
         Ok(CudaOps {
             dev,
+            precision,
             weights: DevWeights::empty(dev),
             arena: Arena::new(dev),
             routes: Routes::new(dev),
@@ -133,6 +142,10 @@ impl CudaOps {
     /// The GPU (device info, timings).
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The most KV pages a store of `slots` slots of `layout` can have on this GPU now, keeping
@@ -352,7 +365,7 @@ impl Ops for CudaOps {
         check_matmul(OP, self.dev, info, x)?;
         let y = self.arena.alloc(&self.gpu, OP, x.n, info.n_rows)?;
         let (ins, outs) = self.arena.split(y.id);
-        self.gpu.matmul(dw.all(), &ins[x.id as usize], x.n, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[0], self.precision).map_err(cuda(OP, self.dev))?;
         Ok(y)
     }
 
@@ -371,7 +384,7 @@ impl Ops for CudaOps {
         let (ins, outs) = self.arena.split(first);
         for (j, &w) in ws.iter().enumerate() {
             let dw = self.weights.matrix(OP, w)?.1;
-            self.gpu.matmul(dw.all(), &ins[x.id as usize], x.n, &mut outs[j]).map_err(cuda(OP, self.dev))?;
+            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[j], self.precision).map_err(cuda(OP, self.dev))?;
         }
         Ok(ys)
     }
@@ -647,24 +660,26 @@ impl Ops for CudaOps {
             return Err(OpError::new(OP, dev, format!("x {}x{}, {layer}", x.n, x.d), "expert shapes do not chain"));
         }
         let (n, n_ffs) = (x.n, sg.n_rows);
-        let (gpu, arena) = (&self.gpu, &mut self.arena);
+        let (gpu, arena, prec) = (&self.gpu, &mut self.arena, self.precision);
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
         let out = arena.alloc(gpu, OP, n, d_out)?;
-        for (rows, width) in [(n * routing.k, m.n_ff), (n, n_ffs), (n, n_ffs), (n, d_out)] {
+        // The grouped prompt path's scratch (weighted expert outputs and its plan), else a stub.
+        let grouped = if gpu.moe_grouped(n, m.n_expert, prec) { moe_scratch_len(n, routing.k, m.n_expert, d_out) } else { 1 };
+        for (rows, width) in [(n * routing.k, m.n_ff), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
             arena.alloc(gpu, OP, rows, width)?;
         }
         let (rb, _) = self.routes.get(OP, routing)?;
         let (ins, outs) = arena.split(out.id);
-        let [ob, hb, gb, ub, db, ..] = outs else { unreachable!("five buffers were just allocated") };
+        let [ob, hb, gb, ub, db, sb, ..] = outs else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
         let mut run = || -> crate::Result<()> {
             let experts = MoeExperts { gate, up, down, n_expert: m.n_expert };
-            gpu.moe(experts, xb, n, MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k }, hb, ob)?;
-            gpu.matmul(sg.all(), xb, n, gb)?;
-            gpu.matmul(su.all(), xb, n, ub)?;
+            gpu.moe_prec(experts, xb, n, MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k }, hb, sb, ob, prec)?;
+            gpu.matmul_prec(sg.all(), xb, n, gb, prec)?;
+            gpu.matmul_prec(su.all(), xb, n, ub, prec)?;
             gpu.gate(ub, gb, n * n_ffs, Act::Silu)?;
-            gpu.matmul(sd.all(), ub, n, db)?;
+            gpu.matmul_prec(sd.all(), ub, n, db, prec)?;
             gpu.moe_shared_add(ob, db, gsb, n, d_out)
         };
         run().map_err(cuda(OP, dev))?;

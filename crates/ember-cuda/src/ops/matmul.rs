@@ -60,8 +60,39 @@ pub(crate) fn type_suffix(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
+/// How matmuls treat activations (like `ember_cpu::Precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Prompt-sized batches on tensor cores: weights and activations rounded to f16, f32 sums
+    /// (about 1e-3 relative to Σ|w·x|). Fewer tokens take the exact kernels.
+    #[default]
+    Fast,
+    /// Weights dequantised exactly, f32 activations and sums, for every batch size.
+    Exact,
+}
+
+/// A matmul kernel ([`Gpu::matmul_kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// A warp per row, 8 tokens per pass (re-reads the weight once per 8 tokens).
+    Gemv,
+    /// 64x64 tiles, f32 FMA.
+    Tiled,
+    /// Tensor cores: `tile_tokens` (32, 64 or 128) tokens x 128 rows per block, f16 operands.
+    Mma { tile_tokens: usize },
+}
+
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
 pub const GEMV_MAX_TOKENS: usize = 16;
+/// Tokens above which [`Precision::Fast`] uses the tensor-core kernel; up to this many it runs
+/// the GEMV. Measured on the H200 (Q4_K 4096 x 2048, 2026-12-03): GEMV 46 / 71 / 106 / 138 us
+/// at 17 / 32 / 48 / 64 tokens, tensor cores 89 / 92 / 98 / 100 us (a few row blocks of one
+/// token tile leave most SMs idle), so the switch is at ~40 tokens.
+pub const MMA_MIN_TOKENS: usize = 40;
+/// Weight rows per tensor-core block (`MMA_BN` in kernels/mma.cuh).
+const MMA_ROWS: usize = 128;
+/// Threads per tensor-core block (`MMA_THREADS`).
+const MMA_THREADS: u32 = 256;
 const GEMV_NT: usize = 8;
 const GEMV_ROWS_PER_BLOCK: usize = 4;
 
@@ -94,8 +125,37 @@ impl Gpu {
         Ok(DeviceWeight { ty, k, n_rows, row_bytes, bytes: self.upload(data)? })
     }
 
-    /// `y[t][r] = Σ_j W[r][j]·x[t][j]`: x is [n_tok, k], y [n_tok, w.n_rows] (row-major f32).
+    /// `y[t][r] = Σ_j W[r][j]·x[t][j]`: x is [n_tok, k], y [n_tok, w.n_rows] (row-major f32),
+    /// with f32 activations and sums ([`Precision::Exact`]).
     pub fn matmul(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>) -> Result<()> {
+        self.matmul_prec(w, x, n_tok, y, Precision::Exact)
+    }
+
+    /// [`Gpu::matmul`] at `precision`: [`Precision::Fast`] runs batches of more than
+    /// [`MMA_MIN_TOKENS`] tokens on tensor cores (sm_80+), f16 operands and f32 sums (and the
+    /// GEMV up to that size; Exact takes the GEMV up to [`GEMV_MAX_TOKENS`], then the FMA tiles).
+    pub fn matmul_prec(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>, precision: Precision) -> Result<()> {
+        let fast = precision == Precision::Fast && self.has_mma();
+        let gemv_max = if fast { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
+        let kernel = if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
+            MatmulKernel::Gemv
+        } else if fast && n_tok > GEMV_MAX_TOKENS {
+            MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
+        } else {
+            MatmulKernel::Tiled
+        };
+        self.matmul_kernel(w, x, n_tok, y, kernel)
+    }
+
+    /// Whether this GPU has the tensor-core kernels (`mma.sync` m16n8k16 with f16: sm_80+).
+    pub fn has_mma(&self) -> bool {
+        self.info().sm() >= 80
+    }
+
+    /// [`Gpu::matmul`] with a chosen kernel (tests and benchmarks). An error where the kernel
+    /// does not apply: the GEMV needs k % 8 == 0, the tensor-core kernel sm_80 and a tile of
+    /// 32, 64 or 128 tokens.
+    pub fn matmul_kernel(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>, kernel: MatmulKernel) -> Result<()> {
         let dw = w.w;
         need(OP, "x", x, n_tok * dw.k)?;
         need(OP, "y", y, n_tok * w.n_rows)?;
@@ -113,24 +173,56 @@ impl Gpu {
             row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
             pad: 0,
         };
-        let gemv = type_suffix(dw.ty).filter(|_| n_tok <= GEMV_MAX_TOKENS && dw.k.is_multiple_of(8));
+        // Every weight type passed upload_weight, so it has a suffix.
+        let suffix = type_suffix(dw.ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", dw.ty.name())))?;
+        let (f, grid, threads) = match kernel {
+            MatmulKernel::Gemv => {
+                if !dw.k.is_multiple_of(8) {
+                    return Err(shape(OP, format!("the GEMV needs k % 8 == 0, k = {}", dw.k)));
+                }
+                let f = self.function(&MATMUL, &format!("matmul_gemv_{suffix}"))?;
+                (f, (blocks(w.n_rows, GEMV_ROWS_PER_BLOCK), blocks(n_tok, GEMV_NT), 1), 32 * GEMV_ROWS_PER_BLOCK as u32)
+            }
+            MatmulKernel::Tiled => (self.function(&MATMUL, "matmul_tiled")?, (blocks(w.n_rows, 64), blocks(n_tok, 64), 1), 256),
+            MatmulKernel::Mma { tile_tokens } => {
+                if !self.has_mma() {
+                    return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
+                }
+                if ![32, 64, 128].contains(&tile_tokens) {
+                    return Err(shape(OP, format!("tensor-core tiles are 32, 64 or 128 tokens, not {tile_tokens}")));
+                }
+                let row_blocks = w.n_rows.div_ceil(MMA_ROWS);
+                if row_blocks > 65_535 {
+                    return Err(shape(OP, format!("{} rows (at most {} per call)", w.n_rows, 65_535 * MMA_ROWS)));
+                }
+                let f = self.function(&MATMUL, &format!("matmul_mma_{suffix}_{tile_tokens}"))?;
+                (f, (blocks(n_tok, tile_tokens), row_blocks as u32, 1), MMA_THREADS)
+            }
+        };
         // SAFETY: x holds n_tok·k floats and y n_tok·n_rows (checked above); the weight pointer
         // plus n_rows·row_bytes stays inside the uploaded bytes (WeightRef is bounds-checked),
-        // and its alignment is that of row_bytes, which the GEMV's wide loads rely on
-        // (16-byte loads for f32/f16/bf16, which k % 8 == 0 makes aligned; 4-byte loads for
-        // Q4_K/Q5_K/IQ4_XS, whose block sizes are multiples of 4; Q8_0/Q6_K read 2 bytes at a time).
-        unsafe {
-            match gemv {
-                Some(suffix) => {
-                    let f = self.function(&MATMUL, &format!("matmul_gemv_{suffix}"))?;
-                    let grid = (blocks(w.n_rows, GEMV_ROWS_PER_BLOCK), blocks(n_tok, GEMV_NT), 1);
-                    self.launch(&f, grid, 32 * GEMV_ROWS_PER_BLOCK as u32, 0, &p)
-                }
-                None => {
-                    let f = self.function(&MATMUL, "matmul_tiled")?;
-                    self.launch(&f, (blocks(w.n_rows, 64), blocks(n_tok, 64), 1), 256, 0, &p)
-                }
-            }
-        }
+        // and its alignment is that of row_bytes, which the wide loads rely on (GEMV: 16-byte
+        // loads for f32/f16/bf16, which k % 8 == 0 makes aligned; 4-byte loads for
+        // Q4_K/Q5_K/IQ4_XS, whose block sizes are multiples of 4; Q8_0/Q6_K read 2 bytes at a
+        // time. The tensor-core tiles: 8-byte loads for Q4_K/Q5_K/IQ4_XS, multiples of 8; float
+        // rows use 16-byte loads only when k % 8 == 0, activations when k % 4 == 0).
+        unsafe { self.launch(&f, grid, threads, 0, &p) }
+    }
+}
+
+/// Tokens per tensor-core tile for a matmul of `n_tok` tokens and `n_rows` rows: 128 (the
+/// fewest weight decodes per product) where that still fills every SM once, else 64 where that
+/// gives at least half a wave, else 32. Measured on the H200 at 512 tokens (ms, tiles of
+/// 32 / 64 / 128): Q4_K 8192 rows 0.334 / 0.204 / 0.156; 4096 rows 0.174 / 0.121 / 0.118;
+/// k 4096, 2048 rows 0.212 / 0.185 / 0.230; Q8_0 512 rows 0.087 / 0.101 / 0.123; F16 4096
+/// rows 0.122 / 0.094 / 0.114; Q6_K 248,320 rows 11.4 / 6.9 / 5.2.
+pub(crate) fn mma_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
+    let (row_blocks, n_sm) = (n_rows.div_ceil(MMA_ROWS), n_sm as usize);
+    if n_tok >= 128 && n_tok.div_ceil(128) * row_blocks >= n_sm {
+        128
+    } else if n_tok > 32 && 2 * n_tok.div_ceil(64) * row_blocks >= n_sm {
+        64
+    } else {
+        32
     }
 }
