@@ -34,6 +34,13 @@ pub fn backend(device: Device, precision: Precision, threads: usize, weight_byte
     let cpu = || -> Box<dyn Ops> { Box::new(ember_cpu::backend(precision, threads)) };
     match device {
         Device::Cpu => Ok(cpu()),
+        Device::Cuda(_) if precision == Precision::BatchInvariant => {
+            bail!("--batch-invariant runs on the CPU only (the GPU kernels differ by batch size): use --device cpu")
+        }
+        Device::Auto if precision == Precision::BatchInvariant => {
+            say("device auto: --batch-invariant runs on the CPU only; running on the CPU".to_string());
+            Ok(cpu())
+        }
         Device::Cuda(i) => {
             let gpus = ember_cuda::devices().map_err(|e| anyhow::anyhow!("--device cuda: {e}"))?;
             let Some(g) = gpus.get(i) else {
@@ -50,7 +57,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, weight_byte
                 );
             }
             say(format!("device: cuda:{i} ({}, {} free)", g.name, gib(g.bytes_free as u64)));
-            gpu(i)
+            gpu(i, precision)
         }
         Device::Auto => match ember_cuda::devices() {
             Err(e) => {
@@ -67,7 +74,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, weight_byte
                             gpus[i].name,
                             gib(gpus[i].bytes_free as u64)
                         ));
-                        gpu(i)
+                        gpu(i, precision)
                     }
                     None => {
                         let most = gpus.iter().map(|g| g.bytes_free as u64).max().unwrap_or(0);
@@ -93,8 +100,12 @@ fn say(msg: String) {
     }
 }
 
-fn gpu(i: usize) -> Result<Box<dyn Ops>> {
-    let ops = ember_cuda::CudaOps::new(i).map_err(|e| anyhow::anyhow!("opening CUDA device {i}: {e}"))?;
+/// The GPU backend at `precision`: exact (f32 everywhere, `--exact`) or fast (tensor cores
+/// for prompt-sized batches). The GPU kernels are not batch-invariant; `backend` keeps that
+/// precision on the CPU.
+fn gpu(i: usize, precision: Precision) -> Result<Box<dyn Ops>> {
+    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
+    let ops = ember_cuda::CudaOps::with_precision(i, p).map_err(|e| anyhow::anyhow!("opening CUDA device {i}: {e}"))?;
     Ok(Box::new(ops))
 }
 

@@ -164,7 +164,9 @@ fn default_path_at_least_as_close_as_llama_cpp() {
     let mut ops = default_gpu(&m);
     let all: Vec<LogitStats> = CASES
         .iter()
-        .map(|case| LogitStats::compare(&logits(&m, &mut ops, &tiny_case_ids(case), &[usize::MAX], DeltaMode::Auto), reference("BF16", case)))
+        .map(|case| {
+            LogitStats::compare(&logits(&m, &mut ops, &tiny_case_ids(case), &[usize::MAX], DeltaMode::Auto), reference("BF16", case))
+        })
         .collect();
     let o = LogitStats::pooled(&all);
     println!("== BF16 default path on the GPU vs HF float64: {o}");
