@@ -42,7 +42,7 @@ ensure_model() {
     $E synth -o $F.tmp --preset 35b-a3b --quant q4_k_m --seed 0 --skew 1 > "$O/synth.log" 2>&1 && mv $F.tmp $F
     echo "synth: $(( $(date +%s) - t0 )) s"
 }
-secs() { local t0=$EPOCHREALTIME; "$@" > /dev/null 2>&1; local rc=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.2f s (exit %d)", b - a, rc }'; }
+secs() { local t0=$EPOCHREALTIME; "$@" < /dev/null > /dev/null 2>&1; local rc=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.2f s (exit %d)", b - a, rc }'; }
 
 if has tests || has load || has bench; then start_llama_build; fi
 if has tests; then
@@ -70,7 +70,7 @@ if has load; then
         [[ -x $LC ]] && echo "round $r: llama-completion -n 1: $(secs $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0)"
     done
     $E run -m $F --device cuda -p Hello -n 1 --temp 0 > "$O/ember-run.log" 2>&1
-    [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 > "$O/llama-completion.log" 2>&1
+    [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
 fi
 if has bench; then
     ensure_model; wait_llama_build
