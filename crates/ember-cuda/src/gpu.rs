@@ -132,6 +132,58 @@ pub struct Gpu {
     /// Pinned staging buffers for large uploads, made on the first one (None inside: pinned
     /// memory could not be had, large uploads go pageable).
     stage: Mutex<Option<Option<Stage>>>,
+    /// Per-kernel GPU time, when `EMBER_CUDA_PROFILE` is set.
+    profile: Option<Mutex<Profile>>,
+}
+
+/// GPU time per kernel entry from an event pair around every launch (`EMBER_CUDA_PROFILE=1`),
+/// read back in batches; the totals go to stderr when the [`Gpu`] is dropped. The events cost
+/// host time per launch, so wall-clock figures of a profiled run are not the engine's.
+#[derive(Default)]
+struct Profile {
+    names: HashMap<usize, String>,
+    pending: Vec<(String, CudaEvent, CudaEvent)>,
+    spare: Vec<(CudaEvent, CudaEvent)>,
+    totals: HashMap<String, (u64, f64)>,
+}
+
+impl Profile {
+    /// Adds every pending pair's time to the totals (waits for the last one).
+    fn flush(&mut self) {
+        if let Some((_, _, end)) = self.pending.last() {
+            let _ = end.synchronize();
+        }
+        for (name, a, b) in self.pending.drain(..) {
+            let ms = a.elapsed_ms(&b).unwrap_or(0.0) as f64;
+            let t = self.totals.entry(name).or_default();
+            t.0 += 1;
+            t.1 += ms;
+            self.spare.push((a, b));
+        }
+    }
+
+    fn report(&mut self) -> String {
+        self.flush();
+        let mut rows: Vec<_> = self.totals.iter().collect();
+        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
+        let total: f64 = rows.iter().map(|r| r.1.1).sum();
+        let calls: u64 = rows.iter().map(|r| r.1.0).sum();
+        let mut out = format!("GPU time per kernel (EMBER_CUDA_PROFILE): {total:.1} ms in {calls} launches\n");
+        out += &format!("{:<40} {:>9} {:>11} {:>9} {:>7}\n", "kernel", "calls", "total ms", "us/call", "share");
+        for (name, (n, ms)) in rows {
+            out += &format!("{name:<40} {n:>9} {ms:>11.2} {:>9.2} {:>6.1}%\n", 1e3 * ms / *n as f64, 100.0 * ms / total.max(1e-9));
+        }
+        out
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let report = p.lock().unwrap_or_else(|e| e.into_inner()).report();
+            eprint!("{report}");
+        }
+    }
 }
 
 /// Bytes per staging buffer: large enough that a copy's fixed cost is noise, small enough that
@@ -165,6 +217,7 @@ impl Gpu {
             modules: Mutex::default(),
             functions: Mutex::default(),
             stage: Mutex::default(),
+            profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
         })
     }
 
@@ -417,6 +470,9 @@ impl Gpu {
         }
         let module = self.module(kernel)?;
         let f = module.load_function(entry).map_err(drv("cuModuleGetFunction"))?;
+        if let Some(p) = &self.profile {
+            p.lock().unwrap_or_else(|e| e.into_inner()).names.insert(f.cu_function() as usize, key.clone());
+        }
         self.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f.clone());
         Ok(f)
     }
@@ -454,8 +510,28 @@ impl Gpu {
         params: &P,
     ) -> Result<()> {
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        let Some(prof) = &self.profile else {
+            // SAFETY: the caller's contract above.
+            unsafe { self.stream.launch_builder(f).arg(params).launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+            return Ok(());
+        };
+        let mut p = prof.lock().unwrap_or_else(|e| e.into_inner());
+        let (a, b) = match p.spare.pop() {
+            Some(pair) => pair,
+            None => {
+                let ev = || self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("cuEventCreate"));
+                (ev()?, ev()?)
+            }
+        };
+        a.record(&self.stream).map_err(drv("cuEventRecord"))?;
         // SAFETY: the caller's contract above.
         unsafe { self.stream.launch_builder(f).arg(params).launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
+        b.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        let name = p.names.get(&(f.cu_function() as usize)).cloned().unwrap_or_else(|| "?".into());
+        p.pending.push((name, a, b));
+        if p.pending.len() >= 4096 {
+            p.flush();
+        }
         Ok(())
     }
 
