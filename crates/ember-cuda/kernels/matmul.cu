@@ -21,11 +21,13 @@ struct MatmulParams {
 
 #define GEMV_NT 8
 
+// Block `bx` of the row blocks of `p` (blockIdx.x for one weight; matmul_gemv_multi maps its
+// blocks onto several weights).
 template <int TY>
-__device__ __forceinline__ void gemv(const MatmulParams& p) {
+__device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
     __shared__ float iq4[16];
     load_iq4_table(iq4);
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int row = bx * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= (int)p.n_rows) return;  // whole warps leave together
     const int t0 = blockIdx.y * GEMV_NT;
@@ -59,14 +61,55 @@ __device__ __forceinline__ void gemv(const MatmulParams& p) {
     }
 }
 
-extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { gemv<TY_F32>(p); }
-extern "C" __global__ void matmul_gemv_f16(const MatmulParams p) { gemv<TY_F16>(p); }
-extern "C" __global__ void matmul_gemv_bf16(const MatmulParams p) { gemv<TY_BF16>(p); }
-extern "C" __global__ void matmul_gemv_q8_0(const MatmulParams p) { gemv<TY_Q8_0>(p); }
-extern "C" __global__ void matmul_gemv_q4_k(const MatmulParams p) { gemv<TY_Q4_K>(p); }
-extern "C" __global__ void matmul_gemv_q5_k(const MatmulParams p) { gemv<TY_Q5_K>(p); }
-extern "C" __global__ void matmul_gemv_q6_k(const MatmulParams p) { gemv<TY_Q6_K>(p); }
-extern "C" __global__ void matmul_gemv_iq4_xs(const MatmulParams p) { gemv<TY_IQ4_XS>(p); }
+extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { gemv<TY_F32>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_f16(const MatmulParams p) { gemv<TY_F16>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_bf16(const MatmulParams p) { gemv<TY_BF16>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q8_0(const MatmulParams p) { gemv<TY_Q8_0>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q4_k(const MatmulParams p) { gemv<TY_Q4_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q5_k(const MatmulParams p) { gemv<TY_Q5_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q6_k(const MatmulParams p) { gemv<TY_Q6_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_iq4_xs(const MatmulParams p) { gemv<TY_IQ4_XS>(p, blockIdx.x); }
+
+// matmul_gemv_multi_<type>: up to GEMV_MULTI weights of one type and k on the same activations
+// in one launch (the several projections of a layer's input: one launch instead of each), the
+// row blocks of weight i being blocks block0[i]..block0[i + 1] of the grid.
+#define GEMV_MULTI 4
+
+struct MatmulMultiParams {
+    u64 w[GEMV_MULTI];
+    u64 y[GEMV_MULTI];
+    u64 x;
+    u32 n_rows[GEMV_MULTI];
+    u32 row_bytes[GEMV_MULTI];
+    u32 block0[GEMV_MULTI + 1];
+    u32 ty, k, n_tok, n;
+};
+
+template <int TY>
+__device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
+    u32 i = 0;
+    while (i + 1 < mp.n && blockIdx.x >= mp.block0[i + 1]) ++i;
+    MatmulParams p;
+    p.w = mp.w[i];
+    p.x = mp.x;
+    p.y = mp.y[i];
+    p.ty = mp.ty;
+    p.k = mp.k;
+    p.n_rows = mp.n_rows[i];
+    p.n_tok = mp.n_tok;
+    p.row_bytes = mp.row_bytes[i];
+    p.pad = 0;
+    gemv<TY>(p, blockIdx.x - mp.block0[i]);
+}
+
+extern "C" __global__ void matmul_gemv_multi_f32(const MatmulMultiParams p) { gemv_multi<TY_F32>(p); }
+extern "C" __global__ void matmul_gemv_multi_f16(const MatmulMultiParams p) { gemv_multi<TY_F16>(p); }
+extern "C" __global__ void matmul_gemv_multi_bf16(const MatmulMultiParams p) { gemv_multi<TY_BF16>(p); }
+extern "C" __global__ void matmul_gemv_multi_q8_0(const MatmulMultiParams p) { gemv_multi<TY_Q8_0>(p); }
+extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { gemv_multi<TY_Q4_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { gemv_multi<TY_Q5_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { gemv_multi<TY_Q6_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { gemv_multi<TY_IQ4_XS>(p); }
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
 // tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.

@@ -996,3 +996,40 @@ fn bench_moe_prompt() {
         println!("{line}");
     }
 }
+
+/// Several weights of one type in one GEMV launch (`Gpu::matmul_multi`, what `matmul_many`
+/// uses for a layer's projections) give exactly what one launch per weight gives: the same
+/// kernel code per row, so bit for bit. 1 to 4 weights of different row counts, 1 to 17 tokens,
+/// every type; a mixed-type or empty call is an error.
+#[test]
+fn multi_weight_gemv_equals_one_launch_per_weight() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in MATMUL_TYPES {
+        let k = 512;
+        for (n_w, n_tok) in [(1, 1), (2, 1), (3, 5), (4, 17)] {
+            let rows = [96usize, 33, 257, 8];
+            let ws: Vec<_> = (0..n_w).map(|i| g.upload_weight(ty, k, rows[i], &quantised(ty, &mut rng, k, rows[i])).unwrap()).collect();
+            let xb = g.upload(&rng.vec(n_tok * k, -2.0, 2.0)).unwrap();
+            let mut one: Vec<Vec<f32>> = Vec::new();
+            for w in &ws {
+                let mut y = poisoned(g, n_tok * w.n_rows);
+                g.matmul_kernel(w.all(), &xb, n_tok, &mut y, ember_cuda::ops::MatmulKernel::Gemv).unwrap();
+                one.push(g.download(&y).unwrap());
+            }
+            let mut ys: Vec<Buf<f32>> = ws.iter().map(|w| poisoned(g, n_tok * w.n_rows)).collect();
+            let refs: Vec<_> = ws.iter().map(|w| w.all()).collect();
+            let mut ys_mut: Vec<&mut Buf<f32>> = ys.iter_mut().collect();
+            g.matmul_multi(&refs, &xb, n_tok, &mut ys_mut).unwrap();
+            for (i, y) in ys.iter().enumerate() {
+                assert_eq!(g.download(y).unwrap(), one[i], "{} weight {i} of {n_w}, {n_tok} tokens", ty.name());
+            }
+        }
+    }
+    let a = g.upload_weight(GgmlType::F32, 64, 4, &quantised(GgmlType::F32, &mut rng, 64, 4)).unwrap();
+    let b = g.upload_weight(GgmlType::Q8_0, 64, 4, &quantised(GgmlType::Q8_0, &mut rng, 64, 4)).unwrap();
+    let xb = g.upload(&rng.vec(64, -1.0, 1.0)).unwrap();
+    let (mut y0, mut y1) = (poisoned(g, 4), poisoned(g, 4));
+    assert!(g.matmul_multi(&[a.all(), b.all()], &xb, 1, &mut [&mut y0, &mut y1]).is_err(), "mixed types");
+    assert!(g.matmul_multi(&[], &xb, 1, &mut []).is_err(), "no weights");
+}

@@ -29,8 +29,8 @@ use ember_ops::{
 };
 
 use crate::ops::{
-    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, KvPages, MoeExperts, MoeRouting,
-    Precision, SeqRows, StateAt, moe_scratch_len,
+    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GEMV_MULTI, KvPages, MoeExperts,
+    MoeRouting, Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
 
@@ -382,9 +382,30 @@ impl Ops for CudaOps {
         }
         let Some(first) = ys.first().map(|y| y.id) else { return Ok(ys) };
         let (ins, outs) = self.arena.split(first);
-        for (j, &w) in ws.iter().enumerate() {
-            let dw = self.weights.matrix(OP, w)?.1;
-            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[j], self.precision).map_err(cuda(OP, self.dev))?;
+        let xb = &ins[x.id as usize];
+        let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
+        // Weights the GEMV runs go in launches of up to GEMV_MULTI of one type and k (a
+        // layer's projections of one input: one launch each type instead of one per weight);
+        // the rest one by one.
+        let mut done = vec![false; dws.len()];
+        for j in 0..dws.len() {
+            if done[j] {
+                continue;
+            }
+            let (ty, k) = (dws[j].ty, dws[j].k);
+            if !self.gpu.uses_gemv(k, x.n, self.precision) {
+                self.gpu.matmul_prec(dws[j].all(), xb, x.n, &mut outs[j], self.precision).map_err(cuda(OP, self.dev))?;
+                done[j] = true;
+                continue;
+            }
+            let group: Vec<usize> = (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_MULTI).collect();
+            let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
+            let mut ys_g: Vec<&mut Buf<f32>> =
+                outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
+            self.gpu.matmul_multi(&refs, xb, x.n, &mut ys_g).map_err(cuda(OP, self.dev))?;
+            for &i in &group {
+                done[i] = true;
+            }
         }
         Ok(ys)
     }

@@ -112,6 +112,27 @@ struct MatmulParams {
 // SAFETY: plain #[repr(C)] data matching `MatmulParams` in kernels/matmul.cu.
 unsafe impl DeviceRepr for MatmulParams {}
 
+/// Weights per `matmul_gemv_multi` launch (`GEMV_MULTI` in kernels/matmul.cu).
+pub const GEMV_MULTI: usize = 4;
+
+#[repr(C)]
+struct MatmulMultiParams {
+    w: [u64; GEMV_MULTI],
+    y: [u64; GEMV_MULTI],
+    x: u64,
+    n_rows: [u32; GEMV_MULTI],
+    row_bytes: [u32; GEMV_MULTI],
+    block0: [u32; GEMV_MULTI + 1],
+    ty: u32,
+    k: u32,
+    n_tok: u32,
+    n: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MatmulMultiParams` in kernels/matmul.cu (u64 arrays
+// first, then u32s: no padding on either side).
+unsafe impl DeviceRepr for MatmulMultiParams {}
+
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
     pub fn upload_weight(&self, ty: GgmlType, k: usize, n_rows: usize, data: &[u8]) -> Result<DeviceWeight> {
@@ -145,6 +166,66 @@ impl Gpu {
             MatmulKernel::Tiled
         };
         self.matmul_kernel(w, x, n_tok, y, kernel)
+    }
+
+    /// Whether [`Gpu::matmul_prec`] runs a weight of `k` columns on `n_tok` tokens with the
+    /// GEMV kernel (what [`Gpu::matmul_multi`] does for several weights at once).
+    pub fn uses_gemv(&self, k: usize, n_tok: usize, precision: Precision) -> bool {
+        let gemv_max = if precision == Precision::Fast && self.has_mma() { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
+        n_tok <= gemv_max && k.is_multiple_of(8)
+    }
+
+    /// `ys[i] = x · ws[i]ᵀ` for 1 to [`GEMV_MULTI`] weights of one type and k in one GEMV
+    /// launch (f32 activations and sums, as [`MatmulKernel::Gemv`]): a layer's several
+    /// projections of the same input cost one launch.
+    pub fn matmul_multi(&self, ws: &[WeightRef<'_>], x: &Buf<f32>, n_tok: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
+        let n = ws.len();
+        if n == 0 || n > GEMV_MULTI || ys.len() != n {
+            return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_MULTI})", ys.len())));
+        }
+        let (ty, k) = (ws[0].w.ty, ws[0].w.k);
+        if ws.iter().any(|w| w.w.ty != ty || w.w.k != k) {
+            return Err(shape(OP, "weights of one launch share their type and k".to_string()));
+        }
+        if !k.is_multiple_of(8) {
+            return Err(shape(OP, format!("the GEMV needs k % 8 == 0, k = {k}")));
+        }
+        need(OP, "x", x, n_tok * k)?;
+        let mut p = MatmulMultiParams {
+            w: [0; GEMV_MULTI],
+            y: [0; GEMV_MULTI],
+            x: x.ptr(),
+            n_rows: [0; GEMV_MULTI],
+            row_bytes: [0; GEMV_MULTI],
+            block0: [0; GEMV_MULTI + 1],
+            ty: ty.id(),
+            k: u32_of(OP, "k", k)?,
+            n_tok: u32_of(OP, "n_tok", n_tok)?,
+            n: n as u32,
+        };
+        let mut blocks_so_far = 0u32;
+        for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
+            need(OP, "y", y, n_tok * w.n_rows)?;
+            p.w[i] = w.w.ptr() + (w.row0 * w.w.row_bytes) as u64;
+            p.y[i] = y.ptr();
+            p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
+            p.row_bytes[i] = u32_of(OP, "row_bytes", w.w.row_bytes)?;
+            p.block0[i] = blocks_so_far;
+            blocks_so_far += blocks(w.n_rows, GEMV_ROWS_PER_BLOCK);
+        }
+        for b in &mut p.block0[n..] {
+            *b = blocks_so_far;
+        }
+        if n_tok == 0 || blocks_so_far == 0 {
+            return Ok(());
+        }
+        let suffix = type_suffix(ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", ty.name())))?;
+        let f = self.function(&MATMUL, &format!("matmul_gemv_multi_{suffix}"))?;
+        let grid = (blocks_so_far, blocks(n_tok, GEMV_NT), 1);
+        // SAFETY: `p` is the kernel's parameter struct; every weight pointer addresses its rows
+        // (WeightRef's range was checked), x holds n_tok·k values and each y n_tok·n_rows
+        // (checked above).
+        unsafe { self.launch(&f, grid, 32 * GEMV_ROWS_PER_BLOCK as u32, 0, &p) }
     }
 
     /// Whether this GPU has the tensor-core kernels (`mma.sync` m16n8k16 with f16: sm_80+).

@@ -24,7 +24,7 @@ pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use kv_append::{KV_PAGE, KvPages};
-pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, MMA_MIN_TOKENS, MatmulKernel, Precision, WeightRef};
+pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MatmulKernel, Precision, WeightRef};
 pub use moe::{MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, moe_scratch_len};
 pub use route::ROUTE_SUM_MIN;
 
