@@ -685,7 +685,8 @@ impl Ops for CudaOps {
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
         let out = arena.alloc(gpu, OP, n, d_out)?;
-        // The grouped prompt path's scratch (weighted expert outputs and its plan), else a stub.
+        // The grouped prompt path's scratch (weighted expert outputs and its plan); other
+        // batches do not read it and get one element, so the handles stay the same.
         let grouped = if gpu.moe_grouped(n, m.n_expert, prec) { moe_scratch_len(n, routing.k, m.n_expert, d_out) } else { 1 };
         for (rows, width) in [(n * routing.k, m.n_ff), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
             arena.alloc(gpu, OP, rows, width)?;
