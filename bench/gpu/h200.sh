@@ -10,6 +10,11 @@
 #          kernel cache, then ROUNDS alternations of `ember run -n 1` / `llama-completion -n 1`
 #   bench  `ember bench --device cuda` and `llama-bench -ngl 99 -fa 1`, alternating, ROUNDS
 #          times: pp512 and tg128 at depth 0 and at DEPTHS; prints the table of rounds and ratios
+#   tier   the expert tier (issue 20) on the ud-q4_k_m 35B (synthesised when missing): per budget
+#          in BUDGETS (GiB=ncmoe pairs, default 20=6,12=23,8=31: llama.cpp's best fitting -ncmoe
+#          per budget, from the issue), `ember bench --gpu-mem 0=B` (tg128, pp2048, 128k context
+#          budgeted with q8_0 KV, --prompts real, THREADS threads) twice (the second starts from
+#          the heat file the first saved) against `llama-bench -ncmoe N -ctk q8_0 -ctv q8_0`
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
 set -uo pipefail
 O=${OUT:-/tmp/out}; M=/tmp/m; L=/tmp/llama; mkdir -p "$O" "$M" "$L"
@@ -44,17 +49,24 @@ ensure_model() {
 }
 secs() { local t0=$EPOCHREALTIME; "$@" < /dev/null > /dev/null 2>&1; local rc=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.2f s (exit %d)", b - a, rc }'; }
 
-if has tests || has load || has bench; then start_llama_build; fi
+if has tests || has load || has bench || has tier; then start_llama_build; fi
+# UD_SYNTH=1: the ud-q4_k_m 35B for the tier stage, written in its own session (it survives
+# the call, like the llama.cpp build) so a later call finds it.
+if [[ ${UD_SYNTH:-0} == 1 && ! -s $M/35b-ud.gguf && ! -f $M/35b-ud.gguf.synthing ]]; then
+    touch $M/35b-ud.gguf.synthing
+    setsid bash -c "$E synth -o $M/35b-ud.gguf.tmp --preset 35b-a3b --quant ud-q4_k_m --seed 0 --skew 1 > $M/synth-ud.log 2>&1 \
+        && mv $M/35b-ud.gguf.tmp $M/35b-ud.gguf; rm -f $M/35b-ud.gguf.synthing" < /dev/null > /dev/null 2>&1 &
+fi
 if has tests; then
-    ensure_model &
-    SY=$!
+    # The q4_k_m 35B for load/bench (SYNTH=0: not needed by the stages that follow).
+    if [[ ${SYNTH:-1} == 1 ]]; then ensure_model & SY=$!; else SY=; fi
     for t in /tmp/bin/*; do
         n=$(basename "$t"); [[ $n == ember ]] && continue
         t0=$(date +%s)
         timeout 300 "$t" --test-threads=1 --nocapture > "$O/test-$n.log" 2>&1
         echo "test $n: exit $? in $(( $(date +%s) - t0 )) s: $(grep '^test result' "$O/test-$n.log" | tail -1)"
     done
-    wait $SY
+    [[ -n $SY ]] && wait $SY
 fi
 if has serve; then
     timeout 240 python3 bench/gpu/serve-check.py $E > "$O/serve-check.log" 2>&1
@@ -71,6 +83,35 @@ if has load; then
     done
     $E run -m $F --device cuda -p Hello -n 1 --temp 0 > "$O/ember-run.log" 2>&1
     [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
+fi
+if has tier; then
+    FT=$M/35b-ud.gguf; THREADS=${THREADS:-16}
+    while [[ -f $FT.synthing ]]; do sleep 2; done
+    if [[ ! -s $FT ]]; then
+        t0=$(date +%s)
+        $E synth -o $FT.tmp --preset 35b-a3b --quant ud-q4_k_m --seed 0 --skew 1 > "$O/synth-ud.log" 2>&1 && mv $FT.tmp $FT
+        echo "synth ud-q4_k_m: $(( $(date +%s) - t0 )) s"
+    fi
+    wait_llama_build
+    rm -rf ~/.cache/ember/heat
+    for bn in $(echo "${BUDGETS:-20=6,12=23,8=31}" | tr ',' ' '); do
+        b=${bn%=*}; n=${bn#*=}
+        for run in cold warm; do
+            t0=$(date +%s)
+            $E bench -m $FT --device cuda --gpu-mem 0=${b}GiB -c 131072 --kv-type q8_0 -t $THREADS --prompts real \
+                -p ${TIER_P:-2048} -n 128 -r 2 -o json > "$O/tier-$b-$run.json" 2> "$O/tier-$b-$run.log"
+            echo "ember $b GiB $run: exit $? in $(( $(date +%s) - t0 )) s"
+            grep -E "device:|hit rate|tokens/s" "$O/tier-$b-$run.log" | head -12
+        done
+        rm -rf ~/.cache/ember/heat
+        if [[ -x $LB ]]; then
+            t0=$(date +%s)
+            $LB -m $FT -ngl 99 -ncmoe $n -fa 1 -ctk q8_0 -ctv q8_0 -t $THREADS -p ${TIER_P:-2048} -n 128 -r 2 -o json > "$O/tier-llama-$b.json" 2> "$O/tier-llama-$b.log"
+            echo "llama.cpp -ncmoe $n: exit $? in $(( $(date +%s) - t0 )) s"
+            python3 -c "import json,sys; [print('  llama', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1)) for x in json.load(open(sys.argv[1]))]" "$O/tier-llama-$b.json"
+        fi
+        python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1), 'hit', x.get('experts') and round(x['experts']['hit_rate'],3)) for x in json.load(open(sys.argv[1]))]" "$O/tier-$b-warm.json"
+    done
 fi
 if has bench; then
     ensure_model; wait_llama_build

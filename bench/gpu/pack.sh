@@ -12,7 +12,7 @@ mkdir -p .gpu
 # there), stripped, in one solid xz: the binaries share most of their code, so each test binary
 # adds ~0.3 MB.
 cargo build --release -p ember-cli
-tests=$(cargo test --release -p ember-cuda --no-run --message-format=json 2>/dev/null \
+tests=$(cargo test --release -p ember-cuda -p ember-plan --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

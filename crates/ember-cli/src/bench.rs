@@ -51,12 +51,18 @@ pub struct Args {
     /// Context depths: tokens already in the context before timing (comma-separated).
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
     n_depth: Vec<usize>,
+    /// Context the placement budgets KV and state for, as a server with `-c` would (default:
+    /// what the tests need). Only matters when the model does not fit on the GPU.
+    #[arg(short = 'c', long)]
+    ctx: Option<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 3)]
     reps: usize,
     /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, value_parser = device::parse_device, default_value = "auto")]
     device: device::Device,
+    #[command(flatten)]
+    place: device::PlaceArgs,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -141,7 +147,15 @@ pub fn main(a: Args) -> Result<()> {
     }
     let model = load::open_model(Some(&a.model))?;
     let c = model.config.clone();
-    let ops = device::backend(a.device, Precision::Fast, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    // The largest context a depth's tests need (what the placement budgets state for).
+    let longest = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
+    let bench_ctx = (a.n_depth.iter().copied().max().unwrap_or(0) + longest + 1).max(a.ctx.unwrap_or(0));
+    let ops = device::backend(
+        a.device,
+        Precision::Fast,
+        a.threads,
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: 2, kv_type: a.kv_type },
+    )?;
     let n_threads = device::threads(a.threads);
     let corpus = match a.prompts {
         Prompts::Real => {
@@ -185,7 +199,7 @@ pub fn main(a: Args) -> Result<()> {
         for (p, g) in tests {
             let name = test_name(p, g, d);
             let snap = backend.snapshot(&base)?;
-            let mut run = |toks: &[u32]| -> Result<f64> {
+            let run = |backend: &mut ModelBackend<Box<dyn ember_ops::Ops>>, toks: &[u32]| -> Result<f64> {
                 let st = &mut backend.restore(&snap, n_ctx)?;
                 let t0 = Instant::now();
                 if p > 0 {
@@ -200,12 +214,13 @@ pub fn main(a: Args) -> Result<()> {
             if !a.no_warmup {
                 // llama-bench: the whole prompt for pp, one token for tg.
                 let toks = src.take(if p > 0 { p } else { 1 });
-                run(&toks)?;
+                run(&mut backend, &toks)?;
             }
+            let tier0 = backend.ops().expert_stats();
             let mut samples_ns = Vec::with_capacity(a.reps);
             for r in 0..a.reps {
                 let toks = src.take(p + g);
-                let ns = run(&toks)?;
+                let ns = run(&mut backend, &toks)?;
                 eprintln!("{name}: run {}/{}: {:.2} tokens/s", r + 1, a.reps, (p + g) as f64 / (ns / 1e9));
                 samples_ns.push(ns);
             }
@@ -213,6 +228,24 @@ pub fn main(a: Args) -> Result<()> {
             let (avg_ns, stddev_ns) = mean_std(&samples_ns);
             let (avg_ts, stddev_ts) = mean_std(&samples_ts);
             let gbps = if g > 0 { Some(bpt as f64 * avg_ts / 1e9) } else { None };
+            // The expert tier over the timed runs: where the routed pairs ran.
+            let tier = match (tier0, backend.ops().expert_stats()) {
+                (Some(a0), Some(a1)) => {
+                    let (hits, misses) = (a1.hits - a0.hits, a1.misses - a0.misses);
+                    let toks = (a1.tokens - a0.tokens).max(1) as f64;
+                    let rate = if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 };
+                    eprintln!(
+                        "{name}: expert hit rate {:.3} ({hits} pairs on the GPU, {misses} on the CPU), {} uploads, {:.1} MiB of experts read from RAM per token",
+                        rate,
+                        a1.uploads - a0.uploads,
+                        (a1.miss_bytes - a0.miss_bytes) as f64 / toks / 1048576.0
+                    );
+                    json!({ "hit_rate": rate, "hits": hits, "misses": misses, "uploads": a1.uploads - a0.uploads,
+                            "miss_bytes_per_token": (a1.miss_bytes - a0.miss_bytes) as f64 / toks,
+                            "miss_secs_per_token": (a1.miss_secs - a0.miss_secs) / toks })
+                }
+                _ => json!(null),
+            };
             rows.push(json!({
                 "name": name, "engine": "ember", "model_filename": filename, "model_type": model_type,
                 "model_size": model_size, "model_n_params": n_params, "cpu_info": cpu, "n_threads": n_threads,
@@ -221,7 +254,7 @@ pub fn main(a: Args) -> Result<()> {
                 "avg_ns": avg_ns as u64, "stddev_ns": stddev_ns as u64, "avg_ts": avg_ts, "stddev_ts": stddev_ts,
                 "samples_ns": samples_ns.iter().map(|x| *x as u64).collect::<Vec<_>>(), "samples_ts": samples_ts,
                 "bytes_per_token": if g > 0 { json!(bpt) } else { json!(null) },
-                "gb_per_s": gbps,
+                "gb_per_s": gbps, "experts": tier,
             }));
         }
     }
@@ -233,6 +266,20 @@ pub fn main(a: Args) -> Result<()> {
 }
 
 fn print_md(rows: &[serde_json::Value]) {
+    print_table(rows);
+    for r in rows.iter().filter(|r| !r["experts"].is_null()) {
+        let x = &r["experts"];
+        println!(
+            "{}: expert hit rate {:.3}, {} uploads, {:.1} MiB of experts read from RAM per token",
+            r["name"].as_str().unwrap_or(""),
+            x["hit_rate"].as_f64().unwrap_or(0.0),
+            x["uploads"],
+            x["miss_bytes_per_token"].as_f64().unwrap_or(0.0) / 1048576.0
+        );
+    }
+}
+
+fn print_table(rows: &[serde_json::Value]) {
     println!("| model | size | params | threads | prompts | test | t/s | B/token | GB/s |");
     println!("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |");
     for r in rows {

@@ -53,6 +53,8 @@ pub struct Args {
     /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, value_parser = device::parse_device, default_value = "auto")]
     device: device::Device,
+    #[command(flatten)]
+    place: device::PlaceArgs,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -123,7 +125,12 @@ pub fn main(a: Args) -> Result<()> {
     let template = ChatTemplate::new(src).context("compiling the chat template")?;
     let n_ctx = a.ctx.unwrap_or(model.config.n_ctx_train.min(8192));
     let cfg = EngineConfig { n_parallel: 1, n_queue: 4, n_ctx, n_batch: 512, cache_bytes: a.cache_ram << 20, checkpoint_every: 2048 };
-    let ops = device::backend(a.device, Precision::Fast, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let ops = device::backend(
+        a.device,
+        Precision::Fast,
+        a.threads,
+        &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: 1, kv_type: a.kv_type },
+    )?;
     let engine = ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg).context("starting the engine")?.0;
     let interrupt = Arc::new(Interrupt::default());
     watch_ctrl_c(interrupt.clone())?;

@@ -1,6 +1,6 @@
 //! `--device auto|cpu|cuda|cuda:N`: which backend runs the model, and the GPUs `inspect` lists.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use ember_cpu::Precision;
 use ember_ops::Ops;
 
@@ -29,9 +29,54 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
 /// H200), activations, sequence state and the prompt cache's share.
 const GPU_HEADROOM: u64 = 1 << 30;
 
-/// The backend for `device`; `weight_bytes` is what the model's tensors take. Logs the choice.
-pub fn backend(device: Device, precision: Precision, threads: usize, weight_bytes: u64) -> Result<Box<dyn Ops>> {
+/// `--gpu-mem` / `--reserve`: how much of each GPU the model may use. No per-layer flags: the
+/// planner places the trunk and as many routed experts as fit, by heat.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PlaceArgs {
+    /// Budget per GPU, e.g. `0=12GiB` (default: the GPU's free memory less --reserve). A model
+    /// that does not fit keeps its trunk and the hottest routed experts on the GPU and computes
+    /// the other experts on the CPU.
+    #[arg(long)]
+    pub gpu_mem: Option<String>,
+    /// Memory left free on the GPU when the budget comes from its free memory.
+    #[arg(long, default_value = "1GiB")]
+    pub reserve: String,
+}
+
+/// What the planner needs to know about the run besides the model file.
+pub struct Placement<'a> {
+    pub file: &'a ember_gguf::GgufFile,
+    pub args: &'a PlaceArgs,
+    /// Context per sequence and sequences at once (the KV and DeltaNet state to budget).
+    pub n_ctx: usize,
+    pub parallel: usize,
+    pub kv_type: ember_ops::KvType,
+}
+
+/// The backend for `device`: the whole model on the GPU when it fits the budget, the trunk and
+/// the hottest routed experts there with the rest on the CPU ([`ember_plan::hybrid::Hybrid`])
+/// when it does not, the CPU when there is no usable GPU (auto). Logs the choice.
+pub fn backend(device: Device, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
     let cpu = || -> Box<dyn Ops> { Box::new(ember_cpu::backend(precision, threads)) };
+    let weight_bytes: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
+    let budget_of = |g: &ember_cuda::DeviceInfo| -> Result<u64> {
+        match &place.args.gpu_mem {
+            Some(s) => {
+                let list = ember_plan::parse_gpu_mem(s).with_context(|| format!("--gpu-mem {s}"))?;
+                match list.iter().find(|(d, _)| *d == g.index) {
+                    Some(&(_, b)) if b > g.bytes_free as u64 => {
+                        bail!("--gpu-mem gives GPU {} {}, it has {} free", g.index, gib(b), gib(g.bytes_free as u64))
+                    }
+                    Some(&(_, b)) => Ok(b),
+                    None => Ok(0),
+                }
+            }
+            None => {
+                let reserve = ember_plan::parse_bytes(&place.args.reserve).with_context(|| format!("--reserve {}", place.args.reserve))?;
+                Ok((g.bytes_free as u64).saturating_sub(reserve))
+            }
+        }
+    };
     match device {
         Device::Cpu => Ok(cpu()),
         Device::Cuda(_) if precision == Precision::BatchInvariant => {
@@ -46,18 +91,12 @@ pub fn backend(device: Device, precision: Precision, threads: usize, weight_byte
             let Some(g) = gpus.get(i) else {
                 bail!("--device cuda:{i}: there are {} CUDA devices (run `ember inspect` to list them)", gpus.len());
             };
-            let need = weight_bytes + GPU_HEADROOM;
-            if need > g.bytes_free as u64 {
-                bail!(
-                    "--device cuda:{i}: the model needs about {} of GPU memory, {} ({}) has {} free; use --device cpu",
-                    gib(need),
-                    g.name,
-                    i,
-                    gib(g.bytes_free as u64)
-                );
+            let budget = budget_of(g)?;
+            if weight_bytes + GPU_HEADROOM <= budget {
+                say(format!("device: cuda:{i} ({}, {} free, budget {})", g.name, gib(g.bytes_free as u64), gib(budget)));
+                return gpu(i, precision);
             }
-            say(format!("device: cuda:{i} ({}, {} free)", g.name, gib(g.bytes_free as u64)));
-            gpu(i, precision)
+            hybrid(g, budget, precision, threads, place)
         }
         Device::Auto => match ember_cuda::devices() {
             Err(e) => {
@@ -66,29 +105,79 @@ pub fn backend(device: Device, precision: Precision, threads: usize, weight_byte
             }
             Ok(gpus) => {
                 let need = weight_bytes + GPU_HEADROOM;
-                match gpus.iter().position(|g| g.bytes_free as u64 >= need) {
-                    Some(i) => {
-                        say(format!(
-                            "device auto: the whole model ({} with headroom) fits on GPU {i} ({}, {} free): running there",
-                            gib(need),
-                            gpus[i].name,
-                            gib(gpus[i].bytes_free as u64)
-                        ));
-                        gpu(i, precision)
-                    }
-                    None => {
-                        let most = gpus.iter().map(|g| g.bytes_free as u64).max().unwrap_or(0);
-                        say(format!(
-                            "device auto: the model needs about {} and no GPU has that free (most: {}); running on the CPU",
-                            gib(need),
-                            gib(most)
-                        ));
+                let budgets = gpus.iter().map(&budget_of).collect::<Result<Vec<u64>>>()?;
+                if let Some(i) = budgets.iter().position(|&b| b >= need) {
+                    say(format!(
+                        "device auto: the whole model ({} with headroom) fits on GPU {i} ({}, budget {}): running there",
+                        gib(need),
+                        gpus[i].name,
+                        gib(budgets[i])
+                    ));
+                    return gpu(i, precision);
+                }
+                // The GPU with the largest budget takes the trunk and what experts fit.
+                let Some(i) = (0..gpus.len()).max_by_key(|&i| budgets[i]) else {
+                    say("device auto: no GPU; running on the CPU".to_string());
+                    return Ok(cpu());
+                };
+                match hybrid(&gpus[i], budgets[i], precision, threads, place) {
+                    Ok(ops) => Ok(ops),
+                    Err(e) => {
+                        say(format!("device auto: {e:#}; running on the CPU"));
                         Ok(cpu())
                     }
                 }
             }
         },
     }
+}
+
+/// The trunk and the hottest routed experts that fit `budget` on GPU `g`, the rest on the CPU.
+fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
+    use ember_plan::hybrid::{HeatFile, Hybrid, TierOptions, resident_lists};
+    use ember_plan::tier::{HeatMap, default_heat_path, model_key};
+    let sizes = ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, place.parallel.max(1))?;
+    let opts = TierOptions::default();
+    let key = model_key(place.file);
+    let path = default_heat_path(&key);
+    let (n_layer, n_expert) = (sizes.layers.len(), sizes.n_expert);
+    let heat = match path.as_ref().filter(|p| p.exists()) {
+        Some(p) => match HeatMap::load(p, &key, n_layer, n_expert, opts.half_life) {
+            Ok(h) => Some(h),
+            Err(e) => {
+                say(format!("expert tier: ignoring the heat file: {e}"));
+                None
+            }
+        },
+        None => None,
+    };
+    let budgets = [ember_plan::Budget { device: 0, name: g.name.clone(), bytes: budget }];
+    let popts = ember_plan::Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 };
+    let plan = ember_plan::plan(&sizes, &budgets, heat.as_ref().map(|h| h.heat()).as_ref(), popts)?;
+    let resident = resident_lists(&plan).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", g.index))?;
+    let d = &plan.devices[0];
+    say(format!(
+        "device: cuda:{} ({}, budget {}): the model does not fit, so the trunk and {} of {} routed experts go on the GPU ({}), the rest stay in host memory and run on the CPU ({} threads); {}",
+        g.index,
+        g.name,
+        gib(budget),
+        d.experts,
+        plan.experts_total,
+        gib(d.used_bytes()),
+        self::threads(threads),
+        match &heat {
+            Some(h) => format!("experts by the heat of {} earlier tokens", h.tokens()),
+            None => "no heat file yet: experts evenly by layer".into(),
+        }
+    ));
+    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
+    let ops = ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+    let cpu = ember_cpu::CpuOps::new(precision, threads);
+    let heat = heat.unwrap_or_else(|| HeatMap::new(n_layer, n_expert, opts.half_life));
+    let file = path.map(|path| HeatFile { path, model_key: key });
+    let mut h = Hybrid::new(ops, cpu, resident, heat, file, opts);
+    h.cap_kv_bytes(d.kv_bytes + d.delta_bytes);
+    Ok(Box::new(h))
 }
 
 /// One line on stderr: through the log when `serve` has set one up, else plainly.

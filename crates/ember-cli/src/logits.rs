@@ -28,6 +28,8 @@ pub struct Args {
     /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, value_parser = device::parse_device, default_value = "auto")]
     device: device::Device,
+    #[command(flatten)]
+    place: device::PlaceArgs,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -53,7 +55,12 @@ pub fn main(a: Args) -> Result<()> {
     let kv_type = a.kv_type.unwrap_or(default_kv);
     let n_vocab = model.config.n_vocab;
     // The engine's forward path (ModelBackend::forward).
-    let ops = device::backend(a.device, precision, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let ops = device::backend(
+        a.device,
+        precision,
+        a.threads,
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: ids.len(), parallel: 1, kv_type },
+    )?;
     let mut backend = ModelBackend::new(model, ops, kv_type)?;
     backend.configure(1, ids.len(), 0)?;
     let mut st = backend.new_state(ids.len())?;

@@ -9,8 +9,8 @@ use ember_plan::{Budget, ModelSizes, Options};
 
 use crate::load;
 
-/// Tokens after which a routing counts half in the heat (the tier's default).
-const HEAT_HALF_LIFE: f64 = 4096.0;
+/// Tokens after which a routing counts half in the heat (the tier's default, `TierOptions`).
+const HEAT_HALF_LIFE: f64 = 1024.0;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -49,6 +49,8 @@ pub struct Args {
     /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, value_parser = device::parse_device, default_value = "auto")]
     device: device::Device,
+    #[command(flatten)]
+    place: device::PlaceArgs,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -80,7 +82,12 @@ pub fn main(a: Args) -> Result<()> {
     if ids.len() > n_ctx {
         bail!("the prompt has {} tokens, more than the context size {n_ctx}", ids.len());
     }
-    let ops = device::backend(a.device, Precision::Fast, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+    let ops = device::backend(
+        a.device,
+        Precision::Fast,
+        a.threads,
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: n_ctx + 1, parallel: 1, kv_type: a.kv_type },
+    )?;
     let n_threads = device::threads(a.threads);
     let seed = a.seed;
     let sampler = SamplerConfig {

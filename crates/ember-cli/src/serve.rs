@@ -48,6 +48,8 @@ pub struct Args {
     /// Where the model runs: auto (the GPU when the whole model fits, else the CPU), cpu, cuda, cuda:N.
     #[arg(long, value_parser = device::parse_device, default_value = "auto")]
     device: device::Device,
+    #[command(flatten)]
+    place: device::PlaceArgs,
     /// Threads (default: physical cores).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -127,7 +129,12 @@ pub fn main(a: Args) -> Result<()> {
         }
         None => {
             let precision = if a.batch_invariant { Precision::BatchInvariant } else { Precision::Fast };
-            let ops = device::backend(a.device, precision, a.threads, model.file().tensors().iter().map(|t| t.n_bytes).sum::<u64>())?;
+            let ops = device::backend(
+                a.device,
+                precision,
+                a.threads,
+                &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: a.parallel, kv_type: a.kv_type },
+            )?;
             tracing::info!("{} sequences of {n_ctx} tokens, queue {}", a.parallel, a.queue);
             ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }

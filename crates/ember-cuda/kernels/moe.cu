@@ -6,6 +6,10 @@
 //     sums its k experts itself (no atomics). The sum runs in routing order (largest weight
 //     first); the reference adds experts in increasing id: the same terms, another order.
 // An expert id >= n_expert gives NaN outputs (ids live on the device).
+// Partial residency: with `slot_of` set, expert e's rows sit at slot slot_of[e] of the stacked
+// tensors (which then hold n_slots experts), and an expert whose slot is MOE_MISS is not on the
+// device: its pairs add nothing here (the host computes them and adds its sum). slot_of = 0:
+// every expert at its own index.
 
 struct MoeParams {
     u64 gate;     // [n_expert · n_ff] rows of k = d (ty_gu)
@@ -16,11 +20,18 @@ struct MoeParams {
     u64 weights;  // [n_tok, k_top] f32
     u64 h;        // [n_tok, k_top, n_ff] f32 (scratch between the two kernels)
     u64 out;      // [n_tok, d] f32
+    u64 slot_of;  // [n_expert] u32 slots, or 0 (every expert resident at its index)
     u32 d, n_ff, n_expert, n_tok, k_top, row_bytes_gu, row_bytes_down;
     u32 rows_per_block;  // set per launch (gate/up rows of n_ff, down rows of d)
 };
 
 #define MOE_NAN __int_as_float(0x7fffffff)
+#define MOE_MISS 0xffffffffu
+
+// Where expert e (< n_expert) sits in the stacked tensors, or MOE_MISS.
+__device__ __forceinline__ u32 moe_slot(const MoeParams& p, u32 e) {
+    return p.slot_of ? ((const u32*)p.slot_of)[e] : e;
+}
 
 // Both kernels stage their activations (x_t, or h[t][0..k]) in shared memory once per block and
 // give the block's warps rows_per_block rows in turn (the same reason as matmul.cu's GEMV).
@@ -43,7 +54,9 @@ __device__ __forceinline__ void moe_gate_up(const MoeParams& p) {
             if (lane == 0) h[r] = MOE_NAN;
             continue;
         }
-        const u64 at = ((u64)e * p.n_ff + r) * p.row_bytes_gu;
+        const u32 s = moe_slot(p, e);
+        if (s == MOE_MISS) continue;  // moe_down skips the pair: h is not read
+        const u64 at = ((u64)s * p.n_ff + r) * p.row_bytes_gu;
         const float g = warp_dot<TY>((const u8*)p.gate + at, p.d, xs, iq4);
         const float u = warp_dot<TY>((const u8*)p.up + at, p.d, xs, iq4);
         if (lane == 0) h[r] = silu_f(g) * u;
@@ -70,7 +83,9 @@ __device__ __forceinline__ void moe_down(const MoeParams& p) {
                 acc = MOE_NAN;
                 continue;
             }
-            const u8* row = (const u8*)p.down + ((u64)e * p.d + r) * p.row_bytes_down;
+            const u32 s = moe_slot(p, e);
+            if (s == MOE_MISS) continue;
+            const u8* row = (const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down;
             acc += ((const float*)p.weights)[pair] * warp_dot<TY>(row, p.n_ff, hs + j * p.n_ff, iq4);
         }
         if (lane == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
@@ -99,16 +114,22 @@ MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 // plan's tile count leave at once. Where a pair lands in its expert's list (atomics) does not
 // change any result: each output is one row of x against one weight row.
 //
-// The plan (u32 words): [0] the tile count, then per tile (expert, first list entry, pairs),
-// then the list of pair indices (t · k_top + j) grouped by expert.
+// The plan (u32 words): [0] the tile count, then per tile (the expert's slot, first list entry,
+// pairs), then the list of pair indices (t · k_top + j) grouped by expert. Pairs of experts not
+// resident (slot MOE_MISS) are left out; moe_combine adds nothing for them.
 
 #define MOE_BM 32
 
 struct MoePlanParams {
-    u64 ids;   // [n_pairs] u32
-    u64 plan;  // u32 words, see above
+    u64 ids;      // [n_pairs] u32
+    u64 plan;     // u32 words, see above
+    u64 slot_of;  // as in MoeParams
     u32 n_pairs, n_expert, max_tiles, pad;
 };
+
+__device__ __forceinline__ bool moe_plan_takes(const MoePlanParams& p, u32 e) {
+    return e < p.n_expert && (!p.slot_of || ((const u32*)p.slot_of)[e] != MOE_MISS);
+}
 
 // One block of 1024 threads; shared memory 2 · n_expert words.
 extern "C" __global__ void moe_plan(const MoePlanParams p) {
@@ -121,14 +142,15 @@ extern "C" __global__ void moe_plan(const MoePlanParams p) {
     __syncthreads();
     for (u32 q = threadIdx.x; q < p.n_pairs; q += blockDim.x) {
         const u32 e = ids[q];
-        if (e < p.n_expert) atomicAdd(&cnt[e], 1u);
+        if (moe_plan_takes(p, e)) atomicAdd(&cnt[e], 1u);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         u32 at = 0, nt = 0;
         for (u32 e = 0; e < p.n_expert; ++e) {
+            const u32 slot = p.slot_of ? ((const u32*)p.slot_of)[e] : e;
             for (u32 s = 0; s < cnt[e]; s += MOE_BM) {
-                plan[1 + 3 * nt] = e;
+                plan[1 + 3 * nt] = slot;
                 plan[2 + 3 * nt] = at + s;
                 plan[3 + 3 * nt] = min((u32)MOE_BM, cnt[e] - s);
                 ++nt;
@@ -141,7 +163,7 @@ extern "C" __global__ void moe_plan(const MoePlanParams p) {
     __syncthreads();
     for (u32 q = threadIdx.x; q < p.n_pairs; q += blockDim.x) {
         const u32 e = ids[q];
-        if (e < p.n_expert) list[atomicAdd(&cur[e], 1u)] = q;
+        if (moe_plan_takes(p, e)) list[atomicAdd(&cur[e], 1u)] = q;
     }
 }
 
@@ -165,7 +187,7 @@ __device__ __forceinline__ void moe_mma_gate_up(const MoeMmaParams& q) {
     const u32* plan = (const u32*)q.plan;
     const u32 tile = blockIdx.y;
     if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile], first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
     const u32* list = plan + 1 + 3 * q.max_tiles;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
@@ -202,7 +224,7 @@ __device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {
     const u32* plan = (const u32*)q.plan;
     const u32 tile = blockIdx.y;
     if (tile >= plan[0]) return;
-    const u32 e = plan[1 + 3 * tile], first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
     const u32* list = plan + 1 + 3 * q.max_tiles;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
@@ -226,7 +248,7 @@ __device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {
 }
 
 // grid ceil(n_tok · d / 256), 256 threads: out[t][i] = Σ_j part[t·k + j][i] in slot order (NaN
-// for an expert id out of range).
+// for an expert id out of range; nothing for an expert not resident).
 extern "C" __global__ void moe_combine(const MoeMmaParams q) {
     const MoeParams& p = q.m;
     const u64 at = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -235,7 +257,9 @@ extern "C" __global__ void moe_combine(const MoeMmaParams q) {
     float s = 0.0f;
     for (u32 j = 0; j < p.k_top; ++j) {
         const u64 pr = t * p.k_top + j;
-        s += ((const u32*)p.ids)[pr] < p.n_expert ? ((const float*)q.part)[pr * p.d + i] : MOE_NAN;
+        const u32 e = ((const u32*)p.ids)[pr];
+        if (e >= p.n_expert) s += MOE_NAN;
+        else if (moe_slot(p, e) != MOE_MISS) s += ((const float*)q.part)[pr * p.d + i];
     }
     ((float*)p.out)[at] = s;
 }

@@ -574,7 +574,7 @@ fn moe_matches_reference() {
         let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
         let mut h = poisoned(g, n_tok * k * n_ff);
         let mut out = poisoned(g, n_tok * d);
-        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         g.moe(experts, &g.upload(&x.data).unwrap(), n_tok, MoeRouting { ids: &idb, weights: &wb, k }, &mut h, &mut out).unwrap();
         let what = format!("moe {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
         let worst = check(&what, &g.download(&out).unwrap(), &want.data, &scale, 1e-6, 1e-5);
@@ -664,7 +664,7 @@ fn moe_mma_matches_reference() {
         let mut h = poisoned(g, n_tok * k * n_ff);
         let mut scratch = poisoned(g, ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d));
         let mut out = poisoned(g, n_tok * d);
-        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let xb = g.upload(&x.data).unwrap();
         g.moe_mma(experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
@@ -728,7 +728,7 @@ fn bench_moe() {
         let x = g.upload(&rng.vec(n_tok * d, -1.0, 1.0)).unwrap();
         let mut h = g.alloc::<f32>(n_tok * k * n_ff).unwrap();
         let mut out = g.alloc::<f32>(n_tok * d).unwrap();
-        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         g.moe(experts, &x, n_tok, r, &mut h, &mut out).unwrap();
         let iters = 200;
@@ -968,7 +968,7 @@ fn bench_moe_prompt() {
         let mut h = g.alloc::<f32>(n_tok * k * n_ff).unwrap();
         let mut scratch = g.alloc::<f32>(ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d)).unwrap();
         let mut out = g.alloc::<f32>(n_tok * d).unwrap();
-        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert };
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let flop = 2.0 * (n_tok * k) as f64 * 3.0 * (d * n_ff) as f64;
         let mut line = format!("bench moe prompt Q4_K/Q6_K tok={n_tok:4}:");

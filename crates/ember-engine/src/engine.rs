@@ -52,6 +52,10 @@ pub trait Backend: Send + 'static {
     /// Free KV pages and the pool's size, when the backend keeps state in a bounded page
     /// pool (`None`: no limit).
     fn kv_pages(&mut self) -> Option<(usize, usize)>;
+    /// The expert tier's counters, when the backend has one.
+    fn expert_stats(&self) -> Option<ember_ops::ExpertStats> {
+        None
+    }
     /// KV pages a sequence grows by from `from` to `to` tokens.
     fn pages_for(&self, from: usize, to: usize) -> usize;
 }
@@ -173,6 +177,13 @@ pub struct EngineStats {
     /// The backend's KV page pool (0 and 0 when it has none): pages free, and in all.
     pub kv_pages_free: AtomicUsize,
     pub kv_pages_total: AtomicUsize,
+    /// The expert tier (all zero without one): routed pairs computed on the GPU / on the CPU,
+    /// experts uploaded, bytes of experts the CPU read, microseconds it spent on them.
+    pub expert_hits: AtomicU64,
+    pub expert_misses: AtomicU64,
+    pub expert_uploads: AtomicU64,
+    pub expert_miss_bytes: AtomicU64,
+    pub expert_miss_us: AtomicU64,
 }
 
 struct Job {
@@ -368,6 +379,13 @@ impl<B: Backend> Scheduler<B> {
             if let Some((free, total)) = self.backend.kv_pages() {
                 self.stats.kv_pages_free.store(free, Ordering::Relaxed);
                 self.stats.kv_pages_total.store(total, Ordering::Relaxed);
+            }
+            if let Some(x) = self.backend.expert_stats() {
+                self.stats.expert_hits.store(x.hits, Ordering::Relaxed);
+                self.stats.expert_misses.store(x.misses, Ordering::Relaxed);
+                self.stats.expert_uploads.store(x.uploads, Ordering::Relaxed);
+                self.stats.expert_miss_bytes.store(x.miss_bytes, Ordering::Relaxed);
+                self.stats.expert_miss_us.store((x.miss_secs * 1e6) as u64, Ordering::Relaxed);
             }
         }
     }

@@ -123,6 +123,10 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
         Some((st.pages_free, st.pages))
     }
 
+    fn expert_stats(&self) -> Option<ember_ops::ExpertStats> {
+        self.ops.expert_stats()
+    }
+
     fn pages_for(&self, from: usize, to: usize) -> usize {
         self.layout.pages_at(to).saturating_sub(self.layout.pages_at(from))
     }

@@ -448,4 +448,7 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
         (**self).select_rows(x)
     }
+    fn expert_stats(&self) -> Option<crate::ExpertStats> {
+        (**self).expert_stats()
+    }
 }

@@ -36,6 +36,31 @@ pub use error::{OpError, OpResult};
 pub use host::{HostOps, RefKernels};
 pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
 pub use store::{HostStore, KvPage, PagePool, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats};
+/// An expert tier's counters since the backend started.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertStats {
+    /// Routed (token, expert) pairs computed where the experts were resident / elsewhere (the
+    /// CPU, from host memory).
+    pub hits: u64,
+    pub misses: u64,
+    /// Experts moved into the device's memory.
+    pub uploads: u64,
+    /// Wall time spent on misses (the CPU's part, overlapped with the device's).
+    pub miss_secs: f64,
+    /// Bytes of expert weights read from host memory for misses.
+    pub miss_bytes: u64,
+    /// Tokens the model ran.
+    pub tokens: u64,
+}
+
+impl ExpertStats {
+    /// Hits over all routed pairs (1 with none yet).
+    pub fn hit_rate(&self) -> f64 {
+        let all = self.hits + self.misses;
+        if all == 0 { 1.0 } else { self.hits as f64 / all as f64 }
+    }
+}
+
 pub use weights::{ExpertView, GateUp, MoeWeights, Registry, WeightInfo, WeightSet};
 
 /// A row-major matrix of activations: `n` rows (usually tokens) of `d` values.
@@ -628,6 +653,12 @@ pub trait Ops: SeqStore + Send {
 
     /// The step's logit rows of `x`, in the batch's order.
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor>;
+
+    /// What the backend's expert tier has done, when it holds only some routed experts on its
+    /// device (None: every expert is where the MoE runs, no tier).
+    fn expert_stats(&self) -> Option<ExpertStats> {
+        None
+    }
 }
 
 /// The op set on host matrices, with state passed in: what a host backend's kernels implement

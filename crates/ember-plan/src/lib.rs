@@ -15,6 +15,7 @@
 //! boundary, never per expert; the price is that a hot expert of a layer on a full card cannot
 //! use another card's free memory.
 
+pub mod hybrid;
 pub mod tier;
 
 use std::fmt::Write as _;

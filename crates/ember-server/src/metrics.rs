@@ -141,6 +141,31 @@ impl Metrics {
         );
         counter(&mut out, "ember_prompt_cache_checkpoints_total", "Checkpoints stored.", ld(&engine.cache_checkpoints));
         counter(&mut out, "ember_prompt_cache_tokens_total", "Prompt tokens restored instead of computed.", ld(&engine.tokens_cached));
+        // The expert tier (zero without one); per token: divide by the engine's token counters.
+        counter(
+            &mut out,
+            "ember_expert_hits_total",
+            "Routed (token, expert) pairs computed on the GPU (resident experts).",
+            ld(&engine.expert_hits),
+        );
+        counter(
+            &mut out,
+            "ember_expert_misses_total",
+            "Routed (token, expert) pairs computed on the CPU from host memory.",
+            ld(&engine.expert_misses),
+        );
+        counter(&mut out, "ember_expert_uploads_total", "Experts moved onto the GPU by the tier.", ld(&engine.expert_uploads));
+        counter(
+            &mut out,
+            "ember_expert_miss_bytes_total",
+            "Bytes of expert weights the CPU read for misses.",
+            ld(&engine.expert_miss_bytes),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ember_expert_miss_seconds_total Wall time of the CPU's expert work (overlapped with the GPU's).\n# TYPE ember_expert_miss_seconds_total counter\nember_expert_miss_seconds_total {}",
+            ld(&engine.expert_miss_us) as f64 / 1e6
+        );
         gauge(&mut out, "ember_kv_pages_free", "KV pages free in the backend's pool.", engine.kv_pages_free.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_kv_pages_total", "KV pages in the backend's pool.", engine.kv_pages_total.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_prompt_cache_entries", "Checkpoints held.", engine.cache_entries.load(Ordering::Relaxed) as u64);

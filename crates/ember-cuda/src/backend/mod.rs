@@ -30,7 +30,7 @@ use ember_ops::{
 
 use crate::ops::{
     Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GEMV_MULTI, KvPages, MoeExperts,
-    MoeRouting, Precision, SeqRows, StateAt, moe_scratch_len,
+    MoeRouting, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
 
@@ -66,6 +66,8 @@ pub struct CudaOps {
     stepping: bool,
     step: StepBufs,
     store: DevStore,
+    /// Per layer, the routed experts to hold when not all ([`CudaOps::set_resident_experts`]).
+    resident: Vec<Option<Vec<u16>>>,
 }
 
 /// A host matrix with the shape of `t` and no data, for the shared shape checks.
@@ -135,6 +137,7 @@ impl CudaOps {
             stepping: false,
             step,
             store: DevStore::new(dev),
+            resident: Vec::new(),
             gpu,
         })
     }
@@ -164,6 +167,31 @@ impl CudaOps {
     /// step that allocates the same shapes in the same order gets the same addresses).
     pub fn device_ptr(&self, t: Tensor) -> OpResult<u64> {
         Ok(self.arena.buf("device_ptr", t)?.ptr())
+    }
+
+    /// Which routed experts each MoE layer keeps on this GPU, for the next [`Ops::register`]:
+    /// per layer, None for all of them, or the list (then its MoE computes only the pairs
+    /// routed to those; the others add nothing, and the caller adds their sum: the expert tier's
+    /// misses). Layers past the list's end hold all their experts.
+    pub fn set_resident_experts(&mut self, layers: Vec<Option<Vec<u16>>>) {
+        self.resident = layers;
+    }
+
+    /// Per expert of `layer`, its slot on this GPU or [`crate::ops::MOE_MISS`]; None when the
+    /// layer holds all its experts.
+    pub fn expert_slots(&self, layer: LayerIdx) -> Option<&[u32]> {
+        self.weights.pools.get(layer.index()).and_then(Option::as_ref).map(|p| p.slot_of.as_slice())
+    }
+
+    /// Moves expert `e` of `layer` onto this GPU into `slot`, replacing the expert there (which
+    /// becomes a miss). Synchronous; not inside a step.
+    pub fn place_expert(&mut self, layer: LayerIdx, slot: usize, e: ExpertId) -> OpResult<()> {
+        self.weights.place_expert(&self.gpu, layer, slot, e)
+    }
+
+    /// The expert in each slot of `layer` (None when it holds all).
+    pub fn slot_experts(&self, layer: LayerIdx) -> Option<&[u16]> {
+        self.weights.pools.get(layer.index()).and_then(Option::as_ref).map(|p| p.experts.as_slice())
     }
 
     fn rows_check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
@@ -271,7 +299,7 @@ impl Ops for CudaOps {
         // Every kernel compiles (or comes from the disk cache) while the weights go up.
         let gpu = &self.gpu;
         let up = gpu
-            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights))
+            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights, &self.resident))
             .map_err(|e| OpError::new("register", self.dev, "", e.to_string()));
         gpu.release_staging();
         self.weights = up??;
@@ -664,15 +692,18 @@ impl Ops for CudaOps {
         }
         let (gate, up) = self.weights.gate_up(OP, m.gate_up)?;
         let down = self.weights.matrix(OP, m.down)?.1;
+        let pool = self.weights.pools.get(layer.index()).and_then(Option::as_ref);
+        let slots = pool.map(|p| MoeSlots { slot_of: &p.dev, n_slots: p.experts.len() });
+        let n_slots = slots.map_or(m.n_expert, |s| s.n_slots);
         let [sg, su, sd] = m.shared;
         let (sg, su, sd) = (self.weights.matrix(OP, sg)?.1, self.weights.matrix(OP, su)?.1, self.weights.matrix(OP, sd)?.1);
         let d_out = sd.n_rows;
         let chain = gate.k == x.d
             && up.k == x.d
-            && gate.n_rows == m.n_expert * m.n_ff
+            && gate.n_rows == n_slots * m.n_ff
             && up.n_rows == gate.n_rows
             && down.k == m.n_ff
-            && down.n_rows == m.n_expert * d_out
+            && down.n_rows == n_slots * d_out
             && sg.k == x.d
             && su.k == x.d
             && sg.n_rows == su.n_rows
@@ -696,7 +727,7 @@ impl Ops for CudaOps {
         let [ob, hb, gb, ub, db, sb, ..] = outs else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
         let mut run = || -> crate::Result<()> {
-            let experts = MoeExperts { gate, up, down, n_expert: m.n_expert };
+            let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };
             gpu.moe_prec(experts, xb, n, MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k }, hb, sb, ob, prec)?;
             gpu.matmul_prec(sg.all(), xb, n, gb, prec)?;
             gpu.matmul_prec(su.all(), xb, n, ub, prec)?;

@@ -2,13 +2,48 @@
 //! as f32, uploaded once at `register`. A fused `[gate | up]` expert tensor is uploaded split
 //! into its gate and up halves (the MoE kernels read them as two stacked tensors); it is read
 //! by nothing else.
+//!
+//! A MoE layer may hold only some of its routed experts ([`CudaOps::set_resident_experts`]):
+//! then its stacked expert tensors are slots, one expert each, in the order given, and the layer's
+//! [`ExpertPool`] says which expert is in which slot.
+//!
+//! [`CudaOps::set_resident_experts`]: super::CudaOps::set_resident_experts
 
 use std::sync::Arc;
 
-use ember_ops::{DeviceId, GateUp, LayerIdx, OpError, OpResult, Registry, WeightId, WeightInfo, WeightSet};
+use ember_ops::{DeviceId, ExpertId, GateUp, LayerIdx, OpError, OpResult, Registry, WeightId, WeightInfo, WeightSet};
 
-use crate::ops::DeviceWeight;
+use crate::ops::{DeviceWeight, MOE_MISS};
 use crate::{Buf, Gpu};
+
+/// The routed experts one MoE layer holds on the device, by slot.
+pub(super) struct ExpertPool {
+    /// Per slot, its expert.
+    pub experts: Vec<u16>,
+    /// Per expert, its slot or [`MOE_MISS`] (the host copy of `dev`).
+    pub slot_of: Vec<u32>,
+    pub dev: Buf<u32>,
+}
+
+impl ExpertPool {
+    fn new(gpu: &Gpu, n_expert: usize, experts: Vec<u16>) -> crate::Result<ExpertPool> {
+        let mut slot_of = vec![MOE_MISS; n_expert];
+        for (s, &e) in experts.iter().enumerate() {
+            slot_of[e as usize] = s as u32;
+        }
+        let dev = gpu.upload(&slot_of)?;
+        Ok(ExpertPool { experts, slot_of, dev })
+    }
+}
+
+/// Which part of a layer's routed experts a stacked tensor is.
+#[derive(Clone, Copy)]
+enum ExpertPart {
+    /// gate, up or down: matrix e is expert e.
+    Whole,
+    /// A fused gate|up tensor.
+    Fused,
+}
 
 pub(super) enum DevWeight {
     Matrix(DeviceWeight),
@@ -24,18 +59,49 @@ pub(super) enum DevWeight {
 pub(super) struct DevWeights {
     pub reg: Registry,
     w: Vec<Option<DevWeight>>,
+    /// Per layer: the experts it holds, when not all of them.
+    pub pools: Vec<Option<ExpertPool>>,
     dev: DeviceId,
 }
 
 impl DevWeights {
     pub fn empty(dev: DeviceId) -> Self {
-        DevWeights { reg: Registry::new(dev), w: Vec::new(), dev }
+        DevWeights { reg: Registry::new(dev), w: Vec::new(), pools: Vec::new(), dev }
     }
 
-    /// Uploads every weight of `set`.
-    pub fn upload(gpu: &Gpu, dev: DeviceId, set: Arc<WeightSet>) -> OpResult<Self> {
+    /// Uploads every weight of `set`; of the routed experts of layer l, only `resident[l]` when
+    /// that is given (in that order, one slot each).
+    pub fn upload(gpu: &Gpu, dev: DeviceId, set: Arc<WeightSet>, resident: &[Option<Vec<u16>>]) -> OpResult<Self> {
         const OP: &str = "register";
         let fail = |name: &str, e: crate::Error| OpError::new(OP, dev, name.to_string(), e.to_string());
+        // The expert tensors of layers that hold some of their experts, and which.
+        let mut partial: Vec<Option<(usize, ExpertPart)>> = vec![None; set.len()];
+        let mut pools = Vec::new();
+        for (l, r) in resident.iter().enumerate() {
+            let Some(list) = r else {
+                pools.push(None);
+                continue;
+            };
+            let layer = LayerIdx(l as u16);
+            let m = set
+                .moe(layer)
+                .ok_or_else(|| OpError::new(OP, dev, format!("{layer}"), "resident experts given for a layer with no MoE"))?;
+            let mut seen = vec![false; m.n_expert];
+            for &e in list {
+                if (e as usize) >= m.n_expert || std::mem::replace(&mut seen[e as usize], true) {
+                    return Err(OpError::new(OP, dev, format!("{layer}"), format!("resident expert {e} repeated or past {}", m.n_expert)));
+                }
+            }
+            match m.gate_up {
+                GateUp::Separate { gate, up } => {
+                    partial[gate.index()] = Some((l, ExpertPart::Whole));
+                    partial[up.index()] = Some((l, ExpertPart::Whole));
+                }
+                GateUp::Fused(w) => partial[w.index()] = Some((l, ExpertPart::Fused)),
+            }
+            partial[m.down.index()] = Some((l, ExpertPart::Whole));
+            pools.push(Some(ExpertPool::new(gpu, m.n_expert, list.clone()).map_err(|e| fail("expert pool", e))?));
+        }
         // Fused gate|up tensors, with the width of one expert's half.
         let mut fused = vec![None; set.len()];
         for l in 0..set.len().min(u16::MAX as usize) {
@@ -52,6 +118,10 @@ impl DevWeights {
             let Some(info) = set.info(id) else { return Err(OpError::new(OP, dev, format!("weight {}", id.0), "not in the set")) };
             let dw = if let Some(v) = set.vector(id) {
                 DevWeight::Vector(gpu.upload(v).map_err(|e| fail(&info.name, e))?)
+            } else if let Some((l, part)) = partial[id.index()] {
+                let list = resident[l].as_deref().unwrap_or_default();
+                some_experts(gpu, &set, id, info, part, list, set.moe(LayerIdx(l as u16)).map_or(0, |m| m.n_ff))
+                    .map_err(|e| fail(&info.name, e))?
             } else if let Some(bytes) = set.file_bytes(id) {
                 match fused[id.index()].filter(|n_ff| info.rows_per_mat() == 2 * n_ff) {
                     Some(n_ff) => split(gpu, info, n_ff, bytes).map_err(|e| fail(&info.name, e))?,
@@ -64,7 +134,54 @@ impl DevWeights {
         }
         let mut reg = Registry::new(dev);
         reg.set(set);
-        Ok(DevWeights { reg, w, dev })
+        Ok(DevWeights { reg, w, pools, dev })
+    }
+
+    /// Puts expert `e` of `layer` into `slot` (whose expert leaves the device): its gate, up
+    /// and down rows, then the slot table. Synchronous.
+    pub fn place_expert(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize, e: ExpertId) -> OpResult<()> {
+        const OP: &str = "place_expert";
+        let dev = self.dev;
+        let fail = |e: crate::Error| OpError::new(OP, dev, format!("{layer}"), e.to_string());
+        let set = self.reg.weights(OP)?.clone();
+        let m = *self.reg.moe(OP, layer)?;
+        let view = set.expert(layer, e).ok_or_else(|| OpError::new(OP, dev, format!("{layer} expert {}", e.0), "no such expert"))?;
+        let pool = self.pools.get(layer.index()).and_then(Option::as_ref);
+        let Some(pool) = pool.filter(|p| slot < p.experts.len() && e.index() < m.n_expert) else {
+            return Err(OpError::new(OP, dev, format!("{layer} slot {slot} expert {}", e.0), "no such slot or expert"));
+        };
+        if pool.slot_of[e.index()] != MOE_MISS {
+            return Err(OpError::new(OP, dev, format!("{layer} expert {}", e.0), "already on the device"));
+        }
+        let (gate, up, down) = (view.gate.data, view.up.data, view.down.data);
+        let (gr, dr) = (slot * m.n_ff, slot * set.info(m.down).map_or(0, |i| i.rows_per_mat()));
+        match m.gate_up {
+            GateUp::Separate { gate: g, up: u } => {
+                self.matrix_mut(OP, g)?.write_rows(gpu, gr, gate).map_err(fail)?;
+                self.matrix_mut(OP, u)?.write_rows(gpu, gr, up).map_err(fail)?;
+            }
+            GateUp::Fused(w) => match self.w.get_mut(w.index()).and_then(Option::as_mut) {
+                Some(DevWeight::Split { gate: g, up: u }) => {
+                    g.write_rows(gpu, gr, gate).map_err(fail)?;
+                    u.write_rows(gpu, gr, up).map_err(fail)?;
+                }
+                _ => return Err(OpError::new(OP, dev, format!("weight {}", w.0), "not a fused gate|up expert tensor")),
+            },
+        }
+        self.matrix_mut(OP, m.down)?.write_rows(gpu, dr, down).map_err(fail)?;
+        let Some(pool) = self.pools.get_mut(layer.index()).and_then(Option::as_mut) else { unreachable!("checked above") };
+        let old = pool.experts[slot] as usize;
+        pool.slot_of[old] = MOE_MISS;
+        pool.slot_of[e.index()] = slot as u32;
+        pool.experts[slot] = e.0;
+        gpu.write(&mut pool.dev, &pool.slot_of).map_err(fail)
+    }
+
+    fn matrix_mut(&mut self, op: &'static str, id: WeightId) -> OpResult<&mut DeviceWeight> {
+        match self.w.get_mut(id.index()).and_then(Option::as_mut) {
+            Some(DevWeight::Matrix(m)) => Ok(m),
+            _ => Err(OpError::new(op, self.dev, format!("matrix weight {}", id.0), "not registered")),
+        }
     }
 
     fn get(&self, op: &'static str, id: WeightId) -> OpResult<&DevWeight> {
@@ -101,6 +218,46 @@ impl DevWeights {
                 DevWeight::Split { gate, up } => Ok((gate, up)),
                 _ => Err(OpError::new(op, self.dev, format!("weight {}", w.0), "not a fused gate|up expert tensor")),
             },
+        }
+    }
+}
+
+/// Uploads experts `list` of a stacked expert tensor, one slot each in that order (a fused
+/// gate|up tensor split as [`split`] does).
+fn some_experts(
+    gpu: &Gpu,
+    set: &WeightSet,
+    id: WeightId,
+    info: &WeightInfo,
+    part: ExpertPart,
+    list: &[u16],
+    n_ff: usize,
+) -> crate::Result<DevWeight> {
+    let per = info.rows_per_mat();
+    let mat = |e: u16| {
+        set.matrix(id, e as usize).map(|v| v.data).ok_or_else(|| crate::error::shape("register", format!("{}: expert {e}", info.name)))
+    };
+    match part {
+        ExpertPart::Whole => {
+            let mut bytes = Vec::new();
+            for &e in list {
+                bytes.extend_from_slice(mat(e)?);
+            }
+            Ok(DevWeight::Matrix(gpu.upload_weight(info.ty, info.k, list.len() * per, &bytes)?))
+        }
+        ExpertPart::Fused => {
+            let rb = info.ty.row_bytes(info.k).unwrap_or(0);
+            if per != 2 * n_ff {
+                return Err(crate::error::shape("register", format!("{}: {per} rows per expert, not 2 x {n_ff}", info.name)));
+            }
+            let (mut g, mut u) = (Vec::new(), Vec::new());
+            for &e in list {
+                let b = mat(e)?;
+                g.extend_from_slice(&b[..n_ff * rb]);
+                u.extend_from_slice(&b[n_ff * rb..2 * n_ff * rb]);
+            }
+            let rows = list.len() * n_ff;
+            Ok(DevWeight::Split { gate: gpu.upload_weight(info.ty, info.k, rows, &g)?, up: gpu.upload_weight(info.ty, info.k, rows, &u)? })
         }
     }
 }

@@ -42,6 +42,19 @@ impl DeviceWeight {
     pub(crate) fn ptr(&self) -> u64 {
         self.bytes.ptr()
     }
+
+    /// Overwrites rows `row0..` with `data` (whole rows of this weight's type and width): how
+    /// an expert moves into a slot of a stacked tensor.
+    pub fn write_rows(&mut self, gpu: &Gpu, row0: usize, data: &[u8]) -> Result<()> {
+        let n = data.len() / self.row_bytes.max(1);
+        if n * self.row_bytes != data.len() || row0 + n > self.n_rows {
+            return Err(shape(
+                "write_rows",
+                format!("{} bytes at row {row0} of {} rows of {} bytes", data.len(), self.n_rows, self.row_bytes),
+            ));
+        }
+        gpu.write_at(&mut self.bytes, row0 * self.row_bytes, data)
+    }
 }
 
 /// The suffix of the per-type kernel entries (`matmul_gemv_q4_k`, `moe_down_q6_k`, ...), for
@@ -143,7 +156,8 @@ impl Gpu {
         if data.len() != row_bytes * n_rows {
             return Err(shape(OP, format!("{} bytes for {n_rows} rows of {row_bytes}", data.len())));
         }
-        Ok(DeviceWeight { ty, k, n_rows, row_bytes, bytes: self.upload(data)? })
+        let bytes = if data.is_empty() { self.alloc(0)? } else { self.upload(data)? };
+        Ok(DeviceWeight { ty, k, n_rows, row_bytes, bytes })
     }
 
     /// `y[t][r] = Σ_j W[r][j]·x[t][j]`: x is [n_tok, k], y [n_tok, w.n_rows] (row-major f32),

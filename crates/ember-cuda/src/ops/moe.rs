@@ -22,13 +22,38 @@ fn rows_per_block(n_rows: usize, n_sm: u32) -> usize {
 }
 
 /// The routed experts of one MoE layer, stacked as in the GGUF file: gate and up hold
-/// `n_expert · n_ff` rows of `d` weights, down `n_expert · d` rows of `n_ff`.
+/// `n_slots · n_ff` rows of `d` weights, down `n_slots · d` rows of `n_ff`. With every expert
+/// on the device, `n_slots = n_expert` and expert e is slot e (`slot_of` None); with some, expert
+/// e is at slot `slot_of[e]`, or [`MOE_MISS`] when it is not here (its pairs add nothing).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeExperts<'a> {
     pub gate: &'a DeviceWeight,
     pub up: &'a DeviceWeight,
     pub down: &'a DeviceWeight,
     pub n_expert: usize,
+    pub slots: Option<MoeSlots<'a>>,
+}
+
+/// Which experts of a layer are on the device, and where (see [`MoeExperts`]).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeSlots<'a> {
+    /// [n_expert] slot per expert, or [`MOE_MISS`].
+    pub slot_of: &'a Buf<u32>,
+    /// Experts the stacked tensors hold.
+    pub n_slots: usize,
+}
+
+/// The slot of an expert that is not on the device (`MOE_MISS` in kernels/moe.cu).
+pub const MOE_MISS: u32 = u32::MAX;
+
+impl MoeExperts<'_> {
+    fn n_slots(&self) -> usize {
+        self.slots.map_or(self.n_expert, |s| s.n_slots)
+    }
+
+    fn slot_of(&self) -> u64 {
+        self.slots.map_or(0, |s| s.slot_of.ptr())
+    }
 }
 
 /// A routing on the device ([`Gpu::route`]'s output): `k` expert ids and weights per token.
@@ -49,6 +74,7 @@ struct MoeParams {
     weights: u64,
     h: u64,
     out: u64,
+    slot_of: u64,
     d: u32,
     n_ff: u32,
     n_expert: u32,
@@ -66,6 +92,7 @@ unsafe impl DeviceRepr for MoeParams {}
 struct MoePlanParams {
     ids: u64,
     plan: u64,
+    slot_of: u64,
     n_pairs: u32,
     n_expert: u32,
     max_tiles: u32,
@@ -84,7 +111,7 @@ struct MoeMmaParams {
     pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data matching `MoeMmaParams` in kernels/moe.cu (MoeParams is 96
+// SAFETY: plain #[repr(C)] data matching `MoeMmaParams` in kernels/moe.cu (MoeParams is 104
 // bytes, so `plan` needs no padding in either language).
 unsafe impl DeviceRepr for MoeMmaParams {}
 
@@ -210,6 +237,7 @@ impl Gpu {
         let plan = MoePlanParams {
             ids: r.ids.ptr(),
             plan: plan_at,
+            slot_of: e.slot_of(),
             n_pairs: u32_of(OP, "n_tok · k", pairs)?,
             n_expert: u32_of(OP, "n_expert", ne)?,
             max_tiles: tiles as u32,
@@ -277,21 +305,27 @@ impl Gpu {
         h: &Buf<f32>,
         out: &Buf<f32>,
     ) -> Result<(MoeParams, [&'static str; 2])> {
-        let (d, ne) = (e.gate.k, e.n_expert);
+        let (d, ne, ns) = (e.gate.k, e.n_expert, e.n_slots());
         let n_ff = e.down.k;
         let ok = ne > 0
             && e.up.k == d
             && e.gate.ty == e.up.ty
-            && e.gate.n_rows == ne * n_ff
-            && e.up.n_rows == ne * n_ff
-            && e.down.n_rows == ne * d
+            && e.gate.n_rows == ns * n_ff
+            && e.up.n_rows == ns * n_ff
+            && e.down.n_rows == ns * d
             && d.is_multiple_of(8)
             && n_ff.is_multiple_of(8)
             && 4 * d <= SMEM
             && 4 * r.k * n_ff <= SMEM;
         if !ok {
             let desc = |w: &DeviceWeight| format!("{} {}x{}", w.ty.name(), w.n_rows, w.k);
-            return Err(shape(OP, format!("{ne} experts, k = {}: gate {}, up {}, down {}", r.k, desc(e.gate), desc(e.up), desc(e.down))));
+            return Err(shape(
+                OP,
+                format!("{ne} experts in {ns} slots, k = {}: gate {}, up {}, down {}", r.k, desc(e.gate), desc(e.up), desc(e.down)),
+            ));
+        }
+        if let Some(s) = e.slots {
+            need(OP, "slot_of", s.slot_of, ne)?;
         }
         let (Some(gu), Some(dn)) = (type_suffix(e.gate.ty), type_suffix(e.down.ty)) else {
             return Err(shape(OP, format!("no CUDA kernel for {} / {}", e.gate.ty.name(), e.down.ty.name())));
@@ -310,6 +344,7 @@ impl Gpu {
             weights: r.weights.ptr(),
             h: h.ptr(),
             out: out.ptr(),
+            slot_of: e.slot_of(),
             d: u32_of(OP, "d", d)?,
             n_ff: u32_of(OP, "n_ff", n_ff)?,
             n_expert: u32_of(OP, "n_expert", ne)?,
