@@ -15,6 +15,8 @@
 #          per budget, from the issue), `ember bench --gpu-mem 0=B` (tg128, pp2048, 128k context
 #          budgeted with q8_0 KV, --prompts real, THREADS threads) twice (the second starts from
 #          the heat file the first saved) against `llama-bench -ncmoe N -ctk q8_0 -ctv q8_0`
+#   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
+#          takes GPU memory in steps below the server's reserve and gives it back
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
 set -uo pipefail
 O=${OUT:-/tmp/out}; M=/tmp/m; L=/tmp/llama; mkdir -p "$O" "$M" "$L"
@@ -112,6 +114,11 @@ if has tier; then
         fi
         python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1), 'hit', x.get('experts') and round(x['experts']['hit_rate'],3)) for x in json.load(open(sys.argv[1]))]" "$O/tier-$b-warm.json"
     done
+fi
+if has pressure; then
+    while [[ -f $M/35b-ud.gguf.synthing ]]; do sleep 2; done
+    timeout 300 python3 bench/gpu/pressure.py $E $M/35b-ud.gguf > "$O/pressure.log" 2>&1
+    echo "pressure: exit $?"; tail -25 "$O/pressure.log"
 fi
 if has bench; then
     ensure_model; wait_llama_build

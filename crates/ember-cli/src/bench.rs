@@ -234,14 +234,18 @@ pub fn main(a: Args) -> Result<()> {
                     let (hits, misses) = (a1.hits - a0.hits, a1.misses - a0.misses);
                     let toks = (a1.tokens - a0.tokens).max(1) as f64;
                     let rate = if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 };
+                    let streamed = a1.streamed_pairs - a0.streamed_pairs;
                     eprintln!(
-                        "{name}: expert hit rate {:.3} ({hits} pairs on the GPU, {misses} on the CPU), {} uploads, {:.1} MiB of experts read from RAM per token",
+                        "{name}: expert hit rate {:.3} ({hits} pairs resident on the GPU, {misses} not: {} on the CPU, {streamed} on the GPU after a batch upload of {:.1} MiB per token), {} tier uploads, {:.1} MiB of experts read by the CPU per token",
                         rate,
+                        misses - streamed,
+                        (a1.streamed_bytes - a0.streamed_bytes) as f64 / toks / 1048576.0,
                         a1.uploads - a0.uploads,
                         (a1.miss_bytes - a0.miss_bytes) as f64 / toks / 1048576.0
                     );
                     json!({ "hit_rate": rate, "hits": hits, "misses": misses, "uploads": a1.uploads - a0.uploads,
                             "miss_bytes_per_token": (a1.miss_bytes - a0.miss_bytes) as f64 / toks,
+                            "streamed_pairs": streamed, "streamed_bytes_per_token": (a1.streamed_bytes - a0.streamed_bytes) as f64 / toks,
                             "miss_secs_per_token": (a1.miss_secs - a0.miss_secs) / toks })
                 }
                 _ => json!(null),

@@ -94,7 +94,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
             let budget = budget_of(g)?;
             if weight_bytes + GPU_HEADROOM <= budget {
                 say(format!("device: cuda:{i} ({}, {} free, budget {})", g.name, gib(g.bytes_free as u64), gib(budget)));
-                return gpu(i, precision);
+                return whole(g, precision, threads, place);
             }
             hybrid(g, budget, precision, threads, place)
         }
@@ -113,7 +113,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
                         gpus[i].name,
                         gib(budgets[i])
                     ));
-                    return gpu(i, precision);
+                    return whole(&gpus[i], precision, threads, place);
                 }
                 // The GPU with the largest budget takes the trunk and what experts fit.
                 let Some(i) = (0..gpus.len()).max_by_key(|&i| budgets[i]) else {
@@ -152,7 +152,10 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
         None => None,
     };
     let budgets = [ember_plan::Budget { device: 0, name: g.name.clone(), bytes: budget }];
-    let popts = ember_plan::Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 };
+    // Compute: activations, plus the scratch a prompt batch's uploaded experts go into (every
+    // expert of the largest layer).
+    let stream = sizes.layers.iter().map(|l| l.expert).max().unwrap_or(0) * n_expert as u64;
+    let popts = ember_plan::Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 + stream };
     let plan = ember_plan::plan(&sizes, &budgets, heat.as_ref().map(|h| h.heat()).as_ref(), popts)?;
     let resident = resident_lists(&plan).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", g.index))?;
     let d = &plan.devices[0];
@@ -177,7 +180,32 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
     let file = path.map(|path| HeatFile { path, model_key: key });
     let mut h = Hybrid::new(ops, cpu, resident, heat, file, opts);
     h.cap_kv_bytes(d.kv_bytes + d.delta_bytes);
+    h.watch_memory(reserve(place)?);
     Ok(Box::new(h))
+}
+
+/// The whole model on GPU `g`, still behind the expert tier: when another process takes the
+/// GPU's memory, the coldest experts move to the CPU instead of the next allocation failing.
+fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
+    use ember_plan::hybrid::{HeatFile, Hybrid, TierOptions};
+    use ember_plan::tier::{HeatMap, default_heat_path, model_key};
+    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
+    let ops = ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+    let cfg = ember_model::Config::from_gguf(place.file)?;
+    let opts = TierOptions::default();
+    let key = model_key(place.file);
+    let heat = HeatMap::new(cfg.n_layer, cfg.n_expert, opts.half_life);
+    let file = default_heat_path(&key).map(|path| HeatFile { path, model_key: key });
+    // The CPU backend is made only for misses, which there are none of until memory shrinks.
+    let cpu = ember_cpu::CpuOps::new(precision, threads);
+    let mut h = Hybrid::new(ops, cpu, vec![None; cfg.n_layer], heat, file, opts);
+    h.watch_memory(reserve(place)?);
+    Ok(Box::new(h))
+}
+
+/// The memory the tier keeps free on the GPU while serving (`--reserve`).
+fn reserve(place: &Placement) -> Result<u64> {
+    ember_plan::parse_bytes(&place.args.reserve).with_context(|| format!("--reserve {}", place.args.reserve))
 }
 
 /// One line on stderr: through the log when `serve` has set one up, else plainly.
@@ -187,15 +215,6 @@ fn say(msg: String) {
     } else {
         eprintln!("{msg}");
     }
-}
-
-/// The GPU backend at `precision`: exact (f32 everywhere, `--exact`) or fast (tensor cores
-/// for prompt-sized batches). The GPU kernels are not batch-invariant; `backend` keeps that
-/// precision on the CPU.
-fn gpu(i: usize, precision: Precision) -> Result<Box<dyn Ops>> {
-    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
-    let ops = ember_cuda::CudaOps::with_precision(i, p).map_err(|e| anyhow::anyhow!("opening CUDA device {i}: {e}"))?;
-    Ok(Box::new(ops))
 }
 
 /// The CPU threads a `-t` value means (0: the physical cores).

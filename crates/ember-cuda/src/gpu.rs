@@ -385,32 +385,81 @@ impl Gpu {
         // SAFETY: Elem types are plain numbers (no padding, every bit pattern valid), so their
         // bytes can be read as u8; the view lives no longer than `data`.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        self.staged_parts(dst, &[bytes])
+    }
+
+    /// [`Gpu::staged_write`] of the concatenation of `parts` (a gather: e.g. the experts a
+    /// prompt batch needs, each from its own place in the file).
+    fn staged_parts(&self, dst: u64, parts: &[&[u8]]) -> Result<bool> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut guard = self.stage.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
             *guard = Some(self.new_stage().ok());
         }
         let Some(Some(stage)) = guard.as_mut() else { return Ok(false) };
         let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 8);
-        for (i, chunk) in bytes.chunks(STAGE_BYTES).enumerate() {
+        let (mut part, mut off, mut done, mut i) = (0usize, 0usize, 0usize, 0usize);
+        while done < total {
             let b = i % 2;
+            let n = (total - done).min(STAGE_BYTES);
+            // The pieces of the parts that fill this chunk: (source, offset in the chunk).
+            let mut pieces: Vec<(&[u8], usize)> = Vec::new();
+            let mut filled = 0;
+            while filled < n {
+                let p = parts[part];
+                let take = (p.len() - off).min(n - filled);
+                pieces.push((&p[off..off + take], filled));
+                filled += take;
+                off += take;
+                if off == p.len() {
+                    part += 1;
+                    off = 0;
+                }
+            }
             // The copy that last read buffer b (chunk i - 2) has finished.
             stage.done[b].synchronize().map_err(drv("cuEventSynchronize"))?;
-            let host = &mut stage.bufs[b].as_mut_slice().map_err(drv("cuEventSynchronize"))?[..chunk.len()];
-            let per = chunk.len().div_ceil(threads);
+            let host = &mut stage.bufs[b].as_mut_slice().map_err(drv("cuEventSynchronize"))?[..n];
+            let per = n.div_ceil(threads);
+            let pieces = &pieces;
             std::thread::scope(|s| {
-                for (h, c) in host.chunks_mut(per).zip(chunk.chunks(per)) {
-                    s.spawn(move || h.copy_from_slice(c));
+                for (t, h) in host.chunks_mut(per).enumerate() {
+                    s.spawn(move || {
+                        let (lo, hi) = (t * per, t * per + h.len());
+                        for &(src, at) in pieces.iter().filter(|(src, at)| *at < hi && at + src.len() > lo) {
+                            let (a, z) = (at.max(lo), (at + src.len()).min(hi));
+                            h[a - lo..z - lo].copy_from_slice(&src[a - at..z - at]);
+                        }
+                    });
                 }
             });
-            let at = dst + (i * STAGE_BYTES) as u64;
-            // SAFETY: `at..at + chunk.len()` lies inside the destination buffer (the caller's
-            // `write` checked the length); the source is pinned memory owned by `self.stage`,
-            // not touched again before `done[b]`, recorded right after this copy, has fired.
+            let at = dst + done as u64;
+            // SAFETY: `at..at + n` lies inside the destination buffer (the callers check the
+            // range); the source is pinned memory owned by `self.stage`, not touched again
+            // before `done[b]`, recorded right after this copy, has fired.
             unsafe { result::memcpy_htod_async(at, &*host, self.stream.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"))?;
             stage.done[b].record(&self.stream).map_err(drv("cuEventRecord"))?;
+            done += n;
+            i += 1;
         }
         self.sync()?;
         Ok(true)
+    }
+
+    /// Writes the concatenation of `parts` at `buf[at..]` through the pinned staging buffers
+    /// (pageable copies, one part at a time, when pinned memory cannot be had). Waits for the
+    /// copies.
+    pub fn write_parts(&self, buf: &mut Buf<u8>, at: usize, parts: &[&[u8]]) -> Result<()> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        range("write_parts", buf.len, at, total)?;
+        if total == 0 || self.staged_parts(buf.ptr() + at as u64, parts)? {
+            return Ok(());
+        }
+        let mut to = at;
+        for p in parts {
+            self.write_at(buf, to, p)?;
+            to += p.len();
+        }
+        Ok(())
     }
 
     fn new_stage(&self) -> Result<Stage> {

@@ -184,6 +184,9 @@ pub struct EngineStats {
     pub expert_uploads: AtomicU64,
     pub expert_miss_bytes: AtomicU64,
     pub expert_miss_us: AtomicU64,
+    pub expert_evictions: AtomicU64,
+    pub expert_streamed_pairs: AtomicU64,
+    pub expert_streamed_bytes: AtomicU64,
 }
 
 struct Job {
@@ -386,6 +389,9 @@ impl<B: Backend> Scheduler<B> {
                 self.stats.expert_uploads.store(x.uploads, Ordering::Relaxed);
                 self.stats.expert_miss_bytes.store(x.miss_bytes, Ordering::Relaxed);
                 self.stats.expert_miss_us.store((x.miss_secs * 1e6) as u64, Ordering::Relaxed);
+                self.stats.expert_evictions.store(x.evictions, Ordering::Relaxed);
+                self.stats.expert_streamed_pairs.store(x.streamed_pairs, Ordering::Relaxed);
+                self.stats.expert_streamed_bytes.store(x.streamed_bytes, Ordering::Relaxed);
             }
         }
     }

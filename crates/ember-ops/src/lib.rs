@@ -45,10 +45,16 @@ pub struct ExpertStats {
     pub misses: u64,
     /// Experts moved into the device's memory.
     pub uploads: u64,
+    /// Experts sent back to host memory because the device's free memory fell below its reserve.
+    pub evictions: u64,
     /// Wall time spent on misses (the CPU's part, overlapped with the device's).
     pub miss_secs: f64,
-    /// Bytes of expert weights read from host memory for misses.
+    /// Bytes of expert weights read from host memory for misses computed on the CPU.
     pub miss_bytes: u64,
+    /// Misses of prompt batches computed on the device after uploading their experts for the
+    /// batch (part of `misses`), and the bytes uploaded so.
+    pub streamed_pairs: u64,
+    pub streamed_bytes: u64,
     /// Tokens the model ran.
     pub tokens: u64,
 }

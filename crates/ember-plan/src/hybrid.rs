@@ -9,6 +9,11 @@
 //!   file's bytes (`CpuOps::moe_slots`, the CPU backend's kernels); their sum goes up and is
 //!   added. Placement changes which side computes a pair, never what it computes: the results
 //!   differ from the all-GPU run by the order of a sum and the kernels' rounding.
+//! * A prompt batch may instead bring the experts it routes to but lacks up for the layer
+//!   ([`CudaOps::moe_streamed`]): a miss costs the CPU about its expert's bytes read once plus
+//!   its tokens' arithmetic, an upload about its bytes over PCIe, so batches with many tokens per
+//!   expert go up and single tokens stay on the CPU. The choice is per layer and batch, by a
+//!   cost model measured at `register` ([`CostModel`]) and corrected by every timed run.
 //! * At the end of each step the routing heat ages by the step's tokens and at most
 //!   `max_uploads` experts move in: per layer, the hottest missing expert replaces the coldest
 //!   resident one when it is hotter by the margin (the layer's slot count is fixed by the plan,
@@ -33,6 +38,8 @@ use ember_ops::{
 use crate::tier::HeatMap;
 use crate::{Home, Plan};
 
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// How often the heat file is written while serving.
 pub const SAVE_EVERY: Duration = Duration::from_secs(60);
 
@@ -46,6 +53,20 @@ pub struct TierOptions {
     pub max_uploads: usize,
     /// Tokens after which a routing counts half.
     pub half_life: f64,
+    /// Where a prompt batch's misses run.
+    pub prompt_misses: MissPath,
+}
+
+/// Where the misses of a prompt batch (more than one token) run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissPath {
+    /// Whichever the cost model says is faster.
+    #[default]
+    Auto,
+    /// Always on the CPU.
+    Cpu,
+    /// Always uploaded for the batch.
+    Upload,
 }
 
 impl Default for TierOptions {
@@ -54,7 +75,29 @@ impl Default for TierOptions {
     /// text of the last few hundred tokens, and a candidate must beat a resident clearly.
     /// Two uploads a step: an expert of the 35B-A3B is ~1.7 MB, a few hundred µs over PCIe.
     fn default() -> Self {
-        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0 }
+        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses: MissPath::Auto }
+    }
+}
+
+/// What a layer's misses cost each way, in seconds: measured at `register` and scaled by
+/// what each later run actually took.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// CPU: per expert read (its bytes from RAM) and per (token, expert) pair computed.
+    pub cpu_per_expert: f64,
+    pub cpu_per_pair: f64,
+    /// Upload: seconds per byte through the pinned staging buffers, and per batch.
+    pub up_per_byte: f64,
+    pub up_fixed: f64,
+}
+
+impl CostModel {
+    pub fn cpu(&self, experts: usize, pairs: usize) -> f64 {
+        experts as f64 * self.cpu_per_expert + pairs as f64 * self.cpu_per_pair
+    }
+
+    pub fn upload(&self, bytes: u64) -> f64 {
+        self.up_fixed + bytes as f64 * self.up_per_byte
     }
 }
 
@@ -81,6 +124,38 @@ pub struct Hybrid {
     partial: Vec<bool>,
     /// The most bytes the sequence state (KV pages and DeltaNet slots) may take: the plan's.
     state_cap: Option<u64>,
+    /// Misses on the CPU or uploaded, for prompt batches (None until `register` measured it).
+    cost: Option<CostModel>,
+    /// What `register` uploads (per layer, the experts in slots or None for all).
+    resident: Vec<Option<Vec<u16>>>,
+    pressure: Option<Pressure>,
+}
+
+/// Watching the GPU's free memory (see [`Hybrid::watch_memory`]).
+#[derive(Debug, Clone)]
+struct Pressure {
+    reserve: u64,
+    last: Instant,
+    /// Per layer, the experts the plan gave it: what growth returns to.
+    target: Vec<usize>,
+}
+
+/// How often the free memory is read.
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+/// Eviction frees this much beyond the reserve; growth leaves this much beyond it (so the two
+/// never alternate).
+const EVICT_SLACK: u64 = 64 << 20;
+const GROW_SLACK: u64 = 512 << 20;
+/// Layers re-uploaded per check when memory comes back (each is a stall of tens of ms).
+const GROW_LAYERS: usize = 4;
+
+/// One line on stderr: through the log when `serve` has set one up, else plainly.
+fn say(msg: String) {
+    if tracing::dispatcher::has_been_set() {
+        tracing::warn!("{msg}");
+    } else {
+        eprintln!("{msg}");
+    }
 }
 
 /// Per layer, the experts a plan puts on device 0 (None: all of them): what
@@ -117,9 +192,11 @@ impl Hybrid {
         opts: TierOptions,
     ) -> Hybrid {
         let partial = resident.iter().map(Option::is_some).collect();
-        gpu.set_resident_experts(resident);
+        gpu.set_resident_experts(resident.clone());
         let host = Registry::new(DeviceId::Host);
         Hybrid {
+            resident,
+            pressure: None,
             gpu,
             cpu,
             host,
@@ -131,7 +208,46 @@ impl Hybrid {
             step_tokens: 0,
             partial,
             state_cap: None,
+            cost: None,
         }
+    }
+
+    pub fn cost_model(&self) -> Option<CostModel> {
+        self.cost
+    }
+
+    /// Times the two ways with the first partial layer's first expert: the CPU on 1 and on 64
+    /// tokens (after a warm-up run), a staged upload of a few experts' bytes.
+    fn measure_costs(&mut self) -> OpResult<Option<CostModel>> {
+        const OP: &str = "register";
+        let Some(l) = self.partial.iter().position(|p| *p) else { return Ok(None) };
+        let layer = LayerIdx(l as u16);
+        let e = self.host.expert(OP, layer, ExpertId(0))?;
+        let bytes = (e.gate.data.len() + e.up.data.len() + e.down.data.len()) as u64;
+        let d = e.gate.k;
+        let time_cpu = |n: usize| {
+            let x = Mat { n, d, data: (0..n * d).map(|i| ((i % 97) as f32 - 48.0) / 64.0).collect() };
+            let toks: Vec<(usize, f32)> = (0..n).map(|t| (t, 1.0)).collect();
+            let slot = [MoeSlot { expert: e, tokens: &toks }];
+            let t0 = Instant::now();
+            std::hint::black_box(self.cpu.moe_slots(&slot, &x));
+            t0.elapsed().as_secs_f64()
+        };
+        time_cpu(64);
+        let one = time_cpu(1);
+        let many = time_cpu(64);
+        let per_pair = ((many - one) / 63.0).max(0.0);
+        let per_expert = (one - per_pair).max(1e-7);
+        // The upload: eight experts' bytes (the staging buffers' fixed cost is in a layer's
+        // every batch, so it is measured with them).
+        let up = self
+            .gpu
+            .time_upload(&[e.gate.data, e.up.data, e.down.data], 8)
+            .map_err(|err| OpError::new(OP, self.gpu.device(), "", err.to_string()))?;
+        let (small, big) = up;
+        let per_byte = ((big - small) / (7 * bytes) as f64).max(1e-13);
+        let fixed = (small - bytes as f64 * per_byte).max(0.0);
+        Ok(Some(CostModel { cpu_per_expert: per_expert, cpu_per_pair: per_pair, up_per_byte: per_byte, up_fixed: fixed }))
     }
 
     /// Keeps the KV pool the engine sizes ([`SeqStore::kv_pages_that_fit`]) within `bytes` of
@@ -157,12 +273,146 @@ impl Hybrid {
         self.gpu.slot_experts(layer).map(<[u16]>::to_vec)
     }
 
-    /// Writes the heat file now (no-op without one).
+    /// Writes the heat file now (no-op without one, or before any routing was counted: a run
+    /// that held every expert on the GPU learns nothing to keep).
     pub fn save_heat(&mut self) -> Result<(), String> {
         self.saved = Instant::now();
+        if self.heat.tokens() == 0 || !self.partial.iter().any(|p| *p) {
+            return Ok(());
+        }
         match &self.file {
             Some(f) => self.heat.save(&f.path, &f.model_key).map_err(|e| e.to_string()),
             None => Ok(()),
+        }
+    }
+
+    /// Keeps `reserve` bytes of the GPU free while serving: when another process takes memory
+    /// and the free memory falls below it, the coldest resident experts (of any layer; a layer
+    /// holding all its experts becomes one with slots) leave the GPU until it is back, and
+    /// their pairs run on the CPU; when memory comes back, layers grow again towards the plan's
+    /// counts, hottest experts first. Checked at step ends, every [`WATCH_EVERY`].
+    pub fn watch_memory(&mut self, reserve: u64) {
+        let target = (0..self.resident.len().max(self.partial.len()))
+            .map(|l| {
+                let n = self.host.moe("watch_memory", LayerIdx(l as u16)).map_or(0, |m| m.n_expert);
+                self.resident.get(l).and_then(|r| r.as_ref()).map_or(n, Vec::len)
+            })
+            .collect();
+        self.pressure = Some(Pressure { reserve, last: Instant::now(), target });
+    }
+
+    /// The experts `layer` holds now.
+    fn held(&self, layer: LayerIdx) -> Vec<u16> {
+        match self.gpu.slot_experts(layer) {
+            Some(e) => e.to_vec(),
+            None => {
+                let n = self.host.moe("watch_memory", layer).map_or(0, |m| m.n_expert);
+                (0..n as u16).collect()
+            }
+        }
+    }
+
+    fn expert_bytes(&self, layer: LayerIdx) -> u64 {
+        self.host.expert("watch_memory", layer, ExpertId(0)).map_or(0, |v| (v.gate.data.len() + v.up.data.len() + v.down.data.len()) as u64)
+    }
+
+    /// `layer` holds `list` from now on; on failure (the memory went meanwhile) none, and the
+    /// CPU takes all its experts.
+    fn set_layer(&mut self, layer: LayerIdx, list: Vec<u16>) {
+        if let Some(p) = self.partial.get_mut(layer.index()) {
+            *p = true;
+        } else {
+            self.partial.resize(layer.index() + 1, false);
+            self.partial[layer.index()] = true;
+        }
+        if let Err(e) = self.gpu.set_layer_experts(layer, list)
+            && let Err(e2) = self.gpu.set_layer_experts(layer, Vec::new())
+        {
+            say(format!("expert tier: {layer} lost its experts ({e}) and could not be emptied ({e2})"));
+        }
+    }
+
+    fn check_memory(&mut self) {
+        let Some(p) = self.pressure.as_mut() else { return };
+        if p.last.elapsed() < WATCH_EVERY {
+            return;
+        }
+        p.last = Instant::now();
+        let (reserve, target) = (p.reserve, p.target.clone());
+        let Ok((free, _)) = self.gpu.mem_info() else { return };
+        let free = free as u64;
+        let n_layer = target.len();
+        if free < reserve {
+            // The coldest residents first; equal heat (no routing seen yet) spreads over layers.
+            let need = reserve - free + EVICT_SLACK;
+            let mut res: Vec<(f64, u16, usize)> = Vec::new();
+            for l in 0..n_layer {
+                for e in self.held(LayerIdx(l as u16)) {
+                    res.push((self.heat.get(l, e as usize), e, l));
+                }
+            }
+            res.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            let mut out: Vec<Vec<u16>> = vec![Vec::new(); n_layer];
+            let mut freed = 0u64;
+            for (_, e, l) in res {
+                if freed >= need {
+                    break;
+                }
+                freed += self.expert_bytes(LayerIdx(l as u16));
+                out[l].push(e);
+            }
+            let n: usize = out.iter().map(Vec::len).sum();
+            let layers: Vec<usize> = (0..n_layer).filter(|&l| !out[l].is_empty()).collect();
+            for &l in &layers {
+                let layer = LayerIdx(l as u16);
+                let keep: Vec<u16> = self.held(layer).into_iter().filter(|e| !out[l].contains(e)).collect();
+                self.set_layer(layer, keep);
+            }
+            let after = self.gpu.mem_info().map_or(0, |m| m.0 as u64);
+            self.stats.evictions += n as u64;
+            say(format!(
+                "expert tier: GPU free memory {:.2} GiB is below the reserve {:.2} GiB (another process took memory): {n} experts left the GPU from {} layers ({:.2} GiB); free now {:.2} GiB",
+                free as f64 / GIB,
+                reserve as f64 / GIB,
+                layers.len(),
+                freed as f64 / GIB,
+                after as f64 / GIB
+            ));
+        } else if free > reserve + GROW_SLACK {
+            let mut room = free - reserve - GROW_SLACK;
+            let mut grown = (0, 0);
+            for (l, &want) in target.iter().enumerate() {
+                if grown.0 >= GROW_LAYERS {
+                    break;
+                }
+                let layer = LayerIdx(l as u16);
+                let held = self.held(layer);
+                if held.len() >= want {
+                    continue;
+                }
+                let bytes = self.expert_bytes(layer).max(1);
+                let fit = ((room / bytes) as usize).min(want - held.len());
+                if fit == 0 {
+                    break;
+                }
+                let mut cands: Vec<(f64, u16)> =
+                    (0..self.heat.n_expert()).filter(|e| !held.contains(&(*e as u16))).map(|e| (self.heat.get(l, e), e as u16)).collect();
+                cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                let mut list = held;
+                list.extend(cands.into_iter().take(fit).map(|c| c.1));
+                self.set_layer(layer, list);
+                room = room.saturating_sub(fit as u64 * bytes);
+                grown = (grown.0 + 1, grown.1 + fit);
+            }
+            if grown.1 > 0 {
+                self.stats.uploads += grown.1 as u64;
+                say(format!(
+                    "expert tier: GPU memory came back ({:.2} GiB free): {} experts back on the GPU in {} layers",
+                    free as f64 / GIB,
+                    grown.1,
+                    grown.0
+                ));
+            }
         }
     }
 
@@ -241,14 +491,48 @@ impl SeqStore for Hybrid {
 
 impl Ops for Hybrid {
     fn name(&self) -> &'static str {
-        "cuda+cpu"
+        if self.partial.iter().any(|p| *p) { "cuda+cpu" } else { "cuda" }
     }
     fn device(&self) -> DeviceId {
         self.gpu.device()
     }
+    /// Uploads the trunk and the resident experts, hottest first in each layer. When the GPU
+    /// has less memory than the plan counted on (another process took some since), it starts
+    /// smaller: each failed try keeps 3/4 of every layer's experts, the coldest going.
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
         self.host.set(weights.clone());
-        self.gpu.register(weights)
+        for (l, list) in self.resident.iter_mut().enumerate() {
+            if let Some(list) = list {
+                list.sort_by(|a, b| self.heat.get(l, *b as usize).total_cmp(&self.heat.get(l, *a as usize)).then(a.cmp(b)));
+            }
+        }
+        let mut tries = 0;
+        loop {
+            self.gpu.set_resident_experts(self.resident.clone());
+            match self.gpu.register(weights.clone()) {
+                Ok(()) => break,
+                Err(e) if tries < 4 && e.to_string().contains("out of memory") => {
+                    tries += 1;
+                    for (l, list) in self.resident.iter_mut().enumerate() {
+                        let all = || -> Vec<u16> {
+                            let n = weights.moe(LayerIdx(l as u16)).map_or(0, |m| m.n_expert);
+                            let mut v: Vec<u16> = (0..n as u16).collect();
+                            v.sort_by(|a, b| self.heat.get(l, *b as usize).total_cmp(&self.heat.get(l, *a as usize)).then(a.cmp(b)));
+                            v
+                        };
+                        let v = list.get_or_insert_with(all);
+                        v.truncate(v.len() * 3 / 4);
+                        if let Some(p) = self.partial.get_mut(l) {
+                            *p = true;
+                        }
+                    }
+                    say(format!("expert tier: {e}; starting with fewer experts on the GPU (try {tries})"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.cost = self.measure_costs()?;
+        Ok(())
     }
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         self.step_tokens = batch.tokens.len();
@@ -260,6 +544,7 @@ impl Ops for Hybrid {
         self.stats.tokens += self.step_tokens as u64;
         self.step_tokens = 0;
         self.rebalance()?;
+        self.check_memory();
         if self.saved.elapsed() >= SAVE_EVERY
             && let Err(e) = self.save_heat()
         {
@@ -338,6 +623,38 @@ impl Ops for Hybrid {
         if misses.is_empty() {
             return self.gpu.moe(layer, x, routing, shared_gate);
         }
+        // A prompt batch: up or to the CPU, whichever the cost model says is faster.
+        if table.n_tok > 1
+            && let Some(cost) = self.cost
+        {
+            let mut bytes = 0u64;
+            for &e in misses.keys() {
+                let v = self.host.expert(OP, layer, ExpertId(e))?;
+                bytes += (v.gate.data.len() + v.up.data.len() + v.down.data.len()) as u64;
+            }
+            let (cpu, up) = (cost.cpu(misses.len(), n_miss), cost.upload(bytes));
+            let go_up = match self.opts.prompt_misses {
+                MissPath::Auto => up < cpu,
+                MissPath::Cpu => false,
+                MissPath::Upload => true,
+            };
+            if go_up {
+                let mut touched: Vec<u16> = ids.iter().filter(|&&e| (e as usize) < n_expert).map(|&e| e as u16).collect();
+                touched.sort_unstable();
+                touched.dedup();
+                let t0 = Instant::now();
+                let out = self.gpu.moe_streamed(layer, x, routing, shared_gate, &touched)?;
+                let took = t0.elapsed().as_secs_f64();
+                // The upload's share of the model follows what it took (the layer's GPU work
+                // is queued, not waited for, so this is the upload's time).
+                if let Some(c) = self.cost.as_mut() {
+                    c.up_per_byte *= (took / up).clamp(0.5, 2.0).powf(0.25);
+                }
+                self.stats.streamed_pairs += n_miss as u64;
+                self.stats.streamed_bytes += bytes;
+                return Ok(out);
+            }
+        }
         let xh = self.gpu.read(x)?;
         // The GPU's launches are queued; the CPU computes the misses meanwhile.
         let out = self.gpu.moe(layer, x, routing, shared_gate)?;
@@ -349,7 +666,16 @@ impl Ops for Hybrid {
             views.push(MoeSlot { expert, tokens: toks });
         }
         let y = self.cpu.moe_slots(&views, &xh);
-        self.stats.miss_secs += t0.elapsed().as_secs_f64();
+        let took = t0.elapsed().as_secs_f64();
+        self.stats.miss_secs += took;
+        if table.n_tok > 1
+            && let Some(c) = self.cost.as_mut()
+        {
+            let want = c.cpu(views.len(), n_miss);
+            let f = (took / want.max(1e-9)).clamp(0.5, 2.0).powf(0.25);
+            c.cpu_per_expert *= f;
+            c.cpu_per_pair *= f;
+        }
         let yt = self.gpu.upload(&y)?;
         self.gpu.add(out, yt)?;
         Ok(out)

@@ -4,7 +4,9 @@
 //!   only moves where an expert's rows are read);
 //! * experts partly on the CPU ([`Hybrid`]: layer 0 none on the GPU, layer 1 two, layer 2 all,
 //!   layer 3 one) give the all-GPU logits within the GPU-vs-CPU kernel bounds, and the same
-//!   greedy continuations for 32 tokens while the tier moves experts between steps.
+//!   greedy continuations for 32 tokens while the tier moves experts between steps;
+//! * a prompt whose missing experts are uploaded for the batch gives the all-GPU logits bit for
+//!   bit (the kernels sum each token's experts in routing order, wherever their rows sit).
 //!
 //! With no NVIDIA driver the tests print why and pass (CI has no GPU). Fixture paths resolve
 //! from the working directory first (`tests/fixtures/...`), then from the build tree.
@@ -16,7 +18,7 @@ use ember_cuda::{CudaOps, Gpu, Precision as CudaPrecision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model};
 use ember_ops::{KvType, LayerIdx, Ops};
-use ember_plan::hybrid::{Hybrid, TierOptions};
+use ember_plan::hybrid::{Hybrid, MissPath, TierOptions};
 use ember_plan::tier::HeatMap;
 use ember_testkit::{LogitStats, RefTensor};
 
@@ -84,11 +86,16 @@ fn partial() -> Vec<Option<Vec<u16>>> {
     vec![Some(vec![]), Some(vec![3, 1]), None, Some(vec![2])]
 }
 
+/// Prompt misses on the CPU (the default Auto would pick per batch by the measured costs).
 fn hybrid(m: &Model, p: CudaPrecision, cpu: ember_cpu::Precision) -> Hybrid {
+    hybrid_with(m, p, cpu, MissPath::Cpu)
+}
+
+fn hybrid_with(m: &Model, p: CudaPrecision, cpu: ember_cpu::Precision, prompt_misses: MissPath) -> Hybrid {
     let ops = CudaOps::with_precision(0, p).unwrap();
     let heat = HeatMap::new(4, 4, 64.0);
-    let mut h =
-        Hybrid::new(ops, ember_cpu::CpuOps::new(cpu, 2), partial(), heat, None, TierOptions { half_life: 64.0, ..Default::default() });
+    let opts = TierOptions { half_life: 64.0, prompt_misses, ..Default::default() };
+    let mut h = Hybrid::new(ops, ember_cpu::CpuOps::new(cpu, 2), partial(), heat, None, opts);
     h.register(m.weights().clone()).unwrap();
     h
 }
@@ -205,5 +212,31 @@ fn experts_on_the_cpu_at_fast_precision_stay_close() {
             s.top1
         );
         assert!(p50 <= 2e-2 && s.top1 >= 0.95, "{q}: median {p50:e} or top-1 {} beyond the bounds", s.top1);
+    }
+}
+
+#[test]
+fn prompt_experts_uploaded_for_the_batch_give_the_same_logits_bit_for_bit() {
+    let Some(_g) = gpu_lock() else { return };
+    for q in ["BF16", "Q4_K_M"] {
+        let m = model(q);
+        for p in [CudaPrecision::Exact, CudaPrecision::Fast] {
+            let mut all = gpu(&m, p, None);
+            let cpu = if p == CudaPrecision::Exact { ember_cpu::Precision::Exact } else { ember_cpu::Precision::Fast };
+            let mut h = hybrid_with(&m, p, cpu, MissPath::Upload);
+            for case in ["p37", "p130"] {
+                let ids = case_ids(case);
+                let (x, y) = (logits(&m, &mut all, &ids), logits(&m, &mut h, &ids));
+                assert!(x == y, "{q} {p:?} {case}: logits differ with the misses uploaded for the batch");
+            }
+            let t = h.stats();
+            println!(
+                "{q} {p:?}: misses uploaded for the batch: {} pairs, {} bytes; logits bit-identical; cost model {:?}",
+                t.streamed_pairs,
+                t.streamed_bytes,
+                h.cost_model()
+            );
+            assert!(t.streamed_pairs > 0 && t.streamed_pairs == t.misses, "{q} {p:?}: every miss of the prompts went up: {t:?}");
+        }
     }
 }

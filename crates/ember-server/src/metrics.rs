@@ -151,8 +151,26 @@ impl Metrics {
         counter(
             &mut out,
             "ember_expert_misses_total",
-            "Routed (token, expert) pairs computed on the CPU from host memory.",
+            "Routed (token, expert) pairs whose expert was not resident (on the CPU, or streamed).",
             ld(&engine.expert_misses),
+        );
+        counter(
+            &mut out,
+            "ember_expert_streamed_pairs_total",
+            "Non-resident pairs of prompt batches computed on the GPU after uploading their experts for the batch.",
+            ld(&engine.expert_streamed_pairs),
+        );
+        counter(
+            &mut out,
+            "ember_expert_streamed_bytes_total",
+            "Bytes of experts uploaded for prompt batches.",
+            ld(&engine.expert_streamed_bytes),
+        );
+        counter(
+            &mut out,
+            "ember_expert_evictions_total",
+            "Experts sent back to host memory because the GPU's free memory fell below its reserve.",
+            ld(&engine.expert_evictions),
         );
         counter(&mut out, "ember_expert_uploads_total", "Experts moved onto the GPU by the tier.", ld(&engine.expert_uploads));
         counter(

@@ -177,6 +177,47 @@ impl DevWeights {
         gpu.write(&mut pool.dev, &pool.slot_of).map_err(fail)
     }
 
+    /// Re-uploads the routed experts of `layer` as slots holding exactly `list` (the old
+    /// tensors are freed first, so this can run when memory is short): how the tier shrinks a
+    /// layer under memory pressure or grows it back. A layer that held every expert becomes
+    /// one with slots.
+    pub fn set_layer_experts(&mut self, gpu: &Gpu, layer: LayerIdx, list: Vec<u16>) -> OpResult<()> {
+        const OP: &str = "set_layer_experts";
+        let dev = self.dev;
+        let set = self.reg.weights(OP)?.clone();
+        let m = *self.reg.moe(OP, layer)?;
+        let mut seen = vec![false; m.n_expert];
+        for &e in &list {
+            if (e as usize) >= m.n_expert || std::mem::replace(&mut seen[e as usize], true) {
+                return Err(OpError::new(OP, dev, format!("{layer}"), format!("expert {e} repeated or past {}", m.n_expert)));
+            }
+        }
+        let parts: Vec<(WeightId, ExpertPart)> = match m.gate_up {
+            GateUp::Separate { gate, up } => vec![(gate, ExpertPart::Whole), (up, ExpertPart::Whole), (m.down, ExpertPart::Whole)],
+            GateUp::Fused(w) => vec![(w, ExpertPart::Fused), (m.down, ExpertPart::Whole)],
+        };
+        if self.pools.len() <= layer.index() {
+            self.pools.resize_with(layer.index() + 1, || None);
+        }
+        self.pools[layer.index()] = None;
+        for &(id, _) in &parts {
+            if let Some(w) = self.w.get_mut(id.index()) {
+                *w = None;
+            }
+        }
+        for (id, part) in parts {
+            let info = set.info(id).ok_or_else(|| OpError::new(OP, dev, format!("weight {}", id.0), "not in the set"))?;
+            let dw = some_experts(gpu, &set, id, info, part, &list, m.n_ff)
+                .map_err(|e| OpError::new(OP, dev, info.name.clone(), e.to_string()))?;
+            if let Some(w) = self.w.get_mut(id.index()) {
+                *w = Some(dw);
+            }
+        }
+        let pool = ExpertPool::new(gpu, m.n_expert, list).map_err(|e| OpError::new(OP, dev, format!("{layer}"), e.to_string()))?;
+        self.pools[layer.index()] = Some(pool);
+        Ok(())
+    }
+
     fn matrix_mut(&mut self, op: &'static str, id: WeightId) -> OpResult<&mut DeviceWeight> {
         match self.w.get_mut(id.index()).and_then(Option::as_mut) {
             Some(DevWeight::Matrix(m)) => Ok(m),

@@ -43,6 +43,46 @@ impl DeviceWeight {
         self.bytes.ptr()
     }
 
+    /// A weight of no rows whose buffer holds `bytes`: scratch that [`DeviceWeight::reshape`]
+    /// gives a type and a shape.
+    pub fn scratch(gpu: &Gpu, bytes: usize) -> Result<DeviceWeight> {
+        Ok(DeviceWeight { ty: GgmlType::F32, k: 0, n_rows: 0, row_bytes: 0, bytes: gpu.alloc(bytes)? })
+    }
+
+    /// Bytes the buffer holds.
+    pub fn capacity(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Reads the buffer as `n_rows` rows of `k` values of `ty` (its contents are not touched).
+    pub fn reshape(&mut self, ty: GgmlType, k: usize, n_rows: usize) -> Result<()> {
+        let row_bytes = ty.row_bytes(k).ok_or_else(|| shape("reshape", format!("k = {k} is not a multiple of {}'s block", ty.name())))?;
+        if row_bytes * n_rows > self.bytes.len() {
+            return Err(shape("reshape", format!("{n_rows} rows of {row_bytes} bytes in a buffer of {}", self.bytes.len())));
+        }
+        (self.ty, self.k, self.n_rows, self.row_bytes) = (ty, k, n_rows, row_bytes);
+        Ok(())
+    }
+
+    /// Copies rows `src_row..src_row + n` of `src` (same type and width) to rows `row0..`.
+    pub fn copy_rows_from(&mut self, gpu: &Gpu, row0: usize, src: &DeviceWeight, src_row: usize, n: usize) -> Result<()> {
+        if (src.ty, src.k) != (self.ty, self.k) || src_row + n > src.n_rows || row0 + n > self.n_rows {
+            return Err(shape("copy_rows", format!("rows {src_row}+{n} of {} into {row0} of {}", src.n_rows, self.n_rows)));
+        }
+        gpu.copy(&src.bytes, src_row * src.row_bytes, &mut self.bytes, row0 * self.row_bytes, n * self.row_bytes)
+    }
+
+    /// Writes the concatenation of `parts` (whole rows) at rows `row0..`, staged through pinned
+    /// memory.
+    pub fn write_rows_parts(&mut self, gpu: &Gpu, row0: usize, parts: &[&[u8]]) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let n = len / self.row_bytes.max(1);
+        if n * self.row_bytes != len || row0 + n > self.n_rows {
+            return Err(shape("write_rows", format!("{len} bytes at row {row0} of {} rows of {} bytes", self.n_rows, self.row_bytes)));
+        }
+        gpu.write_parts(&mut self.bytes, row0 * self.row_bytes, parts)
+    }
+
     /// Overwrites rows `row0..` with `data` (whole rows of this weight's type and width): how
     /// an expert moves into a slot of a stacked tensor.
     pub fn write_rows(&mut self, gpu: &Gpu, row0: usize, data: &[u8]) -> Result<()> {
