@@ -1,8 +1,10 @@
 //! The driver side: GPU discovery, a [`Gpu`] (primary context + one stream), typed device
-//! buffers, module loading by kernel name and launches.
+//! buffers, module loading by kernel name and launches (eager, or recorded and replayed as a
+//! CUDA graph: [`crate::graph`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
@@ -12,6 +14,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{Error, Result, drv};
+use crate::graph::{self, GraphStats, Pending, Recorder};
 use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
@@ -88,15 +91,34 @@ impl Elem for i32 {}
 impl Elem for u16 {}
 impl Elem for u8 {}
 
-/// A typed device buffer of one [`Gpu`]; freed (stream-ordered) on drop.
-#[derive(Debug)]
-pub struct Buf<T> {
-    /// At least one element: the driver has no empty allocations.
-    slice: CudaSlice<T>,
+/// A typed device buffer of one [`Gpu`]; freed (stream-ordered) on drop, after the recorded
+/// launches that may name it are on the stream.
+pub struct Buf<T: Elem> {
+    /// At least one element: the driver has no empty allocations. Taken only by `drop`.
+    slice: ManuallyDrop<CudaSlice<T>>,
     len: usize,
+    pending: Arc<Pending>,
 }
 
-impl<T> Buf<T> {
+impl<T: Elem> std::fmt::Debug for Buf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buf").field("ptr", &self.ptr()).field("len", &self.len).finish()
+    }
+}
+
+impl<T: Elem> Drop for Buf<T> {
+    fn drop(&mut self) {
+        // SAFETY: `slice` is taken once, here, and never used again.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        if graph::is_pending(&self.pending) {
+            // Recorded launches may name this buffer: its stream-ordered free must come after
+            // them, so it waits in the graveyard for the flush that sends them.
+            self.pending.graveyard.lock().unwrap_or_else(|e| e.into_inner()).push(Box::new(slice));
+        }
+    }
+}
+
+impl<T: Elem> Buf<T> {
     pub fn len(&self) -> usize {
         self.len
     }
@@ -134,6 +156,41 @@ pub struct Gpu {
     stage: Mutex<Option<Option<Stage>>>,
     /// Per-kernel GPU time, when `EMBER_CUDA_PROFILE` is set.
     profile: Option<Mutex<Profile>>,
+    /// Whether [`Gpu::begin_record`] records (`EMBER_CUDA_GRAPH=0` and the profile turn it off).
+    graphs: AtomicBool,
+    /// Launches go to `recorder` instead of the stream (between begin_record and end_record).
+    recording: AtomicBool,
+    recorder: Mutex<Recorder>,
+    /// The most launches recorded before they are sent (`EMBER_CUDA_GRAPH_CHUNK`): the first
+    /// list of a step is flushed at [`graph::FIRST_CHUNK`] launches, each next one at twice the
+    /// last, up to this, so the GPU starts early and runs while the host records the rest.
+    chunk: usize,
+    /// Set while `recorder` holds launches; buffers dropped meanwhile wait in its graveyard.
+    pending: Arc<Pending>,
+    /// GPU time of every flush, when `EMBER_CUDA_GRAPH_STATS` is set.
+    flush_time: Option<Mutex<FlushTime>>,
+}
+
+/// GPU time from an event pair around every flush (`EMBER_CUDA_GRAPH_STATS=1`): with graphs on,
+/// the GPU time of the step's kernels (the stream is idle when a flush starts, so the pair spans
+/// the graph's start to its end); printed with the [`GraphStats`] when the [`Gpu`] is dropped.
+#[derive(Default)]
+struct FlushTime {
+    pending: Vec<(CudaEvent, CudaEvent)>,
+    n: u64,
+    ms: f64,
+}
+
+impl FlushTime {
+    fn collect(&mut self) {
+        if let Some((_, end)) = self.pending.last() {
+            let _ = end.synchronize();
+        }
+        for (a, b) in self.pending.drain(..) {
+            self.ms += a.elapsed_ms(&b).unwrap_or(0.0) as f64;
+            self.n += 1;
+        }
+    }
 }
 
 /// GPU time per kernel entry from an event pair around every launch (`EMBER_CUDA_PROFILE=1`),
@@ -179,6 +236,16 @@ impl Profile {
 
 impl Drop for Gpu {
     fn drop(&mut self) {
+        // Launches never flushed have no observer left; the graphs go before their modules.
+        self.recorder.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.pending.any.store(false, Ordering::Release);
+        graph::bury(&self.pending);
+        if let Some(t) = &self.flush_time {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            t.collect();
+            let stats = self.recorder.lock().unwrap_or_else(|e| e.into_inner()).stats;
+            eprintln!("CUDA graphs (EMBER_CUDA_GRAPH_STATS): {stats:?}; GPU time inside flushes {:.1} ms over {} flushes", t.ms, t.n);
+        }
         if let Some(p) = &self.profile {
             let report = p.lock().unwrap_or_else(|e| e.into_inner()).report();
             eprint!("{report}");
@@ -218,7 +285,72 @@ impl Gpu {
             functions: Mutex::default(),
             stage: Mutex::default(),
             profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
+            graphs: AtomicBool::new(graph::graphs_from_env()),
+            recording: AtomicBool::new(false),
+            chunk: graph::chunk_from_env(),
+            recorder: Mutex::default(),
+            pending: Arc::default(),
+            flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
         })
+    }
+
+    /// From now on kernel launches are recorded, not sent, until [`Gpu::end_record`]; every call
+    /// that touches the stream or memory sends them first ([`Gpu::flush`]), so the stream sees
+    /// the same work in the same order. A no-op when graphs are off (`EMBER_CUDA_GRAPH=0`,
+    /// [`Gpu::set_graphs`]) or under `EMBER_CUDA_PROFILE` (which times every launch).
+    pub fn begin_record(&self) {
+        let on = self.graphs.load(Ordering::Relaxed) && self.profile.is_none();
+        self.recording.store(on, Ordering::Relaxed);
+        self.recorder.lock().unwrap_or_else(|e| e.into_inner()).restart_chunks();
+    }
+
+    /// Sends what was recorded and stops recording.
+    pub fn end_record(&self) -> Result<()> {
+        self.recording.store(false, Ordering::Relaxed);
+        self.flush()
+    }
+
+    /// Turns graph replay on or off (sends what was recorded first). For A/B runs and tests;
+    /// the default comes from `EMBER_CUDA_GRAPH`.
+    pub fn set_graphs(&self, on: bool) -> Result<()> {
+        self.graphs.store(on, Ordering::Relaxed);
+        if !on {
+            return self.end_record();
+        }
+        Ok(())
+    }
+
+    /// Whether [`Gpu::begin_record`] records.
+    pub fn graphs(&self) -> bool {
+        self.graphs.load(Ordering::Relaxed) && self.profile.is_none()
+    }
+
+    /// How the flushes went so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.recorder.lock().unwrap_or_else(|e| e.into_inner()).stats
+    }
+
+    /// Puts the recorded launches on the stream (as a CUDA graph when one pays), then frees the
+    /// buffers dropped while they were pending.
+    pub fn flush(&self) -> Result<()> {
+        if !self.pending.any.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut rec = self.recorder.lock().unwrap_or_else(|e| e.into_inner());
+        let timed = self.timed_flush_start();
+        let r = self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent")).and_then(|()| {
+            // SAFETY: every launch was recorded under `launch`'s contract, whose buffers are
+            // still live: a buffer dropped since waits in the graveyard until after this call.
+            unsafe { rec.flush(&self.stream) }
+        });
+        self.timed_flush_end(timed);
+        // A failed flush loses the list (the stream's state is unknown): the next flush starts
+        // afresh.
+        rec.discard();
+        self.pending.any.store(false, Ordering::Release);
+        drop(rec);
+        graph::bury(&self.pending);
+        r
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -230,6 +362,27 @@ impl Gpu {
         self.driver
     }
 
+    /// An event recorded before a flush, when flushes are timed.
+    fn timed_flush_start(&self) -> Option<CudaEvent> {
+        self.flush_time.as_ref()?;
+        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).ok()?;
+        ev.record(&self.stream).ok()?;
+        Some(ev)
+    }
+
+    fn timed_flush_end(&self, start: Option<CudaEvent>) {
+        let (Some(t), Some(a)) = (&self.flush_time, start) else { return };
+        let Ok(b) = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)) else { return };
+        if b.record(&self.stream).is_ok() {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            t.pending.push((a, b));
+            if t.pending.len() >= 1024 {
+                t.collect();
+            }
+        }
+    }
+
+    /// The stream every call runs on. Work put on it directly must come after [`Gpu::flush`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -250,6 +403,8 @@ impl Gpu {
     /// An uninitialised buffer of `len` elements. Fails with [`Error::OutOfMemory`] naming the
     /// bytes asked for and free.
     pub fn alloc<T: Elem>(&self, len: usize) -> Result<Buf<T>> {
+        // Buffers this replaces are freed after the launches recorded so far.
+        self.flush()?;
         let bytes = len * std::mem::size_of::<T>();
         let oom = |free| Error::OutOfMemory { device: self.info.index, bytes_asked: bytes, bytes_free: free };
         let (free, _) = self.mem_info()?;
@@ -260,7 +415,7 @@ impl Gpu {
         // buffer before reading it, and `download` of an unwritten buffer only yields garbage
         // values of a plain-old-data type (Elem: ValidAsZeroBits types have no invalid bits).
         match unsafe { self.stream.alloc::<T>(len.max(1)) } {
-            Ok(slice) => Ok(Buf { slice, len }),
+            Ok(slice) => Ok(Buf { slice: ManuallyDrop::new(slice), len, pending: self.pending.clone() }),
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(oom(self.mem_info().map(|m| m.0).unwrap_or(0))),
             Err(e) => Err(drv("cuMemAlloc")(e)),
         }
@@ -269,7 +424,7 @@ impl Gpu {
     /// A zeroed buffer.
     pub fn zeros<T: Elem>(&self, len: usize) -> Result<Buf<T>> {
         let mut b = self.alloc(len)?;
-        self.stream.memset_zeros(&mut b.slice).map_err(drv("cuMemsetD8Async"))?;
+        self.stream.memset_zeros(&mut *b.slice).map_err(drv("cuMemsetD8Async"))?;
         Ok(b)
     }
 
@@ -285,6 +440,7 @@ impl Gpu {
         if data.len() > buf.len() {
             return Err(crate::error::shape("write", format!("{} values into a buffer of {}", data.len(), buf.len())));
         }
+        self.flush()?;
         if std::mem::size_of_val(data) >= 2 * STAGE_BYTES && self.staged_write(buf.ptr(), data)? {
             return Ok(());
         }
@@ -294,9 +450,31 @@ impl Gpu {
         self.sync()
     }
 
+    /// Overwrites the start of each buffer with its data: the copies go back to back and the
+    /// stream is waited on once (a step's small uploads, one wait instead of one each).
+    pub fn write_each<T: Elem>(&self, items: &mut [(&mut Buf<T>, &[T])]) -> Result<()> {
+        for (buf, data) in items.iter() {
+            if data.len() > buf.len() {
+                return Err(crate::error::shape("write", format!("{} values into a buffer of {}", data.len(), buf.len())));
+            }
+        }
+        self.flush()?;
+        for (buf, data) in items.iter_mut() {
+            if std::mem::size_of_val(*data) >= 2 * STAGE_BYTES {
+                self.write(buf, data)?;
+            } else if !data.is_empty() {
+                let mut view = buf.slice.slice_mut(0..data.len());
+                self.stream.memcpy_htod(*data, &mut view).map_err(drv("cuMemcpyHtoDAsync"))?;
+            }
+        }
+        // Pageable sources must stay alive until the copies are done; waiting makes that true.
+        self.sync()
+    }
+
     /// The buffer's contents (waits for the stream).
     pub fn download<T: Elem>(&self, buf: &Buf<T>) -> Result<Vec<T>> {
-        let mut v = self.stream.clone_dtoh(&buf.slice).map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.flush()?;
+        let mut v = self.stream.clone_dtoh(&*buf.slice).map_err(drv("cuMemcpyDtoHAsync"))?;
         self.sync()?;
         v.truncate(buf.len);
         Ok(v)
@@ -308,6 +486,7 @@ impl Gpu {
         if data.is_empty() {
             return Ok(());
         }
+        self.flush()?;
         let mut view = buf.slice.slice_mut(at..at + data.len());
         self.stream.memcpy_htod(data, &mut view).map_err(drv("cuMemcpyHtoDAsync"))?;
         // A pageable source must stay alive until the copy is done; waiting makes that true.
@@ -320,6 +499,7 @@ impl Gpu {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.flush()?;
         let view = buf.slice.slice(at..at + len);
         let v = self.stream.clone_dtoh(&view).map_err(drv("cuMemcpyDtoHAsync"))?;
         self.sync()?;
@@ -332,6 +512,7 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
+        self.flush()?;
         let mut view = buf.slice.slice_mut(at..at + len);
         self.stream.memset_zeros(&mut view).map_err(drv("cuMemsetD8Async"))
     }
@@ -343,6 +524,7 @@ impl Gpu {
         if len == 0 {
             return Ok(());
         }
+        self.flush()?;
         let from = src.slice.slice(src_at..src_at + len);
         let mut to = dst.slice.slice_mut(dst_at..dst_at + len);
         self.stream.memcpy_dtod(&from, &mut to).map_err(drv("cuMemcpyDtoDAsync"))
@@ -359,6 +541,7 @@ impl Gpu {
         if from < to && from + len > to || to < from && to + len > from {
             return Err(crate::error::shape("copy_within", format!("ranges {from}+{len} and {to}+{len} overlap")));
         }
+        self.flush()?;
         if from < to {
             let (lo, mut hi) = buf.slice.split_at_mut(to);
             let src = lo.slice(from..from + len);
@@ -374,6 +557,7 @@ impl Gpu {
 
     /// Waits until all work on the stream is done.
     pub fn sync(&self) -> Result<()> {
+        self.flush()?;
         self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }
 
@@ -544,12 +728,14 @@ impl Gpu {
         Ok(m)
     }
 
-    /// Launches `f` with one parameter struct on the stream.
+    /// Launches `f` with one parameter struct on the stream, or records the launch while
+    /// recording ([`Gpu::begin_record`]; then a launch error shows at the next flush).
     ///
     /// # Safety
-    /// `P` must have exactly the layout of the kernel's parameter struct, and every device
-    /// pointer in it must point into live buffers of this GPU large enough for what the kernel
-    /// reads and writes with these sizes (each op's launcher checks that).
+    /// `P` must have exactly the layout of the kernel's parameter struct and no padding bytes
+    /// (a recorded launch keeps and compares its bytes), and every device pointer in it must
+    /// point into live buffers of this GPU large enough for what the kernel reads and writes
+    /// with these sizes (each op's launcher checks that).
     pub(crate) unsafe fn launch<P: DeviceRepr>(
         &self,
         f: &CudaFunction,
@@ -558,6 +744,16 @@ impl Gpu {
         smem: u32,
         params: &P,
     ) -> Result<()> {
+        if self.recording.load(Ordering::Relaxed) {
+            // SAFETY: P has no padding (the contract above), so all its bytes are initialised;
+            // the view lives no longer than `params`.
+            let bytes = unsafe { std::slice::from_raw_parts((params as *const P).cast::<u8>(), std::mem::size_of::<P>()) };
+            let full =
+                self.recorder.lock().unwrap_or_else(|e| e.into_inner()).record(f.cu_function(), grid, block, smem, bytes, self.chunk);
+            self.pending.any.store(true, Ordering::Release);
+            // A full list goes out now: the GPU runs it while the host records the next.
+            return if full { self.flush() } else { Ok(()) };
+        }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
         let Some(prof) = &self.profile else {
             // SAFETY: the caller's contract above.
@@ -587,6 +783,7 @@ impl Gpu {
     /// Milliseconds of GPU time that `f`'s work takes, from events around it (the driver must be
     /// ≥ 12.8 for `cuEventElapsedTime_v2`; older drivers get host time after a sync).
     pub fn time_ms(&self, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
+        self.flush()?;
         if self.driver < 12080 {
             self.sync()?;
             let t = std::time::Instant::now();
@@ -599,6 +796,7 @@ impl Gpu {
         let end = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
         start.record(&self.stream).map_err(drv("cuEventRecord"))?;
         f()?;
+        self.flush()?;
         end.record(&self.stream).map_err(drv("cuEventRecord"))?;
         end.synchronize().map_err(drv("cuEventSynchronize"))?;
         start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))

@@ -8,17 +8,19 @@
 //! is found at run time by our own loader ([`nvrtc`]); see shared/STACK.md.
 //!
 //! FFI and `unsafe` live here only: the NVRTC symbols ([`nvrtc`]), a few driver calls and the
-//! launches ([`Gpu`]), each block with its invariant. README.md beside this crate lists the
+//! launches ([`Gpu`]) and their replay as CUDA graphs ([`graph`]), each block with its invariant. README.md beside this crate lists the
 //! kernels, the errors and speeds measured on an H200, and what is left.
 
 mod backend;
 mod error;
 mod gpu;
+mod graph;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 
-pub use backend::{ACT_RESERVE, CudaOps};
+pub use backend::{ACT_RESERVE, CudaOps, GRAPH_MAX_ROWS};
 pub use error::{Error, Result};
 pub use gpu::{Buf, DeviceInfo, Elem, Gpu, devices, driver_version};
+pub use graph::GraphStats;
 pub use ops::Precision;

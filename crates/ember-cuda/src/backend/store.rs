@@ -242,6 +242,9 @@ impl DevStore {
                 if n == 0 {
                     continue;
                 }
+                // The device table is rewritten only when a page changes (a new or copied
+                // page), not on every append: an upload mid-step splits the step's graph.
+                let mut changed = false;
                 if !len.is_multiple_of(KV_PAGE) {
                     let last = self.slots[i].caches[ci].pages.len() - 1;
                     let old = self.slots[i].caches[ci].pages[last];
@@ -252,15 +255,19 @@ impl DevStore {
                         gpu.copy_within(pool, old as usize * pb, new as usize * pb, pb).map_err(cuda(op, self.dev))?;
                         self.release(old);
                         self.slots[i].caches[ci].pages[last] = new;
+                        changed = true;
                     }
                 }
                 let pages = (len + n).div_ceil(KV_PAGE);
                 while self.slots[i].caches[ci].pages.len() < pages {
                     let p = self.take_page().ok_or_else(|| err(op, self.dev, "", "page accounting"))?;
                     self.slots[i].caches[ci].pages.push(p);
+                    changed = true;
                 }
                 self.slots[i].caches[ci].len = len + n;
-                self.write_table(i, ci);
+                if changed {
+                    self.write_table(i, ci);
+                }
             }
         }
         Ok(before)

@@ -73,7 +73,7 @@ impl StateAt {
 }
 
 /// Checks that `buf` holds at least `need` elements.
-fn need<T>(op: &'static str, what: &str, buf: &Buf<T>, need: usize) -> Result<()> {
+fn need<T: crate::gpu::Elem>(op: &'static str, what: &str, buf: &Buf<T>, need: usize) -> Result<()> {
     if buf.len() < need {
         return Err(shape(op, format!("{what} holds {} values, needs {need}", buf.len())));
     }
