@@ -2,7 +2,7 @@
 # On the H200 (run from the repo root with .gpu/ from bench/gpu/pack.sh carried). Stages, named
 # in STAGES (default: all, in this order), each also fine alone on a warm machine that ran the
 # earlier ones (everything it makes lives under /tmp and is reused when there):
-#   tests  ember-cuda's test binaries on the GPU (logs test-*.log), while llama.cpp builds
+#   tests  ember-cuda's test binaries on the GPU (logs test-*.log; SKIP_TESTS=a,b leaves some out), while llama.cpp builds
 #          (CUDA, sm_90, llama-bench and llama-completion; the build runs on in its own session
 #          when the call ends) and `ember synth` writes the full-size 35B-A3B Q4_K_M
 #   serve  bench/gpu/serve-check.py: `ember serve --device cuda` end to end (bundled model)
@@ -63,7 +63,7 @@ if has tests; then
     # The q4_k_m 35B for load/bench (SYNTH=0: not needed by the stages that follow).
     if [[ ${SYNTH:-1} == 1 ]]; then ensure_model & SY=$!; else SY=; fi
     for t in /tmp/bin/*; do
-        n=$(basename "$t"); [[ $n == ember ]] && continue
+        n=$(basename "$t"); [[ $n == ember || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
         t0=$(date +%s)
         timeout 300 "$t" --test-threads=1 --nocapture > "$O/test-$n.log" 2>&1
         echo "test $n: exit $? in $(( $(date +%s) - t0 )) s: $(grep '^test result' "$O/test-$n.log" | tail -1)"
@@ -85,6 +85,11 @@ if has load; then
     done
     $E run -m $F --device cuda -p Hello -n 1 --temp 0 > "$O/ember-run.log" 2>&1
     [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
+fi
+if has pressure; then
+    while [[ -f $M/35b-ud.gguf.synthing ]]; do sleep 2; done
+    timeout 300 python3 bench/gpu/pressure.py $E $M/35b-ud.gguf > "$O/pressure.log" 2>&1
+    echo "pressure: exit $?"; tail -25 "$O/pressure.log"
 fi
 if has tier; then
     FT=$M/35b-ud.gguf; THREADS=${THREADS:-16}
@@ -114,11 +119,6 @@ if has tier; then
         fi
         python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1), 'hit', x.get('experts') and round(x['experts']['hit_rate'],3)) for x in json.load(open(sys.argv[1]))]" "$O/tier-$b-warm.json"
     done
-fi
-if has pressure; then
-    while [[ -f $M/35b-ud.gguf.synthing ]]; do sleep 2; done
-    timeout 300 python3 bench/gpu/pressure.py $E $M/35b-ud.gguf > "$O/pressure.log" 2>&1
-    echo "pressure: exit $?"; tail -25 "$O/pressure.log"
 fi
 if has bench; then
     ensure_model; wait_llama_build

@@ -575,6 +575,7 @@ impl Gpu {
     /// [`Gpu::staged_write`] of the concatenation of `parts` (a gather: e.g. the experts a
     /// prompt batch needs, each from its own place in the file).
     fn staged_parts(&self, dst: u64, parts: &[&[u8]]) -> Result<bool> {
+        self.flush()?;
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut guard = self.stage.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
@@ -635,6 +636,7 @@ impl Gpu {
     pub fn write_parts(&self, buf: &mut Buf<u8>, at: usize, parts: &[&[u8]]) -> Result<()> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         range("write_parts", buf.len, at, total)?;
+        self.flush()?;
         if total == 0 || self.staged_parts(buf.ptr() + at as u64, parts)? {
             return Ok(());
         }

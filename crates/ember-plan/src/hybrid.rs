@@ -317,8 +317,8 @@ impl Hybrid {
     }
 
     /// `layer` holds `list` from now on; on failure (the memory went meanwhile) none, and the
-    /// CPU takes all its experts.
-    fn set_layer(&mut self, layer: LayerIdx, list: Vec<u16>) {
+    /// CPU takes all its experts. What the pressure watch does; public for tests and tools.
+    pub fn set_layer(&mut self, layer: LayerIdx, list: Vec<u16>) {
         if let Some(p) = self.partial.get_mut(layer.index()) {
             *p = true;
         } else {
@@ -658,6 +658,9 @@ impl Ops for Hybrid {
         let xh = self.gpu.read(x)?;
         // The GPU's launches are queued; the CPU computes the misses meanwhile.
         let out = self.gpu.moe(layer, x, routing, shared_gate)?;
+        // Recorded launches (a graph-replayed step) go out now, so the GPU runs them while
+        // the CPU computes.
+        self.gpu.flush()?;
         let t0 = Instant::now();
         let mut views = Vec::with_capacity(misses.len());
         for (&e, toks) in &misses {

@@ -240,3 +240,27 @@ fn prompt_experts_uploaded_for_the_batch_give_the_same_logits_bit_for_bit() {
         }
     }
 }
+
+/// Layers shrunk and grown on the device (what the pressure watch does): a layer holding every
+/// expert shrinks to two, a layer of two grows to three (one kept, two uploaded); the logits stay
+/// within the exact bounds of the all-GPU run.
+#[test]
+fn layers_shrunk_and_grown_keep_the_logits() {
+    let Some(_g) = gpu_lock() else { return };
+    let m = model("Q4_K_M");
+    let mut all = gpu(&m, CudaPrecision::Exact, None);
+    let mut h = hybrid(&m, CudaPrecision::Exact, ember_cpu::Precision::Exact);
+    h.set_layer(LayerIdx(2), vec![3, 1]);
+    h.set_layer(LayerIdx(1), vec![0, 1, 2]);
+    let mut held1 = h.resident(LayerIdx(1)).unwrap();
+    held1.sort_unstable();
+    assert_eq!(held1, [0, 1, 2]);
+    assert_eq!(h.resident(LayerIdx(2)).map(|r| r.len()), Some(2));
+    let ids = case_ids("p130");
+    let want = logits(&m, &mut all, &ids);
+    let got = logits(&m, &mut h, &ids);
+    let v = want.len() / ids.len();
+    let s = LogitStats::compare(&got, &RefTensor { shape: vec![ids.len(), v], data: want.iter().map(|&x| x as f64).collect() });
+    println!("shrunk/grown layers vs all-GPU: max rel {:.2e}, max abs {:.2e}, top-1 {:.3}", s.max_rel(), s.max_abs, s.top1);
+    assert!(s.max_rel() <= EXACT_BOUNDS.0 && s.max_abs <= EXACT_BOUNDS.1 && s.top1 == 1.0);
+}

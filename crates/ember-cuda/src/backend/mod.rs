@@ -222,6 +222,12 @@ impl CudaOps {
         self.weights.set_layer_experts(&self.gpu, layer, list)
     }
 
+    /// Puts the launches recorded so far on the stream (the GPU starts on them): what a caller
+    /// does before host work meant to overlap them.
+    pub fn flush(&self) -> OpResult<()> {
+        self.gpu.flush().map_err(cuda("flush", self.dev))
+    }
+
     /// (free, total) bytes of this GPU now.
     pub fn mem_info(&self) -> crate::Result<(usize, usize)> {
         self.gpu.mem_info()

@@ -199,6 +199,33 @@ impl DevWeights {
         if self.pools.len() <= layer.index() {
             self.pools.resize_with(layer.index() + 1, || None);
         }
+        // On the device first: each tensor rebuilt from the experts it keeps (device copies)
+        // and the new ones (one staged gather), one tensor at a time, so the extra memory is
+        // one tensor's new size and nothing waits on the host for kept experts.
+        let held: Vec<u16> = match &self.pools[layer.index()] {
+            Some(p) => p.experts.clone(),
+            None => (0..m.n_expert as u16).collect(),
+        };
+        let mut order: Vec<u16> = list.iter().copied().filter(|e| held.contains(e)).collect();
+        order.extend(list.iter().copied().filter(|e| !held.contains(e)));
+        let mut rebuilt = true;
+        for &(id, part) in &parts {
+            let Some(info) = set.info(id) else { break };
+            match rebuild(gpu, &set, id, info, part, &held, &order, m.n_ff, self.w.get(id.index()).and_then(Option::as_ref)) {
+                Ok(dw) => self.w[id.index()] = Some(dw),
+                Err(_) => {
+                    rebuilt = false;
+                    break;
+                }
+            }
+        }
+        if rebuilt {
+            let pool = ExpertPool::new(gpu, m.n_expert, order).map_err(|e| OpError::new(OP, dev, format!("{layer}"), e.to_string()))?;
+            self.pools[layer.index()] = Some(pool);
+            return Ok(());
+        }
+        // Not enough memory for that (or a tensor was already gone): free the layer's tensors,
+        // then upload the list from host memory.
         self.pools[layer.index()] = None;
         for &(id, _) in &parts {
             if let Some(w) = self.w.get_mut(id.index()) {
@@ -260,6 +287,56 @@ impl DevWeights {
                 _ => Err(OpError::new(op, self.dev, format!("weight {}", w.0), "not a fused gate|up expert tensor")),
             },
         }
+    }
+}
+
+/// A layer's expert tensor holding `order` (the experts of `held`, in `old`'s slots, first; then
+/// new ones), built from `old` by device copies and one staged gather of the new experts.
+#[allow(clippy::too_many_arguments)]
+fn rebuild(
+    gpu: &Gpu,
+    set: &WeightSet,
+    id: WeightId,
+    info: &WeightInfo,
+    part: ExpertPart,
+    held: &[u16],
+    order: &[u16],
+    n_ff: usize,
+    old: Option<&DevWeight>,
+) -> crate::Result<DevWeight> {
+    let per = info.rows_per_mat();
+    let fail = |why: &str| crate::error::shape("set_layer_experts", format!("{}: {why}", info.name));
+    let rb = info.ty.row_bytes(info.k).ok_or_else(|| fail("row bytes"))?;
+    let kept = order.iter().take_while(|e| held.contains(e)).count();
+    // (device tensor, rows per expert, byte range of an expert's matrix in the file)
+    let halves: Vec<(&DeviceWeight, usize, std::ops::Range<usize>)> = match (part, old) {
+        (ExpertPart::Whole, Some(DevWeight::Matrix(w))) => vec![(w, per, 0..per * rb)],
+        (ExpertPart::Fused, Some(DevWeight::Split { gate, up })) if per == 2 * n_ff => {
+            vec![(gate, n_ff, 0..n_ff * rb), (up, n_ff, n_ff * rb..2 * n_ff * rb)]
+        }
+        _ => return Err(fail("no tensor to rebuild from")),
+    };
+    let mut out = Vec::new();
+    for (w, rows, bytes) in halves {
+        let mut new = DeviceWeight::scratch(gpu, (order.len() * rows * rb).max(1))?;
+        new.reshape(info.ty, info.k, order.len() * rows)?;
+        for (j, e) in order[..kept].iter().enumerate() {
+            let s = held.iter().position(|h| h == e).ok_or_else(|| fail("kept expert not held"))?;
+            new.copy_rows_from(gpu, j * rows, w, s * rows, rows)?;
+        }
+        let mut parts: Vec<&[u8]> = Vec::new();
+        for &e in &order[kept..] {
+            let m = set.matrix(id, e as usize).ok_or_else(|| fail("expert"))?;
+            parts.push(&m.data[bytes.clone()]);
+        }
+        new.write_rows_parts(gpu, kept * rows, &parts)?;
+        out.push(new);
+    }
+    let mut it = out.into_iter();
+    match (part, it.next(), it.next()) {
+        (ExpertPart::Whole, Some(w), None) => Ok(DevWeight::Matrix(w)),
+        (ExpertPart::Fused, Some(gate), Some(up)) => Ok(DevWeight::Split { gate, up }),
+        _ => Err(fail("halves")),
     }
 }
 
