@@ -150,11 +150,13 @@ pub fn main(a: Args) -> Result<()> {
     // The largest context a depth's tests need (what the placement budgets state for).
     let longest = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
     let bench_ctx = (a.n_depth.iter().copied().max().unwrap_or(0) + longest + 1).max(a.ctx.unwrap_or(0));
+    // One sequence's state, as llama-bench budgets (the snapshot slot the runs restore from
+    // holds no KV pages of its own beyond the depth).
     let ops = device::backend(
         a.device,
         Precision::Fast,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: 2, kv_type: a.kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: 1, kv_type: a.kv_type },
     )?;
     let n_threads = device::threads(a.threads);
     let corpus = match a.prompts {
