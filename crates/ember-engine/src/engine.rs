@@ -56,6 +56,11 @@ pub trait Backend: Send + 'static {
     fn expert_stats(&self) -> Option<ember_ops::ExpertStats> {
         None
     }
+    /// Per layer, (device, layer, resident pairs, not resident pairs), for the layers the tier
+    /// manages.
+    fn expert_layer_stats(&self) -> Vec<(String, u16, u64, u64)> {
+        Vec::new()
+    }
     /// KV pages a sequence grows by from `from` to `to` tokens.
     fn pages_for(&self, from: usize, to: usize) -> usize;
 }
@@ -187,6 +192,8 @@ pub struct EngineStats {
     pub expert_evictions: AtomicU64,
     pub expert_streamed_pairs: AtomicU64,
     pub expert_streamed_bytes: AtomicU64,
+    /// Per tier-managed layer: (device, layer, resident pairs, other pairs).
+    pub expert_layers: std::sync::Mutex<Vec<(String, u16, u64, u64)>>,
 }
 
 struct Job {
@@ -392,6 +399,7 @@ impl<B: Backend> Scheduler<B> {
                 self.stats.expert_evictions.store(x.evictions, Ordering::Relaxed);
                 self.stats.expert_streamed_pairs.store(x.streamed_pairs, Ordering::Relaxed);
                 self.stats.expert_streamed_bytes.store(x.streamed_bytes, Ordering::Relaxed);
+                *self.stats.expert_layers.lock().unwrap_or_else(|e| e.into_inner()) = self.backend.expert_layer_stats();
             }
         }
     }

@@ -451,4 +451,7 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn expert_stats(&self) -> Option<crate::ExpertStats> {
         (**self).expert_stats()
     }
+    fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
+        (**self).expert_layer_stats()
+    }
 }

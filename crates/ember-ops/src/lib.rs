@@ -665,6 +665,12 @@ pub trait Ops: SeqStore + Send {
     fn expert_stats(&self) -> Option<ExpertStats> {
         None
     }
+
+    /// Per layer, routed pairs (resident, not resident) since the start, for the layers the
+    /// tier manages (empty without a tier).
+    fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
+        Vec::new()
+    }
 }
 
 /// The op set on host matrices, with state passed in: what a host backend's kernels implement

@@ -129,6 +129,8 @@ pub struct Hybrid {
     /// What `register` uploads (per layer, the experts in slots or None for all).
     resident: Vec<Option<Vec<u16>>>,
     pressure: Option<Pressure>,
+    /// Per layer: routed pairs resident / not.
+    per_layer: Vec<(u64, u64)>,
 }
 
 /// Watching the GPU's free memory (see [`Hybrid::watch_memory`]).
@@ -197,6 +199,7 @@ impl Hybrid {
         Hybrid {
             resident,
             pressure: None,
+            per_layer: Vec::new(),
             gpu,
             cpu,
             host,
@@ -620,6 +623,12 @@ impl Ops for Hybrid {
         let n_miss: usize = misses.values().map(Vec::len).sum();
         self.stats.misses += n_miss as u64;
         self.stats.hits += (ids.len() - n_miss) as u64;
+        if self.per_layer.len() <= layer.index() {
+            self.per_layer.resize(layer.index() + 1, (0, 0));
+        }
+        let pl = &mut self.per_layer[layer.index()];
+        pl.0 += (ids.len() - n_miss) as u64;
+        pl.1 += n_miss as u64;
         if misses.is_empty() {
             return self.gpu.moe(layer, x, routing, shared_gate);
         }
@@ -690,6 +699,10 @@ impl Ops for Hybrid {
 
     fn expert_stats(&self) -> Option<ExpertStats> {
         Some(self.stats)
+    }
+
+    fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
+        self.per_layer.iter().enumerate().filter(|(_, c)| c.0 + c.1 > 0).map(|(l, c)| (LayerIdx(l as u16), c.0, c.1)).collect()
     }
 }
 

@@ -184,6 +184,17 @@ impl Metrics {
             "# HELP ember_expert_miss_seconds_total Wall time of the CPU's expert work (overlapped with the GPU's).\n# TYPE ember_expert_miss_seconds_total counter\nember_expert_miss_seconds_total {}",
             ld(&engine.expert_miss_us) as f64 / 1e6
         );
+        let layers = engine.expert_layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if !layers.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP ember_expert_layer_pairs_total Routed pairs per layer and device of the expert tier, by where the expert was (resident on the device or not).\n# TYPE ember_expert_layer_pairs_total counter"
+            );
+            for (dev, l, hits, misses) in &layers {
+                let _ = writeln!(out, "ember_expert_layer_pairs_total{{device=\"{dev}\",layer=\"{l}\",resident=\"yes\"}} {hits}");
+                let _ = writeln!(out, "ember_expert_layer_pairs_total{{device=\"{dev}\",layer=\"{l}\",resident=\"no\"}} {misses}");
+            }
+        }
         gauge(&mut out, "ember_kv_pages_free", "KV pages free in the backend's pool.", engine.kv_pages_free.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_kv_pages_total", "KV pages in the backend's pool.", engine.kv_pages_total.load(Ordering::Relaxed) as u64);
         gauge(&mut out, "ember_prompt_cache_entries", "Checkpoints held.", engine.cache_entries.load(Ordering::Relaxed) as u64);
@@ -205,4 +216,32 @@ impl Metrics {
 
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_expert_tier_is_rendered_per_layer_and_device() {
+        let engine = EngineStats::default();
+        engine.expert_hits.store(30, Ordering::Relaxed);
+        engine.expert_misses.store(10, Ordering::Relaxed);
+        engine.expert_miss_us.store(1_500_000, Ordering::Relaxed);
+        *engine.expert_layers.lock().unwrap() = vec![("gpu:0".into(), 3, 25, 5), ("gpu:0".into(), 7, 5, 5)];
+        let text = Metrics::default().render(&engine, 4);
+        for line in [
+            "ember_expert_hits_total 30",
+            "ember_expert_misses_total 10",
+            "ember_expert_miss_seconds_total 1.5",
+            "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"3\",resident=\"yes\"} 25",
+            "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"7\",resident=\"no\"} 5",
+            "# TYPE ember_expert_layer_pairs_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        // Without a tier: totals at zero, no per-layer family.
+        let text = Metrics::default().render(&EngineStats::default(), 4);
+        assert!(text.contains("ember_expert_hits_total 0") && !text.contains("ember_expert_layer_pairs_total"));
+    }
 }
