@@ -16,31 +16,38 @@ struct MatmulParams {
     u64 w;  // n_rows rows of row_bytes
     u64 x;  // [n_tok, k] f32
     u64 y;  // [n_tok, n_rows] f32
-    u32 ty, k, n_rows, n_tok, row_bytes, pad;
+    u32 ty, k, n_rows, n_tok, row_bytes;
+    u32 ksplit;  // GEMV: warps per row (1, 2 or 4), chosen by the launcher
 };
 
 #define GEMV_NT 8
 
 // Block `bx` of the row blocks of `p` (blockIdx.x for one weight; matmul_gemv_multi maps its
-// blocks onto several weights).
+// blocks onto several weights). Each row gets p.ksplit warps of the block: warp part j takes
+// chunks j, j + ksplit, ..; the parts' sums are added in part order (the same for every launch
+// of the same shape).
 template <int TY>
 __device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
     __shared__ float iq4[16];
+    __shared__ float part_sum[4][GEMV_NT];
     load_iq4_table(iq4);
-    const int row = bx * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= (int)p.n_rows) return;  // whole warps leave together
+    const int ks = max(1, (int)p.ksplit);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = bx * ((blockDim.x / 32) / ks) + warp / ks;
+    const int part = warp % ks;
+    const bool valid = row < (int)p.n_rows;
+    if (!valid && ks == 1) return;  // whole warps leave together (no barrier follows)
     const int t0 = blockIdx.y * GEMV_NT;
     const int nt = min(GEMV_NT, (int)p.n_tok - t0);
     const int k = p.k;
-    const u8* wrow = (const u8*)p.w + (u64)row * p.row_bytes;
+    const u8* wrow = (const u8*)p.w + (u64)(valid ? row : 0) * p.row_bytes;
     const float* x = (const float*)p.x + (u64)t0 * k;
     float acc[GEMV_NT];
 #pragma unroll
     for (int t = 0; t < GEMV_NT; ++t) acc[t] = 0.0f;
-    const int n_chunk = (k + 255) / 256;
+    const int n_chunk = valid ? (k + 255) / 256 : 0;
 #pragma unroll 2
-    for (int c = 0; c < n_chunk; ++c) {
+    for (int c = part; c < n_chunk; c += ks) {
         float w[8];
         int a0, a1;
         if (!chunk8<TY>(wrow, c, lane, k, iq4, w, &a0, &a1)) continue;
@@ -52,12 +59,26 @@ __device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
             }
         }
     }
+    if (ks == 1) {
+#pragma unroll
+        for (int t = 0; t < GEMV_NT; ++t) {
+            if (t < nt) {
+                const float s = warp_sum(acc[t]);
+                if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int t = 0; t < GEMV_NT; ++t) {
-        if (t < nt) {
-            const float s = warp_sum(acc[t]);
-            if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
-        }
+        const float s = warp_sum(acc[t]);
+        if (lane == 0) part_sum[warp][t] = s;
+    }
+    __syncthreads();
+    if (valid && part == 0 && lane < nt) {
+        float s = 0.0f;
+        for (int j = 0; j < ks; ++j) s += part_sum[warp + j][lane];
+        ((float*)p.y)[(u64)(t0 + lane) * p.n_rows + row] = s;
     }
 }
 
@@ -83,6 +104,8 @@ struct MatmulMultiParams {
     u32 row_bytes[GEMV_MULTI];
     u32 block0[GEMV_MULTI + 1];
     u32 ty, k, n_tok, n;
+    u32 ksplit[GEMV_MULTI];
+    u32 pad;
 };
 
 template <int TY>
@@ -98,7 +121,7 @@ __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     p.n_rows = mp.n_rows[i];
     p.n_tok = mp.n_tok;
     p.row_bytes = mp.row_bytes[i];
-    p.pad = 0;
+    p.ksplit = mp.ksplit[i];
     gemv<TY>(p, blockIdx.x - mp.block0[i]);
 }
 

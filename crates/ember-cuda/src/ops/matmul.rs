@@ -147,7 +147,33 @@ const MMA_ROWS: usize = 128;
 /// Threads per tensor-core block (`MMA_THREADS`).
 const MMA_THREADS: u32 = 256;
 const GEMV_NT: usize = 8;
-const GEMV_ROWS_PER_BLOCK: usize = 4;
+/// Warps per GEMV block.
+const GEMV_WARPS: usize = 4;
+
+/// Warps that share one GEMV row (`gemv_ksplit` in kernels/matmul.cu, which must agree): a
+/// weight of few rows gives each of its rows 2 or 4 warps over its 256-weight chunks, so that
+/// enough warps are in flight to hide the memory latency (with one warp a row, a 512-row weight
+/// fills 128 warps on a 132-SM GPU, each walking its row's chunks one after another).
+fn gemv_ksplit(n_rows: usize, k: usize) -> usize {
+    let mut ks = if std::env::var_os("EMBER_GEMV_KSPLIT").is_some_and(|v| v == "0") {
+        1
+    } else if n_rows <= 1024 {
+        4
+    } else if n_rows <= 4096 {
+        2
+    } else {
+        1
+    };
+    while ks > 1 && ks > k.div_ceil(256) {
+        ks /= 2;
+    }
+    ks
+}
+
+/// GEMV blocks for a weight of `n_rows` rows of `k`.
+fn gemv_blocks(n_rows: usize, k: usize) -> u32 {
+    blocks(n_rows, GEMV_WARPS / gemv_ksplit(n_rows, k))
+}
 
 #[repr(C)]
 struct MatmulParams {
@@ -159,7 +185,8 @@ struct MatmulParams {
     n_rows: u32,
     n_tok: u32,
     row_bytes: u32,
-    pad: u32,
+    /// GEMV: warps per row ([`gemv_ksplit`]).
+    ksplit: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulParams` in kernels/matmul.cu.
@@ -180,6 +207,8 @@ struct MatmulMultiParams {
     k: u32,
     n_tok: u32,
     n: u32,
+    ksplit: [u32; GEMV_MULTI],
+    pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulMultiParams` in kernels/matmul.cu (u64 arrays
@@ -256,6 +285,8 @@ impl Gpu {
             k: u32_of(OP, "k", k)?,
             n_tok: u32_of(OP, "n_tok", n_tok)?,
             n: n as u32,
+            ksplit: [1; GEMV_MULTI],
+            pad: 0,
         };
         let mut blocks_so_far = 0u32;
         for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
@@ -265,7 +296,8 @@ impl Gpu {
             p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
             p.row_bytes[i] = u32_of(OP, "row_bytes", w.w.row_bytes)?;
             p.block0[i] = blocks_so_far;
-            blocks_so_far += blocks(w.n_rows, GEMV_ROWS_PER_BLOCK);
+            p.ksplit[i] = gemv_ksplit(w.n_rows, k) as u32;
+            blocks_so_far += gemv_blocks(w.n_rows, k);
         }
         for b in &mut p.block0[n..] {
             *b = blocks_so_far;
@@ -279,7 +311,7 @@ impl Gpu {
         // SAFETY: `p` is the kernel's parameter struct; every weight pointer addresses its rows
         // (WeightRef's range was checked), x holds n_tok·k values and each y n_tok·n_rows
         // (checked above).
-        unsafe { self.launch(&f, grid, 32 * GEMV_ROWS_PER_BLOCK as u32, 0, &p) }
+        unsafe { self.launch(&f, grid, 32 * GEMV_WARPS as u32, 0, &p) }
     }
 
     /// Whether this GPU has the tensor-core kernels (`mma.sync` m16n8k16 with f16: sm_80+).
@@ -306,7 +338,7 @@ impl Gpu {
             n_rows: u32_of(OP, "n_rows", w.n_rows)?,
             n_tok: u32_of(OP, "n_tok", n_tok)?,
             row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
-            pad: 0,
+            ksplit: gemv_ksplit(w.n_rows, dw.k) as u32,
         };
         // Every weight type passed upload_weight, so it has a suffix.
         let suffix = type_suffix(dw.ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", dw.ty.name())))?;
@@ -316,7 +348,7 @@ impl Gpu {
                     return Err(shape(OP, format!("the GEMV needs k % 8 == 0, k = {}", dw.k)));
                 }
                 let f = self.function(&MATMUL, &format!("matmul_gemv_{suffix}"))?;
-                (f, (blocks(w.n_rows, GEMV_ROWS_PER_BLOCK), blocks(n_tok, GEMV_NT), 1), 32 * GEMV_ROWS_PER_BLOCK as u32)
+                (f, (gemv_blocks(w.n_rows, dw.k), blocks(n_tok, GEMV_NT), 1), 32 * GEMV_WARPS as u32)
             }
             MatmulKernel::Tiled => (self.function(&MATMUL, "matmul_tiled")?, (blocks(w.n_rows, 64), blocks(n_tok, 64), 1), 256),
             MatmulKernel::Mma { tile_tokens } => {
