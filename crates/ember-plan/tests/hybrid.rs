@@ -81,6 +81,21 @@ fn gpu(m: &Model, p: CudaPrecision, resident: Option<Vec<Option<Vec<u16>>>>) -> 
     o
 }
 
+/// The all-position logits of `cases` on `b` against `a`'s, pooled.
+fn compare(m: &Model, a: &mut dyn Ops, b: &mut dyn Ops, cases: &[&str]) -> LogitStats {
+    let stats: Vec<LogitStats> = cases
+        .iter()
+        .map(|case| {
+            let ids = case_ids(case);
+            let want = logits(m, a, &ids);
+            let got = logits(m, b, &ids);
+            let v = want.len() / ids.len();
+            LogitStats::compare(&got, &RefTensor { shape: vec![ids.len(), v], data: want.iter().map(|&x| x as f64).collect() })
+        })
+        .collect();
+    LogitStats::pooled(&stats)
+}
+
 /// Layer 0 holds none of its experts, layer 1 two (in reverse order), layer 2 all, layer 3 one.
 fn partial() -> Vec<Option<Vec<u16>>> {
     vec![Some(vec![]), Some(vec![3, 1]), None, Some(vec![2])]
@@ -135,16 +150,7 @@ fn experts_on_the_cpu_give_the_gpu_logits_and_greedy_tokens() {
         let m = model(q);
         let mut all = gpu(&m, CudaPrecision::Exact, None);
         let mut h = hybrid(&m, CudaPrecision::Exact, ember_cpu::Precision::Exact);
-        let mut stats = Vec::new();
-        for case in ["p1", "p37", "p130", "rand50"] {
-            let ids = case_ids(case);
-            let want = logits(&m, &mut all, &ids);
-            let got = logits(&m, &mut h, &ids);
-            let v = want.len() / ids.len();
-            let want = RefTensor { shape: vec![ids.len(), v], data: want.iter().map(|&x| x as f64).collect() };
-            stats.push(LogitStats::compare(&got, &want));
-        }
-        let s = LogitStats::pooled(&stats);
+        let s = compare(&m, &mut all, &mut h, &["p1", "p37", "p130", "rand50"]);
         let t = h.stats();
         println!(
             "{q}: hybrid vs all-GPU (exact): max rel {:.2e}, max abs {:.2e}, top-1 {:.3}; pairs on the GPU {} on the CPU {} (hit rate {:.2}), uploads {}",
@@ -194,16 +200,7 @@ fn experts_on_the_cpu_at_fast_precision_stay_close() {
         let m = model(q);
         let mut all = gpu(&m, CudaPrecision::Fast, None);
         let mut h = hybrid(&m, CudaPrecision::Fast, ember_cpu::Precision::Fast);
-        let mut stats = Vec::new();
-        for case in ["p37", "p130"] {
-            let ids = case_ids(case);
-            let want = logits(&m, &mut all, &ids);
-            let got = logits(&m, &mut h, &ids);
-            let v = want.len() / ids.len();
-            let want = RefTensor { shape: vec![ids.len(), v], data: want.iter().map(|&x| x as f64).collect() };
-            stats.push(LogitStats::compare(&got, &want));
-        }
-        let s = LogitStats::pooled(&stats);
+        let s = compare(&m, &mut all, &mut h, &["p37", "p130"]);
         let p50 = s.percentile(50.0);
         println!(
             "{q}: hybrid vs all-GPU (fast): max rel {:.2e}, p50 rel {p50:.2e}, max abs {:.2e}, top-1 {:.3}",
@@ -256,11 +253,7 @@ fn layers_shrunk_and_grown_keep_the_logits() {
     held1.sort_unstable();
     assert_eq!(held1, [0, 1, 2]);
     assert_eq!(h.resident(LayerIdx(2)).map(|r| r.len()), Some(2));
-    let ids = case_ids("p130");
-    let want = logits(&m, &mut all, &ids);
-    let got = logits(&m, &mut h, &ids);
-    let v = want.len() / ids.len();
-    let s = LogitStats::compare(&got, &RefTensor { shape: vec![ids.len(), v], data: want.iter().map(|&x| x as f64).collect() });
+    let s = compare(&m, &mut all, &mut h, &["p130"]);
     println!("shrunk/grown layers vs all-GPU: max rel {:.2e}, max abs {:.2e}, top-1 {:.3}", s.max_rel(), s.max_abs, s.top1);
     assert!(s.max_rel() <= EXACT_BOUNDS.0 && s.max_abs <= EXACT_BOUNDS.1 && s.top1 == 1.0);
 }
