@@ -31,7 +31,7 @@ pub enum Precision {
     /// [`Precision::Fast`] numerics with every token computed by the same single-token kernels
     /// whatever the batch: a request's results do not depend on what it was batched with or on
     /// how much of its prompt came from the cache (bit for bit). Fast precision instead runs
-    /// prompt-sized batches through panels and the column-block delta rule, whose float
+    /// prompt-sized batches through panels, the column-block delta rule and tiled attention, whose float
     /// summation order differs (~1e-6 relative; enough to flip a near-tie, e.g. an MoE routing
     /// choice). Prompts are several times slower; decode is unchanged.
     BatchInvariant,
