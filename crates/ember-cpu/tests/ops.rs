@@ -139,6 +139,47 @@ fn attention_matches_reference() {
     }
 }
 
+/// The tiled prompt attention (`attention.rs`: blocks of 64 keys, tiles of 64 query vectors,
+/// key ranges merged when tiles are fewer than workers) against the reference, over random
+/// shapes: 1–3 KV heads, 1–8 query heads each, head sizes 32–256, 4–150 prompt tokens (odd
+/// counts, partial tiles and blocks), 0–3000 cached positions before them, 1, 2 or 8 workers,
+/// every KV type. Measured max relative error (of the largest output) 2.6e-6 over 24 cases
+/// (f32 accumulation over up to ~3150 keys, FMA, the vectorised exp, online softmax; the
+/// 8-worker cases with fewer tiles than workers split key ranges); bound 1e-5 as above.
+#[test]
+fn tiled_prompt_attention_matches_reference() {
+    use ember_ops::{AttnShape, KvRows, KvType};
+    let mut seed = 11;
+    let mut worst = 0f32;
+    for case in 0..24u64 {
+        let mut pick = |n: u64| (lcg(&mut seed).abs() * n as f32) as usize % n as usize;
+        let ty = [KvType::F16, KvType::Q8_0, KvType::F32][case as usize % 3];
+        let n_head_kv = 1 + pick(3);
+        let g = [1, 2, 3, 8][pick(4)];
+        let hd = [32, 64, 96, 256][pick(4)];
+        let n_tok = 4 + pick(147);
+        let pos0 = if case % 4 == 0 { 0 } else { pick(3001) };
+        let threads = [1, 2, 8][pick(3)];
+        let ops = CpuOps::new(Precision::Fast, threads);
+        let pool = ember_ops::PagePool::unbounded();
+        let mut kc = KvRows::new(ty, n_head_kv * hd);
+        let mut vc = KvRows::new(ty, n_head_kv * hd);
+        kc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
+        vc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
+        // Queries of norm ~4·sqrt(hd) (scores of a few units, as after the model's q/k norms).
+        let mut q = random_mat(n_tok, g * n_head_kv * hd, &mut seed);
+        q.data.iter_mut().for_each(|x| *x *= 4.0);
+        let s = AttnShape { n_tok, n_head: g * n_head_kv, n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
+        let got = ops.attention_rows(s, &q, &kc, &vc);
+        let want = reference::attention(s, &q, &kc, &vc);
+        let e = max_rel(&got.data, &want.data);
+        eprintln!("tiled attention {ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: max rel {e:.1e}");
+        assert!(e < 1e-5, "{ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: {e}");
+        worst = worst.max(e);
+    }
+    eprintln!("tiled attention: worst max rel {worst:.1e}");
+}
+
 /// Decode with more workers than (KV head, token) pairs splits each pair's positions into
 /// ranges and merges them (flash-decoding): 8 workers, one KV head, contexts that give 1 to 8
 /// ranges (contexts of 1403, 2049 and 3135 split into 5, 8 and 8 ranges of whole pages, the

@@ -15,6 +15,7 @@ use crate::panel::{self, Panel};
 use crate::pool::{MAX_PARTS, Pool, even_bounds, parts_for, tapered_bounds};
 use crate::simd::{self, Isa, Kernels, with_kernels};
 
+mod attention;
 mod moe;
 mod sequence;
 
@@ -30,7 +31,7 @@ pub enum Precision {
     /// [`Precision::Fast`] numerics with every token computed by the same single-token kernels
     /// whatever the batch: a request's results do not depend on what it was batched with or on
     /// how much of its prompt came from the cache (bit for bit). Fast precision instead runs
-    /// prompt-sized batches through panels and the column-block delta rule, whose float
+    /// prompt-sized batches through panels, the column-block delta rule and tiled attention, whose float
     /// summation order differs (~1e-6 relative; enough to flip a near-tie, e.g. an MoE routing
     /// choice). Prompts are several times slower; decode is unchanged.
     BatchInvariant,
@@ -630,7 +631,12 @@ impl CpuOps {
         with_kernels!(self.isa, |kn| self.delta_fast(kn, s, q, k, v, g, beta, state))
     }
 
+    /// Prompts in fast precision go through the tiled kernel (`attention.rs`); decode, and
+    /// every batch in batch-invariant precision, through the per-token one (`sequence.rs`).
     pub fn attention_rows(&self, s: AttnShape, q: &Mat, k: &KvRows, v: &KvRows) -> Mat {
+        if self.precision == Precision::Fast && Self::tiled_attention_fits(&s) {
+            return with_kernels!(self.isa, |kn| self.attention_tiled(kn, s, q, k, v));
+        }
         if self.precision != Precision::Exact && s.n_head.is_multiple_of(s.n_head_kv) {
             return with_kernels!(self.isa, |kn| self.attention_fast(kn, s, q, k, v));
         }

@@ -62,6 +62,16 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
         })
     }
 
+    fn gemm_f32(self, g: &super::Gemm<'_>, c: &mut [f32]) {
+        g.check(c);
+        if !g.m.is_multiple_of(GEMM_ROWS) || !g.n.is_multiple_of(16) {
+            return super::gemm_f32_scalar(g, c);
+        }
+        // SAFETY: the CPU has the features (token); `check` bounded every element the tiles
+        // touch, and m, n are multiples of the tile's rows and of 16 columns.
+        unsafe { gemm_f32(g, c) }
+    }
+
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
         let Some(kq) = super::delta_columns_kq(st, io, o, 8) else {
             return super::delta_stepwise(self, st, io, o);

@@ -63,6 +63,16 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         })
     }
 
+    fn gemm_f32(self, g: &super::Gemm<'_>, c: &mut [f32]) {
+        g.check(c);
+        if !g.m.is_multiple_of(GEMM_ROWS) || !g.n.is_multiple_of(16) {
+            return super::gemm_f32_scalar(g, c);
+        }
+        // SAFETY: the CPU has the features (token); `check` bounded every element the tiles
+        // touch, and m, n are multiples of the tile's rows and of 16 columns.
+        unsafe { gemm_f32(g, c) }
+    }
+
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {
         let Some(kq) = super::delta_columns_kq(st, io, o, ROWS) else {
             return super::delta_stepwise(self, st, io, o);
@@ -217,6 +227,103 @@ fn dot1_k4<const Q5: bool>(w: &[u8], a: &ActRow) -> f32 {
     }
     let acc = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
     _mm512_reduce_add_ps(acc) - hsum(accm)
+}
+
+/// C's rows are taken in register tiles of 6 (then 4, 2); [`Kernels::gemm_f32`] here needs
+/// them to be a multiple of this.
+const GEMM_ROWS: usize = 2;
+
+/// Values of kd per pass: a pass's B strip (at most this many rows of 64 floats, 32 KiB) stays
+/// in L1 while every row tile reads it.
+const GEMM_KC: usize = 64;
+
+/// [`Kernels::gemm_f32`] in register tiles of up to 6 rows × 64 columns of C (24 accumulators):
+/// per step along kd, four 16-float loads of B's row and 6 broadcasts of A's column feed 24
+/// FMAs. kd is cut into passes of [`GEMM_KC`] (C accumulates across them in memory), each pass
+/// into strips of 64 (or 32, 16) columns, each strip into row tiles.
+/// SAFETY (caller): `g.check(c)` passed; `g.m` is a multiple of [`GEMM_ROWS`], `g.n` of 16.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemm_f32(g: &super::Gemm<'_>, c: &mut [f32]) {
+    let mut k0 = 0;
+    while k0 < g.kd {
+        let k1 = (k0 + GEMM_KC).min(g.kd);
+        let acc = g.acc || k0 > 0;
+        let mut j = 0;
+        while j < g.n {
+            let nv = ((g.n - j) / 16).min(4);
+            let nv = if nv == 3 { 2 } else { nv };
+            let mut i = 0;
+            while i < g.m {
+                let r = (g.m - i).min(6);
+                let r = if r == 5 { 4 } else { r };
+                // SAFETY: rows i..i + r, columns j..j + 16·nv and kd k0..k1 lie inside the
+                // product (caller); r is 6, 4 or 2 (m is even), nv 4, 2 or 1 (n a multiple of 16).
+                unsafe {
+                    match (r, nv) {
+                        (6, 4) => gemm_tile::<6, 4>(g, c, i, j, k0, k1, acc),
+                        (6, 2) => gemm_tile::<6, 2>(g, c, i, j, k0, k1, acc),
+                        (6, _) => gemm_tile::<6, 1>(g, c, i, j, k0, k1, acc),
+                        (4, 4) => gemm_tile::<4, 4>(g, c, i, j, k0, k1, acc),
+                        (4, 2) => gemm_tile::<4, 2>(g, c, i, j, k0, k1, acc),
+                        (4, _) => gemm_tile::<4, 1>(g, c, i, j, k0, k1, acc),
+                        (_, 4) => gemm_tile::<2, 4>(g, c, i, j, k0, k1, acc),
+                        (_, 2) => gemm_tile::<2, 2>(g, c, i, j, k0, k1, acc),
+                        _ => gemm_tile::<2, 1>(g, c, i, j, k0, k1, acc),
+                    }
+                }
+                i += r;
+            }
+            j += 16 * nv;
+        }
+        k0 = k1;
+    }
+}
+
+/// One register tile of [`gemm_f32`]: rows i0..i0 + R, columns j0..j0 + 16·NV of C, the
+/// products of kd k0..k1 added to C (`acc`) or written over it.
+/// SAFETY (caller): `g.check(c)` passed and the tile lies inside the m×n×kd product, so every
+/// pointer below stays inside `g.a`, `g.b` or `c`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemm_tile<const R: usize, const NV: usize>(
+    g: &super::Gemm<'_>,
+    c: &mut [f32],
+    i0: usize,
+    j0: usize,
+    k0: usize,
+    k1: usize,
+    acc_c: bool,
+) {
+    let (ap, bp, cp) = (g.a.as_ptr(), g.b.as_ptr(), c.as_mut_ptr());
+    let mut acc = [[_mm512_setzero_ps(); NV]; R];
+    if acc_c {
+        for (r, a) in acc.iter_mut().enumerate() {
+            for (v, x) in a.iter_mut().enumerate() {
+                // SAFETY: element (i0 + r, j0 + 16v..+16) of C is inside `c` (caller).
+                *x = unsafe { _mm512_loadu_ps(cp.add((i0 + r) * g.ldc + j0 + 16 * v)) };
+            }
+        }
+    }
+    for k in k0..k1 {
+        let mut bv = [_mm512_setzero_ps(); NV];
+        for (v, x) in bv.iter_mut().enumerate() {
+            // SAFETY: row k, columns j0 + 16v..+16 of B are inside `g.b` (caller).
+            *x = unsafe { _mm512_loadu_ps(bp.add(k * g.ldb + j0 + 16 * v)) };
+        }
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: element (i0 + r, k) of A is inside `g.a` (caller).
+            let av = _mm512_set1_ps(unsafe { *ap.add((i0 + r) * g.lda + k) });
+            for (x, b) in a.iter_mut().zip(&bv) {
+                *x = _mm512_fmadd_ps(av, *b, *x);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (v, x) in a.iter().enumerate() {
+            // SAFETY: as for the loads of C.
+            unsafe { _mm512_storeu_ps(cp.add((i0 + r) * g.ldc + j0 + 16 * v), *x) };
+        }
+    }
 }
 
 /// Positions per block of the P·V pass: their V rows (`hd` f16 each) stay in L2 while every

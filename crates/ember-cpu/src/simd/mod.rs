@@ -198,6 +198,14 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         false
     }
 
+    /// `C ← A·B`, or `C ← C + A·B` when `g.acc`, for the f32 matrices of `g` (see [`Gemm`]):
+    /// the tiled prompt attention's two products, scores = Q·Kᵀ and O += P·V. Each product is
+    /// summed along `kd` in order (the SIMD forms with FMA). The default is the scalar loop.
+    fn gemm_f32(self, g: &Gemm<'_>, c: &mut [f32]) {
+        g.check(c);
+        gemm_f32_scalar(g, c)
+    }
+
     /// Whether this instruction set has fast [`Panel`] kernels (worth using for prompts).
     fn has_panels(self) -> bool {
         false
@@ -255,6 +263,53 @@ impl<'a> DeltaIo<'a> {
     pub fn token(&self, t: usize) -> (&'a [f32], &'a [f32], &'a [f32]) {
         let (a, b) = (t * self.sqk, t * self.sv);
         (&self.q[a..a + self.dk], &self.k[a..a + self.dk], &self.v[b..b + self.dv])
+    }
+}
+
+/// A small f32 matrix product for [`Kernels::gemm_f32`]: A is `m×kd` (row i at `a[i·lda..]`),
+/// B is `kd×n` (row k at `b[k·ldb..]`), C is `m×n` (row i at `c[i·ldc..]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm<'a> {
+    pub a: &'a [f32],
+    pub lda: usize,
+    pub b: &'a [f32],
+    pub ldb: usize,
+    pub ldc: usize,
+    pub m: usize,
+    pub n: usize,
+    pub kd: usize,
+    /// Add to C instead of overwriting it.
+    pub acc: bool,
+}
+
+impl Gemm<'_> {
+    /// Panics unless every element the product reads or writes lies inside `a`, `b` and `c`
+    /// (the SIMD forms index through pointers after this check).
+    pub fn check(&self, c: &[f32]) {
+        let Gemm { a, lda, b, ldb, ldc, m, n, kd, .. } = *self;
+        let fits =
+            |len: usize, rows: usize, ld: usize, cols: usize| rows == 0 || cols == 0 || (ld >= cols && len >= (rows - 1) * ld + cols);
+        assert!(
+            fits(a.len(), m, lda, kd) && fits(b.len(), kd, ldb, n) && fits(c.len(), m, ldc, n),
+            "gemm_f32: {m}x{kd} · {kd}x{n} does not fit its buffers ({} / {} / {})",
+            a.len(),
+            b.len(),
+            c.len()
+        );
+    }
+}
+
+/// [`Kernels::gemm_f32`] in plain f32 (the scalar kernel, and the reference of the tests).
+pub fn gemm_f32_scalar(g: &Gemm<'_>, c: &mut [f32]) {
+    for i in 0..g.m {
+        let cr = &mut c[i * g.ldc..i * g.ldc + g.n];
+        if !g.acc {
+            cr.fill(0.0);
+        }
+        for k in 0..g.kd {
+            let a = g.a[i * g.lda + k];
+            cr.iter_mut().zip(&g.b[k * g.ldb..k * g.ldb + g.n]).for_each(|(c, b)| *c += a * b);
+        }
     }
 }
 

@@ -337,6 +337,37 @@ fn check_delta_seq<K: Kernels>(k: K, dk: usize, dv: usize, n: usize, seed: &mut 
     }
 }
 
+/// `gemm_f32` (overwrite and accumulate, with row strides wider than the rows) against
+/// [`gemm_f32_scalar`] summed in f64: |got − want| ≤ 1e-5·Σ|a·b| (f32 sums of `kd` products).
+fn check_gemm<K: Kernels>(k: K, m: usize, n: usize, kd: usize, seed: &mut u64) {
+    let (lda, ldb, ldc) = (kd + 3, n + 16, n + 5);
+    let a = random_acts(m * lda, seed);
+    let b = random_acts(kd * ldb, seed);
+    let c0 = random_acts(m * ldc, seed);
+    for acc in [false, true] {
+        let g = Gemm { a: &a, lda, b: &b, ldb, ldc, m, n, kd, acc };
+        let mut c = c0.clone();
+        k.gemm_f32(&g, &mut c);
+        let mut scalar = c0.clone();
+        gemm_f32_scalar(&g, &mut scalar);
+        for i in 0..m {
+            for j in 0..ldc {
+                let (got, sc) = (c[i * ldc + j], scalar[i * ldc + j]);
+                if j >= n {
+                    assert_eq!(got, c0[i * ldc + j], "gemm wrote outside C: row {i} column {j}");
+                    continue;
+                }
+                let terms = (0..kd).map(|l| a[i * lda + l] as f64 * b[l * ldb + j] as f64);
+                let base = if acc { c0[i * ldc + j] as f64 } else { 0.0 };
+                let want = base + terms.clone().sum::<f64>();
+                let tol = 1e-5 * (base.abs() + terms.map(f64::abs).sum::<f64>()).max(1e-20);
+                assert!((got as f64 - want).abs() <= tol, "gemm {m}x{kd}x{n} acc={acc} ({i},{j}): {got} vs {want}");
+                assert!((sc as f64 - want).abs() <= tol, "scalar gemm ({i},{j}): {sc} vs {want}");
+            }
+        }
+    }
+}
+
 fn for_each_isa(mut f: impl FnMut(Isa)) {
     for isa in Isa::available() {
         f(isa);
@@ -398,6 +429,15 @@ proptest! {
         let mut seed = seed;
         for (dk, dv) in [(dk, 16 * dv), (4 * dk, 16 * dv), (8 * dk, 16 * dv + 1), (128, 128)] {
             for_each_isa(|isa| with_kernels!(isa, |k| check_delta_seq(k, dk, dv, n, &mut seed)));
+        }
+    }
+
+    #[test]
+    fn gemm_matches_reference(m in 1usize..5, n in 1usize..6, kd in 1usize..300, seed in any::<u64>()) {
+        let mut seed = seed;
+        // Shapes of the SIMD tiles (m a multiple of 8, n of 16) and others (the scalar fallback).
+        for (m, n) in [(8 * m, 16 * n), (8 * m, 64), (4 * m, 16 * n), (m, n)] {
+            for_each_isa(|isa| with_kernels!(isa, |k| check_gemm(k, m, n, kd, &mut seed)));
         }
     }
 

@@ -7,6 +7,50 @@ use std::cell::RefCell;
 use super::*;
 use crate::panel::Lanes;
 
+/// Rows of C per register tile of [`gemm_f32`] (with 16 columns: 8 accumulators of 16
+/// registers, leaving room for B's two vectors and A's broadcast).
+pub(super) const GEMM_ROWS: usize = 4;
+
+/// `Kernels::gemm_f32`, the AVX2 form of the AVX-512 one: register tiles of 4 rows × 16
+/// columns of C; per step along kd, two 8-float loads of B's row and 4 broadcasts feed 8 FMAs.
+/// SAFETY (caller): `g.check(c)` passed; `g.m` is a multiple of [`GEMM_ROWS`], `g.n` of 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
+    let (ap, bp, cp) = (g.a.as_ptr(), g.b.as_ptr(), c.as_mut_ptr());
+    for i0 in (0..g.m).step_by(GEMM_ROWS) {
+        for j0 in (0..g.n).step_by(16) {
+            // Every pointer below addresses an element of rows i0..i0 + 4, columns j0..j0 + 16
+            // of C, rows i0..i0 + 4 of A or row k < kd, columns j0..j0 + 16 of B: inside the
+            // buffers by `check` (caller).
+            let mut acc = [[_mm256_setzero_ps(); 2]; GEMM_ROWS];
+            if g.acc {
+                for (r, a) in acc.iter_mut().enumerate() {
+                    for (v, x) in a.iter_mut().enumerate() {
+                        // SAFETY: see above.
+                        *x = unsafe { _mm256_loadu_ps(cp.add((i0 + r) * g.ldc + j0 + 8 * v)) };
+                    }
+                }
+            }
+            for k in 0..g.kd {
+                // SAFETY: see above.
+                let bv = unsafe { [_mm256_loadu_ps(bp.add(k * g.ldb + j0)), _mm256_loadu_ps(bp.add(k * g.ldb + j0 + 8))] };
+                for (r, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: see above.
+                    let av = _mm256_set1_ps(unsafe { *ap.add((i0 + r) * g.lda + k) });
+                    a[0] = _mm256_fmadd_ps(av, bv[0], a[0]);
+                    a[1] = _mm256_fmadd_ps(av, bv[1], a[1]);
+                }
+            }
+            for (r, a) in acc.iter().enumerate() {
+                for (v, x) in a.iter().enumerate() {
+                    // SAFETY: see above.
+                    unsafe { _mm256_storeu_ps(cp.add((i0 + r) * g.ldc + j0 + 8 * v), *x) };
+                }
+            }
+        }
+    }
+}
+
 /// Positions per block of the P·V pass: their V rows stay in L2 while every 8-value column
 /// strip of the output is accumulated over them.
 const ATTN_BLOCK: usize = 512;

@@ -1,0 +1,284 @@
+//! Prompt attention in tiles (flash attention, arXiv:2205.14135 §3.1; reference
+//! `ember_ops::reference::attention_head`): the query vectors of a tile (several tokens × the
+//! query heads of one KV head) go through the cached keys and values block by block, each block
+//! read once for all of them, with a running maximum and sum per query vector (online softmax).
+//!
+//! The decision a reader may question: each KV head's cache is converted to f32 once per call
+//! (keys transposed, a block of [`BLK`] positions at a time) before any tile runs. The products
+//! are then plain f32 matrix products in registers ([`Kernels::gemm_f32`]), every tile reads
+//! the converted blocks, and the conversion (one pass over the cache) is shared by all the
+//! tiles: at 512 prompt tokens × 8 query heads it is ~1/4096 of the multiply-adds.
+
+use ember_ops::{AttnShape, KvRows, KvType, Mat};
+
+use super::CpuOps;
+use crate::pool::{MAX_PARTS, even_bounds, parts_for};
+use crate::simd::{Gemm, Kernels};
+
+/// Key positions per block: one product of a tile's queries with the block's keys, then one
+/// with its values.
+const BLK: usize = 64;
+
+/// Query vectors per tile (tokens × query heads of the KV head): the tile's queries, scores
+/// and outputs (~64 + 16 + 64 KiB at head size 256) stay in L2 with a block of K and V.
+const TILE_VECS: usize = 64;
+
+/// Floats after each query row of a tile: rows 1 KiB apart (head size 256) would fall into a
+/// quarter of L1's sets.
+const QPAD: usize = 16;
+
+/// Rows of a tile are padded to a multiple of this (the register tiles of `gemm_f32`).
+const ROW_PAD: usize = 8;
+
+/// Fewest positions per key range when a call's tiles are split over ranges.
+const SPLIT_MIN: usize = 4 * BLK;
+
+/// Fewest prompt tokens for which the tiled kernel runs (fewer go the per-token way, as decode).
+pub(super) const TILED_MIN_TOKENS: usize = 4;
+
+impl CpuOps {
+    /// Whether [`CpuOps::attention_tiled`] takes this shape: a prompt, with the head size a
+    /// multiple of 16 (the column tiles of the products).
+    pub(super) fn tiled_attention_fits(s: &AttnShape) -> bool {
+        s.n_tok >= TILED_MIN_TOKENS && s.head_dim.is_multiple_of(16) && s.head_dim > 0 && s.n_head.is_multiple_of(s.n_head_kv)
+    }
+
+    /// Attention of a prompt batch in tiles (see the module docs). Work items are (query tile,
+    /// range of key blocks) per KV head; with fewer tiles than workers each tile's blocks are
+    /// cut into ranges that merge by their maxima and sums, as in the decode split.
+    pub(super) fn attention_tiled<K: Kernels>(&self, kn: K, s: AttnShape, q: &Mat, kc: &KvRows, vc: &KvRows) -> Mat {
+        let hd = s.head_dim;
+        let g = s.n_head / s.n_head_kv;
+        let gw = g * hd;
+        let npos = s.pos0 + s.n_tok;
+        let n_blk = npos.div_ceil(BLK);
+        let tt = (TILE_VECS / g).max(1); // tokens per tile
+        let n_tiles = s.n_tok.div_ceil(tt);
+        let rows_max = (tt * g).next_multiple_of(ROW_PAD);
+        let threads = self.n_threads();
+        let n_split = if n_tiles < threads { threads.div_ceil(n_tiles).min(npos / SPLIT_MIN).max(1) } else { 1 };
+        let n_items = n_tiles * n_split;
+        // Blocks of item i: range c of the blocks its tile sees (whole blocks from 0).
+        let blocks = |i: usize| {
+            let (tile, c) = (i / n_split, i % n_split);
+            let t1 = ((tile + 1) * tt).min(s.n_tok);
+            let nb = (s.pos0 + t1).div_ceil(BLK);
+            let len = nb.div_ceil(n_split);
+            ((c * len).min(nb), ((c + 1) * len).min(nb))
+        };
+        // Per item: its tt·g outputs, then (largest score, Σ exp(score − largest)) per vector.
+        let slot = tt * gw + 2 * tt * g;
+        let mut ob = vec![0f32; n_items * slot];
+        // Items split by cost (blocks + a constant), on item boundaries.
+        let cost = |i: usize| {
+            let (b0, b1) = blocks(i);
+            b1 - b0 + 1
+        };
+        let total: usize = (0..n_items).map(cost).sum();
+        let parts = parts_for(threads).min(n_items);
+        let mut ib = [0usize; MAX_PARTS + 1];
+        let (mut acc, mut p) = (0usize, 1usize);
+        for i in 0..n_items {
+            if p < parts && acc >= total * p / parts {
+                ib[p] = i;
+                p += 1;
+            }
+            acc += cost(i);
+        }
+        for e in ib.iter_mut().take(parts + 1).skip(p) {
+            *e = n_items;
+        }
+        let mut ob_b = ib;
+        ob_b.iter_mut().for_each(|e| *e *= slot);
+        // The converted cache of one KV head: keys [block][d][j], values [block][strip][j][c]
+        // in strips of `sw` columns (a strip's rows adjacent: rows 1 KiB apart would share a few
+        // L1 sets); the positions past npos stay zero (never written).
+        let sw = vstrip(hd);
+        let mut kt = vec![0f32; n_blk * BLK * hd];
+        let mut vf = vec![0f32; n_blk * BLK * hd];
+        let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
+        let mut cb = [0usize; MAX_PARTS + 1];
+        let cparts = even_bounds(n_blk, parts_for(threads), 1, &mut cb);
+        cb.iter_mut().for_each(|e| *e *= BLK * hd);
+        for m in 0..s.n_head_kv {
+            self.pool.split_mut2(&mut kt, &cb[..=cparts], &mut vf, &cb[..=cparts], |pi, kp, vp| {
+                let mut row = vec![0f32; hd];
+                let b0 = cb[pi] / (BLK * hd);
+                for (bi, (kb, vb)) in kp.chunks_exact_mut(BLK * hd).zip(vp.chunks_exact_mut(BLK * hd)).enumerate() {
+                    let p0 = (b0 + bi) * BLK;
+                    for j in 0..BLK.min(npos - p0) {
+                        kv_row(kn, kc, p0 + j, m * hd, &mut row);
+                        for (d, x) in row.iter().enumerate() {
+                            kb[d * BLK + j] = *x;
+                        }
+                        kv_row(kn, vc, p0 + j, m * hd, &mut row);
+                        for (st, x) in row.chunks_exact(sw).enumerate() {
+                            vb[st * BLK * sw + j * sw..][..sw].copy_from_slice(x);
+                        }
+                    }
+                }
+            });
+            let (kt, vf) = (&kt[..], &vf[..]);
+            self.pool.split_mut(&mut ob, &ob_b[..=parts], |pi, items| {
+                let mut w = Work::new(rows_max, hd);
+                for (j, o) in items.chunks_exact_mut(slot).enumerate() {
+                    let item = ib[pi] + j;
+                    let t0 = item / n_split * tt;
+                    let nt = tt.min(s.n_tok - t0);
+                    let (b0, b1) = blocks(item);
+                    let tile = Tile { kn, s, q, m, t0, nt, g, kt, vf };
+                    tile.run(&mut w, b0, b1, o);
+                }
+            });
+            // Scatter (and merge the ranges of) each tile into the output rows.
+            for tile in 0..n_tiles {
+                let t0 = tile * tt;
+                let nt = tt.min(s.n_tok - t0);
+                let items = &ob[tile * n_split * slot..(tile + 1) * n_split * slot];
+                for r in 0..nt * g {
+                    let (t, h) = (t0 + r / g, r % g);
+                    let dst = &mut out.row_mut(t)[m * gw + h * hd..m * gw + (h + 1) * hd];
+                    if n_split == 1 {
+                        dst.copy_from_slice(&items[r * hd..(r + 1) * hd]);
+                        continue;
+                    }
+                    // Each range's normalised output weighted by its share of the softmax mass.
+                    let ml = |c: usize| (items[c * slot + tt * gw + 2 * r], items[c * slot + tt * gw + 2 * r + 1]);
+                    let mx = (0..n_split).map(|c| ml(c).0).fold(f32::NEG_INFINITY, f32::max);
+                    let mut mass = 0f32;
+                    for c in 0..n_split {
+                        let (mc, lc) = ml(c);
+                        if lc == 0.0 {
+                            continue;
+                        }
+                        let wc = lc * (mc - mx).exp();
+                        mass += wc;
+                        dst.iter_mut().zip(&items[c * slot + r * hd..c * slot + (r + 1) * hd]).for_each(|(x, y)| *x += wc * y);
+                    }
+                    dst.iter_mut().for_each(|x| *x /= mass);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One worker's scratch for [`Tile::run`].
+struct Work {
+    q: Vec<f32>,  // [row][hd + QPAD], scaled
+    sc: Vec<f32>, // [row][BLK]: scores, then probabilities
+    o: Vec<f32>,  // [row][hd], unnormalised
+    mx: Vec<f32>,
+    l: Vec<f32>,
+}
+
+impl Work {
+    fn new(rows: usize, hd: usize) -> Self {
+        Work {
+            q: vec![0.0; rows * (hd + QPAD)],
+            sc: vec![0.0; rows * BLK],
+            o: vec![0.0; rows * hd],
+            mx: vec![0.0; rows],
+            l: vec![0.0; rows],
+        }
+    }
+}
+
+/// Tokens t0..t0 + nt against KV head m: row r of the tile is token t0 + r / g, query head
+/// m·g + r % g.
+struct Tile<'a, K> {
+    kn: K,
+    s: AttnShape,
+    q: &'a Mat,
+    m: usize,
+    t0: usize,
+    nt: usize,
+    g: usize,
+    kt: &'a [f32],
+    vf: &'a [f32],
+}
+
+impl<K: Kernels> Tile<'_, K> {
+    /// Key blocks b0..b1 into `o`: the tile's nt·g output rows, normalised by their own sums,
+    /// then (largest score, sum) per row; rows that see no key of the range get zeros and
+    /// (−∞, 0), weight zero in the merge.
+    fn run(&self, w: &mut Work, b0: usize, b1: usize, o: &mut [f32]) {
+        let Tile { kn, s, q, m, t0, nt, g, kt, vf } = *self;
+        let hd = s.head_dim;
+        let gw = g * hd;
+        let rows = nt * g;
+        let rp = rows.next_multiple_of(ROW_PAD);
+        // The queries, scaled (the scale folded in once per tile); padding rows zero.
+        let ldq = hd + QPAD;
+        for (r, qr) in w.q.chunks_exact_mut(ldq).take(rp).enumerate() {
+            if r < rows {
+                let src = &q.row(t0 + r / g)[m * gw + (r % g) * hd..][..hd];
+                qr[..hd].iter_mut().zip(src).for_each(|(d, x)| *d = x * s.scale);
+            } else {
+                qr.fill(0.0);
+            }
+        }
+        w.o[..rp * hd].fill(0.0);
+        w.mx[..rows].fill(f32::NEG_INFINITY);
+        w.l[..rows].fill(0.0);
+        for b in b0..b1 {
+            let kb = &kt[b * BLK * hd..(b + 1) * BLK * hd];
+            let vb = &vf[b * BLK * hd..(b + 1) * BLK * hd];
+            kn.gemm_f32(&Gemm { a: &w.q, lda: ldq, b: kb, ldb: BLK, ldc: BLK, m: rp, n: BLK, kd: hd, acc: false }, &mut w.sc);
+            for r in 0..rows {
+                // Token t sees positions 0..=pos0 + t: a prefix of the block.
+                let vis = (s.pos0 + t0 + r / g + 1).saturating_sub(b * BLK).min(BLK);
+                let sr = &mut w.sc[r * BLK..(r + 1) * BLK];
+                if vis == 0 {
+                    sr.fill(0.0);
+                    continue;
+                }
+                let bm = sr[..vis].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mn = w.mx[r].max(bm);
+                let sum = kn.exp_sum(&mut sr[..vis], mn);
+                sr[vis..].fill(0.0);
+                if mn > w.mx[r] {
+                    // exp(−∞) = 0 for a row's first visible block (its o and l are zero).
+                    let corr = (w.mx[r] - mn).exp();
+                    w.l[r] *= corr;
+                    w.o[r * hd..(r + 1) * hd].iter_mut().for_each(|x| *x *= corr);
+                    w.mx[r] = mn;
+                }
+                w.l[r] += sum;
+            }
+            let sw = vstrip(hd);
+            for (st, vs) in vb.chunks_exact(BLK * sw).enumerate() {
+                let g = Gemm { a: &w.sc, lda: BLK, b: vs, ldb: sw, ldc: hd, m: rp, n: sw, kd: BLK, acc: true };
+                kn.gemm_f32(&g, &mut w.o[st * sw..]);
+            }
+        }
+        let n_vec = o.len() / (hd + 2); // the slot's tt·g vectors
+        let (out, ml) = o.split_at_mut(n_vec * hd);
+        for r in 0..rows {
+            let dst = &mut out[r * hd..(r + 1) * hd];
+            let l = w.l[r];
+            if l == 0.0 {
+                dst.fill(0.0);
+                (ml[2 * r], ml[2 * r + 1]) = (f32::NEG_INFINITY, 0.0);
+                continue;
+            }
+            let inv = 1.0 / l;
+            dst.iter_mut().zip(&w.o[r * hd..(r + 1) * hd]).for_each(|(d, x)| *d = x * inv);
+            (ml[2 * r], ml[2 * r + 1]) = (w.mx[r], l);
+        }
+    }
+}
+
+/// Columns per strip of the converted values.
+fn vstrip(hd: usize) -> usize {
+    if hd.is_multiple_of(64) { 64 } else { 16 }
+}
+
+/// Values `start..start + out.len()` of cached row `p`, as f32.
+#[inline]
+fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
+    match c.ty {
+        KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
+        _ => c.read(p, start, out),
+    }
+}
