@@ -64,6 +64,12 @@ fn r17_chat_piped_turns_commands_and_cache() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Whether the screen shows output after the last line holding `input` (the turn's answer).
+fn answer_started(screen: &str, input: &str) -> bool {
+    let lines: Vec<&str> = screen.lines().collect();
+    lines.iter().rposition(|l| l.contains(input)).is_some_and(|i| lines[i + 1..].iter().any(|l| !l.trim().is_empty()))
+}
+
 struct Tmux {
     socket: String,
 }
@@ -113,7 +119,10 @@ fn r17_chat_in_a_terminal_ctrl_c_stops_the_answer_only() {
     assert!(o.status.success(), "tmux: {}", String::from_utf8_lossy(&o.stderr));
     t.wait_for("the prompt", |s| s.contains("ember chat") && s.trim_end().ends_with('>'));
     t.cmd(&["send-keys", "-t", "chat", "Tell me a long story", "Enter"]);
-    std::thread::sleep(Duration::from_millis(700));
+    // Ctrl-C only once the answer streams (at the prompt it quits): on a loaded machine the
+    // turn can take longer than any fixed sleep to start.
+    t.wait_for("the answer to start", |s| answer_started(s, "Tell me a long story"));
+    std::thread::sleep(Duration::from_millis(200));
     t.cmd(&["send-keys", "-t", "chat", "C-c"]);
     let s = t.wait_for("the answer to stop", |s| s.contains("stopped (Ctrl-C)"));
     assert!(!s.contains("EXITED"), "Ctrl-C during an answer must not quit:\n{s}");
@@ -128,7 +137,8 @@ fn r17_chat_in_a_terminal_ctrl_c_stops_the_answer_only() {
     assert!(shown > 0, "the partial answer is kept: {conv}");
     // The next turn works and reuses the conversation.
     t.cmd(&["send-keys", "-t", "chat", "Go on", "Enter"]);
-    std::thread::sleep(Duration::from_millis(300));
+    t.wait_for("the second answer to start", |s| answer_started(s, "Go on"));
+    std::thread::sleep(Duration::from_millis(100));
     t.cmd(&["send-keys", "-t", "chat", "C-c"]);
     let s = t.wait_for("the second answer to stop", |s| s.matches("stopped (Ctrl-C)").count() == 2);
     let stats = turn_stats(&s);
