@@ -15,6 +15,10 @@
 #          per budget, from the issue), `ember bench --gpu-mem 0=B` (tg128, pp2048, 128k context
 #          budgeted with q8_0 KV, --prompts real, THREADS threads) twice (the second starts from
 #          the heat file the first saved) against `llama-bench -ncmoe N -ctk q8_0 -ctv q8_0`
+#   profile  per-kernel GPU time of a decode step (ncu, durations only) on the 35B shape cut to 8
+#          layers: `ember run -n 1` and `-n 9` profiled, differenced by bench/gpu/ncu-diff.py
+#          (profile.md), then `ember bench` on that file
+#   ebench `ember bench --device cuda` alone on the full-size 35B (pp512, tg128, ROUNDS rounds)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
@@ -85,6 +89,25 @@ if has load; then
     done
     $E run -m $F --device cuda -p Hello -n 1 --temp 0 > "$O/ember-run.log" 2>&1
     [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
+fi
+if has profile; then
+    FC=$M/cut8.gguf
+    [[ -s $FC ]] || $E synth -o $FC --config '{"n_layer": 8}' --quant q4_k_m --seed 0 --skew 1 > "$O/synth-cut.log" 2>&1
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -n1)
+    $E run -m $FC --device cuda -p "The quick brown fox" -n 1 --temp 0 > /dev/null 2>&1  # kernel cache
+    for n in 1 9; do
+        t0=$(date +%s)
+        timeout 240 $NCU --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+            --log-file "$O/ncu-n$n.csv" $E run -m $FC --device cuda -p "The quick brown fox" -n $n --temp 0 > "$O/ncu-run-n$n.log" 2>&1
+        echo "ncu n=$n: exit $? in $(( $(date +%s) - t0 )) s, $(grep -c . "$O/ncu-n$n.csv") lines"
+    done
+    python3 bench/gpu/ncu-diff.py "$O/ncu-n1.csv" "$O/ncu-n9.csv" 8 > "$O/profile.md" 2>&1; head -40 "$O/profile.md"
+    $E bench -m $FC --device cuda -p 512 -n 128 -r ${ROUNDS} 2>&1 | grep -E "^\|" | tail -3
+fi
+if has ebench; then
+    ensure_model
+    $E bench -m $F --device cuda -p 512 -n 128 -r ${ROUNDS} -o json > "$O/ebench.json" 2> "$O/ebench.log"
+    echo "ebench: exit $?"; python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1)) for x in json.load(open(sys.argv[1]))]" "$O/ebench.json"
 fi
 if has pressure; then
     while [[ -f $M/35b-ud.gguf.synthing ]]; do sleep 2; done
