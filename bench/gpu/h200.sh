@@ -19,6 +19,9 @@
 #          layers: `ember run -n 1` and `-n 9` profiled, differenced by bench/gpu/ncu-diff.py
 #          (profile.md), then `ember bench` on that file
 #   ebench `ember bench --device cuda` alone on the full-size 35B (pp512, tg128, ROUNDS rounds)
+#   ab     `ember bench --device cuda` on the full-size 35B with and without the environment
+#          AB (e.g. AB=EMBER_GEMV_Q8=0: the change off), alternating, ROUNDS rounds, AB_ARGS
+#          (default -p 512 -n 128)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
@@ -108,6 +111,16 @@ if has ebench; then
     ensure_model
     $E bench -m $F --device cuda -p 512 -n 128 -r ${ROUNDS} -o json > "$O/ebench.json" 2> "$O/ebench.log"
     echo "ebench: exit $?"; python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1)) for x in json.load(open(sys.argv[1]))]" "$O/ebench.json"
+fi
+if has ab; then
+    ensure_model
+    for r in $(seq 1 "$ROUNDS"); do
+        for v in on off; do
+            if [[ $v == on ]]; then envs=(); else envs=("$AB"); fi
+            env "${envs[@]}" $E bench -m $F --device cuda ${AB_ARGS:--p 512 -n 128} -r 2 -o json > "$O/ab-$v-$r.json" 2> "$O/ab-$v-$r.log"
+            echo "ab round $r $v ($AB): $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/ab-$v-$r.json")"
+        done
+    done
 fi
 if has pressure; then
     while [[ -f $M/35b-ud.gguf.synthing ]]; do sleep 2; done

@@ -105,6 +105,92 @@ MOE_ENTRIES(q5_k, TY_Q5_K)
 MOE_ENTRIES(q6_k, TY_Q6_K)
 MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 
+// ---- Decode-sized batches on int8 activations (Precision::Fast; q8.cuh) ----
+// The same two kernels with x and h quantised to int8 (quantize_q8 over all tokens, then over
+// all pairs' h) and each weight block summed with dp4a; a row's units go to `wr` workers of L
+// lanes (Q8Unit), summed by seg_sum. moe_down_q8's workers share a row's k_top·units items
+// (expert j = item / units), each item weighted by its routing weight before the fixed-order sum.
+
+struct MoeQ8Params {
+    MoeParams m;
+    u64 xq;  // quantize_q8 of x ([n_tok, d]) for gate/up, of h ([n_tok · k_top, n_ff]) for down
+    u32 wr;  // workers per row
+    u32 pad;
+};
+
+// grid (ceil(n_ff / rows), n_tok · k_top), Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
+template <int TY>
+__device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
+    using U = Q8Unit<TY>;
+    const MoeParams& p = q.m;
+    __shared__ float part[Q8_THREADS / 32];
+    const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
+    const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
+    const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    const bool valid = r < (int)p.n_ff;
+    const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
+    float g = 0.0f, u = 0.0f;
+    if (valid && s != MOE_MISS) {
+        const u64 at = ((u64)s * p.n_ff + r) * p.row_bytes_gu;
+        const i8* xq = (const i8*)q.xq + (u64)t * p.d;
+        const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
+        const int n_units = p.d / U::W;
+#pragma unroll 2
+        for (int c = wk; c < n_units; c += wr) {
+            g += U::dot((const u8*)p.gate + at, c, l, xq, xd);
+            u += U::dot((const u8*)p.up + at, c, l, xq, xd);
+        }
+    }
+    g = seg_sum(g, seg, part);
+    u = seg_sum(u, seg, part);
+    if (!valid || tid % seg != 0) return;
+    float* h = (float*)p.h + (u64)pair * p.n_ff;
+    if (e >= p.n_expert) h[r] = MOE_NAN;
+    else if (s != MOE_MISS) h[r] = silu_f(g) * u;  // a pair not here: moe_down_q8 skips it
+}
+
+// grid (ceil(d / rows), n_tok), Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
+template <int TY>
+__device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
+    using U = Q8Unit<TY>;
+    const MoeParams& p = q.m;
+    __shared__ float part[Q8_THREADS / 32];
+    const u32 t = blockIdx.y;
+    const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
+    const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    const bool valid = r < (int)p.d;
+    const int n_units = p.n_ff / U::W, items = p.k_top * n_units;
+    const u64 n_h = (u64)p.n_tok * p.k_top * p.n_ff;
+    float acc = 0.0f;
+    bool nan = false;
+    if (valid) {
+        for (int it = wk; it < items; it += wr) {
+            const int j = it / n_units, c = it - j * n_units;
+            const u32 pair = t * p.k_top + j, e = ((const u32*)p.ids)[pair];
+            if (e >= p.n_expert) {
+                nan = true;
+                continue;
+            }
+            const u32 s = moe_slot(p, e);
+            if (s == MOE_MISS) continue;
+            const u8* row = (const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down;
+            const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
+            const float2* xd = (const float2*)((const i8*)q.xq + n_h) + (u64)pair * (p.n_ff / 32);
+            acc += ((const float*)p.weights)[pair] * U::dot(row, c, l, xq, xd);
+        }
+    }
+    acc = seg_sum(nan ? MOE_NAN : acc, seg, part);
+    if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
+}
+
+#define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
+    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
+
+MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
+MOE_Q8_ENTRIES(q6_k, TY_Q6_K)
+MOE_Q8_ENTRIES(q8_0, TY_Q8_0)
+
 // ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
 // moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of
 // MOE_BM pairs; moe_mma_gate_up_<type> and moe_mma_down_<type> then run one tensor-core tile

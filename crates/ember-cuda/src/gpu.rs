@@ -169,6 +169,10 @@ pub struct Gpu {
     pending: Arc<Pending>,
     /// GPU time of every flush, when `EMBER_CUDA_GRAPH_STATS` is set.
     flush_time: Option<Mutex<FlushTime>>,
+    /// Whether one-token Fast matmuls take the int8 GEMV (`EMBER_GEMV_Q8=0`: no).
+    gemv_q8: bool,
+    /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
+    q8: Mutex<Option<Buf<u8>>>,
 }
 
 /// GPU time from an event pair around every flush (`EMBER_CUDA_GRAPH_STATS=1`): with graphs on,
@@ -291,7 +295,29 @@ impl Gpu {
             recorder: Mutex::default(),
             pending: Arc::default(),
             flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
+            gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
+            q8: Mutex::default(),
         })
+    }
+
+    /// Whether one-token Fast matmuls may take the int8 GEMV (`EMBER_GEMV_Q8=0` turns it off).
+    pub(crate) fn gemv_q8_on(&self) -> bool {
+        self.gemv_q8
+    }
+
+    /// The address of the int8 activation scratch, grown to hold `bytes` (the launches
+    /// recorded so far keep the old buffer alive: see [`Buf`]'s drop).
+    pub(crate) fn q8_scratch(&self, bytes: usize) -> Result<u64> {
+        let mut q8 = self.q8.lock().unwrap_or_else(|e| e.into_inner());
+        match &*q8 {
+            Some(b) if b.len() >= bytes => Ok(b.ptr()),
+            _ => {
+                let b = self.alloc::<u8>(bytes.max(64 << 10))?;
+                let ptr = b.ptr();
+                *q8 = Some(b);
+                Ok(ptr)
+            }
+        }
     }
 
     /// From now on kernel launches are recorded, not sent, until [`Gpu::end_record`]; every call

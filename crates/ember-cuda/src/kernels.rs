@@ -12,6 +12,7 @@ use crate::nvrtc::{Image, Nvrtc};
 const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 const DEQUANT: &str = include_str!("../kernels/dequant.cuh");
 const MMA: &str = include_str!("../kernels/mma.cuh");
+const Q8: &str = include_str!("../kernels/q8.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -39,6 +40,7 @@ macro_rules! kernel {
 }
 
 kernel!(MATMUL, "matmul", DEQUANT, MMA);
+kernel!(GEMV_Q8, "gemv_q8", DEQUANT, Q8);
 kernel!(GET_ROWS, "get_rows", DEQUANT);
 kernel!(RMS_NORM, "rms_norm");
 kernel!(ADD, "add");
@@ -50,7 +52,7 @@ kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
 kernel!(DELTA_CHUNKED, "delta_chunked");
-kernel!(MOE, "moe", DEQUANT, MMA);
+kernel!(MOE, "moe", DEQUANT, MMA, Q8);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention");
@@ -58,6 +60,7 @@ kernel!(ATTENTION, "attention");
 /// Every kernel source (the NVRTC compile test walks this).
 pub static ALL: &[&Kernel] = &[
     &MATMUL,
+    &GEMV_Q8,
     &GET_ROWS,
     &RMS_NORM,
     &ADD,

@@ -8,6 +8,7 @@
 
 use std::sync::OnceLock;
 
+use ember_testkit::Rng;
 use ember_cuda::ops::{DELTA_CHUNK, DeltaIn, DeltaShape, SeqRows, StateAt};
 use ember_cuda::{Buf, Gpu};
 use ember_ops::conformance::max_rel;
@@ -27,37 +28,6 @@ fn gpu() -> Option<&'static Gpu> {
         }
     });
     g.as_ref()
-}
-
-/// xorshift64*; the seed is printed so a failure can be replayed with EMBER_SEED.
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Rng {
-        let seed = std::env::var("EMBER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
-        });
-        println!("EMBER_SEED={seed}");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545F4914F6CDD1D)
-    }
-
-    /// Uniform in [lo, hi), never exactly zero.
-    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        let v = lo + (hi - lo) * u;
-        if v == 0.0 { 1e-3 } else { v }
-    }
-
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32(lo, hi)).collect()
-    }
 }
 
 #[derive(Clone, Copy, Debug)]

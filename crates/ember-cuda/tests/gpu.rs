@@ -11,6 +11,7 @@
 
 use std::sync::OnceLock;
 
+use ember_testkit::Rng;
 use ember_cuda::ops::{
     Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts, MoeRouting,
     Precision,
@@ -33,41 +34,6 @@ fn gpu() -> Option<&'static Gpu> {
         }
     });
     g.as_ref()
-}
-
-/// xorshift64*; the seed is printed so a failure can be replayed with EMBER_SEED.
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Rng {
-        let seed = std::env::var("EMBER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
-        });
-        println!("EMBER_SEED={seed}");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545F4914F6CDD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    /// Uniform in [lo, hi), never exactly zero.
-    fn f32(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        let v = lo + (hi - lo) * u;
-        if v == 0.0 { 1e-3 } else { v }
-    }
-
-    fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32(lo, hi)).collect()
-    }
 }
 
 fn poisoned(g: &Gpu, n: usize) -> Buf<f32> {

@@ -156,3 +156,40 @@ pub fn tiny_case_ids(name: &str) -> Vec<u32> {
     let entry = c["cases"].get(name).or_else(|| c["greedy"].get(name)).unwrap_or_else(|| panic!("no case {name}"));
     entry["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
 }
+
+/// xorshift64* for random test data; the seed (from `EMBER_SEED`, else the clock) is printed so
+/// a failure can be replayed.
+pub struct Rng(u64);
+
+impl Rng {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Rng {
+        let seed = std::env::var("EMBER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) | 1
+        });
+        println!("EMBER_SEED={seed}");
+        Rng(seed)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    /// Uniform in [lo, hi), never exactly zero.
+    pub fn f32(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let v = lo + (hi - lo) * u;
+        if v == 0.0 { 1e-3 } else { v }
+    }
+
+    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32(lo, hi)).collect()
+    }
+}

@@ -29,7 +29,7 @@ use ember_ops::{
 };
 
 use crate::ops::{
-    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DeviceWeight, GEMV_MULTI,
+    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DeviceWeight, GEMV_MULTI, GEMV_Q8_MULTI,
     KvPages, MOE_MISS, MoeExperts, MoeRouting, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
@@ -302,9 +302,24 @@ impl CudaOps {
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
         let mut run = || -> crate::Result<()> {
             let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };
-            gpu.moe_prec(experts, xb, n, MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k }, hb, sb, ob, prec)?;
-            gpu.matmul_prec(sg.all(), xb, n, gb, prec)?;
-            gpu.matmul_prec(su.all(), xb, n, ub, prec)?;
+            let routed = MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k };
+            let q8 = |w: &DeviceWeight| gpu.uses_gemv_q8(w.ty, w.k, n, prec);
+            if q8(sg) && q8(su) && gpu.moe_uses_q8(experts, prec) && !gpu.moe_grouped(n, m.n_expert, prec) {
+                // One token on int8 activations: x quantised once for the shared expert's gate
+                // and up and the routed experts' (which then quantise their h over it).
+                gpu.quantize_q8(xb, x.d)?;
+                if sg.ty == su.ty {
+                    gpu.gemv_q8_quantized(&[sg.all(), su.all()], x.d, &mut [&mut *gb, &mut *ub])?;
+                } else {
+                    gpu.gemv_q8_quantized(&[sg.all()], x.d, &mut [&mut *gb])?;
+                    gpu.gemv_q8_quantized(&[su.all()], x.d, &mut [&mut *ub])?;
+                }
+                gpu.moe_q8(experts, xb, n, routed, hb, ob, true)?;
+            } else {
+                gpu.moe_prec(experts, xb, n, routed, hb, sb, ob, prec)?;
+                gpu.matmul_prec(sg.all(), xb, n, gb, prec)?;
+                gpu.matmul_prec(su.all(), xb, n, ub, prec)?;
+            }
             gpu.gate(ub, gb, n * n_ffs, Act::Silu)?;
             gpu.matmul_prec(sd.all(), ub, n, db, prec)?;
             gpu.moe_shared_add(ob, db, gsb, n, d_out)
@@ -648,11 +663,30 @@ impl Ops for CudaOps {
         // layer's projections of one input: one launch each type instead of one per weight);
         // the rest one by one.
         let mut done = vec![false; dws.len()];
+        // One-token Fast steps: x quantised to int8 once for every weight that takes the int8
+        // GEMV.
+        let q8 = |i: usize| self.gpu.uses_gemv_q8(dws[i].ty, dws[i].k, x.n, self.precision);
+        let mut quantized = false;
         for j in 0..dws.len() {
             if done[j] {
                 continue;
             }
             let (ty, k) = (dws[j].ty, dws[j].k);
+            if q8(j) {
+                let group: Vec<usize> = (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
+                let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
+                let mut ys_g: Vec<&mut Buf<f32>> =
+                    outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
+                if !quantized {
+                    self.gpu.quantize_q8(xb, k).map_err(cuda(OP, self.dev))?;
+                    quantized = true;
+                }
+                self.gpu.gemv_q8_quantized(&refs, k, &mut ys_g).map_err(cuda(OP, self.dev))?;
+                for &i in &group {
+                    done[i] = true;
+                }
+                continue;
+            }
             if !self.gpu.uses_gemv(k, x.n, self.precision) {
                 self.gpu.matmul_prec(dws[j].all(), xb, x.n, &mut outs[j], self.precision).map_err(cuda(OP, self.dev))?;
                 done[j] = true;

@@ -27,6 +27,25 @@ pub struct WeightRef<'a> {
     pub n_rows: usize,
 }
 
+impl WeightRef<'_> {
+    pub fn ty(&self) -> GgmlType {
+        self.w.ty
+    }
+
+    pub fn k(&self) -> usize {
+        self.w.k
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.w.row_bytes
+    }
+
+    /// The device address of the first row.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.w.ptr() + (self.row0 * self.w.row_bytes) as u64
+    }
+}
+
 impl DeviceWeight {
     pub fn all(&self) -> WeightRef<'_> {
         WeightRef { w: self, row0: 0, n_rows: self.n_rows }
@@ -239,6 +258,9 @@ impl Gpu {
     /// [`MMA_MIN_TOKENS`] tokens on tensor cores (sm_80+), f16 operands and f32 sums (and the
     /// GEMV up to that size; Exact takes the GEMV up to [`GEMV_MAX_TOKENS`], then the FMA tiles).
     pub fn matmul_prec(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>, precision: Precision) -> Result<()> {
+        if self.uses_gemv_q8(w.ty(), w.k(), n_tok, precision) {
+            return self.gemv_q8(&[w], x, &mut [y]);
+        }
         let fast = precision == Precision::Fast && self.has_mma();
         let gemv_max = if fast { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
         let kernel = if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {

@@ -1,5 +1,6 @@
 use cudarc::driver::DeviceRepr;
 
+use super::gemv_q8::{self, q8_bytes, workers_per_row};
 use super::matmul::{Precision, type_suffix};
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
@@ -65,6 +66,7 @@ pub struct MoeRouting<'a> {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct MoeParams {
     gate: u64,
     up: u64,
@@ -87,6 +89,18 @@ struct MoeParams {
 
 // SAFETY: plain #[repr(C)] data matching `MoeParams` in kernels/moe.cu.
 unsafe impl DeviceRepr for MoeParams {}
+
+#[repr(C)]
+struct MoeQ8Params {
+    m: MoeParams,
+    xq: u64,
+    wr: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
+// bytes, a multiple of 8: no padding in either language).
+unsafe impl DeviceRepr for MoeQ8Params {}
 
 #[repr(C)]
 struct MoePlanParams {
@@ -196,6 +210,8 @@ impl Gpu {
     ) -> Result<()> {
         if self.moe_grouped(n_tok, e.n_expert, precision) {
             self.moe_mma(e, x, n_tok, r, h, scratch, out)
+        } else if self.moe_uses_q8(e, precision) {
+            self.moe_q8(e, x, n_tok, r, h, out, false)
         } else {
             self.moe(e, x, n_tok, r, h, out)
         }
@@ -292,6 +308,62 @@ impl Gpu {
             p.rows_per_block = rows_per_block(d * n_tok, n_sm) as u32;
             self.launch(&f_dn, (blocks(d, p.rows_per_block as usize), p.n_tok, 1), 32 * WARPS as u32, 4 * (r.k * n_ff) as u32, &p)
         }
+    }
+
+    /// Whether [`Gpu::moe_prec`] runs batches too small to group on int8 activations
+    /// ([`Gpu::moe_q8`]): Fast, and gate/up and down of the types the int8 kernels have.
+    pub fn moe_uses_q8(&self, e: MoeExperts<'_>, precision: Precision) -> bool {
+        let fits = |ty, k: usize| gemv_q8::unit(ty).is_some_and(|(_, w)| k.is_multiple_of(w));
+        precision == Precision::Fast && self.gemv_q8_on() && fits(e.gate.ty, e.gate.k) && fits(e.down.ty, e.down.k)
+    }
+
+    /// [`Gpu::moe`] on int8 activations: x quantised (unless `x_quantized`: the caller's last
+    /// [`Gpu::quantize_q8`] was this x, n_tok·d values), gate/up, h quantised, down. The GPU's
+    /// int8 scratch holds h's quantisation afterwards.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_q8(
+        &self,
+        e: MoeExperts<'_>,
+        x: &Buf<f32>,
+        n_tok: usize,
+        r: MoeRouting<'_>,
+        h: &mut Buf<f32>,
+        out: &mut Buf<f32>,
+        x_quantized: bool,
+    ) -> Result<()> {
+        let (p, _) = self.moe_params(e, x, n_tok, r, h, out)?;
+        let (d, n_ff) = (e.gate.k, e.down.k);
+        let (Some((l_gu, w_gu)), Some((l_dn, w_dn)), Some(gu), Some(dn)) =
+            (gemv_q8::unit(e.gate.ty), gemv_q8::unit(e.down.ty), gemv_q8::suffix(e.gate.ty), gemv_q8::suffix(e.down.ty))
+        else {
+            return Err(shape(OP, format!("no int8 MoE kernels for {} / {}", e.gate.ty.name(), e.down.ty.name())));
+        };
+        if !d.is_multiple_of(w_gu) || !n_ff.is_multiple_of(w_dn) {
+            return Err(shape(OP, format!("d = {d}, n_ff = {n_ff}: not whole blocks of {w_gu} / {w_dn}")));
+        }
+        if n_tok == 0 {
+            return Ok(());
+        }
+        let pairs = u32_of(OP, "n_tok · k", n_tok * r.k)?;
+        if !x_quantized {
+            self.quantize_q8(x, n_tok * d)?;
+        }
+        let n_sm = self.info().n_sm;
+        let wr_gu = workers_per_row(n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm);
+        let wr_dn = workers_per_row(n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm);
+        let f_gu = self.function(&MOE, &format!("moe_gate_up_q8_{gu}"))?;
+        let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
+        let threads = gemv_q8::THREADS;
+        let q_gu = MoeQ8Params { m: p, xq: self.q8_scratch(q8_bytes(n_tok * d))?, wr: wr_gu as u32, pad: 0 };
+        // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
+        // h and out; the int8 scratch holds x's quantisation (n_tok·d values, quantize_q8 above
+        // or the caller's); rows are whole blocks of their types (checked), whose loads
+        // q8.cuh aligns as gemv_q8 does.
+        unsafe { self.launch(&f_gu, (blocks(n_ff, threads / (wr_gu * l_gu)), pairs, 1), threads as u32, 0, &q_gu)? };
+        self.quantize_q8(h, n_tok * r.k * n_ff)?;
+        let q_dn = MoeQ8Params { m: p, xq: self.q8_scratch(q8_bytes(n_tok * r.k * n_ff))?, wr: wr_dn as u32, pad: 0 };
+        // SAFETY: as above; the scratch now holds h's quantisation (n_tok·k·n_ff values).
+        unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q_dn) }
     }
 
     /// The shape checks of [`Gpu::moe`], its kernels' parameters (rows_per_block unset) and the

@@ -43,7 +43,9 @@ impl Gpu {
             eps,
             pad: 0,
         };
-        let block = if g <= 128 { 32 } else { 256 };
+        // A row of the model's width (2,048) in one pass of 1,024 threads: the norm is a
+        // latency chain (load, block sum, store), so the fewer steps per thread the better.
+        let block = if g <= 128 { 32 } else { g.div_ceil(2).next_multiple_of(32).min(1024) as u32 };
         let f = self.function(&RMS_NORM, "rms_norm")?;
         // SAFETY: x and out hold n_group·g floats, w holds g (checked above).
         unsafe { self.launch(&f, (p.n_group, 1, 1), block, 0, &p) }

@@ -1,0 +1,113 @@
+// Int8-activation dot products shared by gemv_q8.cu and moe.cu (prepended after prelude.cuh and
+// dequant.cuh): activations quantised by `quantize_q8` (gemv_q8.cu) to int8 in blocks of 32,
+// each block's (d, d·Σq) beside; a weight block's products summed with dp4a.
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// 8 bytes at 2-byte alignment (Q6_K and Q8_0 blocks are 210 and 34 bytes).
+__device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
+
+// The unit dot products: lane t (< L) of unit c of a row against the quantised x (xq: the int8
+// values of the whole row's k, xd: their blocks' (d, d·Σq)).
+template <int TY>
+struct Q8Unit;
+
+// Q4_K: lane t reads qs[16t..+16]: low nibbles are weights 64p + i0.. of sub-block 2p, high
+// nibbles the same positions of sub-block 2p + 1 (p = t / 2, i0 = 16·(t % 2)). A weight is
+// d·sc·q − dmin·mn, so a sub-block's sum is d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx): the even lane of
+// each pair adds the min term of the two sub-blocks it shares with its odd partner.
+template <>
+struct Q8Unit<TY_Q4_K> {
+    static constexpr int L = 8, W = 256;
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+        const u8* b = row + 144 * c;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q = *(const uint4*)(b + 16 + 16 * t);
+        const int p = t / 2, i0 = 16 * (t % 2);
+        const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
+        const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
+        int sl = dp4a(q.x & 0x0F0F0F0F, xl.x, 0), sh = dp4a((q.x >> 4) & 0x0F0F0F0F, xh.x, 0);
+        sl = dp4a(q.y & 0x0F0F0F0F, xl.y, sl), sh = dp4a((q.y >> 4) & 0x0F0F0F0F, xh.y, sh);
+        sl = dp4a(q.z & 0x0F0F0F0F, xl.z, sl), sh = dp4a((q.z >> 4) & 0x0F0F0F0F, xh.z, sh);
+        sl = dp4a(q.w & 0x0F0F0F0F, xl.w, sl), sh = dp4a((q.w >> 4) & 0x0F0F0F0F, xh.w, sh);
+        int sc0, mn0, sc1, mn1;
+        scale_min_k4_words(2 * p, h.y, h.z, h.w, &sc0, &mn0);
+        scale_min_k4_words(2 * p + 1, h.y, h.z, h.w, &sc1, &mn1);
+        const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
+        const float2 a = xd[8 * c + 2 * p], e = xd[8 * c + 2 * p + 1];
+        float r = d * ((float)sc0 * a.x * (float)sl + (float)sc1 * e.x * (float)sh);
+        if (t % 2 == 0) r -= dmin * ((float)mn0 * a.y + (float)mn1 * e.y);
+        return r;
+    }
+};
+
+// Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
+// low and high nibbles), ql[64n + 32 + l0..+8] (quarters 1 and 3) and qh[32n + l0..+8] (bits
+// 2r of quarter r): weights 128n + 32r + l0.. for r < 4, scale sc[8n + 2r + l0 / 16].
+template <>
+struct Q8Unit<TY_Q6_K> {
+    static constexpr int L = 8, W = 256;
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+        const u8* b = row + 210 * c;
+        const int n = t / 4, l0 = 8 * (t % 4);
+        const uint2 qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
+        const uint2 qh = ld_u64_a2(b + 128 + 32 * n + l0);
+        const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
+        const float d = f16_to_f32(ld_u16(b + 208));
+        const i8* x = xq + 256 * c + 128 * n + l0;
+        float r = 0.0f;
+#pragma unroll
+        for (int rq = 0; rq < 4; ++rq) {
+            const uint2 ql = (rq & 1) ? qb : qa;
+            const int sh = 4 * (rq >> 1);
+            u32 v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * rq)) & 0x03030303u) << 4);
+            u32 v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * rq)) & 0x03030303u) << 4);
+            // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and the byte
+            // is negative: set bits 6 and 7 too.
+            v0 ^= 0x20202020u, v1 ^= 0x20202020u;
+            v0 |= (v0 & 0x20202020u) * 6, v1 |= (v1 & 0x20202020u) * 6;
+            const int2 xv = *(const int2*)(x + 32 * rq);
+            const int s = dp4a((int)v1, xv.y, dp4a((int)v0, xv.x, 0));
+            const int j = 2 * rq + l0 / 16;  // scale 8n + j
+            const int sc = (int)(i8)(((j < 4 ? s4 : s4b) >> (8 * (j % 4))) & 0xFF);
+            r += (float)sc * xd[8 * c + 4 * n + rq].x * (float)s;
+        }
+        return d * r;
+    }
+};
+
+// Q8_0: lane t reads quants 8t..+8 of the block.
+template <>
+struct Q8Unit<TY_Q8_0> {
+    static constexpr int L = 4, W = 32;
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+        const u8* b = row + 34 * c;
+        const uint2 w = ld_u64_a2(b + 2 + 8 * t);
+        const int2 xv = *(const int2*)(xq + 32 * c + 8 * t);
+        const int s = dp4a((int)w.y, xv.y, dp4a((int)w.x, xv.x, 0));
+        return f16_to_f32(ld_u16(b)) * xd[c].x * (float)s;
+    }
+};
+
+// The sum of v over the `seg` consecutive threads of a row (seg a power of two, at most the
+// block's 128 threads), in a fixed order; every thread of the row gets it. `part`: shared memory
+// of blockDim.x / 32 floats. Every thread of the block calls it (it may hold barriers).
+__device__ __forceinline__ float seg_sum(float v, int seg, float* part) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        if (o < seg) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (seg <= 32) return v;
+    __syncthreads();  // a previous call's readers are done with part
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    const int w0 = (threadIdx.x / seg) * (seg / 32);
+    float s = 0.0f;
+    for (int j = 0; j < seg / 32; ++j) s += part[w0 + j];
+    return s;
+}
+
+#define Q8_THREADS 128

@@ -1,0 +1,169 @@
+//! Decode GEMVs on int8 activations (kernels/gemv_q8.cu): one token's x quantised to int8 in
+//! blocks of 32, then the weight rows summed against it with integer dot products. What
+//! [`Precision::Fast`] runs for one-token matmuls of Q4_K, Q6_K and Q8_0 weights (the types of
+//! the Q4_K_M and UD-Q4_K_M files' trunks and experts); `EMBER_GEMV_Q8=0` turns it off.
+
+use cudarc::driver::DeviceRepr;
+use ember_gguf::GgmlType;
+
+use super::matmul::{Precision, WeightRef};
+use super::{blocks, need, u32_of};
+use crate::error::{Result, shape};
+use crate::gpu::{Buf, Gpu};
+use crate::kernels::GEMV_Q8;
+
+const OP: &str = "gemv_q8";
+/// Weights per launch (`GEMV_Q8_MULTI` in kernels/gemv_q8.cu).
+pub const GEMV_Q8_MULTI: usize = 4;
+/// Threads per block (`GEMV_Q8_THREADS`).
+pub(crate) const THREADS: usize = 128;
+/// Resident threads per SM the launcher aims to fill (an H100/H200 SM holds 2,048).
+const THREADS_PER_SM: usize = 2048;
+
+#[repr(C)]
+struct QuantizeQ8Params {
+    x: u64,
+    q: u64,
+    n: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `QuantizeQ8Params` in kernels/gemv_q8.cu.
+unsafe impl DeviceRepr for QuantizeQ8Params {}
+
+#[repr(C)]
+struct GemvQ8Params {
+    w: [u64; GEMV_Q8_MULTI],
+    y: [u64; GEMV_Q8_MULTI],
+    xq: u64,
+    n_rows: [u32; GEMV_Q8_MULTI],
+    row_bytes: [u32; GEMV_Q8_MULTI],
+    block0: [u32; GEMV_Q8_MULTI + 1],
+    wr: [u32; GEMV_Q8_MULTI],
+    k: u32,
+    n: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `GemvQ8Params` in kernels/gemv_q8.cu (72 bytes of u64,
+// then 17 + 3 u32: 152 bytes, no padding in either language).
+unsafe impl DeviceRepr for GemvQ8Params {}
+
+/// Lanes and weights per unit of work (`Q8Unit<TY>::L`, `::W`) of the types the kernel has.
+pub(crate) fn unit(ty: GgmlType) -> Option<(usize, usize)> {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => Some((8, 256)),
+        GgmlType::Q8_0 => Some((4, 32)),
+        _ => None,
+    }
+}
+
+pub(crate) fn suffix(ty: GgmlType) -> Option<&'static str> {
+    match ty {
+        GgmlType::Q4K => Some("q4_k"),
+        GgmlType::Q6K => Some("q6_k"),
+        GgmlType::Q8_0 => Some("q8_0"),
+        _ => None,
+    }
+}
+
+/// Bytes of [`Gpu::quantize_q8`]'s output for `k` values: the int8 values, then a (d, d·Σq)
+/// pair of f32 per block of 32.
+pub fn q8_bytes(k: usize) -> usize {
+    k + 8 * k.div_ceil(32)
+}
+
+/// Workers (of `lanes` lanes) per row for a weight of `n_rows` rows of `n_units` units: enough
+/// that the launch fills every SM, at most one per unit and what a block holds.
+pub(crate) fn workers_per_row(n_rows: usize, n_units: usize, lanes: usize, n_sm: u32) -> usize {
+    let want = (n_sm as usize * THREADS_PER_SM).div_ceil(n_rows.max(1) * lanes).next_power_of_two();
+    let units = if n_units.is_power_of_two() { n_units } else { n_units.next_power_of_two() / 2 };
+    want.min(units.max(1)).min(THREADS / lanes)
+}
+
+impl Gpu {
+    /// Whether one-token matmuls of `ty` weights of `k` columns take the int8 GEMV at
+    /// `precision` (Fast only: the activations' rounding is Fast's error).
+    pub fn uses_gemv_q8(&self, ty: GgmlType, k: usize, n_tok: usize, precision: Precision) -> bool {
+        precision == Precision::Fast && n_tok == 1 && self.gemv_q8_on() && unit(ty).is_some_and(|(_, w)| k > 0 && k.is_multiple_of(w))
+    }
+
+    /// Quantises `x` (k values) into the GPU's int8 activation scratch, which
+    /// [`Gpu::gemv_q8_quantized`] reads until the next call.
+    pub fn quantize_q8(&self, x: &Buf<f32>, k: usize) -> Result<()> {
+        need(OP, "x", x, k)?;
+        if !k.is_multiple_of(32) || k == 0 {
+            return Err(shape(OP, format!("int8 activations come in blocks of 32 values, k = {k}")));
+        }
+        let q = self.q8_scratch(q8_bytes(k))?;
+        let p = QuantizeQ8Params { x: x.ptr(), q, n: u32_of(OP, "k", k)?, pad: 0 };
+        let f = self.function(&GEMV_Q8, "quantize_q8")?;
+        // SAFETY: x holds k floats (checked); the scratch holds q8_bytes(k) bytes; one warp per
+        // block of 32 values, blocks of 8 warps.
+        unsafe { self.launch(&f, (blocks(k / 32, 8), 1, 1), 256, 0, &p) }
+    }
+
+    /// `ys[i] = x · ws[i]ᵀ` for one token, 1 to [`GEMV_Q8_MULTI`] weights of one type and k,
+    /// from the x that [`Gpu::quantize_q8`] last quantised (with this k).
+    pub fn gemv_q8_quantized(&self, ws: &[WeightRef<'_>], k: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
+        let n = ws.len();
+        if n == 0 || n > GEMV_Q8_MULTI || ys.len() != n {
+            return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_Q8_MULTI})", ys.len())));
+        }
+        let ty = ws[0].ty();
+        if ws.iter().any(|w| w.ty() != ty || w.k() != k) {
+            return Err(shape(OP, format!("weights of one launch share their type and k = {k}")));
+        }
+        let (Some((lanes, per_unit)), Some(sfx)) = (unit(ty), suffix(ty)) else {
+            return Err(shape(OP, format!("no int8 GEMV for {}", ty.name())));
+        };
+        if !k.is_multiple_of(per_unit) || k == 0 {
+            return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
+        }
+        let q = self.q8_scratch(q8_bytes(k))?;
+        let mut p = GemvQ8Params {
+            w: [0; GEMV_Q8_MULTI],
+            y: [0; GEMV_Q8_MULTI],
+            xq: q,
+            n_rows: [0; GEMV_Q8_MULTI],
+            row_bytes: [0; GEMV_Q8_MULTI],
+            block0: [0; GEMV_Q8_MULTI + 1],
+            wr: [1; GEMV_Q8_MULTI],
+            k: u32_of(OP, "k", k)?,
+            n: n as u32,
+            pad: 0,
+        };
+        let mut total = 0u32;
+        for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
+            need(OP, "y", y, w.n_rows)?;
+            let wr = workers_per_row(w.n_rows, k / per_unit, lanes, self.info().n_sm);
+            p.w[i] = w.ptr();
+            p.y[i] = y.ptr();
+            p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
+            p.row_bytes[i] = u32_of(OP, "row_bytes", w.row_bytes())?;
+            p.wr[i] = wr as u32;
+            p.block0[i] = total;
+            total += blocks(w.n_rows, THREADS / (wr * lanes));
+        }
+        for b in &mut p.block0[n..] {
+            *b = total;
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let f = self.function(&GEMV_Q8, &format!("gemv_q8_{sfx}"))?;
+        // SAFETY: every weight pointer addresses n_rows rows of row_bytes (WeightRef's range was
+        // checked), of whole blocks of its type (k % per_unit == 0); each y holds n_rows floats
+        // (checked); the scratch holds q8_bytes(k). Alignment: Q4_K rows and blocks are
+        // multiples of 16 bytes (the kernel's 16-byte loads), Q6_K and Q8_0 are read 2 bytes at
+        // a time; the int8 x is read 16 (Q4_K) or 8 bytes at a time at multiples of that.
+        unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) }
+    }
+
+    /// [`Gpu::quantize_q8`] then [`Gpu::gemv_q8_quantized`].
+    pub fn gemv_q8(&self, ws: &[WeightRef<'_>], x: &Buf<f32>, ys: &mut [&mut Buf<f32>]) -> Result<()> {
+        let k = ws.first().map_or(0, |w| w.k());
+        self.quantize_q8(x, k)?;
+        self.gemv_q8_quantized(ws, k, ys)
+    }
+}

@@ -1,0 +1,291 @@
+//! The int8-activation decode GEMV (kernels/gemv_q8.cu) against a host reference that
+//! quantises x the same way, and against the exact product within the quantisation's bound.
+//!
+//! With no NVIDIA driver every test prints why and passes (CI has no GPU). On a GPU:
+//! `cargo test -p ember-cuda --release --test gemv_q8 -- --test-threads=1`; the timings:
+//! `... -- --ignored --nocapture bench`.
+
+use std::sync::OnceLock;
+
+use ember_cuda::ops::{GEMV_Q8_MULTI, MoeExperts, MoeRouting, Precision};
+use ember_cuda::{Buf, Gpu};
+use ember_gguf::GgmlType;
+use ember_ops::{Mat, WeightView, reference};
+use ember_testkit::Rng;
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    let g = GPU.get_or_init(|| match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    });
+    g.as_ref()
+}
+
+fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
+    let w = rng.vec(k * n_rows, -1.0, 1.0);
+    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
+    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
+    bytes
+}
+
+/// x quantised as quantize_q8 does: per block of 32, d = max|x| / 127, q = x / d rounded to
+/// nearest even; returns the dequantised values d·q.
+fn q8_round_trip(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            b.iter().map(move |&v| if amax > 0.0 { (v / d).round_ties_even() * d } else { 0.0 }).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+struct Case {
+    got: Vec<f32>,
+    /// The product of the weight with the quantised x, in f64.
+    want_q: Vec<f64>,
+    /// Σ_j |w_j·xq_j| per row: the scale of the f32 sums' rounding.
+    scale_q: Vec<f64>,
+    /// The exact product (reference::matmul on the f32 x).
+    want: Vec<f32>,
+    /// Σ_j |w_j|·d_b(j)/2 per row: what rounding x to int8 can move a row's sum at most.
+    bound: Vec<f64>,
+}
+
+fn run_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize) -> Case {
+    let bytes = quantised(ty, rng, k, n_rows);
+    let view = WeightView { ty, k, n_rows, data: &bytes };
+    let x = rng.vec(k, -2.0, 2.0);
+    let xq = q8_round_trip(&x);
+    let want = reference::matmul(&view, &Mat::from_vec(1, k, x.clone())).data;
+    let mut w = vec![0f32; k];
+    let (mut want_q, mut scale_q, mut bound) = (vec![0f64; n_rows], vec![0f64; n_rows], vec![0f64; n_rows]);
+    let half_d: Vec<f64> = x.chunks(32).map(|b| b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0 / 2.0).collect();
+    for r in 0..n_rows {
+        ember_gguf::quant::dequantize(ty, view.row(r), &mut w).unwrap();
+        for j in 0..k {
+            let p = w[j] as f64 * xq[j] as f64;
+            want_q[r] += p;
+            scale_q[r] += p.abs();
+            bound[r] += (w[j] as f64).abs() * half_d[j / 32];
+        }
+    }
+    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+    let xb = g.upload(&x).unwrap();
+    let mut y = g.upload(&vec![f32::NAN; n_rows]).unwrap();
+    g.matmul_prec(dw.all(), &xb, 1, &mut y, Precision::Fast).unwrap();
+    let got = g.download(&y).unwrap();
+
+    // A row range (an expert of a stacked tensor) gives the same rows bit for bit.
+    if n_rows > 2 {
+        let (r0, nr) = (1, n_rows - 2);
+        let mut y2: Buf<f32> = g.upload(&vec![f32::NAN; nr]).unwrap();
+        g.matmul_prec(dw.rows(r0, nr).unwrap(), &xb, 1, &mut y2, Precision::Fast).unwrap();
+        assert_eq!(g.download(&y2).unwrap(), &got[r0..r0 + nr], "{} k={k} rows {r0}..", ty.name());
+    }
+    Case { got, want_q, scale_q, want, bound }
+}
+
+/// Shapes of the 35B-A3B decode (k 2048 / 4096 / 512; 512 to 8192 rows) and ragged ones (a
+/// single row, odd row counts, k of one block, Q8_0 k of an odd number of blocks); every
+/// launch shape the launcher picks (rows spread over 1 to 16 workers, a row over several warps).
+const CASES: &[(GgmlType, usize, usize)] = &[
+    (GgmlType::Q4K, 2048, 4096),
+    (GgmlType::Q4K, 4096, 2048),
+    (GgmlType::Q4K, 2048, 512),
+    (GgmlType::Q4K, 512, 2048),
+    (GgmlType::Q4K, 256, 7),
+    (GgmlType::Q4K, 768, 1),
+    (GgmlType::Q6K, 2048, 8192),
+    (GgmlType::Q6K, 512, 2048),
+    (GgmlType::Q6K, 2048, 33_001),
+    (GgmlType::Q6K, 256, 5),
+    (GgmlType::Q8_0, 2048, 8192),
+    (GgmlType::Q8_0, 4096, 2048),
+    (GgmlType::Q8_0, 512, 2048),
+    (GgmlType::Q8_0, 96, 3),
+];
+
+/// Against the same product on the quantised x: only the f32 sums' order differs, so
+/// |err| <= 1e-5·Σ|w·xq| (measured on the H200: see GEMV_Q8_ERR). Against the exact product:
+/// within the int8 rounding's bound Σ|w|·d/2 (plus the same 1e-5), a bound no data can exceed.
+#[test]
+fn gemv_q8_matches_quantised_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let mut worst = 0f64;
+    let mut worst_exact = 0f64;
+    for &(ty, k, n_rows) in CASES {
+        let c = run_case(g, &mut rng, ty, k, n_rows);
+        for r in 0..n_rows {
+            let got = c.got[r] as f64;
+            let err = (got - c.want_q[r]).abs();
+            assert!(
+                err <= 1e-5 * c.scale_q[r],
+                "{} k={k} rows={n_rows}: [{r}] got {got}, want {} (err {err:e}, scale {:e})",
+                ty.name(),
+                c.want_q[r],
+                c.scale_q[r]
+            );
+            worst = worst.max(err / c.scale_q[r]);
+            let err_exact = (got - c.want[r] as f64).abs();
+            assert!(
+                err_exact <= c.bound[r] + 1e-5 * c.scale_q[r],
+                "{} k={k} rows={n_rows}: [{r}] got {got}, exact {} (err {err_exact:e}, int8 bound {:e})",
+                ty.name(),
+                c.want[r],
+                c.bound[r]
+            );
+            worst_exact = worst_exact.max(err_exact / c.scale_q[r]);
+        }
+    }
+    println!("gemv_q8: max |err| / Σ|w·xq| = {worst:e} (against the quantised x), {worst_exact:e} (against the exact product)");
+}
+
+/// Several weights in one launch give each weight's outputs bit for bit.
+#[test]
+fn gemv_q8_multi_equals_one_launch_per_weight() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
+        let k = 2048;
+        let rows = [8192, 4096, 32, 32];
+        assert_eq!(rows.len(), GEMV_Q8_MULTI);
+        let ws: Vec<_> = rows.iter().map(|&n| g.upload_weight(ty, k, n, &quantised(ty, &mut rng, k, n)).unwrap()).collect();
+        let x = g.upload(&rng.vec(k, -2.0, 2.0)).unwrap();
+        let mut ys: Vec<Buf<f32>> = rows.iter().map(|&n| g.upload(&vec![f32::NAN; n]).unwrap()).collect();
+        let refs: Vec<_> = ws.iter().map(|w| w.all()).collect();
+        let mut ys_mut: Vec<&mut Buf<f32>> = ys.iter_mut().collect();
+        g.gemv_q8(&refs, &x, &mut ys_mut).unwrap();
+        for (i, w) in ws.iter().enumerate() {
+            let mut one = g.upload(&vec![f32::NAN; rows[i]]).unwrap();
+            g.gemv_q8(&[w.all()], &x, &mut [&mut one]).unwrap();
+            assert_eq!(g.download(&ys[i]).unwrap(), g.download(&one).unwrap(), "{} weight {i}", ty.name());
+        }
+    }
+}
+
+/// The MoE on int8 activations (`Gpu::moe_q8`) against a host model of it: x quantised per
+/// token, h = silu(gate·xq) ⊙ up·xq, h quantised, out = Σ_j w_j·down_j·hq_j, in f64. Only the
+/// GPU's f32 sums differ, and where one moves an h value across a rounding boundary, one int8
+/// step of h: |err| <= 2e-4·Σ_j |w_j|·Σ_m |down_j[m]·hq_j[m]| (measured on the H200: see the
+/// printed line).
+#[test]
+fn moe_q8_matches_quantised_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases = [
+        (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, 8, 1),
+        (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 6, 3, 5),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 3),
+        (GgmlType::Q6K, GgmlType::Q8_0, 256, 512, 4, 2, 2),
+    ];
+    let mut worst = 0f64;
+    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok) in cases {
+        let gate = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let up = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
+        let down = quantised(ty_dn, &mut rng, n_ff, n_expert * d);
+        let deq = |ty: GgmlType, bytes: &[u8], k: usize, n: usize| {
+            let mut all = vec![0f32; k * n];
+            let rb = ty.row_bytes(k).unwrap();
+            for r in 0..n {
+                ember_gguf::quant::dequantize(ty, &bytes[r * rb..(r + 1) * rb], &mut all[r * k..(r + 1) * k]).unwrap();
+            }
+            all
+        };
+        let (gf, uf, df) = (deq(ty_gu, &gate, d, n_expert * n_ff), deq(ty_gu, &up, d, n_expert * n_ff), deq(ty_dn, &down, n_ff, n_expert * d));
+        let x = rng.vec(n_tok * d, -1.0, 1.0);
+        let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
+        let routing = reference::route(&logits, k);
+        let dot = |w: &[f32], x: &[f32]| w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+        let (mut want, mut scale) = (vec![0f64; n_tok * d], vec![0f64; n_tok * d]);
+        for t in 0..n_tok {
+            let xq = q8_round_trip(&x[t * d..(t + 1) * d]);
+            for j in 0..k {
+                let (e, wt) = (routing.ids[t * k + j].0 as usize, routing.weights[t * k + j] as f64);
+                let h: Vec<f32> = (0..n_ff)
+                    .map(|r| {
+                        let row = (e * n_ff + r) * d;
+                        let gv = dot(&gf[row..row + d], &xq) as f32;
+                        (gv / (1.0 + (-gv).exp()) * dot(&uf[row..row + d], &xq) as f32) as f32
+                    })
+                    .collect();
+                let hq = q8_round_trip(&h);
+                for i in 0..d {
+                    let row = &df[(e * d + i) * n_ff..(e * d + i + 1) * n_ff];
+                    want[t * d + i] += wt * dot(row, &hq);
+                    scale[t * d + i] += wt.abs() * row.iter().zip(&hq).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>();
+                }
+            }
+        }
+        let (gw, uw, dw) = (
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
+            g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
+            g.upload_weight(ty_dn, n_ff, n_expert * d, &down).unwrap(),
+        );
+        let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
+        let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
+        let mut h = g.upload(&vec![f32::NAN; n_tok * k * n_ff]).unwrap();
+        let mut out = g.upload(&vec![f32::NAN; n_tok * d]).unwrap();
+        let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
+        assert!(g.moe_uses_q8(experts, Precision::Fast));
+        g.moe_q8(experts, &g.upload(&x).unwrap(), n_tok, MoeRouting { ids: &idb, weights: &wb, k }, &mut h, &mut out, false).unwrap();
+        let got = g.download(&out).unwrap();
+        let what = format!("moe_q8 {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
+        for i in 0..n_tok * d {
+            let err = (got[i] as f64 - want[i]).abs();
+            assert!(err <= 2e-4 * scale[i], "{what}: [{i}] got {}, want {} (err {err:e}, scale {:e})", got[i], want[i], scale[i]);
+            worst = worst.max(err / scale[i]);
+        }
+    }
+    println!("moe_q8: max |err| / scale = {worst:e}");
+}
+
+/// Time per call of the int8 GEMV and the f32 GEMV (Exact) at the 35B-A3B decode shapes, as
+/// GB/s of weight bytes (the H200 copies ~4,300 GB/s).
+#[test]
+#[ignore]
+fn bench_gemv_q8() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let cases: &[(&str, GgmlType, usize, usize)] = &[
+        ("output head", GgmlType::Q6K, 2048, 248_320),
+        ("deltanet qkv", GgmlType::Q6K, 2048, 8192),
+        ("deltanet gate", GgmlType::Q4K, 2048, 4096),
+        ("deltanet out", GgmlType::Q4K, 4096, 2048),
+        ("shared gate", GgmlType::Q4K, 2048, 512),
+        ("shared down", GgmlType::Q6K, 512, 2048),
+        ("ud qkv", GgmlType::Q8_0, 2048, 8192),
+        ("ud out", GgmlType::Q8_0, 4096, 2048),
+        ("ud shared down", GgmlType::Q8_0, 512, 2048),
+    ];
+    for &(what, ty, k, n_rows) in cases {
+        let tile_rows = 256.min(n_rows);
+        let tile = quantised(ty, &mut rng, k, tile_rows);
+        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
+        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+        let x = g.upload(&rng.vec(k, -1.0, 1.0)).unwrap();
+        let mut y = g.alloc::<f32>(n_rows).unwrap();
+        let mut line = format!("bench gemv {:5} {what:15} k={k:5} rows={n_rows:6}:", ty.name());
+        for prec in [Precision::Exact, Precision::Fast] {
+            g.matmul_prec(dw.all(), &x, 1, &mut y, prec).unwrap();
+            let iters = if bytes.len() < 10 << 20 { 500 } else { 50 };
+            let ms = g
+                .time_ms(|| {
+                    for _ in 0..iters {
+                        g.matmul_prec(dw.all(), &x, 1, &mut y, prec)?;
+                    }
+                    Ok(())
+                })
+                .unwrap()
+                / iters as f32;
+            let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
+            line += &format!("  {prec:?} {:7.2} us {gbs:6.0} GB/s", ms * 1e3);
+        }
+        println!("{line}");
+    }
+}
