@@ -20,8 +20,12 @@ struct DeltaPrepParams {
 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// grid (2·nk + 1, n_tok): blocks below 2·nk normalise one q or k head; the last block copies v
-// and computes g and β for every value head.
+// Values of v each copying block moves (blockDim 128 × 4).
+#define DELTA_PREP_V_CHUNK 512
+
+// grid (2·nk + 1 + ceil(nv·dv / DELTA_PREP_V_CHUNK), n_tok), 128 threads: blocks below 2·nk
+// normalise one q or k head, block 2·nk computes g and β for every value head, the rest copy v
+// a chunk each (one block copying all of v was a serial chain of 32 loads a thread).
 extern "C" __global__ void delta_prep(const DeltaPrepParams p) {
     __shared__ float scratch[32];
     const u32 t = blockIdx.y, nk = p.n_k_head, dk = p.d_k, nv = p.n_v_head;
@@ -43,13 +47,17 @@ extern "C" __global__ void delta_prep(const DeltaPrepParams p) {
         }
         return;
     }
+    if (blockIdx.x == 2 * nk) {
+        for (u32 h = threadIdx.x; h < nv; h += blockDim.x) {
+            const u64 at = (u64)t * nv + h;
+            ((float*)p.beta)[at] = sigmoid_f(((const float*)p.b)[at]);
+            const float x = ((const float*)p.alpha)[at] + ((const float*)p.dt_bias)[h];
+            ((float*)p.g)[at] = ((const float*)p.a)[h] * softplus_f(x);
+        }
+        return;
+    }
     const float* src = row + 2 * nk * dk;
     float* dst = (float*)p.v + (u64)t * nv * p.d_v;
-    for (u32 i = threadIdx.x; i < nv * p.d_v; i += blockDim.x) dst[i] = src[i];
-    for (u32 h = threadIdx.x; h < nv; h += blockDim.x) {
-        const u64 at = (u64)t * nv + h;
-        ((float*)p.beta)[at] = sigmoid_f(((const float*)p.b)[at]);
-        const float x = ((const float*)p.alpha)[at] + ((const float*)p.dt_bias)[h];
-        ((float*)p.g)[at] = ((const float*)p.a)[h] * softplus_f(x);
-    }
+    const u32 i0 = (blockIdx.x - 2 * nk - 1) * DELTA_PREP_V_CHUNK, i1 = min(i0 + DELTA_PREP_V_CHUNK, nv * p.d_v);
+    for (u32 i = i0 + threadIdx.x; i < i1; i += blockDim.x) dst[i] = src[i];
 }

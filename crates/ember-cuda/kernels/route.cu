@@ -10,9 +10,70 @@ struct RouteParams {
     float sum_min;
 };
 
-// One warp per token, blockDim 32, dynamic shared memory n_expert floats.
+// Experts per lane held in registers by route_regs (256 experts: the 35B-A3B's).
+#define ROUTE_PER_LANE 8
+
+// route for n_expert <= 32·ROUTE_PER_LANE with each lane's probabilities (experts lane,
+// lane + 32, ..) in registers: the same arithmetic in the same order as the shared-memory
+// path below, so the same results, without its loads in every round.
+__device__ __forceinline__ void route_regs(const RouteParams& p) {
+    const int lane = threadIdx.x, t = blockIdx.x, e_n = p.n_expert;
+    const float* l = (const float*)p.logits + (u64)t * e_n;
+    const float neg_inf = -__int_as_float(0x7f800000);
+    float v[ROUTE_PER_LANE];
+    float m = neg_inf;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < e_n ? l[e] : neg_inf;
+        m = fmaxf(m, v[i]);
+    }
+    m = warp_max(m);
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        if (lane + 32 * i < e_n) {
+            v[i] = expf(v[i] - m);
+            s += (double)v[i];
+        }
+    }
+    s = warp_sum_f64(s);
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) v[i] = lane + 32 * i < e_n ? (float)((double)v[i] / s) : -2.0f;
+    u32* ids = (u32*)p.ids + (u64)t * p.k;
+    float* w = (float*)p.weights + (u64)t * p.k;
+    float sum = 0.0f;
+    for (u32 r = 0; r < p.k; ++r) {
+        float best = -2.0f;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i)
+            if (v[i] > best) best = v[i], best_e = lane + 32 * i;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+        }
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i)
+            if (lane + 32 * i == best_e) v[i] = -1.0f;
+        if (lane == 0) ids[r] = best_e;
+        if (lane == (int)(r % 32)) w[r] = best;
+        sum += best;
+    }
+    const float norm = fmaxf(sum, p.sum_min);
+    __syncwarp();
+    for (u32 r = lane; r < p.k; r += 32) w[r] = w[r] / norm;
+}
+
+// One warp per token, blockDim 32, dynamic shared memory n_expert floats (unused by route_regs).
 extern "C" __global__ void route(const RouteParams p) {
     extern __shared__ float prob[];
+    if (p.n_expert <= 32 * ROUTE_PER_LANE) {
+        route_regs(p);
+        return;
+    }
     const int lane = threadIdx.x, t = blockIdx.x, e_n = p.n_expert;
     const float* l = (const float*)p.logits + (u64)t * e_n;
     float m = -__int_as_float(0x7f800000);  // -inf (no math headers)

@@ -173,6 +173,8 @@ pub struct Gpu {
     gemv_q8: bool,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
+    /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
+    q8_gen: std::sync::atomic::AtomicU64,
 }
 
 /// GPU time from an event pair around every flush (`EMBER_CUDA_GRAPH_STATS=1`): with graphs on,
@@ -297,6 +299,7 @@ impl Gpu {
             flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
+            q8_gen: Default::default(),
         })
     }
 
@@ -318,6 +321,17 @@ impl Gpu {
                 Ok(ptr)
             }
         }
+    }
+
+    /// Which write of the int8 scratch it holds now: a caller that quantised a tensor there
+    /// and finds the same generation later may use it without quantising again.
+    pub fn q8_generation(&self) -> u64 {
+        self.q8_gen.load(Ordering::Relaxed)
+    }
+
+    /// Marks a new write of the int8 scratch; returns its generation.
+    pub(crate) fn bump_q8_generation(&self) -> u64 {
+        self.q8_gen.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// From now on kernel launches are recorded, not sent, until [`Gpu::end_record`]; every call

@@ -28,9 +28,9 @@ const TOL: Tolerances = Tolerances { rel: 3e-5, quant_nmse: 1e-12 };
 /// float matmuls `rel` 2.6e-4 (F16) to 3.2e-4 (F32); quantised matmuls NMSE 5.8e-8 to 6.6e-8,
 /// the MoE 1.9e-7; every other op as under Exact. Bounds ~5-6x. One-token matmuls of Q4_K,
 /// Q6_K and Q8_0 and MoE batches below the tensor-core size run on int8 activations (blocks of
-/// 32, as the CPU's Fast, whose bound this shares): quantised matmul and MoE NMSE then
-/// measured up to QUANT_NMSE_MEASURED.
-const TOL_FAST: Tolerances = Tolerances { rel: 2e-3, quant_nmse: 1e-3 };
+/// 32, as the CPU's Fast): measured then (H200, 2026-12-04) quantised matmul_many NMSE
+/// 1.2e-6 to 1.6e-6 (one token), the MoE 2.6e-5. Bound ~8x.
+const TOL_FAST: Tolerances = Tolerances { rel: 2e-3, quant_nmse: 2e-4 };
 
 /// One GPU test of this file at a time: the pool test takes nearly all free device memory.
 fn one_at_a_time() -> MutexGuard<'static, ()> {

@@ -8,11 +8,11 @@
 
 use std::sync::OnceLock;
 
-use ember_testkit::Rng;
 use ember_cuda::ops::{DELTA_CHUNK, DeltaIn, DeltaShape, SeqRows, StateAt};
 use ember_cuda::{Buf, Gpu};
 use ember_ops::conformance::max_rel;
 use ember_ops::{Mat, reference};
+use ember_testkit::Rng;
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();

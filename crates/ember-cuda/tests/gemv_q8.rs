@@ -169,6 +169,30 @@ fn gemv_q8_multi_equals_one_launch_per_weight() {
     }
 }
 
+/// rms_norm_q8 writes what rms_norm writes, and an int8 copy the GEMV reads as it reads
+/// quantize_q8's of that output: the products equal bit for bit.
+#[test]
+fn rms_norm_q8_leaves_the_int8_copy_of_its_output() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for d in [2048, 4096, 96] {
+        let x = g.upload(&rng.vec(d, -3.0, 3.0)).unwrap();
+        let w = g.upload(&rng.vec(d, 0.5, 1.5)).unwrap();
+        let (mut a, mut b) = (g.upload(&vec![f32::NAN; d]).unwrap(), g.upload(&vec![f32::NAN; d]).unwrap());
+        g.rms_norm(&x, 1, d, &w, 1e-6, &mut a).unwrap();
+        let before = g.q8_generation();
+        let generation = g.rms_norm_q8(&x, 1, d, &w, 1e-6, &mut b).unwrap();
+        assert!(generation > before && g.q8_generation() == generation);
+        assert_eq!(g.download(&a).unwrap(), g.download(&b).unwrap(), "d={d}: rms_norm_q8's output");
+        let ty = GgmlType::Q8_0;
+        let wt = g.upload_weight(ty, d, 33, &quantised(ty, &mut rng, d, 33)).unwrap();
+        let (mut y1, mut y2) = (g.upload(&[f32::NAN; 33]).unwrap(), g.upload(&[f32::NAN; 33]).unwrap());
+        g.gemv_q8_quantized(&[wt.all()], d, &mut [&mut y1]).unwrap();
+        g.gemv_q8(&[wt.all()], &b, &mut [&mut y2]).unwrap();
+        assert_eq!(g.download(&y1).unwrap(), g.download(&y2).unwrap(), "d={d}: the GEMV on the norm's int8 copy");
+    }
+}
+
 /// The MoE on int8 activations (`Gpu::moe_q8`) against a host model of it: x quantised per
 /// token, h = silu(gate·xq) ⊙ up·xq, h quantised, out = Σ_j w_j·down_j·hq_j, in f64. Only the
 /// GPU's f32 sums differ, and where one moves an h value across a rounding boundary, one int8
@@ -197,7 +221,8 @@ fn moe_q8_matches_quantised_reference() {
             }
             all
         };
-        let (gf, uf, df) = (deq(ty_gu, &gate, d, n_expert * n_ff), deq(ty_gu, &up, d, n_expert * n_ff), deq(ty_dn, &down, n_ff, n_expert * d));
+        let (gf, uf, df) =
+            (deq(ty_gu, &gate, d, n_expert * n_ff), deq(ty_gu, &up, d, n_expert * n_ff), deq(ty_dn, &down, n_ff, n_expert * d));
         let x = rng.vec(n_tok * d, -1.0, 1.0);
         let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
         let routing = reference::route(&logits, k);
@@ -211,7 +236,7 @@ fn moe_q8_matches_quantised_reference() {
                     .map(|r| {
                         let row = (e * n_ff + r) * d;
                         let gv = dot(&gf[row..row + d], &xq) as f32;
-                        (gv / (1.0 + (-gv).exp()) * dot(&uf[row..row + d], &xq) as f32) as f32
+                        gv / (1.0 + (-gv).exp()) * dot(&uf[row..row + d], &xq) as f32
                     })
                     .collect();
                 let hq = q8_round_trip(&h);

@@ -11,7 +11,6 @@
 
 use std::sync::OnceLock;
 
-use ember_testkit::Rng;
 use ember_cuda::ops::{
     Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts, MoeRouting,
     Precision,
@@ -19,6 +18,7 @@ use ember_cuda::ops::{
 use ember_cuda::{Buf, Error, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
+use ember_testkit::Rng;
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();

@@ -171,7 +171,7 @@ impl Rng {
         Rng(seed)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -179,12 +179,12 @@ impl Rng {
     }
 
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
 
     /// Uniform in [lo, hi), never exactly zero.
     pub fn f32(&mut self, lo: f32, hi: f32) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         let v = lo + (hi - lo) * u;
         if v == 0.0 { 1e-3 } else { v }
     }

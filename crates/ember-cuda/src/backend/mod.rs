@@ -29,8 +29,8 @@ use ember_ops::{
 };
 
 use crate::ops::{
-    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DeviceWeight, GEMV_MULTI, GEMV_Q8_MULTI,
-    KvPages, MOE_MISS, MoeExperts, MoeRouting, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
+    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DeviceWeight, GEMV_MULTI,
+    GEMV_Q8_MULTI, KvPages, MOE_MISS, MoeExperts, MoeRouting, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
 
@@ -70,6 +70,10 @@ pub struct CudaOps {
     resident: Vec<Option<Vec<u16>>>,
     /// The experts of the last [`CudaOps::moe_streamed`] batch.
     stream: Option<StreamScratch>,
+    /// The tensor whose int8 copy the GPU's int8 scratch holds, and that write's generation
+    /// ([`Gpu::q8_generation`]): a norm's output the GEMVs after it read without quantising it
+    /// again.
+    q8_x: Option<(u32, u64)>,
 }
 
 /// Where [`CudaOps::moe_streamed`] puts a batch's experts: `n_slots` experts stacked like a
@@ -162,6 +166,7 @@ impl CudaOps {
             store: DevStore::new(dev),
             resident: Vec::new(),
             stream: None,
+            q8_x: None,
             gpu,
         })
     }
@@ -286,6 +291,7 @@ impl CudaOps {
             return Err(OpError::new(OP, dev, format!("x {}x{}, {layer}", x.n, x.d), "expert shapes do not chain"));
         }
         let (n, n_ffs) = (x.n, sg.n_rows);
+        let held = self.q8_holds(x);
         let (gpu, arena, prec) = (&self.gpu, &mut self.arena, self.precision);
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
@@ -307,7 +313,9 @@ impl CudaOps {
             if q8(sg) && q8(su) && gpu.moe_uses_q8(experts, prec) && !gpu.moe_grouped(n, m.n_expert, prec) {
                 // One token on int8 activations: x quantised once for the shared expert's gate
                 // and up and the routed experts' (which then quantise their h over it).
-                gpu.quantize_q8(xb, x.d)?;
+                if !held {
+                    gpu.quantize_q8(xb, x.d)?;
+                }
                 if sg.ty == su.ty {
                     gpu.gemv_q8_quantized(&[sg.all(), su.all()], x.d, &mut [&mut *gb, &mut *ub])?;
                 } else {
@@ -449,6 +457,12 @@ impl CudaOps {
     }
 
     /// `h ← f(h, x)` in place for an elementwise op; `x` may be `h` itself (then copied first).
+    /// Whether the GPU's int8 scratch holds `x`'s int8 copy (a norm wrote it and nothing has
+    /// written the scratch or x since).
+    fn q8_holds(&self, x: Tensor) -> bool {
+        self.q8_x == Some((x.id, self.gpu.q8_generation()))
+    }
+
     fn in_place(
         &mut self,
         op: &'static str,
@@ -459,6 +473,9 @@ impl CudaOps {
         self.arena.check(op, h)?;
         self.arena.check(op, x)?;
         check::same(op, self.dev, &shape_of(h), &shape_of(x))?;
+        if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+            self.q8_x = None; // h changes: its int8 copy is stale
+        }
         let src = if h.id == x.id {
             let tmp = self.arena.alloc(&self.gpu, op, x.n, x.d)?;
             let (dst, src) = self.arena.pair(tmp.id, x.id);
@@ -554,6 +571,7 @@ impl Ops for CudaOps {
         self.stepping = false;
         self.arena.reset();
         self.routes.reset();
+        self.q8_x = None;
         self.batch.clone_from(batch);
         self.spans = batch.spans();
         self.slots = batch.seqs.iter().map(|s| s.slot).collect();
@@ -638,9 +656,14 @@ impl Ops for CudaOps {
         self.arena.check(OP, x)?;
         let (info, dw) = self.weights.matrix(OP, w)?;
         check_matmul(OP, self.dev, info, x)?;
+        let held = self.q8_holds(x) && self.gpu.uses_gemv_q8(dw.ty, dw.k, x.n, self.precision);
         let y = self.arena.alloc(&self.gpu, OP, x.n, info.n_rows)?;
         let (ins, outs) = self.arena.split(y.id);
-        self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[0], self.precision).map_err(cuda(OP, self.dev))?;
+        if held {
+            self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut outs[0]]).map_err(cuda(OP, self.dev))?;
+        } else {
+            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[0], self.precision).map_err(cuda(OP, self.dev))?;
+        }
         Ok(y)
     }
 
@@ -656,6 +679,7 @@ impl Ops for CudaOps {
             ys.push(self.arena.alloc(&self.gpu, OP, x.n, rows)?);
         }
         let Some(first) = ys.first().map(|y| y.id) else { return Ok(ys) };
+        let held = self.q8_holds(x);
         let (ins, outs) = self.arena.split(first);
         let xb = &ins[x.id as usize];
         let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
@@ -673,14 +697,15 @@ impl Ops for CudaOps {
             }
             let (ty, k) = (dws[j].ty, dws[j].k);
             if q8(j) {
-                let group: Vec<usize> = (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
+                let group: Vec<usize> =
+                    (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
                 let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
                 let mut ys_g: Vec<&mut Buf<f32>> =
                     outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
-                if !quantized {
+                if !quantized && !held {
                     self.gpu.quantize_q8(xb, k).map_err(cuda(OP, self.dev))?;
-                    quantized = true;
                 }
+                quantized = true;
                 self.gpu.gemv_q8_quantized(&refs, k, &mut ys_g).map_err(cuda(OP, self.dev))?;
                 for &i in &group {
                     done[i] = true;
@@ -711,7 +736,13 @@ impl Ops for CudaOps {
         check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
         let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
         let (ins, outs) = self.arena.split(y.id);
-        self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        // One token under Fast: the int8 copy the next GEMVs read, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len() == x.d {
+            let generation = self.gpu.rms_norm_q8(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        }
         Ok(y)
     }
 

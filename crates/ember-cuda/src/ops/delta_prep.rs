@@ -64,6 +64,9 @@ pub struct DeltaPrepOut<'a> {
     pub beta: &'a mut Buf<f32>,
 }
 
+/// Values of v one block copies (`DELTA_PREP_V_CHUNK` in kernels/delta_prep.cu).
+const V_CHUNK: usize = 512;
+
 impl Gpu {
     /// Splits the conv output into q | k | v, L2-normalises q (then ·1/√d_k) and k per head,
     /// β = sigmoid(b), g = a·softplus(alpha + dt_bias).
@@ -102,6 +105,7 @@ impl Gpu {
         };
         let f = self.function(&DELTA_PREP, "delta_prep")?;
         // SAFETY: sizes checked above.
-        unsafe { self.launch(&f, (2 * p.n_k_head + 1, p.n_tok, 1), 128, 0, &p) }
+        let v_blocks = u32_of(OP, "v blocks", (nv * dv).div_ceil(V_CHUNK))?;
+        unsafe { self.launch(&f, (2 * p.n_k_head + 1 + v_blocks, p.n_tok, 1), 128, 0, &p) }
     }
 }

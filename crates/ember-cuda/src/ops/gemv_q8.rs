@@ -17,8 +17,12 @@ const OP: &str = "gemv_q8";
 pub const GEMV_Q8_MULTI: usize = 4;
 /// Threads per block (`GEMV_Q8_THREADS`).
 pub(crate) const THREADS: usize = 128;
-/// Resident threads per SM the launcher aims to fill (an H100/H200 SM holds 2,048).
-const THREADS_PER_SM: usize = 2048;
+/// Threads per SM the launcher aims to give work (an H100/H200 SM holds 2,048 at once);
+/// `EMBER_Q8_FILL` overrides it (measurements).
+fn threads_per_sm() -> usize {
+    static FILL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FILL.get_or_init(|| std::env::var("EMBER_Q8_FILL").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(2048))
+}
 
 #[repr(C)]
 struct QuantizeQ8Params {
@@ -76,7 +80,7 @@ pub fn q8_bytes(k: usize) -> usize {
 /// Workers (of `lanes` lanes) per row for a weight of `n_rows` rows of `n_units` units: enough
 /// that the launch fills every SM, at most one per unit and what a block holds.
 pub(crate) fn workers_per_row(n_rows: usize, n_units: usize, lanes: usize, n_sm: u32) -> usize {
-    let want = (n_sm as usize * THREADS_PER_SM).div_ceil(n_rows.max(1) * lanes).next_power_of_two();
+    let want = (n_sm as usize * threads_per_sm()).div_ceil(n_rows.max(1) * lanes).next_power_of_two();
     let units = if n_units.is_power_of_two() { n_units } else { n_units.next_power_of_two() / 2 };
     want.min(units.max(1)).min(THREADS / lanes)
 }
@@ -96,6 +100,7 @@ impl Gpu {
             return Err(shape(OP, format!("int8 activations come in blocks of 32 values, k = {k}")));
         }
         let q = self.q8_scratch(q8_bytes(k))?;
+        self.bump_q8_generation();
         let p = QuantizeQ8Params { x: x.ptr(), q, n: u32_of(OP, "k", k)?, pad: 0 };
         let f = self.function(&GEMV_Q8, "quantize_q8")?;
         // SAFETY: x holds k floats (checked); the scratch holds q8_bytes(k) bytes; one warp per
