@@ -171,6 +171,11 @@ pub struct Gpu {
     flush_time: Option<Mutex<FlushTime>>,
     /// Whether one-token Fast matmuls take the int8 GEMV (`EMBER_GEMV_Q8=0`: no).
     gemv_q8: bool,
+    /// Whether the automatic attention path may take the decode kernel (`EMBER_ATTN_DECODE=0`:
+    /// no, the paths before it, for measuring it).
+    attn_decode: bool,
+    /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
+    attn_mma: bool,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -298,6 +303,8 @@ impl Gpu {
             pending: Arc::default(),
             flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
+            attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
+            attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })
@@ -306,6 +313,18 @@ impl Gpu {
     /// Whether one-token Fast matmuls may take the int8 GEMV (`EMBER_GEMV_Q8=0` turns it off).
     pub(crate) fn gemv_q8_on(&self) -> bool {
         self.gemv_q8
+    }
+
+    /// Whether [`crate::ops::AttentionPath::Auto`] may take the decode kernel
+    /// (`EMBER_ATTN_DECODE=0` turns it off).
+    pub(crate) fn attn_decode_on(&self) -> bool {
+        self.attn_decode
+    }
+
+    /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0` turns
+    /// it off).
+    pub(crate) fn attn_mma_on(&self) -> bool {
+        self.attn_mma
     }
 
     /// The address of the int8 activation scratch, grown to hold `bytes` (the launches

@@ -55,7 +55,7 @@ kernel!(DELTA_CHUNKED, "delta_chunked");
 kernel!(MOE, "moe", DEQUANT, MMA, Q8);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(KV_APPEND, "kv_append");
-kernel!(ATTENTION, "attention");
+kernel!(ATTENTION, "attention", DEQUANT, MMA);
 
 /// Every kernel source (the NVRTC compile test walks this).
 pub static ALL: &[&Kernel] = &[

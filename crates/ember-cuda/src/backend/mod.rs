@@ -833,7 +833,8 @@ impl Ops for CudaOps {
         self.store.sync_table(&self.gpu, OP)?;
         let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
         let seq_rows: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
-        let shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
+        let mut shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
+        shape.fast = self.precision == Precision::Fast;
         // The output, then the scratch of the split over the keys (always allocated, so the
         // handles that follow do not depend on the depth).
         let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;

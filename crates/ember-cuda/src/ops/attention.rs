@@ -1,4 +1,5 @@
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, DeviceRepr};
 
 use super::kv_append::{KV_PAGE, KvPages};
 use super::{SeqRows, need, u32_of};
@@ -12,9 +13,23 @@ const MAX_HEAD_DIM: usize = 256;
 /// Warps per block (`ATT_MAX_WARPS` at most).
 const WARPS: u32 = 8;
 
-/// Keys per range of the split attention (decode): a multiple of the 64-row page, so a range
-/// reads whole pages.
+/// Keys per range of the split attention (the rows path): a multiple of the 64-row page, so a
+/// range reads whole pages.
 pub const ATTENTION_SPLIT_KEYS: usize = 256;
+
+/// Key ranges per row the decode path aims at (`attention_decode`): a row of n keys runs as
+/// ceil(n / kps) ranges of kps = 64 · ceil(pages / this) keys, a function of the row alone.
+pub const ATTENTION_DECODE_SPLITS: usize = 64;
+/// Threads of an `attention_mma` block (`ATM_THREADS`) and its dynamic shared memory
+/// (`ATM_SMEM`: the Q tile, a K page and a V page as f16; 99 KiB, what sm_86 allows a block).
+const MMA_THREADS: u32 = 128;
+const MMA_SMEM: u32 = 3 * 64 * 264 * 2;
+/// Warps of an `attention_merge` block (`ATT_MERGE_WARPS`).
+const MERGE_WARPS: u32 = 8;
+/// Warps of an `attention_decode` block (`AD_WARPS` in kernels/attention.cu).
+const DECODE_WARPS: u32 = 4;
+/// Query heads of an `attention_decode` block at most (the kernel's instances: 1, 2, 4, 8).
+const DECODE_MAX_HEADS: usize = 8;
 
 /// Keys per range: [`ATTENTION_SPLIT_KEYS`], more when that would need over 65,535 ranges.
 fn split_keys(s: &AttentionShape) -> usize {
@@ -28,29 +43,38 @@ const TILE_THREADS: u32 = 256;
 /// Fewest keys per range when `attention_tiles` splits the keys of its tiles (a multiple of
 /// the 64-row page).
 const TILE_SPLIT_MIN_KEYS: usize = 512;
-/// [`AttentionPath::Auto`] takes the tiles when a sequence of the call has at least this many
-/// rows (prompt chunks) or a row sees at least [`ATTENTION_TILE_MIN_KEYS`] keys; else one block
-/// per (head, row) with the keys split for long contexts (decode). Measured on the H200 (16/2
-/// heads x 256, F16, one sequence, GPU ms rows/tiles): at depth 8192 1 row 0.25/0.48, 2 rows
-/// 0.45/0.49, 4 rows 0.87/0.51, 64 rows 13.5/0.85; at depth 32768 1 row 1.67/0.81, 4 rows
-/// 5.5/0.86.
-pub const ATTENTION_TILE_MIN_ROWS: usize = 4;
-/// See [`ATTENTION_TILE_MIN_ROWS`]: one decode row is 2x slower on the tiles at depth 8192 and
-/// 2x faster at 32768; 16384 is between the two measured depths (not measured itself).
+/// [`AttentionPath::Auto`] takes the f32 tiles when a sequence of the call has at least this
+/// many rows (prompt chunks), else the decode kernel. Measured on the H200 (16/2 heads x 256,
+/// F16 cache, one sequence, GPU ms decode / f32 tiles, 2026-12-04): at depth 1024 16 rows
+/// 0.035/0.410, 64 rows 0.108/0.417; at 8192 16 rows 0.146/0.557, 64 rows 0.503/0.878; at
+/// 32768 16 rows 0.428/0.961, 64 rows 1.608/3.156: the decode kernel wins up to 64 rows.
+pub const ATTENTION_TILE_MIN_ROWS: usize = 128;
+/// As [`ATTENTION_TILE_MIN_ROWS`] for the tensor-core tiles (Fast). Measured as there, decode /
+/// tensor-core tiles: at depth 1024 16 rows 0.035/0.171, 32 rows 0.059/0.175, 64 rows
+/// 0.108/0.176; at 8192 16 rows 0.146/0.232, 32 rows 0.266/0.248; at 32768 16 rows
+/// 0.428/0.364, 32 rows 0.823/0.607.
+pub const ATTENTION_MMA_MIN_ROWS: usize = 32;
+/// Where the decode kernel does not fit (head_dim not a multiple of 8), [`AttentionPath::Auto`]
+/// takes the tiles for a row of at least this many keys: one row on the tiles was 2x slower
+/// than the rows path at depth 8192 and 2x faster at 32768.
 pub const ATTENTION_TILE_MIN_KEYS: usize = 16384;
 
 /// Which kernels [`Gpu::attention`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionPath {
     /// [`AttentionPath::Tiles`] when head_dim is a multiple of 64 and a sequence has at least
-    /// [`ATTENTION_TILE_MIN_ROWS`] rows or a row sees at least [`ATTENTION_TILE_MIN_KEYS`]
-    /// keys, else [`AttentionPath::Rows`].
+    /// [`ATTENTION_TILE_MIN_ROWS`] rows, else [`AttentionPath::Decode`] (head_dim a multiple
+    /// of 8; else the tiles for rows of at least [`ATTENTION_TILE_MIN_KEYS`] keys, else
+    /// [`AttentionPath::Rows`]).
     Auto,
     /// A block per (head, row): `attention`, or `attention_split` + `attention_merge`.
     Rows,
     /// `attention_tiles` (+ `attention_merge` when the keys are split); head_dim a multiple of
     /// 64.
     Tiles,
+    /// `attention_decode` (+ `attention_merge` when a row's keys are split): a block per (KV
+    /// head, row, key range) with up to 8 query heads of the KV head; head_dim a multiple of 8.
+    Decode,
 }
 
 /// The heads of [`Gpu::attention`] (ember_ops::AttnHeads plus the rows).
@@ -68,6 +92,12 @@ pub struct AttentionShape {
     /// Blocks of query rows over all sequences: Σ ceil(rows / [`AttentionShape::tile_rows`]).
     pub n_tiles: usize,
     pub path: AttentionPath,
+    /// Key ranges per row the decode path aims at ([`ATTENTION_DECODE_SPLITS`]).
+    pub decode_splits: usize,
+    /// Precision::Fast: the tiles run on tensor cores (`attention_mma`: Q, K, V and the
+    /// softmax weights rounded to f16, f32 sums) where the GPU has them (sm_80+) and head_dim
+    /// is a multiple of 16.
+    pub fast: bool,
 }
 
 impl AttentionShape {
@@ -84,6 +114,8 @@ impl AttentionShape {
             max_seq_rows: seq_rows.iter().copied().max().unwrap_or(0),
             n_tiles: 0,
             path: AttentionPath::Auto,
+            decode_splits: ATTENTION_DECODE_SPLITS,
+            fast: false,
         };
         let tr = s.tile_rows();
         s.n_tiles = seq_rows.iter().map(|n| n.div_ceil(tr)).sum();
@@ -101,14 +133,41 @@ impl AttentionShape {
         TILE_VECTORS / self.heads_per_tile()
     }
 
-    fn tiles(&self) -> bool {
-        let fits = self.head_dim.is_multiple_of(64) && self.n_tiles > 0;
+    /// Query heads of one `attention_decode` block: the largest power of two dividing the GQA
+    /// ratio, at most 8.
+    pub fn heads_per_decode_block(&self) -> usize {
+        self.heads_per_tile().min(DECODE_MAX_HEADS)
+    }
+
+    /// The kernels this shape runs on ([`AttentionPath::Auto`] resolved; `auto_decode`: whether
+    /// Auto may take the decode kernel; `mma`: whether the tiles would run on tensor cores).
+    fn kind(&self, auto_decode: bool, mma: bool) -> AttentionPath {
+        let tiles = self.head_dim.is_multiple_of(64) && self.n_tiles > 0;
+        let decode = self.head_dim.is_multiple_of(8) && self.decode_splits > 0;
+        if self.path == AttentionPath::Auto && !auto_decode {
+            // The choice before the decode kernel.
+            return if tiles && (self.max_seq_rows >= 4 || self.max_keys >= ATTENTION_TILE_MIN_KEYS) {
+                AttentionPath::Tiles
+            } else {
+                AttentionPath::Rows
+            };
+        }
+        let min_rows = if mma { ATTENTION_MMA_MIN_ROWS } else { ATTENTION_TILE_MIN_ROWS };
         match self.path {
-            AttentionPath::Auto => fits && (self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS || self.max_keys >= ATTENTION_TILE_MIN_KEYS),
-            AttentionPath::Rows => false,
-            AttentionPath::Tiles => fits,
+            AttentionPath::Auto if tiles && self.max_seq_rows >= min_rows => AttentionPath::Tiles,
+            AttentionPath::Auto if decode => AttentionPath::Decode,
+            AttentionPath::Auto if tiles && self.max_keys >= ATTENTION_TILE_MIN_KEYS => AttentionPath::Tiles,
+            AttentionPath::Tiles if tiles => AttentionPath::Tiles,
+            AttentionPath::Decode if decode => AttentionPath::Decode,
+            _ => AttentionPath::Rows,
         }
     }
+}
+
+/// Keys per range of a row of `n_keys` keys on the decode path (`decode_keys_per_split` in
+/// kernels/attention.cu: whole pages, about `splits` ranges).
+pub fn decode_keys_per_split(n_keys: usize, splits: usize) -> usize {
+    KV_PAGE * n_keys.div_ceil(KV_PAGE).div_ceil(splits.max(1)).max(1)
 }
 
 #[repr(C)]
@@ -144,10 +203,11 @@ struct AttentionParams {
 // SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cu.
 unsafe impl DeviceRepr for AttentionParams {}
 
-/// How one call runs: which kernels and how many key ranges of how many keys.
+/// How one call runs: which kernels and how many key ranges of how many keys (the decode path:
+/// the most ranges of any row, and the target ranges per row in `keys_per_split`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Plan {
-    tiles: bool,
+    kind: AttentionPath,
     n_split: usize,
     keys_per_split: usize,
 }
@@ -155,7 +215,15 @@ struct Plan {
 impl Gpu {
     fn attention_plan(&self, s: &AttentionShape) -> Plan {
         let n_sm = self.info().n_sm.max(1) as usize;
-        if s.tiles() {
+        let kind = s.kind(self.attn_decode_on(), self.mma_wanted(s));
+        if kind == AttentionPath::Decode {
+            // The ranges of a row depend on its keys only: at most `decode_splits`, or one per
+            // page; a row with fewer ranges leaves the rest empty.
+            let splits = s.decode_splits.min(65535);
+            let n_split = s.max_keys.div_ceil(KV_PAGE).clamp(1, splits);
+            return Plan { kind, n_split, keys_per_split: splits };
+        }
+        if kind == AttentionPath::Tiles {
             // Enough blocks for the SMs (2 resident each): the key range count that minimises
             // the waves of blocks times each block's share of the keys.
             let blocks = s.n_tiles * (s.n_head / s.heads_per_tile());
@@ -164,10 +232,10 @@ impl Gpu {
             let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
             let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
             let keys_per_split = s.max_keys.div_ceil(n_split).next_multiple_of(KV_PAGE).max(KV_PAGE);
-            return Plan { tiles: true, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split };
+            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split };
         }
         let n_split = if s.n_rows * s.n_head >= 2 * n_sm { 1 } else { s.max_keys.div_ceil(split_keys(s)).max(1) };
-        Plan { tiles: false, n_split, keys_per_split: split_keys(s) }
+        Plan { kind, n_split, keys_per_split: split_keys(s) }
     }
 
     /// Key ranges [`Gpu::attention`] splits each row's keys into. The rows path: one pass when
@@ -175,14 +243,43 @@ impl Gpu {
     /// [`ATTENTION_SPLIT_KEYS`] keys (decode: flash-decoding); the ranges are fixed, so a row's
     /// result does not depend on the other rows of the call as long as the call stays in the
     /// decode regime (a row with at most that many keys gets the one-pass result bit for bit).
-    /// The tiles path: as many ranges (of at least 512 keys) as fill the SMs.
+    /// The tiles path: as many ranges (of at least 512 keys) as fill the SMs. The decode path:
+    /// the most ranges of a row ([`decode_keys_per_split`]).
     pub fn attention_splits(&self, s: &AttentionShape) -> usize {
         self.attention_plan(s).n_split
     }
 
+    /// `attention_mma` with its shared memory allowed, when the tiles of `s` take it: Fast, sm_80+
+    /// (and the opt-in shared memory the kernel needs), head_dim a multiple of 16 and
+    /// `EMBER_ATTN_MMA` not 0.
+    fn attention_mma_function(&self, s: &AttentionShape) -> Result<Option<CudaFunction>> {
+        if !self.mma_wanted(s) {
+            return Ok(None);
+        }
+        let f = self.function(&ATTENTION, "attention_mma")?;
+        // A GPU whose blocks cannot have that much shared memory keeps the f32 tiles.
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        Ok(f.set_attribute(attr, MMA_SMEM as i32).is_ok().then_some(f))
+    }
+
+    fn mma_wanted(&self, s: &AttentionShape) -> bool {
+        s.fast && self.has_mma() && self.attn_mma_on() && s.head_dim.is_multiple_of(16)
+    }
+
+    /// Whether [`Gpu::attention`] takes the tensor-core tiles for `s`.
+    pub fn attention_uses_mma(&self, s: &AttentionShape) -> bool {
+        self.attention_plan(s).kind == AttentionPath::Tiles && matches!(self.attention_mma_function(s), Ok(Some(_)))
+    }
+
     /// Whether [`Gpu::attention`] runs `s` on the tiles (see [`AttentionPath`]).
     pub fn attention_uses_tiles(&self, s: &AttentionShape) -> bool {
-        self.attention_plan(s).tiles
+        self.attention_plan(s).kind == AttentionPath::Tiles
+    }
+
+    /// The kernels [`Gpu::attention`] runs `s` on: [`AttentionPath::Rows`],
+    /// [`AttentionPath::Tiles`] or [`AttentionPath::Decode`].
+    pub fn attention_path(&self, s: &AttentionShape) -> AttentionPath {
+        self.attention_plan(s).kind
     }
 
     /// Floats of scratch [`Gpu::attention`] needs for `s` (the split ranges' partial results).
@@ -223,6 +320,9 @@ impl Gpu {
         if s.path == AttentionPath::Tiles && !hd.is_multiple_of(64) {
             return Err(shape(OP, format!("head_dim {hd} for the tiles (a multiple of 64)")));
         }
+        if s.path == AttentionPath::Decode && !hd.is_multiple_of(8) {
+            return Err(shape(OP, format!("head_dim {hd} for the decode kernel (a multiple of 8)")));
+        }
         seqs.check(OP)?;
         need(OP, "q", q, s.n_rows * nh * hd)?;
         need(OP, "row slots", row_slot, s.n_rows)?;
@@ -259,25 +359,36 @@ impl Gpu {
             n_split: plan.n_split as u32,
             keys_per_split: u32_of(OP, "keys per split", plan.keys_per_split)?,
             n_seq: seqs.n_seq as u32,
-            heads_per_block: s.heads_per_tile() as u32,
+            heads_per_block: if plan.kind == AttentionPath::Decode { s.heads_per_decode_block() } else { s.heads_per_tile() } as u32,
             scale: s.scale,
         };
         let merge = |gpu: &Gpu| -> Result<()> {
             let f = gpu.function(&ATTENTION, "attention_merge")?;
             // SAFETY: as below; the merge reads the n_split partials of each (row, head).
-            unsafe { gpu.launch(&f, (p.n_head, p.n_rows, 1), 128, 0, &p) }
+            unsafe { gpu.launch(&f, (p.n_head, p.n_rows, 1), 32 * MERGE_WARPS, 0, &p) }
         };
         // SAFETY: q and out hold n_rows·n_head·hd floats, row_slot and pos n_rows values, the
         // sequences' row0 and n n_seq values (whose rows the caller made the rows of q), the
         // pool n_pages pages and the table its rows, the scratch the partials of n_split ranges
         // when n_split > 1 (checked above); the kernels read table entries only below
         // ceil(keys / 64) <= stride and check slots and page ids; hd <= 256 (a multiple of 64
-        // for the tiles).
+        // for the tiles, of 8 for the decode kernel, whose heads_per_block is 1, 2, 4 or 8 and
+        // divides n_head / n_head_kv).
         unsafe {
-            if plan.tiles {
-                let f = self.function(&ATTENTION, "attention_tiles")?;
+            if plan.kind == AttentionPath::Decode {
+                let f = self.function(&ATTENTION, "attention_decode")?;
+                let groups = u32_of(OP, "head groups", nh / s.heads_per_decode_block())?;
+                self.launch(&f, (groups, p.n_rows, p.n_split), 32 * DECODE_WARPS, 0, &p)?;
+                return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+            }
+            if plan.kind == AttentionPath::Tiles {
                 let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
                 let tiles = u32_of(OP, "tiles", s.n_tiles)?;
+                if let Some(f) = self.attention_mma_function(&s)? {
+                    self.launch(&f, (tiles, groups, p.n_split), MMA_THREADS, MMA_SMEM, &p)?;
+                    return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+                }
+                let f = self.function(&ATTENTION, "attention_tiles")?;
                 self.launch(&f, (tiles, groups, p.n_split), TILE_THREADS, 0, &p)?;
                 return if plan.n_split > 1 { merge(self) } else { Ok(()) };
             }
