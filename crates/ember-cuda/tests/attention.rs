@@ -30,9 +30,10 @@ use ember_ops::{AttnHeads, Batch, HostOps, KvType, LayerIdx, Ops, StateKind, Sta
 const REL: f32 = 3e-5;
 
 /// `rel` of the tensor-core tiles (`attention_mma`, Precision::Fast: Q, K, V and the softmax
-/// weights rounded to f16, f32 sums) against the reference. Not yet measured: bound from f16's
-/// 2^-11 relative rounding summed over the products (to be replaced by the measured figure).
-const REL_FAST: f32 = 1e-2;
+/// weights rounded to f16, f32 sums) against the reference. Measured on the H200 (2026-12-04):
+/// 2.1e-4 to 6.9e-4 over the shapes of `tiles_match_the_reference`, 2.0e-4 to 2.6e-4 against
+/// the rows path at the 35B shape up to depth 32768.
+const REL_FAST: f32 = 3e-3;
 
 #[test]
 fn tiles_match_the_reference() {
@@ -65,9 +66,9 @@ fn tiles_match_the_reference() {
                 let mut worst = 0f32;
                 let mut shapes = Vec::new();
                 for step in 0..4 {
-                    // A prompt chunk of 1..260 rows (the f32 tiles from 128 rows, the
-                    // tensor-core ones from 32), or a decode row (steps 2 and 3 of some
-                    // sequences), so the calls mix both.
+                    // A prompt chunk of 1..260 rows (the f32 tiles from 64 rows, the
+                    // tensor-core ones from 4 rows and 65,536 rows x keys), or a decode row
+                    // (steps 2 and 3 of some sequences), so the calls mix both.
                     let rows: Vec<usize> =
                         (0..n_seq).map(|i| if step >= 2 && (i + step) % 2 == 0 { 1 } else { 1 + rng.below(260) }).collect();
                     let n: usize = rows.iter().sum();

@@ -43,17 +43,21 @@ const TILE_THREADS: u32 = 256;
 /// Fewest keys per range when `attention_tiles` splits the keys of its tiles (a multiple of
 /// the 64-row page).
 const TILE_SPLIT_MIN_KEYS: usize = 512;
-/// [`AttentionPath::Auto`] takes the f32 tiles when a sequence of the call has at least this
-/// many rows (prompt chunks), else the decode kernel. Measured on the H200 (16/2 heads x 256,
-/// F16 cache, one sequence, GPU ms decode / f32 tiles, 2026-12-04): at depth 1024 16 rows
-/// 0.035/0.410, 64 rows 0.108/0.417; at 8192 16 rows 0.146/0.557, 64 rows 0.503/0.878; at
-/// 32768 16 rows 0.428/0.961, 64 rows 1.608/3.156: the decode kernel wins up to 64 rows.
-pub const ATTENTION_TILE_MIN_ROWS: usize = 128;
-/// As [`ATTENTION_TILE_MIN_ROWS`] for the tensor-core tiles (Fast). Measured as there, decode /
-/// tensor-core tiles: at depth 1024 16 rows 0.035/0.171, 32 rows 0.059/0.175, 64 rows
-/// 0.108/0.176; at 8192 16 rows 0.146/0.232, 32 rows 0.266/0.248; at 32768 16 rows
-/// 0.428/0.364, 32 rows 0.823/0.607.
-pub const ATTENTION_MMA_MIN_ROWS: usize = 32;
+/// [`AttentionPath::Auto`] takes the f32 tiles (Exact) when a sequence of the call has at
+/// least this many rows, else the decode kernel. Measured on the H200 (16/2 heads x 256, F16
+/// cache, one sequence, GPU ms decode / f32 tiles, 2026-12-04): at depth 1024 64 rows
+/// 0.107/0.418, 128 rows 0.216/0.419; at 8192 64 rows 0.503/0.827, 128 rows 0.980/1.613; at
+/// 32768 64 rows 1.603/3.163, 128 rows 3.150/6.089: the decode kernel is faster up to 128 rows,
+/// but its scratch grows with the rows (rows x heads x ranges x head_dim floats: 67 MB at 64
+/// rows of the 35B model), so the tiles take 64 and more.
+pub const ATTENTION_TILE_MIN_ROWS: usize = 64;
+/// [`AttentionPath::Auto`] takes the tensor-core tiles (Fast) when a sequence has at least
+/// [`ATTENTION_MMA_MIN_ROWS`] rows and rows x keys reaches this. Measured as above, decode /
+/// tensor-core tiles: 2 rows at 32768 0.080/0.094, 4 rows 0.138/0.096; 8 rows at 8192
+/// 0.078/0.083, 16 rows 0.145/0.084; 32 rows at 1024 0.060/0.066, 64 rows 0.107/0.067.
+pub const ATTENTION_MMA_MIN_ROW_KEYS: usize = 65536;
+/// See [`ATTENTION_MMA_MIN_ROW_KEYS`].
+pub const ATTENTION_MMA_MIN_ROWS: usize = 4;
 /// Where the decode kernel does not fit (head_dim not a multiple of 8), [`AttentionPath::Auto`]
 /// takes the tiles for a row of at least this many keys: one row on the tiles was 2x slower
 /// than the rows path at depth 8192 and 2x faster at 32768.
@@ -63,7 +67,8 @@ pub const ATTENTION_TILE_MIN_KEYS: usize = 16384;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionPath {
     /// [`AttentionPath::Tiles`] when head_dim is a multiple of 64 and a sequence has at least
-    /// [`ATTENTION_TILE_MIN_ROWS`] rows, else [`AttentionPath::Decode`] (head_dim a multiple
+    /// [`ATTENTION_TILE_MIN_ROWS`] rows (on tensor cores: [`ATTENTION_MMA_MIN_ROWS`] rows and
+    /// [`ATTENTION_MMA_MIN_ROW_KEYS`] rows x keys), else [`AttentionPath::Decode`] (head_dim a multiple
     /// of 8; else the tiles for rows of at least [`ATTENTION_TILE_MIN_KEYS`] keys, else
     /// [`AttentionPath::Rows`]).
     Auto,
@@ -152,9 +157,13 @@ impl AttentionShape {
                 AttentionPath::Rows
             };
         }
-        let min_rows = if mma { ATTENTION_MMA_MIN_ROWS } else { ATTENTION_TILE_MIN_ROWS };
+        let prompt = if mma {
+            self.max_seq_rows >= ATTENTION_MMA_MIN_ROWS && self.max_seq_rows * self.max_keys >= ATTENTION_MMA_MIN_ROW_KEYS
+        } else {
+            self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS
+        };
         match self.path {
-            AttentionPath::Auto if tiles && self.max_seq_rows >= min_rows => AttentionPath::Tiles,
+            AttentionPath::Auto if tiles && prompt => AttentionPath::Tiles,
             AttentionPath::Auto if decode => AttentionPath::Decode,
             AttentionPath::Auto if tiles && self.max_keys >= ATTENTION_TILE_MIN_KEYS => AttentionPath::Tiles,
             AttentionPath::Tiles if tiles => AttentionPath::Tiles,
