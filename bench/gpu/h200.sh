@@ -22,6 +22,10 @@
 #   ab     `ember bench --device cuda` on the full-size 35B with and without the environment
 #          AB (e.g. AB=EMBER_GEMV_Q8=0: the change off), alternating, ROUNDS rounds, AB_ARGS
 #          (default -p 512 -n 128)
+#   batched  decode of NSEQ (default 16) sequences at once at depth BDEPTH (default 4096):
+#          `ember bench --n-seq 1,NSEQ -p 0 -n 128 -d BDEPTH` against `llama-batched-bench -npp
+#          BDEPTH -ntg 128 -npl 1,NSEQ` (its S_TG: the decode phase's tokens/s over all
+#          sequences), alternating, ROUNDS rounds (LLAMA=0: ember only)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
@@ -31,18 +35,18 @@ ROUNDS=${ROUNDS:-2}; DEPTHS=${DEPTHS:-8192,32768}; STAGES=${STAGES:-tests,serve,
 export EMBER_KERNEL_CACHE=/tmp/kc
 [[ -x /tmp/bin/ember && /tmp/bin/ember -nt .gpu/bin.tar.xz ]] || tar -C /tmp -xJf .gpu/bin.tar.xz
 E=/tmp/bin/ember; F=$M/35b.gguf
-LB=$L/build/bin/llama-bench; LC=$L/build/bin/llama-completion
+LB=$L/build/bin/llama-bench; LC=$L/build/bin/llama-completion; LBB=$L/build/bin/llama-batched-bench
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$O/gpu.txt"
 
 start_llama_build() {
-    [[ -x $LB && -x $LC ]] && return
+    [[ -x $LB && -x $LC && -x $LBB ]] && return
     [[ -f $L/building ]] && return
     touch $L/building
     setsid bash -c "cd $L && tar xJf '$PWD/.gpu/llama-src.tar.xz' \
       && cmake -S llama.cpp -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
            -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release > $L/cmake.log 2>&1 \
-      && cmake --build build --target llama-bench llama-completion -j 12 > $L/build.log 2>&1; echo \$? > $L/built; rm -f $L/building" \
+      && cmake --build build --target llama-bench llama-completion llama-batched-bench -j 12 > $L/build.log 2>&1; echo \$? > $L/built; rm -f $L/building" \
       < /dev/null > /dev/null 2>&1 &
 }
 wait_llama_build() {
@@ -58,7 +62,7 @@ ensure_model() {
 }
 secs() { local t0=$EPOCHREALTIME; "$@" < /dev/null > /dev/null 2>&1; local rc=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.2f s (exit %d)", b - a, rc }'; }
 
-if has tests || has load || has bench || has tier; then start_llama_build; fi
+if (has tests || has load || has bench || has tier || has batched) && [[ ${LLAMA:-1} == 1 ]]; then start_llama_build; fi
 # UD_SYNTH=1: the ud-q4_k_m 35B for the tier stage, written in its own session (it survives
 # the call, like the llama.cpp build) so a later call finds it.
 if [[ ${UD_SYNTH:-0} == 1 && ! -s $M/35b-ud.gguf && ! -f $M/35b-ud.gguf.synthing ]]; then
@@ -120,6 +124,18 @@ if has ab; then
             env "${envs[@]}" $E bench -m $F --device cuda ${AB_ARGS:--p 512 -n 128} -r 2 -o json > "$O/ab-$v-$r.json" 2> "$O/ab-$v-$r.log"
             echo "ab round $r $v ($AB): $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/ab-$v-$r.json")"
         done
+    done
+fi
+if has batched; then
+    ensure_model; [[ ${LLAMA:-1} == 1 ]] && wait_llama_build
+    NSEQ=${NSEQ:-16}; BDEPTH=${BDEPTH:-4096}
+    for r in $(seq 1 "$ROUNDS"); do
+        $E bench -m $F --device cuda -p 0 -n 128 -d $BDEPTH --n-seq 1,$NSEQ -r 2 -o json > "$O/batched-ember-$r.json" 2> "$O/batched-ember-$r.log"
+        echo "batched round $r ember: exit $?: $(python3 -c "import json,sys; print(' '.join('%s %.1f' % (x['name'], x['avg_ts']) for x in json.load(open(sys.argv[1]))))" "$O/batched-ember-$r.json")"
+        if [[ ${LLAMA:-1} == 1 && -x $LBB ]]; then
+            $LBB -m $F -ngl 99 -fa on -c $(( NSEQ * (BDEPTH + 128) + 1024 )) -npp $BDEPTH -ntg 128 -npl 1,$NSEQ --output-format jsonl > "$O/batched-llama-$r.log" 2>&1
+            echo "batched round $r llama.cpp: exit $?: $(grep '^{' "$O/batched-llama-$r.log" | python3 -c "import json,sys; print(' '.join('tg128x%d@d%d %.1f' % (x['pl'], x['pp'], x['speed_tg']) for x in map(json.loads, sys.stdin)))")"
+        fi
     done
 fi
 if has pressure; then

@@ -4,15 +4,18 @@
 //! once and restored for every repetition, mean and standard deviation over repetitions.
 //!
 //! Beyond llama-bench: `--prompts real` feeds rotating real text (bench/corpus) instead of
-//! random ids, since random ids route to experts unlike text; and each tg row reports the
-//! weight bytes one generated token reads and the bandwidth that achieves.
+//! random ids, since random ids route to experts unlike text; each tg row reports the weight
+//! bytes one generated token reads and the bandwidth that achieves; and `--n-seq 16` runs each
+//! test on 16 sequences at once (each restored from the depth, one forward pass per step for
+//! all of them: a prompt each, or a token each), reporting the aggregate tokens/s, as
+//! llama-batched-bench's S_PP and S_TG (`pp512x16`, `tg128x16@d4096`).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use ember_cpu::Precision;
-use ember_engine::{Backend, Logits, ModelBackend};
+use ember_engine::{Backend, Logits, ModelBackend, Step};
 use ember_model::{Model, TensorGroup};
 use ember_ops::KvType;
 use ember_synth::rng::Rng;
@@ -80,16 +83,24 @@ pub struct Args {
     /// Skip the warm-up run.
     #[arg(long)]
     no_warmup: bool,
+    /// Sequences per test (comma-separated): each test also runs on this many sequences at
+    /// once, one forward pass per step for all of them (aggregate tokens/s).
+    #[arg(long = "n-seq", value_delimiter = ',', default_value = "1")]
+    n_seq: Vec<usize>,
 }
 
 /// The llama-bench name of a test: `pp512`, `tg128`, with `@d<depth>` when the depth is not 0
-/// (llama-bench's markdown writes the same with spaces: `pp512 @ d8192`).
-pub fn test_name(n_prompt: usize, n_gen: usize, n_depth: usize) -> String {
-    let base = match (n_prompt, n_gen) {
+/// (llama-bench's markdown writes the same with spaces: `pp512 @ d8192`), and `x<n>` after the
+/// sizes when n sequences run at once (`tg128x16@d4096`).
+pub fn test_name(n_prompt: usize, n_gen: usize, n_depth: usize, n_seq: usize) -> String {
+    let mut base = match (n_prompt, n_gen) {
         (p, 0) => format!("pp{p}"),
         (0, g) => format!("tg{g}"),
         (p, g) => format!("pp{p}+tg{g}"),
     };
+    if n_seq > 1 {
+        base += &format!("x{n_seq}");
+    }
     if n_depth > 0 { format!("{base}@d{n_depth}") } else { base }
 }
 
@@ -145,6 +156,10 @@ pub fn main(a: Args) -> Result<()> {
     if a.reps == 0 {
         bail!("-r must be at least 1");
     }
+    if a.n_seq.is_empty() || a.n_seq.contains(&0) {
+        bail!("--n-seq takes sequence counts of at least 1");
+    }
+    let max_seq = a.n_seq.iter().copied().max().unwrap_or(1);
     let model = load::open_model(Some(&a.model))?;
     let c = model.config.clone();
     // The largest context a depth's tests need (what the placement budgets state for).
@@ -156,7 +171,7 @@ pub fn main(a: Args) -> Result<()> {
         a.device,
         Precision::Fast,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: 1, kv_type: a.kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: max_seq, kv_type: a.kv_type },
     )?;
     let n_threads = device::threads(a.threads);
     let corpus = match a.prompts {
@@ -187,8 +202,9 @@ pub fn main(a: Args) -> Result<()> {
         }
         let n_ctx = d + tests.iter().map(|&(p, g)| p + g).max().unwrap_or(0) + 1;
         // The depth is filled once, untimed, and every run starts from a snapshot of it
-        // (llama-bench restores a saved state the same way): two slots, the base and a run.
-        backend.configure(2, n_ctx, 0)?;
+        // (llama-bench restores a saved state the same way): slots for the base and a run's
+        // sequences.
+        backend.configure(1 + max_seq, n_ctx, 0)?;
         let mut base = backend.new_state(n_ctx)?;
         if d > 0 {
             let t0 = Instant::now();
@@ -198,41 +214,57 @@ pub fn main(a: Args) -> Result<()> {
             }
             eprintln!("depth {d}: filled in {:.1} s", t0.elapsed().as_secs_f64());
         }
-        for (p, g) in tests {
-            let name = test_name(p, g, d);
+        for (p, g, n) in tests.iter().flat_map(|&(p, g)| a.n_seq.iter().map(move |&n| (p, g, n))) {
+            let name = test_name(p, g, d, n);
             let snap = backend.snapshot(&base)?;
+            // One run: n sequences restored from the depth, then the prompt (one forward pass
+            // for all of them) or the tokens (one pass per step); `toks` holds each sequence's
+            // share in turn.
             let run = |backend: &mut ModelBackend<Box<dyn ember_ops::Ops>>, toks: &[u32]| -> Result<f64> {
-                let st = &mut backend.restore(&snap, n_ctx)?;
+                let mut states = (0..n).map(|_| backend.restore(&snap, n_ctx)).collect::<std::result::Result<Vec<_>, _>>()?;
+                let per = toks.len() / n;
                 let t0 = Instant::now();
                 if p > 0 {
-                    backend.run(st, toks, Logits::Last)?;
+                    let mut items: Vec<Step<'_, _>> = states
+                        .iter_mut()
+                        .zip(toks.chunks(per))
+                        .map(|(st, t)| Step { tokens: t, state: st, logits: Logits::Last })
+                        .collect();
+                    backend.forward(&mut items)?;
                 } else {
-                    for t in toks {
-                        backend.run(st, &[*t], Logits::Last)?;
+                    for i in 0..per {
+                        let mut items: Vec<Step<'_, _>> = states
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(j, st)| Step { tokens: &toks[j * per + i..j * per + i + 1], state: st, logits: Logits::Last })
+                            .collect();
+                        backend.forward(&mut items)?;
                     }
                 }
                 Ok(t0.elapsed().as_nanos() as f64)
             };
             if !a.no_warmup {
                 // llama-bench: the whole prompt for pp, one token for tg.
-                let toks = src.take(if p > 0 { p } else { 1 });
+                let toks = src.take(n * if p > 0 { p } else { 1 });
                 run(&mut backend, &toks)?;
             }
             let tier0 = backend.ops().expert_stats();
             let mut samples_ns = Vec::with_capacity(a.reps);
             for r in 0..a.reps {
-                let toks = src.take(p + g);
+                let toks = src.take(n * (p + g));
                 let ns = run(&mut backend, &toks)?;
-                eprintln!("{name}: run {}/{}: {:.2} tokens/s", r + 1, a.reps, (p + g) as f64 / (ns / 1e9));
+                eprintln!("{name}: run {}/{}: {:.2} tokens/s", r + 1, a.reps, (n * (p + g)) as f64 / (ns / 1e9));
                 samples_ns.push(ns);
             }
-            let samples_ts: Vec<f64> = samples_ns.iter().map(|ns| (p + g) as f64 / (ns / 1e9)).collect();
+            let samples_ts: Vec<f64> = samples_ns.iter().map(|ns| (n * (p + g)) as f64 / (ns / 1e9)).collect();
             let (avg_ns, stddev_ns) = mean_std(&samples_ns);
             let (avg_ts, stddev_ts) = mean_std(&samples_ts);
-            let gbps = if g > 0 { Some(bpt as f64 * avg_ts / 1e9) } else { None };
+            // One sequence's figure: the weights a token reads (n sequences share theirs).
+            let gbps = if g > 0 && n == 1 { Some(bpt as f64 * avg_ts / 1e9) } else { None };
             // The expert tier over the timed runs: where the routed pairs ran.
             let tier = match (tier0, backend.ops().expert_stats()) {
-                (Some(a0), Some(a1)) => {
+                // Every expert resident with nothing counted (the whole model on the GPU): no line.
+                (Some(a0), Some(a1)) if a1.hits + a1.misses > a0.hits + a0.misses => {
                     let (hits, misses) = (a1.hits - a0.hits, a1.misses - a0.misses);
                     let toks = (a1.tokens - a0.tokens).max(1) as f64;
                     let rate = if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 };
@@ -256,10 +288,10 @@ pub fn main(a: Args) -> Result<()> {
                 "name": name, "engine": "ember", "model_filename": filename, "model_type": model_type,
                 "model_size": model_size, "model_n_params": n_params, "cpu_info": cpu, "n_threads": n_threads,
                 "n_ubatch": a.ubatch, "type_k": format!("{:?}", a.kv_type).to_lowercase(), "prompts": format!("{:?}", a.prompts).to_lowercase(),
-                "n_prompt": p, "n_gen": g, "n_depth": d, "reps": a.reps,
+                "n_prompt": p, "n_gen": g, "n_depth": d, "n_seq": n, "reps": a.reps,
                 "avg_ns": avg_ns as u64, "stddev_ns": stddev_ns as u64, "avg_ts": avg_ts, "stddev_ts": stddev_ts,
                 "samples_ns": samples_ns.iter().map(|x| *x as u64).collect::<Vec<_>>(), "samples_ts": samples_ts,
-                "bytes_per_token": if g > 0 { json!(bpt) } else { json!(null) },
+                "bytes_per_token": if g > 0 && n == 1 { json!(bpt) } else { json!(null) },
                 "gb_per_s": gbps, "experts": tier,
             }));
         }

@@ -1,5 +1,6 @@
 //! `ember synth`, `ember inspect` of its output and `ember bench` end to end on the `tiny`
-//! preset: the file loads, the bench JSON parses and its test names are llama-bench's.
+//! preset: the file loads, the bench JSON parses and its test names are llama-bench's, and
+//! `--n-seq` runs each test on several sequences at once.
 
 use std::process::{Command, Output};
 
@@ -46,5 +47,21 @@ fn synth_inspect_bench() {
             assert!(x["gb_per_s"].as_f64().unwrap() > 0.0);
         }
     }
+
+    // Several sequences at once: each test on 1 and on 3 sequences, named with `x3`, tokens/s
+    // over all of them.
+    let o = ember(&["bench", "-m", m, "-p", "8", "-n", "3", "-d", "0,16", "-r", "1", "-t", "1", "-o", "json", "--n-seq", "1,3"]);
+    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).expect("bench JSON parses");
+    let rows = rows.as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|x| x["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pp8", "pp8x3", "tg3", "tg3x3", "pp8@d16", "pp8x3@d16", "tg3@d16", "tg3x3@d16"]);
+    for x in rows {
+        let n = if x["name"].as_str().unwrap().contains("x3") { 3 } else { 1 };
+        assert_eq!(x["n_seq"], n);
+        assert!(x["avg_ts"].as_f64().unwrap() > 0.0);
+    }
+    let e = Command::new(env!("CARGO_BIN_EXE_ember")).args(["bench", "-m", m, "--n-seq", "0"]).output().unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("--n-seq"), "{}", String::from_utf8_lossy(&e.stderr));
     std::fs::remove_dir_all(dir).unwrap();
 }
