@@ -26,6 +26,10 @@ const MMA_THREADS: u32 = 128;
 const MMA_SMEM: u32 = 3 * 64 * 264 * 2;
 /// Warps of an `attention_merge` block (`ATT_MERGE_WARPS`).
 const MERGE_WARPS: u32 = 8;
+/// Floats of partial results [`AttentionPath::Auto`] lets the decode kernel take (128 MiB: 16
+/// rows of the 35B model at depth 32768 take 17 MB, 64 take 67 MB); a call that would need
+/// more takes the tiles or the rows path, whose scratch does not grow with the rows.
+pub const ATTENTION_DECODE_SCRATCH_MAX: usize = 32 << 20;
 /// Warps of an `attention_decode` block (`AD_WARPS` in kernels/attention.cu).
 const DECODE_WARPS: u32 = 4;
 /// Query heads of an `attention_decode` block at most (the kernel's instances: 1, 2, 4, 8).
@@ -144,9 +148,20 @@ impl AttentionShape {
         self.heads_per_tile().min(DECODE_MAX_HEADS)
     }
 
+    /// Floats of partial results the decode kernel needs for this shape (0: one range a row).
+    fn decode_scratch(&self) -> usize {
+        match self.max_keys.div_ceil(KV_PAGE).clamp(1, self.decode_splits.clamp(1, 65535)) {
+            1 => 0,
+            n => part_floats(self.n_rows * self.n_head * n) + self.n_rows * self.n_head * n * self.head_dim,
+        }
+    }
+
     /// The kernels this shape runs on ([`AttentionPath::Auto`] resolved; `auto_decode`: whether
     /// Auto may take the decode kernel; `mma`: whether the tiles would run on tensor cores).
-    fn kind(&self, auto_decode: bool, mma: bool) -> AttentionPath {
+    /// Auto chooses one path for the whole call from its longest sequence and deepest row, so a
+    /// decode row batched with a prompt chunk takes the chunk's path (a row's result is the
+    /// same alone or batched only while the call stays on the decode kernel).
+    pub fn kind(&self, auto_decode: bool, mma: bool) -> AttentionPath {
         let tiles = self.head_dim.is_multiple_of(64) && self.n_tiles > 0;
         let decode = self.head_dim.is_multiple_of(8) && self.decode_splits > 0;
         if self.path == AttentionPath::Auto && !auto_decode {
@@ -162,10 +177,13 @@ impl AttentionShape {
         } else {
             self.max_seq_rows >= ATTENTION_TILE_MIN_ROWS
         };
+        // The decode kernel for short sequences whose partial results stay small; else the
+        // choice before it.
+        let decode_fits = self.max_seq_rows < ATTENTION_TILE_MIN_ROWS && self.decode_scratch() <= ATTENTION_DECODE_SCRATCH_MAX;
         match self.path {
             AttentionPath::Auto if tiles && prompt => AttentionPath::Tiles,
-            AttentionPath::Auto if decode => AttentionPath::Decode,
-            AttentionPath::Auto if tiles && self.max_keys >= ATTENTION_TILE_MIN_KEYS => AttentionPath::Tiles,
+            AttentionPath::Auto if decode && decode_fits => AttentionPath::Decode,
+            AttentionPath::Auto if tiles && (self.max_seq_rows >= 4 || self.max_keys >= ATTENTION_TILE_MIN_KEYS) => AttentionPath::Tiles,
             AttentionPath::Tiles if tiles => AttentionPath::Tiles,
             AttentionPath::Decode if decode => AttentionPath::Decode,
             _ => AttentionPath::Rows,
@@ -416,4 +434,58 @@ impl Gpu {
 /// after them are 16-byte aligned (the tiles store them as float4).
 fn part_floats(part: usize) -> usize {
     (2 * part).next_multiple_of(4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 35B model's heads (16 query, 2 KV, head_dim 256) over sequences of `rows` rows, the
+    /// deepest row seeing `keys` keys.
+    fn shape(hd: usize, rows: &[usize], keys: usize) -> AttentionShape {
+        AttentionShape::new(16, 2, hd, 0.0625, rows, keys)
+    }
+
+    /// Auto's choice, with the decode kernel and tensor cores (Fast) or without (Exact).
+    #[test]
+    fn auto_follows_the_measured_crossovers() {
+        let (fast, exact) = ((true, true), (true, false));
+        // (rows per sequence, keys of the deepest row, (decode kernel, tensor cores), path)
+        type Case = (&'static [usize], usize, (bool, bool), AttentionPath);
+        let cases: &[Case] = &[
+            (&[1], 32768, fast, AttentionPath::Decode),
+            (&[1; 16], 4096, fast, AttentionPath::Decode),
+            (&[2], 32768, fast, AttentionPath::Decode),
+            (&[4], 20000, fast, AttentionPath::Tiles),
+            (&[8], 1024, fast, AttentionPath::Decode),
+            (&[512], 512, fast, AttentionPath::Tiles),
+            (&[63], 8192, exact, AttentionPath::Decode),
+            (&[64], 8192, exact, AttentionPath::Tiles),
+            // A decode row beside a prompt chunk takes the chunk's path.
+            (&[1, 300], 4096, fast, AttentionPath::Tiles),
+            // Without the decode kernel: the choice before it.
+            (&[1], 8192, (false, true), AttentionPath::Rows),
+            (&[1], 32768, (false, true), AttentionPath::Tiles),
+        ];
+        for &(rows, keys, (dec, mma), want) in cases {
+            assert_eq!(shape(256, rows, keys).kind(dec, mma), want, "{rows:?} at {keys} keys, decode {dec}, mma {mma}");
+        }
+    }
+
+    /// A prompt chunk whose head_dim the tiles cannot take goes to the rows path (one pass, no
+    /// scratch), not to the decode kernel, whose partial results grow with the rows: 512 rows
+    /// of head_dim 96 at depth 8192 would need ~400 MB there.
+    #[test]
+    fn long_chunks_do_not_take_the_decode_kernel() {
+        let s = AttentionShape::new(32, 32, 96, 0.1, &[512], 8192);
+        assert!(s.decode_scratch() > ATTENTION_DECODE_SCRATCH_MAX);
+        assert_eq!(s.kind(true, true), AttentionPath::Rows);
+        assert_eq!(AttentionShape::new(32, 32, 96, 0.1, &[1], 8192).kind(true, true), AttentionPath::Decode);
+        // Many short sequences deep in their contexts: 512 decode rows at depth 32768 would
+        // need 537 MB of partial results; the tiles take them.
+        let many = shape(256, &[1; 512], 32768);
+        assert!(many.decode_scratch() > ATTENTION_DECODE_SCRATCH_MAX);
+        assert_eq!(many.kind(true, true), AttentionPath::Tiles);
+        assert_eq!(shape(256, &[1; 64], 32768).kind(true, true), AttentionPath::Decode);
+    }
 }
