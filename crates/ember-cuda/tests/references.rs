@@ -10,14 +10,13 @@
 //! With no NVIDIA driver every test prints why and passes (CI has no GPU). On the GPU machine
 //! the binary runs from the repository root and finds the fixtures there.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ember_cuda::{CudaOps, Gpu, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model, SeqState};
 use ember_ops::{KvType, Ops};
-use ember_testkit::{LogitStats, RefTensor, fixture, read_safetensors, tiny_case_ids};
+use ember_testkit::{LogitStats, RefTensor, fixture, tiny_case_ids, tiny_refs};
 
 const CASES: &[&str] = &["p1", "p5", "p37", "p64", "p65", "p130", "p300", "rand50"];
 const QUANTS: &[&str] = &["Q8_0", "Q6_K", "Q4_K_M"];
@@ -40,25 +39,12 @@ fn model(q: &str) -> Model {
     Model::load(f, |_, _| {}).unwrap()
 }
 
-fn refs(file: &str) -> &'static HashMap<String, RefTensor> {
-    static HF: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    static HFDQ: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    static LLAMA: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    let cell = match file {
-        "hf" => &HF,
-        "hfdq" => &HFDQ,
-        "llama" => &LLAMA,
-        _ => unreachable!(),
-    };
-    cell.get_or_init(|| read_safetensors(&fixture(&format!("tiny-a/refs/{file}-refs.safetensors"))))
-}
-
 /// The reference logits of `case` for file `q`: HF float64 for BF16 (its weights are the
 /// checkpoint's), HF float64 on the exactly dequantised weights for the quantised files.
 fn reference(q: &str, case: &str) -> &'static RefTensor {
     match q {
-        "BF16" => &refs("hf")[&format!("logits.{case}.f64")],
-        _ => &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")],
+        "BF16" => &tiny_refs("hf")[&format!("logits.{case}.f64")],
+        _ => &tiny_refs("hfdq")[&format!("hfdq.{q}.logits.{case}")],
     }
 }
 
@@ -145,7 +131,7 @@ fn default_path_at_least_as_close_as_llama_cpp() {
             let want = reference(q, case);
             let got = logits(&m, &mut ops, &tiny_case_ids(case), &[usize::MAX], DeltaMode::Auto);
             ours.push(LogitStats::compare(&got, want));
-            let llama: Vec<f32> = refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
+            let llama: Vec<f32> = tiny_refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
             theirs.push(LogitStats::compare(&llama, want));
         }
         let (o, t) = (LogitStats::pooled(&ours), LogitStats::pooled(&theirs));
@@ -209,8 +195,8 @@ fn exact_greedy_continuations_equal_the_reference() {
         for case in ["g_chat", "g_p37"] {
             let ids = tiny_case_ids(case);
             let want: Vec<u32> = match q {
-                "BF16" => refs("hf")[&format!("greedy.{case}.tokens.f64")].data.iter().map(|&x| x as u32).collect(),
-                _ => refs("hfdq")[&format!("hfdq.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect(),
+                "BF16" => tiny_refs("hf")[&format!("greedy.{case}.tokens.f64")].data.iter().map(|&x| x as u32).collect(),
+                _ => tiny_refs("hfdq")[&format!("hfdq.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect(),
             };
             let mut st = state(&m, &mut ops, KvType::F32, ids.len() + want.len() + 8);
             let last = || Forward { logits: Some(Logits::Last), ..Default::default() };

@@ -2,33 +2,19 @@
 //! float64, HF float64 on exactly dequantised weights, llama.cpp). Tolerances and the errors
 //! measured when they were set are stated next to each assertion.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use ember_cpu::{CpuBackend, Precision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model, SeqState};
 use ember_ops::{KvType, Ops};
-use ember_testkit::{LogitStats, RefTensor, fixture, read_safetensors, tiny_case_ids};
-use std::collections::HashMap;
+use ember_testkit::{LogitStats, RefTensor, fixture, tiny_case_ids, tiny_refs};
 
 const CASES: &[&str] = &["p1", "p5", "p37", "p64", "p65", "p130", "p300", "rand50"];
 
 fn model(q: &str) -> Model {
     let f = Arc::new(GgufFile::open(fixture(&format!("tiny-a/gguf/tiny-a-{q}.gguf"))).unwrap());
     Model::load(f, |_, _| {}).unwrap()
-}
-
-fn refs(file: &str) -> &'static HashMap<String, RefTensor> {
-    static HF: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    static HFDQ: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    static LLAMA: OnceLock<HashMap<String, RefTensor>> = OnceLock::new();
-    let cell = match file {
-        "hf" => &HF,
-        "hfdq" => &HFDQ,
-        "llama" => &LLAMA,
-        _ => unreachable!(),
-    };
-    cell.get_or_init(|| read_safetensors(&fixture(&format!("tiny-a/refs/{file}-refs.safetensors"))))
 }
 
 fn exact(m: &Model) -> CpuBackend {
@@ -78,7 +64,7 @@ fn bf16_exact_matches_hf_f64() {
     let mut all = Vec::new();
     for case in CASES {
         let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
-        let s = LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]);
+        let s = LogitStats::compare(&got, &tiny_refs("hf")[&format!("logits.{case}.f64")]);
         assert_f32_bounds(&format!("BF16 exact {case}"), &s);
         all.push(s);
     }
@@ -94,8 +80,8 @@ fn bf16_exact_greedy_teacher_forced() {
     let mut ops = exact(&m);
     for case in ["g_chat", "g_p37"] {
         let ids = tiny_case_ids(case);
-        let want_tokens = &refs("hf")[&format!("greedy.{case}.tokens.f64")];
-        let want_logits = &refs("hf")[&format!("greedy.{case}.logits.f64")];
+        let want_tokens = &tiny_refs("hf")[&format!("greedy.{case}.tokens.f64")];
+        let want_logits = &tiny_refs("hf")[&format!("greedy.{case}.logits.f64")];
         let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len() + 40);
         let mut got = m.forward(&mut ops, &ids, &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap().data;
         let mut rows = Vec::new();
@@ -118,7 +104,7 @@ fn quantised_exact_matches_hfdq() {
         let mut ops = exact(&m);
         for case in ["p300", "rand50"] {
             let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
-            let s = LogitStats::compare(&got, &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")]);
+            let s = LogitStats::compare(&got, &tiny_refs("hfdq")[&format!("hfdq.{q}.logits.{case}")]);
             assert_f32_bounds(&format!("{q} exact {case}"), &s);
         }
     }
@@ -139,16 +125,16 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
         let mut ops = fast(&m);
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for case in ["p300", "rand50"] {
-            let want = &refs("hfdq")[&format!("hfdq.{q}.logits.{case}")];
+            let want = &tiny_refs("hfdq")[&format!("hfdq.{q}.logits.{case}")];
             let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             ours.push(LogitStats::compare(&got, want));
-            let llama: Vec<f32> = refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
+            let llama: Vec<f32> = tiny_refs("llama")[&format!("llama.{q}.logits.{case}")].data.iter().map(|&x| x as f32).collect();
             theirs.push(LogitStats::compare(&llama, want));
         }
         let (o, t) = (LogitStats::pooled(&ours), LogitStats::pooled(&theirs));
         eprintln!("{q} fast vs hfdq:      {o}\n{q} llama.cpp vs hfdq: {t}");
         for case in ["p300", "rand50"] {
-            let l = &refs("llama")[&format!("llama.{q}.logits.{case}")];
+            let l = &tiny_refs("llama")[&format!("llama.{q}.logits.{case}")];
             let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
             eprintln!("{q} fast vs llama.cpp {case}: {}", LogitStats::compare(&got, l));
         }
@@ -167,7 +153,7 @@ fn fast_path_at_least_as_close_as_llama_cpp() {
     let mut all = Vec::new();
     for case in CASES {
         let got = logits(&m, &mut ops, &tiny_case_ids(case), KvType::F32, DeltaMode::Auto);
-        all.push(LogitStats::compare(&got, &refs("hf")[&format!("logits.{case}.f64")]));
+        all.push(LogitStats::compare(&got, &tiny_refs("hf")[&format!("logits.{case}.f64")]));
     }
     let o = LogitStats::pooled(&all);
     eprintln!("BF16 fast vs HF f64: {o}");
@@ -198,7 +184,7 @@ fn chunked_equals_recurrent() {
     let m = model("BF16");
     let mut ops = exact(&m);
     let ids = tiny_case_ids("p300");
-    let want = &refs("hf")["logits.p300.f64"];
+    let want = &tiny_refs("hf")["logits.p300.f64"];
     let rec = logits(&m, &mut ops, &ids, KvType::F32, DeltaMode::Recurrent);
     let chk = logits(&m, &mut ops, &ids, KvType::F32, DeltaMode::Chunked);
     assert_f32_bounds("recurrent p300", &LogitStats::compare(&rec, want));
@@ -216,7 +202,7 @@ fn prompt_and_decode_paths_agree() {
     let m = model("BF16");
     let mut ops = exact(&m);
     let ids = tiny_case_ids("p130");
-    let want = &refs("hf")["logits.p130.f64"];
+    let want = &tiny_refs("hf")["logits.p130.f64"];
     for splits in [vec![60, 1], vec![64, 36, 30]] {
         let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len());
         let mut rows = Vec::new();
@@ -300,7 +286,7 @@ fn snapshot_restore_continues_exactly() {
     m.forward(&mut ops, &[1, 2, 3, 4, 5], &mut st, Forward::default()).unwrap(); // a different continuation
     st.restore(&mut ops, &snap).unwrap();
     let rest = m.forward(&mut ops, &ids[50..], &mut st, Forward::default()).unwrap();
-    let want = &refs("hf")["logits.p130.f64"];
+    let want = &tiny_refs("hf")["logits.p130.f64"];
     let want_tail = RefTensor { shape: vec![80, want.shape[1]], data: want.data[50 * want.shape[1]..].to_vec() };
     assert_f32_bounds("restored p130[50..]", &LogitStats::compare(&rest.data, &want_tail));
 }
@@ -316,10 +302,10 @@ fn greedy_continuations() {
         for case in ["g_chat", "g_p37"] {
             let ids = tiny_case_ids(case);
             let want: Vec<u32> = match q {
-                "BF16" => refs("hf")[&format!("greedy.{case}.tokens.f64")].data.iter().map(|&x| x as u32).collect(),
-                _ => refs("hfdq")[&format!("hfdq.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect(),
+                "BF16" => tiny_refs("hf")[&format!("greedy.{case}.tokens.f64")].data.iter().map(|&x| x as u32).collect(),
+                _ => tiny_refs("hfdq")[&format!("hfdq.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect(),
             };
-            let llama: Vec<u32> = refs("llama")[&format!("llama.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect();
+            let llama: Vec<u32> = tiny_refs("llama")[&format!("llama.{q}.greedy.{case}.tokens")].data.iter().map(|&x| x as u32).collect();
             let run = |mut ops: CpuBackend| -> Vec<u32> {
                 let ops: &mut dyn Ops = &mut ops;
                 let mut st = state(&m, ops, KvType::F32, 1, ids.len() + 40);
@@ -396,7 +382,7 @@ fn hidden_states_routing_and_recurrent_state_match_hf() {
     let mut ops = exact(&m);
     let c = &m.config;
     let ids = tiny_case_ids("p37");
-    let hf = refs("hf");
+    let hf = tiny_refs("hf");
     let mut st = state(&m, &mut ops, KvType::F32, 1, ids.len());
     let mut taps: Vec<(String, usize, ember_ops::Mat)> = Vec::new();
     let mut tap = |name: &str, i: usize, x: &ember_ops::Mat| taps.push((name.to_string(), i, x.clone()));

@@ -15,6 +15,22 @@ pub fn fixture(rel: &str) -> PathBuf {
     if !built.exists() && local.exists() { local } else { built }
 }
 
+/// The tiny-a fixture's reference tensors (`tests/fixtures/tiny-a/refs/<file>-refs.safetensors`,
+/// `file` one of "hf" (HF float64), "hfdq" (HF float64 on exactly dequantised weights),
+/// "llama" (llama.cpp)), read once per test binary.
+pub fn tiny_refs(file: &str) -> &'static HashMap<String, RefTensor> {
+    static HF: std::sync::OnceLock<HashMap<String, RefTensor>> = std::sync::OnceLock::new();
+    static HFDQ: std::sync::OnceLock<HashMap<String, RefTensor>> = std::sync::OnceLock::new();
+    static LLAMA: std::sync::OnceLock<HashMap<String, RefTensor>> = std::sync::OnceLock::new();
+    let cell = match file {
+        "hf" => &HF,
+        "hfdq" => &HFDQ,
+        "llama" => &LLAMA,
+        _ => panic!("no tiny-a reference file {file:?} (hf, hfdq, llama)"),
+    };
+    cell.get_or_init(|| read_safetensors(&fixture(&format!("tiny-a/refs/{file}-refs.safetensors"))))
+}
+
 /// A tensor from a safetensors file, converted to f64 (ints too).
 #[derive(Debug, Clone)]
 pub struct RefTensor {
