@@ -193,8 +193,8 @@ fn tiled_prompt_attention_matches_reference() {
 /// ranges and merges them (flash-decoding): 8 workers, one KV head, contexts that give 1 to 8
 /// ranges (contexts of 1403, 2049 and 3135 split into 5, 8 and 8 ranges of whole pages, the
 /// last one partial or empty), every KV type, against
-/// the reference. Measured max relative error 1.8e-6 (f32; f16 1.0e-6); bound 1e-5 as above,
-/// and [`Q8_0_ATTN_BOUND`] for q8_0 (integer scores).
+/// the reference. Measured max relative error 2.4e-6 (f32; f16 2.2e-6); bound 1e-5 as above,
+/// and [`Q8_0_ATTN_BOUND`] for q8_0 (integer scores; 1.8e-3).
 #[test]
 fn split_decode_attention_matches_reference() {
     use ember_ops::{AttnShape, KvRows, KvType};

@@ -11,7 +11,7 @@ use super::attention::kv_row;
 use super::{CpuOps, Precision, lock};
 use crate::kernels::ActRow;
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
-use crate::simd::{self, AttnIo, DeltaIo, Kernels};
+use crate::simd::{self, AttnIo, DeltaIo, Gemm, Kernels};
 
 impl CpuOps {
     #[allow(clippy::too_many_arguments)]
@@ -165,11 +165,14 @@ impl CpuOps {
         b.iter_mut().for_each(|e| *e *= slot);
         let int_k = kc.ty == KvType::Q8_0 && hd.is_multiple_of(32);
         let hb = hd / 32 * 34; // bytes of one head's keys in a q8_0 row
+        // Shapes the SIMD `gemm_f32` tiles take whole (AVX2: 4 rows × 16 columns).
+        let pv_tiles = g.is_multiple_of(4) && hd.is_multiple_of(16);
         self.pool.split_mut(&mut ob, &b[..=parts], |pi, out| {
             let mut scores = vec![0f32; g * max_pos];
             let mut row = vec![0f32; hd];
             let mut inv = vec![0f32; g];
             let mut qa = vec![ActRow::default(); if int_k { g } else { 0 }];
+            let mut vrows = vec![0f32; if pv_tiles { PV_CHUNK * hd } else { 0 }];
             for (j, o) in out.chunks_exact_mut(slot).enumerate() {
                 let item = ib[pi] + j;
                 let pair = item / n_split;
@@ -235,10 +238,25 @@ impl CpuOps {
                     inv[h] = 1.0 / sum;
                 }
                 o.fill(0.0);
-                for p in p0..p1 {
-                    kv_row(kn, vc, p, m * hd, &mut row);
-                    for h in 0..g {
-                        kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
+                if pv_tiles {
+                    // P·V as register-tiled products over chunks of converted rows: the axpy per
+                    // (position, head) loaded and stored all of o[h] for each position.
+                    let mut c0 = p0;
+                    while c0 < p1 {
+                        let n = PV_CHUNK.min(p1 - c0);
+                        for (j, r) in vrows.chunks_exact_mut(hd).take(n).enumerate() {
+                            kv_row(kn, vc, c0 + j, m * hd, r);
+                        }
+                        let a = &scores[c0 - p0..];
+                        kn.gemm_f32(&Gemm { a, lda: max_pos, b: &vrows, ldb: hd, ldc: hd, m: g, n: hd, kd: n, acc: true }, o);
+                        c0 += n;
+                    }
+                } else {
+                    for p in p0..p1 {
+                        kv_row(kn, vc, p, m * hd, &mut row);
+                        for h in 0..g {
+                            kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
+                        }
                     }
                 }
                 for h in 0..g {
@@ -275,6 +293,9 @@ impl CpuOps {
         out
     }
 }
+
+/// Value rows converted per P·V product in decode (64 KiB of f32 at head size 256: in L2).
+const PV_CHUNK: usize = 64;
 
 /// Fewest positions in one range of a split attention: below this a range's fixed costs (a
 /// merge, a scratch row) outweigh another worker's share of the reads.
