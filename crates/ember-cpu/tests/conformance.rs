@@ -5,16 +5,17 @@ use ember_cpu::{CpuOps, Isa, Precision};
 use ember_ops::conformance::{self, Tolerances};
 use ember_ops::{HostBackend, Ops};
 
-fn conform(precision: Precision, tol: Tolerances) {
+fn conform(precision: Precision, tol: Tolerances, own: &[(&str, f32)]) {
     for isa in Isa::available() {
         for threads in [1, 2] {
-            let report = conformance::run(
+            let report = conformance::run_with(
                 &mut |w| {
                     let mut ops = HostBackend::new(CpuOps::with_isa(precision, threads, isa));
                     ops.register(w).unwrap();
                     Box::new(ops) as Box<dyn Ops>
                 },
                 tol,
+                own,
             );
             eprintln!("{precision:?} {isa:?} {threads} threads:\n{report}");
         }
@@ -24,10 +25,17 @@ fn conform(precision: Precision, tol: Tolerances) {
 /// Fast precision quantises activations to 8 bits per 32 values for quantised weights.
 /// Measured (scalar, AVX2, AVX-512; 1 and 2 threads): quantised matmul NMSE up to 1.6e-5, MoE
 /// 1.1e-4; float ops up to 2.0e-6 relative (the delta rule; norms, gates with a vectorised exp,
-/// attention ~4e-7). Bounds about 10x: 1e-3 and 2e-5.
+/// attention over f32/f16 caches ~4e-7). Bounds about 10x: 1e-3 and 2e-5.
+///
+/// Attention over a q8_0 cache has its own bound: its scores are integer dots with the query
+/// quantised like a matmul's activations (8 bits per 32 values), so its error is that
+/// rounding. Measured max relative error 2.30e-3 (AVX2, AVX-512: decode and prompt tiles;
+/// scalar, whose prompts keep f32 tiles, 1.73e-3); bound 1e-2, ~4x.
+const ATTN_Q8_0: (&str, f32) = ("attention Q8_0", 1e-2);
+
 #[test]
 fn fast_conforms() {
-    conform(Precision::Fast, Tolerances { rel: 2e-5, quant_nmse: 1e-3 });
+    conform(Precision::Fast, Tolerances { rel: 2e-5, quant_nmse: 1e-3 }, &[ATTN_Q8_0]);
 }
 
 /// Exact precision dequantises weights and sums in f32. Measured (every ISA, 1 and 2 threads):
@@ -36,12 +44,13 @@ fn fast_conforms() {
 /// float cases 2.5e-7), other ops 0 (the reference's code). Bounds: 1e-10 and 1e-5.
 #[test]
 fn exact_conforms() {
-    conform(Precision::Exact, Tolerances { rel: 1e-5, quant_nmse: 1e-10 });
+    conform(Precision::Exact, Tolerances { rel: 1e-5, quant_nmse: 1e-10 }, &[]);
 }
 
 /// Batch-invariant precision: the fast numerics through the single-token kernels; measured as
-/// the fast precision (NMSE up to 1.6e-5, MoE 1.1e-4; 2.0e-6 relative).
+/// the fast precision (NMSE up to 1.6e-5, MoE 1.1e-4; 2.0e-6 relative; attention Q8_0 2.30e-3
+/// on every instruction set: every token takes the decode kernel's integer scores).
 #[test]
 fn batch_invariant_conforms() {
-    conform(Precision::BatchInvariant, Tolerances { rel: 2e-5, quant_nmse: 1e-3 });
+    conform(Precision::BatchInvariant, Tolerances { rel: 2e-5, quant_nmse: 1e-3 }, &[ATTN_Q8_0]);
 }

@@ -139,13 +139,21 @@ fn attention_matches_reference() {
     }
 }
 
+/// Bound for attention over a q8_0 cache in fast precision: its scores are integer dots with
+/// the query quantised to 8 bits per 32 values (as llama.cpp's CPU attention quantises it for
+/// a q8_0 K), so the error is that rounding, not f32 summation. Measured max relative error
+/// (of the largest output) up to 6.7e-3 in the tiled test (queries ×4: scores of a few units)
+/// and 1.8e-3 in the split decode test; bound 2e-2, 3x the worst.
+const Q8_0_ATTN_BOUND: f32 = 2e-2;
+
 /// The tiled prompt attention (`attention.rs`: blocks of 64 keys, tiles of 64 query vectors,
 /// key ranges merged when tiles are fewer than workers) against the reference, over random
 /// shapes: 1–3 KV heads, 1–8 query heads each, head sizes 32–256, 4–150 prompt tokens (odd
 /// counts, partial tiles and blocks), 0–3000 cached positions before them, 1, 2 or 8 workers,
 /// every KV type. Measured max relative error (of the largest output) 2.6e-6 over 24 cases
 /// (f32 accumulation over up to ~3150 keys, FMA, the vectorised exp, online softmax; the
-/// 8-worker cases with fewer tiles than workers split key ranges); bound 1e-5 as above.
+/// 8-worker cases with fewer tiles than workers split key ranges); bound 1e-5 as above, and
+/// [`Q8_0_ATTN_BOUND`] for q8_0 caches (integer scores).
 #[test]
 fn tiled_prompt_attention_matches_reference() {
     use ember_ops::{AttnShape, KvRows, KvType};
@@ -174,7 +182,8 @@ fn tiled_prompt_attention_matches_reference() {
         let want = reference::attention(s, &q, &kc, &vc);
         let e = max_rel(&got.data, &want.data);
         eprintln!("tiled attention {ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: max rel {e:.1e}");
-        assert!(e < 1e-5, "{ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: {e}");
+        let bound = if ty == KvType::Q8_0 { Q8_0_ATTN_BOUND } else { 1e-5 };
+        assert!(e < bound, "{ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: {e}");
         worst = worst.max(e);
     }
     eprintln!("tiled attention: worst max rel {worst:.1e}");
@@ -184,8 +193,8 @@ fn tiled_prompt_attention_matches_reference() {
 /// ranges and merges them (flash-decoding): 8 workers, one KV head, contexts that give 1 to 8
 /// ranges (contexts of 1403, 2049 and 3135 split into 5, 8 and 8 ranges of whole pages, the
 /// last one partial or empty), every KV type, against
-/// the reference. Measured max relative error 1.8e-6 (f32 and q8_0 rows; f16 1.0e-6); bound
-/// 1e-5 as above.
+/// the reference. Measured max relative error 2.4e-6 (f32; f16 2.2e-6); bound 1e-5 as above,
+/// and [`Q8_0_ATTN_BOUND`] for q8_0 (integer scores; 1.8e-3).
 #[test]
 fn split_decode_attention_matches_reference() {
     use ember_ops::{AttnShape, KvRows, KvType};
@@ -206,7 +215,8 @@ fn split_decode_attention_matches_reference() {
             let want = reference::attention(s, &q, &kc, &vc);
             let e = max_rel(&got.data, &want.data);
             eprintln!("split attention {ty:?} n={n} pos0={pos}: max rel {e:.1e}");
-            assert!(e < 1e-5, "{ty:?} n={n} pos0={pos}: {e}");
+            let bound = if ty == KvType::Q8_0 { Q8_0_ATTN_BOUND } else { 1e-5 };
+            assert!(e < bound, "{ty:?} n={n} pos0={pos}: {e}");
             pos += n;
         }
     }

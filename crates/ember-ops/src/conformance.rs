@@ -4,7 +4,8 @@
 //! pool), the arena contract (a repeated step gets the same handles), plus the errors every op
 //! must return instead of panicking. A backend's test crate calls
 //! [`run`] with its constructor and the tolerances it claims, stating next to them the errors
-//! it measured (the [`Report`] prints them).
+//! it measured (the [`Report`] prints them); [`run_with`] also takes bounds for single checks
+//! (a backend whose kernel for one case quantises where the others do not).
 //!
 //! Error measures: `rel` is the largest `|got − ref|` over the largest `|ref|` of a result;
 //! `nmse` is `Σ(got − ref)² / Σ ref²` (for ops whose backend may quantise activations).
@@ -115,9 +116,10 @@ impl Pooled {
         e.1 += d;
     }
 
-    fn finish(self, r: &mut Report, bound: f32) {
+    fn finish(self, r: &mut Report, bound: f32, own: &Bounds<'_>) {
         for (name, (n, d)) in self.0 {
             let err = (n / d.max(1e-30)) as f32;
+            let bound = own.get(&name, bound);
             assert!(err <= bound, "{name}: NMSE {err:.3e} > bound {bound:.1e}");
             r.note(name, err);
         }
@@ -266,15 +268,56 @@ impl Pair {
     }
 }
 
+/// Bounds of single checks, by the check's name as the [`Report`] prints it (e.g.
+/// `("attention Q8_0", 1e-2)`), in place of the [`Tolerances`] bound of its kind; each name must
+/// match a check ([`run_with`] panics otherwise, so a renamed check cannot silently lose its
+/// bound).
+struct Bounds<'a> {
+    own: &'a [(&'a str, f32)],
+    used: std::cell::RefCell<Vec<bool>>,
+}
+
+impl<'a> Bounds<'a> {
+    fn new(own: &'a [(&'a str, f32)]) -> Self {
+        Bounds { own, used: std::cell::RefCell::new(vec![false; own.len()]) }
+    }
+
+    /// The bound of check `name`: its own, else `default`.
+    fn get(&self, name: &str, default: f32) -> f32 {
+        match self.own.iter().position(|(n, _)| *n == name) {
+            Some(i) => {
+                self.used.borrow_mut()[i] = true;
+                self.own[i].1
+            }
+            None => default,
+        }
+    }
+
+    fn check_all_used(&self) {
+        for ((name, _), used) in self.own.iter().zip(self.used.borrow().iter()) {
+            assert!(*used, "conformance::run_with: no check is named {name:?}");
+        }
+    }
+}
+
 /// Runs every check; panics (a test failure) with the op, the case and the error when a bound
 /// is exceeded, or when an op fails or panics where the reference does not.
 pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances) -> Report {
+    run_with(make, tol, &[])
+}
+
+/// [`run`], with the checks named in `own` held to their own bounds instead of `tol`'s (the
+/// same error measure: relative for the `rel` checks, NMSE for the pooled ones). Panics when a
+/// name in `own` matches no check.
+pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances, own: &[(&str, f32)]) -> Report {
+    let own = Bounds::new(own);
     let fx = fixture(1);
     let mut p = Pair { b: make(fx.set.clone()), r: HostOps::with_weights(fx.set.clone()), slots: vec![], lens: vec![], step: vec![] };
     let mut r = Report::default();
     let mut pooled = Pooled::default();
     let mut rng = Rng::new(2);
     let check = |r: &mut Report, name: String, err: f32, bound: f32| {
+        let bound = own.get(&name, bound);
         assert!(err <= bound, "{name}: error {err:.3e} > bound {bound:.1e}");
         r.note(name, err);
     };
@@ -447,7 +490,8 @@ pub fn run(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Tolerances
         let (got, want) = p.read(y);
         pooled.add("moe".into(), &got.data, &want.data);
     }
-    pooled.finish(&mut r, tol.quant_nmse);
+    pooled.finish(&mut r, tol.quant_nmse, &own);
+    own.check_all_used();
 
     store(&mut *p.b, &mut rng, &layout(KvType::F16), &fx);
     arena_repeats(&mut *p.b, &fx);

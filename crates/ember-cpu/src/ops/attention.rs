@@ -8,10 +8,21 @@
 //! are then plain f32 matrix products in registers ([`Kernels::gemm_f32`]), every tile reads
 //! the converted blocks, and the conversion (one pass over the cache) is shared by all the
 //! tiles: at 512 prompt tokens × 8 query heads it is ~1/4096 of the multiply-adds.
+//!
+//! With a q8_0 cache (and an instruction set with [`Panel`] kernels) Q·Kᵀ is summed in
+//! integers instead: the keys are unpacked into panels of 16 keys (the layout the Q8_0 weight
+//! matmuls use, `crate::panel`) and the scaled query vectors are quantised once per KV head
+//! to 8 bits in blocks of 32 with an f32 scale each ([`ActRow`], as the matmuls' activations),
+//! so a score is `Σ_blocks d_q·d_k·Σ q_q·q_k` by `vpdpbusd` (`Kernels::panel_dot`). The
+//! quantised query costs accuracy (measured in tests/conformance.rs); P·V stays in f32 on the
+//! converted values (probabilities are not 8-bit material).
 
+use ember_gguf::GgmlType;
 use ember_ops::{AttnShape, KvRows, KvType, Mat};
 
 use super::CpuOps;
+use crate::kernels::ActRow;
+use crate::panel::{self, Panel};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 use crate::simd::{Gemm, Kernels};
 
@@ -92,33 +103,54 @@ impl CpuOps {
         ob_b.iter_mut().for_each(|e| *e *= slot);
         // The converted cache of one KV head: keys [block][d][j], values [block][strip][j][c]
         // in strips of `sw` columns (a strip's rows adjacent: rows 1 KiB apart would share a few
-        // L1 sets); the positions past npos stay zero (never written).
-        let sw = vstrip(hd);
-        let mut kt = vec![0f32; n_blk * BLK * hd];
+        // L1 sets); the positions past npos stay zero (never written). With integer scores the
+        // keys are panels instead ([`PANELS`] a block) and the queries [`ActRow`]s.
+        let int_k = int_scores(kn, kc, hd);
+        let mut kt = if int_k { Vec::new() } else { vec![0f32; n_blk * BLK * hd] };
+        let mut kp = if int_k { vec![Panel::default(); n_blk * PANELS] } else { Vec::new() };
+        let mut qa = if int_k { vec![ActRow::default(); s.n_tok * g] } else { Vec::new() };
         let mut vf = vec![0f32; n_blk * BLK * hd];
         let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
-        let mut cb = [0usize; MAX_PARTS + 1];
-        let cparts = even_bounds(n_blk, parts_for(threads), 1, &mut cb);
-        cb.iter_mut().for_each(|e| *e *= BLK * hd);
+        let mut bb = [0usize; MAX_PARTS + 1];
+        let cparts = even_bounds(n_blk, parts_for(threads), 1, &mut bb);
+        let vb = bb.map(|e| e * BLK * hd);
+        let mut qb = [0usize; MAX_PARTS + 1];
+        let qparts = even_bounds(qa.len(), parts_for(threads), 1, &mut qb);
         for m in 0..s.n_head_kv {
-            self.pool.split_mut2(&mut kt, &cb[..=cparts], &mut vf, &cb[..=cparts], |pi, kp, vp| {
-                let mut row = vec![0f32; hd];
-                let b0 = cb[pi] / (BLK * hd);
-                for (bi, (kb, vb)) in kp.chunks_exact_mut(BLK * hd).zip(vp.chunks_exact_mut(BLK * hd)).enumerate() {
-                    let p0 = (b0 + bi) * BLK;
-                    for j in 0..BLK.min(npos - p0) {
-                        kv_row(kn, kc, p0 + j, m * hd, &mut row);
-                        for (d, x) in row.iter().enumerate() {
-                            kb[d * BLK + j] = *x;
-                        }
-                        kv_row(kn, vc, p0 + j, m * hd, &mut row);
-                        for (st, x) in row.chunks_exact(sw).enumerate() {
-                            vb[st * BLK * sw + j * sw..][..sw].copy_from_slice(x);
+            if int_k {
+                let pb = bb.map(|e| e * PANELS);
+                self.pool.split_mut2(&mut kp, &pb[..=cparts], &mut vf, &vb[..=cparts], |pi, kp, vp| {
+                    key_panels(kn, kc, m, hd, npos, bb[pi], kp);
+                    values_f32(kn, vc, m, hd, npos, bb[pi], vp);
+                });
+                // Row r of the tiles' order: token r / g, query head m·g + r % g.
+                self.pool.split_mut(&mut qa, &qb[..=qparts], |pi, qa| {
+                    let mut x = vec![0f32; hd];
+                    for (i, a) in qa.iter_mut().enumerate() {
+                        let r = qb[pi] + i;
+                        let src = &q.row(r / g)[m * gw + (r % g) * hd..][..hd];
+                        x.iter_mut().zip(src).for_each(|(d, v)| *d = v * s.scale);
+                        kn.quantize(&x, a);
+                        a.fill_unsigned();
+                    }
+                });
+            } else {
+                self.pool.split_mut2(&mut kt, &vb[..=cparts], &mut vf, &vb[..=cparts], |pi, kp, vp| {
+                    let mut row = vec![0f32; hd];
+                    for (bi, kb) in kp.chunks_exact_mut(BLK * hd).enumerate() {
+                        let p0 = (bb[pi] + bi) * BLK;
+                        for j in 0..BLK.min(npos - p0) {
+                            kv_row(kn, kc, p0 + j, m * hd, &mut row);
+                            for (d, x) in row.iter().enumerate() {
+                                kb[d * BLK + j] = *x;
+                            }
                         }
                     }
-                }
-            });
-            let (kt, vf) = (&kt[..], &vf[..]);
+                    values_f32(kn, vc, m, hd, npos, bb[pi], vp);
+                });
+            }
+            let keys = if int_k { Keys::Int { panels: &kp, qa: &qa } } else { Keys::F32(&kt) };
+            let vf = &vf[..];
             self.pool.split_mut(&mut ob, &ob_b[..=parts], |pi, items| {
                 let mut w = Work::new(rows_max, hd);
                 for (j, o) in items.chunks_exact_mut(slot).enumerate() {
@@ -126,7 +158,7 @@ impl CpuOps {
                     let t0 = item / n_split * tt;
                     let nt = tt.min(s.n_tok - t0);
                     let (b0, b1) = blocks(item);
-                    let tile = Tile { kn, s, q, m, t0, nt, g, kt, vf };
+                    let tile = Tile { kn, s, q, m, t0, nt, g, keys, vf };
                     tile.run(&mut w, b0, b1, o);
                 }
             });
@@ -170,6 +202,8 @@ struct Work {
     o: Vec<f32>,  // [row][hd], unnormalised
     mx: Vec<f32>,
     l: Vec<f32>,
+    /// One panel's 16 scores per row (integer scores).
+    ps: Vec<[f32; panel::ROWS]>,
 }
 
 impl Work {
@@ -180,6 +214,7 @@ impl Work {
             o: vec![0.0; rows * hd],
             mx: vec![0.0; rows],
             l: vec![0.0; rows],
+            ps: vec![[0.0; panel::ROWS]; rows],
         }
     }
 }
@@ -194,8 +229,18 @@ struct Tile<'a, K> {
     t0: usize,
     nt: usize,
     g: usize,
-    kt: &'a [f32],
+    keys: Keys<'a>,
     vf: &'a [f32],
+}
+
+/// The keys of one KV head as the tiles read them.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    /// Converted to f32, transposed: [block][d][j].
+    F32(&'a [f32]),
+    /// [`PANELS`] panels per block, and every query vector of the call quantised (scaled),
+    /// in the tiles' row order.
+    Int { panels: &'a [Panel], qa: &'a [ActRow] },
 }
 
 impl<K: Kernels> Tile<'_, K> {
@@ -203,14 +248,21 @@ impl<K: Kernels> Tile<'_, K> {
     /// then (largest score, sum) per row; rows that see no key of the range get zeros and
     /// (−∞, 0), weight zero in the merge.
     fn run(&self, w: &mut Work, b0: usize, b1: usize, o: &mut [f32]) {
-        let Tile { kn, s, q, m, t0, nt, g, kt, vf } = *self;
+        let Tile { kn, s, q, m, t0, nt, g, keys, vf } = *self;
         let hd = s.head_dim;
         let gw = g * hd;
         let rows = nt * g;
         let rp = rows.next_multiple_of(ROW_PAD);
+        let npos = s.pos0 + s.n_tok;
         // The queries, scaled (the scale folded in once per tile); padding rows zero.
         let ldq = hd + QPAD;
-        for (r, qr) in w.q.chunks_exact_mut(ldq).take(rp).enumerate() {
+        let qi: Vec<&ActRow> = match keys {
+            Keys::Int { qa, .. } => qa[t0 * g..t0 * g + rows].iter().collect(),
+            Keys::F32(_) => Vec::new(),
+        };
+        // Padding rows' probabilities stay zero (P·V runs over all rp rows).
+        w.sc[rows * BLK..rp * BLK].fill(0.0);
+        for (r, qr) in w.q.chunks_exact_mut(ldq).take(if qi.is_empty() { rp } else { 0 }).enumerate() {
             if r < rows {
                 let src = &q.row(t0 + r / g)[m * gw + (r % g) * hd..][..hd];
                 qr[..hd].iter_mut().zip(src).for_each(|(d, x)| *d = x * s.scale);
@@ -222,9 +274,23 @@ impl<K: Kernels> Tile<'_, K> {
         w.mx[..rows].fill(f32::NEG_INFINITY);
         w.l[..rows].fill(0.0);
         for b in b0..b1 {
-            let kb = &kt[b * BLK * hd..(b + 1) * BLK * hd];
             let vb = &vf[b * BLK * hd..(b + 1) * BLK * hd];
-            kn.gemm_f32(&Gemm { a: &w.q, lda: ldq, b: kb, ldb: BLK, ldc: BLK, m: rp, n: BLK, kd: hd, acc: false }, &mut w.sc);
+            match keys {
+                Keys::F32(kt) => {
+                    let kb = &kt[b * BLK * hd..(b + 1) * BLK * hd];
+                    kn.gemm_f32(&Gemm { a: &w.q, lda: ldq, b: kb, ldb: BLK, ldc: BLK, m: rp, n: BLK, kd: hd, acc: false }, &mut w.sc);
+                }
+                Keys::Int { panels, .. } => {
+                    // Panels wholly past npos hold nothing: their columns lie past every
+                    // row's visible prefix and are never read.
+                    for c in 0..PANELS.min((npos - b * BLK).div_ceil(panel::ROWS)) {
+                        kn.panel_dot(&panels[b * PANELS + c], &qi, &mut w.ps[..rows]);
+                        for (r, ps) in w.ps[..rows].iter().enumerate() {
+                            w.sc[r * BLK + c * panel::ROWS..][..panel::ROWS].copy_from_slice(ps);
+                        }
+                    }
+                }
+            }
             for r in 0..rows {
                 // Token t sees positions 0..=pos0 + t: a prefix of the block.
                 let vis = (s.pos0 + t0 + r / g + 1).saturating_sub(b * BLK).min(BLK);
@@ -269,16 +335,74 @@ impl<K: Kernels> Tile<'_, K> {
     }
 }
 
+/// Panels of [`panel::ROWS`] keys per block.
+const PANELS: usize = BLK / panel::ROWS;
+
+/// Whether Q·Kᵀ runs in integers: a q8_0 key cache, heads of whole q8_0 blocks, and panel
+/// kernels on this instruction set (`Kernels::has_panels`; the scalar panel product is a
+/// reference, not a kernel).
+fn int_scores<K: Kernels>(kn: K, kc: &KvRows, hd: usize) -> bool {
+    kc.ty == KvType::Q8_0 && hd.is_multiple_of(32) && kn.has_panels()
+}
+
+/// The keys of KV head `m` at the blocks from `b0` on into `kp` ([`PANELS`] panels a block;
+/// panels wholly past `npos` are left as they were).
+fn key_panels<K: Kernels>(kn: K, kc: &KvRows, m: usize, hd: usize, npos: usize, b0: usize, kp: &mut [Panel]) {
+    let hb = hd / 32 * 34; // bytes of one head's keys in a row
+    let mut rows = vec![0u8; panel::ROWS * hb];
+    for (i, p) in kp.iter_mut().enumerate() {
+        let p0 = (b0 * PANELS + i) * panel::ROWS;
+        let n = panel::ROWS.min(npos.saturating_sub(p0));
+        if n == 0 {
+            break;
+        }
+        for (j, dst) in rows.chunks_exact_mut(hb).take(n).enumerate() {
+            dst.copy_from_slice(&kc.row(p0 + j)[m * hb..(m + 1) * hb]);
+        }
+        kn.panel_unpack(GgmlType::Q8_0, hd, &rows, n, p);
+    }
+}
+
+/// The values of KV head `m` at the blocks from `b0` on into `vp` (`[block][strip][j][c]`,
+/// strips of [`vstrip`] columns); positions past `npos` are not written.
+fn values_f32<K: Kernels>(kn: K, vc: &KvRows, m: usize, hd: usize, npos: usize, b0: usize, vp: &mut [f32]) {
+    let sw = vstrip(hd);
+    let mut row = vec![0f32; hd];
+    for (bi, vb) in vp.chunks_exact_mut(BLK * hd).enumerate() {
+        let p0 = (b0 + bi) * BLK;
+        for j in 0..BLK.min(npos - p0) {
+            kv_row(kn, vc, p0 + j, m * hd, &mut row);
+            for (st, x) in row.chunks_exact(sw).enumerate() {
+                vb[st * BLK * sw + j * sw..][..sw].copy_from_slice(x);
+            }
+        }
+    }
+}
+
 /// Columns per strip of the converted values.
 fn vstrip(hd: usize) -> usize {
     if hd.is_multiple_of(64) { 64 } else { 16 }
 }
 
-/// Values `start..start + out.len()` of cached row `p`, as f32.
+/// Values `start..start + out.len()` of cached row `p`, as f32 (for q8_0, `start` and the
+/// length are whole blocks).
 #[inline]
-fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
+pub(super) fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
     match c.ty {
         KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
+        KvType::Q8_0 if start.is_multiple_of(32) && out.len().is_multiple_of(32) => {
+            q8_0_to_f32(&c.row(p)[start / 32 * 34..(start + out.len()) / 32 * 34], out)
+        }
         _ => c.read(p, start, out),
+    }
+}
+
+/// q8_0 blocks to f32 (`d · q`, as `ember_gguf::quant::dequantize`, without its per-call
+/// dispatch: the decode loop calls this once per cached row).
+#[inline]
+fn q8_0_to_f32(src: &[u8], out: &mut [f32]) {
+    for (b, o) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        o.iter_mut().zip(&b[2..]).for_each(|(o, &q)| *o = d * q as i8 as f32);
     }
 }

@@ -26,7 +26,8 @@ use moe::{MAX_FF, MAX_SLOTS};
 pub enum Precision {
     /// Weights dequantised exactly, f32 activations and sums.
     Exact,
-    /// Activations quantised to 8 bits once per op, integer block dot products.
+    /// Activations quantised to 8 bits once per op, integer block dot products (over a q8_0
+    /// KV cache also attention's Q·Kᵀ, with the queries quantised).
     Fast,
     /// [`Precision::Fast`] numerics with every token computed by the same single-token kernels
     /// whatever the batch: a request's results do not depend on what it was batched with or on

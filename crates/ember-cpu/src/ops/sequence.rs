@@ -1,14 +1,17 @@
 //! The sequence ops of the fast path: the gated delta rule (DeltaNet layers) and attention over
 //! the KV cache, each split across workers by heads.
 
+use ember_gguf::GgmlType;
 use ember_ops::reference;
 use ember_ops::{AttnShape, DeltaShape, KV_PAGE, KvRows, KvType, Mat};
 
 use std::sync::Mutex;
 
+use super::attention::kv_row;
 use super::{CpuOps, Precision, lock};
+use crate::kernels::ActRow;
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
-use crate::simd::{self, AttnIo, DeltaIo, Kernels};
+use crate::simd::{self, AttnIo, DeltaIo, Gemm, Kernels};
 
 impl CpuOps {
     #[allow(clippy::too_many_arguments)]
@@ -113,6 +116,9 @@ impl CpuOps {
     /// positions are cut into ranges of at least [`SPLIT_MIN`] so that every worker reads a
     /// share of the cache; the ranges' results merge by their score maxima and sums
     /// (flash-decoding). With one range per pair the arithmetic is as it was without ranges.
+    /// With a q8_0 key cache the scores are integer dots (`Kernels::dot_q`, as a Q8_0 weight
+    /// row's) with the scaled query heads quantised to 8 bits per 32 values, as in the tiled
+    /// prompt kernel (`attention.rs`).
     pub(super) fn attention_fast<K: Kernels>(&self, kn: K, s: AttnShape, q: &Mat, kc: &KvRows, vc: &KvRows) -> Mat {
         let hd = s.head_dim;
         let g = s.n_head / s.n_head_kv;
@@ -157,10 +163,16 @@ impl CpuOps {
         b[parts] = n_items;
         let ib = b;
         b.iter_mut().for_each(|e| *e *= slot);
+        let int_k = kc.ty == KvType::Q8_0 && hd.is_multiple_of(32);
+        let hb = hd / 32 * 34; // bytes of one head's keys in a q8_0 row
+        // Shapes the SIMD `gemm_f32` tiles take whole (AVX2: 4 rows × 16 columns).
+        let pv_tiles = g.is_multiple_of(4) && hd.is_multiple_of(16);
         self.pool.split_mut(&mut ob, &b[..=parts], |pi, out| {
             let mut scores = vec![0f32; g * max_pos];
             let mut row = vec![0f32; hd];
             let mut inv = vec![0f32; g];
+            let mut qa = vec![ActRow::default(); if int_k { g } else { 0 }];
+            let mut vrows = vec![0f32; if pv_tiles { PV_CHUNK * hd } else { 0 }];
             for (j, o) in out.chunks_exact_mut(slot).enumerate() {
                 let item = ib[pi] + j;
                 let pair = item / n_split;
@@ -181,10 +193,41 @@ impl CpuOps {
                         continue;
                     }
                 }
-                for p in p0..p1 {
-                    kv_row(kn, kc, p, m * hd, &mut row);
-                    for h in 0..g {
-                        scores[h * max_pos + p - p0] = kn.dot_f32(&qs[h * hd..(h + 1) * hd], &row) * s.scale;
+                if int_k {
+                    for (h, a) in qa.iter_mut().enumerate() {
+                        row.iter_mut().zip(&qs[h * hd..(h + 1) * hd]).for_each(|(d, x)| *d = x * s.scale);
+                        kn.quantize(&row, a);
+                    }
+                    for p in p0..p1 {
+                        let kr = &kc.row(p)[m * hb..(m + 1) * hb];
+                        let at = |h: usize| h * max_pos + p - p0;
+                        let mut h = 0;
+                        // Eight heads (or four, or one) per pass over the key row.
+                        while h < g {
+                            match g - h {
+                                8.. => {
+                                    let d = kn.dot_q::<8>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
+                                    d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
+                                    h += 8;
+                                }
+                                4.. => {
+                                    let d = kn.dot_q::<4>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
+                                    d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
+                                    h += 4;
+                                }
+                                _ => {
+                                    scores[at(h)] = kn.dot_q::<1>(GgmlType::Q8_0, kr, [&qa[h]])[0];
+                                    h += 1;
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    for p in p0..p1 {
+                        kv_row(kn, kc, p, m * hd, &mut row);
+                        for h in 0..g {
+                            scores[h * max_pos + p - p0] = kn.dot_f32(&qs[h * hd..(h + 1) * hd], &row) * s.scale;
+                        }
                     }
                 }
                 for h in 0..g {
@@ -195,10 +238,25 @@ impl CpuOps {
                     inv[h] = 1.0 / sum;
                 }
                 o.fill(0.0);
-                for p in p0..p1 {
-                    kv_row(kn, vc, p, m * hd, &mut row);
-                    for h in 0..g {
-                        kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
+                if pv_tiles {
+                    // P·V as register-tiled products over chunks of converted rows: the axpy per
+                    // (position, head) loaded and stored all of o[h] for each position.
+                    let mut c0 = p0;
+                    while c0 < p1 {
+                        let n = PV_CHUNK.min(p1 - c0);
+                        for (j, r) in vrows.chunks_exact_mut(hd).take(n).enumerate() {
+                            kv_row(kn, vc, c0 + j, m * hd, r);
+                        }
+                        let a = &scores[c0 - p0..];
+                        kn.gemm_f32(&Gemm { a, lda: max_pos, b: &vrows, ldb: hd, ldc: hd, m: g, n: hd, kd: n, acc: true }, o);
+                        c0 += n;
+                    }
+                } else {
+                    for p in p0..p1 {
+                        kv_row(kn, vc, p, m * hd, &mut row);
+                        for h in 0..g {
+                            kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
+                        }
                     }
                 }
                 for h in 0..g {
@@ -236,15 +294,9 @@ impl CpuOps {
     }
 }
 
+/// Value rows converted per P·V product in decode (64 KiB of f32 at head size 256: in L2).
+const PV_CHUNK: usize = 64;
+
 /// Fewest positions in one range of a split attention: below this a range's fixed costs (a
 /// merge, a scratch row) outweigh another worker's share of the reads.
 const SPLIT_MIN: usize = 256;
-
-/// Values `start..start + out.len()` of cached row `p`, as f32.
-#[inline]
-fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
-    match c.ty {
-        KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
-        _ => c.read(p, start, out),
-    }
-}

@@ -199,7 +199,8 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     }
 
     /// `C ← A·B`, or `C ← C + A·B` when `g.acc`, for the f32 matrices of `g` (see [`Gemm`]):
-    /// the tiled prompt attention's two products, scores = Q·Kᵀ and O += P·V. Each product is
+    /// the tiled prompt attention's two products, scores = Q·Kᵀ and O += P·V, and decode's
+    /// O += P·V over chunks of converted value rows. Each product is
     /// summed along `kd` in order (the SIMD forms with FMA). The default is the scalar loop.
     fn gemm_f32(self, g: &Gemm<'_>, c: &mut [f32]) {
         g.check(c);
