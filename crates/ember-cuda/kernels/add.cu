@@ -7,6 +7,7 @@ struct AddParams {
 };
 
 extern "C" __global__ void add(const AddParams p) {
+    pdl_enter();
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < p.n) ((float*)p.h)[i] += ((const float*)p.x)[i];
 }

@@ -177,6 +177,7 @@ __device__ void attend(const AttentionParams& p, u32 n, u32 r, u32 k0, u32 k1, f
 
 // grid (n_head, n_rows), blockDim 32 · n_warp (n_warp <= ATT_MAX_WARPS).
 extern "C" __global__ void attention(const AttentionParams p) {
+    pdl_enter();
     const u32 n = blockIdx.x, r = blockIdx.y;
     const u32 n_keys = ((const u32*)p.pos)[r] + 1;
     float* out = (float*)p.out + (u64)r * p.n_head * p.head_dim + (u64)n * p.head_dim;
@@ -189,6 +190,7 @@ extern "C" __global__ void attention(const AttentionParams p) {
 
 // grid (n_head, n_rows, n_split), blockDim 32 · n_warp: keys [s · kps, (s + 1) · kps) of the row's.
 extern "C" __global__ void attention_split(const AttentionParams p) {
+    pdl_enter();
     const u32 n = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const u32 n_keys = ((const u32*)p.pos)[r] + 1;
     const u32 k0 = min(n_keys, s * p.keys_per_split), k1 = min(n_keys, k0 + p.keys_per_split);
@@ -207,6 +209,7 @@ extern "C" __global__ void attention_split(const AttentionParams p) {
 // trailing empty ranges change no bit of a row's result.
 #define ATT_MERGE_WARPS 8
 extern "C" __global__ void __launch_bounds__(32 * ATT_MERGE_WARPS) attention_merge(const AttentionParams p) {
+    pdl_enter();
     __shared__ float sm_red[ATT_MERGE_WARPS];
     __shared__ float sm_num[ATT_MERGE_WARPS][ATT_MAX_PER_LANE * 32], sm_den[ATT_MERGE_WARPS];
     const u32 n = blockIdx.x, r = blockIdx.y, hd = p.head_dim;
@@ -536,6 +539,7 @@ __device__ __forceinline__ void attend_decode_ty(const AttentionParams& p, float
 }
 
 extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attention_decode(const AttentionParams p) {
+    pdl_enter();
     __shared__ __align__(16) float sm[AD_WARPS / 2 * 8 * (ATT_MAX_PER_LANE * 32 + 2)];
     switch (p.heads_per_block) {
         case 1: attend_decode_ty<1>(p, sm); break;
@@ -570,6 +574,7 @@ extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attention_decode(con
 
 
 extern "C" __global__ void __launch_bounds__(AT_THREADS, 2) attention_tiles(const AttentionParams p) {
+    pdl_enter();
     // Q chunk [AT_DC][AT_LD] then K chunk [AT_DC][AT_LD]; in the value product, V [AT_VK][256].
     __shared__ __align__(16) float sm_qkv[2 * AT_DC * AT_LD];
     __shared__ __align__(16) float sm_p[AT_N * AT_LD];  // P transposed: [key][query vector]
@@ -1019,6 +1024,7 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 
 // grid and parameters as attention_tiles; dynamic shared memory ATM_SMEM bytes.
 extern "C" __global__ void __launch_bounds__(ATM_THREADS, 2) attention_mma(const AttentionParams p) {
+    pdl_enter();
     extern __shared__ __align__(16) u16 atm_sm[];
     switch (p.ty) {
         case KV_F32: attend_mma<KV_F32>(p, atm_sm); break;

@@ -19,6 +19,7 @@ struct AttnPrepParams {
 // grid (n_head + n_head_kv, n_tok), blockDim a multiple of 32; dynamic shared memory
 // head_dim floats. Blocks below n_head do a q head (and copy its gate), the rest a k head.
 extern "C" __global__ void attn_prep(const AttnPrepParams p) {
+    pdl_enter();
     extern __shared__ float v[];
     __shared__ float scratch[32];
     const u32 t = blockIdx.y, hd = p.head_dim;

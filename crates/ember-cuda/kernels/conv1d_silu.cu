@@ -48,6 +48,7 @@ __device__ __forceinline__ void conv_channel(const float* x, const float* wt, fl
 
 // One thread per channel; it walks the tokens with the window in registers.
 extern "C" __global__ void conv1d_silu(const ConvParams p) {
+    pdl_enter();
     const u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= p.c) return;
     conv_channel((const float*)p.x, (const float*)p.w, (float*)p.state, (float*)p.out, 0, p.n_tok, p.c, p.k, ch);
@@ -55,6 +56,7 @@ extern "C" __global__ void conv1d_silu(const ConvParams p) {
 
 // grid (ceil(C / blockDim), n_seq): one thread per (channel, sequence).
 extern "C" __global__ void conv1d_silu_seqs(const ConvSeqsParams p) {
+    pdl_enter();
     const u32 ch = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
     if (ch >= p.c) return;
     const u32 t0 = ((const u32*)p.row0)[s], t1 = t0 + ((const u32*)p.n)[s], slot = ((const u32*)p.slot)[s];

@@ -31,6 +31,7 @@ struct DeltaChunkParams {
 
 // Grid (chunks of the longest span, nv, n_seq), block 256. Chunk c of sequence s, value head h.
 extern "C" __global__ void __launch_bounds__(256) delta_chunk_prep(const DeltaChunkParams p) {
+    pdl_enter();
     __shared__ float ks[DC][DC_MAX_DK + 1];  // the chunk's keys (+1: conflict-free columns)
     __shared__ float xs[DC][DC_MAX_DK + 1];  // its queries, then its values
     __shared__ float ts[DC][DC + 1];         // A, then T = (I + A)⁻¹ in place
@@ -276,4 +277,4 @@ __device__ __forceinline__ void delta_chunk_scan_tile(const DeltaChunkParams& p)
 // 16 columns per block (256 blocks for one prompt of the 35B model): measured faster than 8 at
 // every shape of tests/delta_rule.rs's bench on the H200 (2.29 against 2.71 ms for 4096 tokens,
 // 0.31 against 0.36 for 512). Registers: 2 blocks per SM (128 per thread).
-extern "C" __global__ void __launch_bounds__(DC_THREADS, 2) delta_chunk_scan(const DeltaChunkParams p) { delta_chunk_scan_tile<16>(p); }
+extern "C" __global__ void __launch_bounds__(DC_THREADS, 2) delta_chunk_scan(const DeltaChunkParams p) { pdl_enter(); delta_chunk_scan_tile<16>(p); }

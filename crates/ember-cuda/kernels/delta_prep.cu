@@ -27,6 +27,7 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : lo
 // normalise one q or k head, block 2·nk computes g and β for every value head, the rest copy v
 // a chunk each (one block copying all of v was a serial chain of 32 loads a thread).
 extern "C" __global__ void delta_prep(const DeltaPrepParams p) {
+    pdl_enter();
     __shared__ float scratch[32];
     const u32 t = blockIdx.y, nk = p.n_k_head, dk = p.d_k, nv = p.n_v_head;
     const u32 width = 2 * nk * dk + nv * p.d_v;

@@ -79,6 +79,7 @@ __device__ __forceinline__ void delta_column(const float* qp, const float* kp, c
 
 // blockDim 128 (4 columns per block); grid ceil(nv·dv / 4). d_k % 32 == 0.
 extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
+    pdl_enter();
     const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (col >= p.n_v_head * p.d_v) return;  // whole warps
     float* st = (float*)p.state + (u64)col * p.d_k;
@@ -88,6 +89,7 @@ extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
 
 // blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0.
 extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
+    pdl_enter();
     const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, s = blockIdx.y;
     if (col >= p.n_v_head * p.d_v) return;  // whole warps
     const u32 n = ((const u32*)p.n)[s];

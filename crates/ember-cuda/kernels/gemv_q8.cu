@@ -22,17 +22,10 @@ struct QuantizeQ8Params {
 
 // One warp per block of 32 values.
 extern "C" __global__ void quantize_q8(const QuantizeQ8Params p) {
+    pdl_enter();
     const u32 blk = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (blk * 32 >= p.n) return;  // whole warps
-    const float v = ((const float*)p.x)[blk * 32 + lane];
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const int q = amax > 0.0f ? __float2int_rn(v / d) : 0;
-    int s = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    ((i8*)p.q)[blk * 32 + lane] = (i8)q;
-    if (lane == 0) ((float2*)((u8*)p.q + p.n))[blk] = make_float2(d, d * (float)s);
+    warp_q8(((const float*)p.x)[blk * 32 + lane], (u8*)p.q, p.n, blk * 32 + lane);
 }
 
 #define GEMV_Q8_MULTI 4
@@ -74,6 +67,6 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
 }
 
-extern "C" __global__ void gemv_q8_q4_k(const GemvQ8Params p) { gemv_q8<TY_Q4_K>(p); }
-extern "C" __global__ void gemv_q8_q6_k(const GemvQ8Params p) { gemv_q8<TY_Q6_K>(p); }
-extern "C" __global__ void gemv_q8_q8_0(const GemvQ8Params p) { gemv_q8<TY_Q8_0>(p); }
+extern "C" __global__ void gemv_q8_q4_k(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q4_K>(p); }
+extern "C" __global__ void gemv_q8_q6_k(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q6_K>(p); }
+extern "C" __global__ void gemv_q8_q8_0(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q8_0>(p); }

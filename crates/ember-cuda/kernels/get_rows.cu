@@ -11,6 +11,7 @@ struct GetRowsParams {
 
 // grid (ceil(k / 8 / blockDim), n_ids): one thread per 8 outputs.
 extern "C" __global__ void get_rows(const GetRowsParams p) {
+    pdl_enter();
     const int i0 = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i0 >= (int)p.k) return;
     const u32 id = ((const u32*)p.ids)[blockIdx.y];

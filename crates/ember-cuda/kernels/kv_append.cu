@@ -33,6 +33,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 // grid (n_rows, 2: K then V), blockDim a multiple of 32. For Q8_0 each warp quantises whole
 // blocks of 32 values (width is a multiple of 32, checked by the launcher).
 extern "C" __global__ void kv_append(const KvAppendParams p) {
+    pdl_enter();
     const u32 r = blockIdx.x, kv = blockIdx.y;
     const u32 slot = ((const u32*)p.row_slot)[r], pos = ((const u32*)p.pos)[r];
     if (slot >= p.n_slots || pos / KV_PAGE >= p.stride) return;

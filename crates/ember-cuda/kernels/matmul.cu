@@ -82,14 +82,14 @@ __device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
     }
 }
 
-extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { gemv<TY_F32>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_f16(const MatmulParams p) { gemv<TY_F16>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_bf16(const MatmulParams p) { gemv<TY_BF16>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_q8_0(const MatmulParams p) { gemv<TY_Q8_0>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_q4_k(const MatmulParams p) { gemv<TY_Q4_K>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_q5_k(const MatmulParams p) { gemv<TY_Q5_K>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_q6_k(const MatmulParams p) { gemv<TY_Q6_K>(p, blockIdx.x); }
-extern "C" __global__ void matmul_gemv_iq4_xs(const MatmulParams p) { gemv<TY_IQ4_XS>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { pdl_enter(); gemv<TY_F32>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_f16(const MatmulParams p) { pdl_enter(); gemv<TY_F16>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_bf16(const MatmulParams p) { pdl_enter(); gemv<TY_BF16>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q8_0(const MatmulParams p) { pdl_enter(); gemv<TY_Q8_0>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q4_k(const MatmulParams p) { pdl_enter(); gemv<TY_Q4_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q5_k(const MatmulParams p) { pdl_enter(); gemv<TY_Q5_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_q6_k(const MatmulParams p) { pdl_enter(); gemv<TY_Q6_K>(p, blockIdx.x); }
+extern "C" __global__ void matmul_gemv_iq4_xs(const MatmulParams p) { pdl_enter(); gemv<TY_IQ4_XS>(p, blockIdx.x); }
 
 // matmul_gemv_multi_<type>: up to GEMV_MULTI weights of one type and k on the same activations
 // in one launch (the several projections of a layer's input: one launch instead of each), the
@@ -125,18 +125,19 @@ __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     gemv<TY>(p, blockIdx.x - mp.block0[i]);
 }
 
-extern "C" __global__ void matmul_gemv_multi_f32(const MatmulMultiParams p) { gemv_multi<TY_F32>(p); }
-extern "C" __global__ void matmul_gemv_multi_f16(const MatmulMultiParams p) { gemv_multi<TY_F16>(p); }
-extern "C" __global__ void matmul_gemv_multi_bf16(const MatmulMultiParams p) { gemv_multi<TY_BF16>(p); }
-extern "C" __global__ void matmul_gemv_multi_q8_0(const MatmulMultiParams p) { gemv_multi<TY_Q8_0>(p); }
-extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { gemv_multi<TY_Q4_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { gemv_multi<TY_Q5_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { gemv_multi<TY_Q6_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { gemv_multi<TY_IQ4_XS>(p); }
+extern "C" __global__ void matmul_gemv_multi_f32(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_F32>(p); }
+extern "C" __global__ void matmul_gemv_multi_f16(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_F16>(p); }
+extern "C" __global__ void matmul_gemv_multi_bf16(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_BF16>(p); }
+extern "C" __global__ void matmul_gemv_multi_q8_0(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q8_0>(p); }
+extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q4_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q5_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q6_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_IQ4_XS>(p); }
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
 // tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.
 extern "C" __global__ void matmul_tiled(const MatmulParams p) {
+    pdl_enter();
     __shared__ float ws[64][33];
     __shared__ float xs[64][33];
     const int tid = threadIdx.x, tr = tid / 16, tt = tid % 16;
@@ -215,9 +216,9 @@ __device__ __forceinline__ void matmul_mma(const MatmulParams& p) {
 }
 
 #define MMA_ENTRIES(SUFFIX, TY)                                                                   \
-    extern "C" __global__ void matmul_mma_##SUFFIX##_32(const MatmulParams p) { matmul_mma<TY, 1>(p); }   \
-    extern "C" __global__ void matmul_mma_##SUFFIX##_64(const MatmulParams p) { matmul_mma<TY, 2>(p); }   \
-    extern "C" __global__ void matmul_mma_##SUFFIX##_128(const MatmulParams p) { matmul_mma<TY, 4>(p); }
+    extern "C" __global__ void matmul_mma_##SUFFIX##_32(const MatmulParams p) { pdl_enter(); matmul_mma<TY, 1>(p); }   \
+    extern "C" __global__ void matmul_mma_##SUFFIX##_64(const MatmulParams p) { pdl_enter(); matmul_mma<TY, 2>(p); }   \
+    extern "C" __global__ void matmul_mma_##SUFFIX##_128(const MatmulParams p) { pdl_enter(); matmul_mma<TY, 4>(p); }
 
 MMA_ENTRIES(f32, TY_F32)
 MMA_ENTRIES(f16, TY_F16)

@@ -93,8 +93,8 @@ __device__ __forceinline__ void moe_down(const MoeParams& p) {
 }
 
 #define MOE_ENTRIES(SUFFIX, TY)                                                               \
-    extern "C" __global__ void moe_gate_up_##SUFFIX(const MoeParams p) { moe_gate_up<TY>(p); } \
-    extern "C" __global__ void moe_down_##SUFFIX(const MoeParams p) { moe_down<TY>(p); }
+    extern "C" __global__ void moe_gate_up_##SUFFIX(const MoeParams p) { pdl_enter(); moe_gate_up<TY>(p); } \
+    extern "C" __global__ void moe_down_##SUFFIX(const MoeParams p) { pdl_enter(); moe_down<TY>(p); }
 
 MOE_ENTRIES(f32, TY_F32)
 MOE_ENTRIES(f16, TY_F16)
@@ -111,21 +111,91 @@ MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 // lanes (Q8Unit), summed by seg_sum. moe_down_q8's workers share a row's k_top·units items
 // (expert j = item / units), each item weighted by its routing weight before the fixed-order sum.
 
+// The shared expert may ride along (sd != 0): gate/up gets n_tok more blocks in y, which write
+// its silu(gate·x) ⊙ up·x after the pairs' h (h[n_tok · k_top · n_ff + t · n_ff_s + r]); down adds
+// sigmoid(gs[t]) · (down_s · h_s) to each row's sum. Its weights may be of another int8 type than
+// the routed ones (ty_s_*, dispatched at run time); they use the routed layout's `seg` lanes per
+// row (seg a multiple of their unit's lanes: the launcher's choice of wr).
 struct MoeQ8Params {
     MoeParams m;
-    u64 xq;  // quantize_q8 of x ([n_tok, d]) for gate/up, of h ([n_tok · k_top, n_ff]) for down
-    u32 wr;  // workers per row
-    u32 pad;
+    u64 xq;  // quantize_q8 of x ([n_tok, d]) for gate/up, of h (n_hq values) for down
+    u64 sg, su, sd;  // the shared expert: gate, up [n_ff_s rows of d], down [d rows of n_ff_s]; sd = 0: none
+    u64 gs;          // [n_tok] f32: the shared expert's gate logit
+    u32 wr;          // workers per row
+    u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
+    u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s, pad;
 };
 
-// grid (ceil(n_ff / rows), n_tok · k_top), Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
+// Shared expert, gate and up, of token t: rows of this block at `seg` lanes per row.
+template <int TS>
+__device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 t, int seg, float* part) {
+    using U = Q8Unit<TS>;
+    const MoeParams& p = q.m;
+    const int tid = threadIdx.x, wr = seg / U::L;
+    const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    const bool valid = r < (int)q.n_ff_s;
+    float g = 0.0f, u = 0.0f;
+    if (valid) {
+        const u64 at = (u64)r * q.row_bytes_s_gu;
+        const i8* xq = (const i8*)q.xq + (u64)t * p.d;
+        const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
+        const int n_units = p.d / U::W;
+#pragma unroll 2
+        for (int c = wk; c < n_units; c += wr) {
+            g += U::dot((const u8*)q.sg + at, c, l, xq, xd);
+            u += U::dot((const u8*)q.su + at, c, l, xq, xd);
+        }
+    }
+    g = seg_sum(g, seg, part);
+    u = seg_sum(u, seg, part);
+    if (valid && tid % seg == 0) ((float*)p.h + (u64)p.n_tok * p.k_top * p.n_ff + (u64)t * q.n_ff_s)[r] = silu_f(g) * u;
+}
+
+__device__ __forceinline__ void moe_shared_gate_up(const MoeQ8Params& q, u32 t, int seg, float* part) {
+    switch (q.ty_s_gu) {
+        case TY_Q4_K: moe_shared_gate_up_ty<TY_Q4_K>(q, t, seg, part); break;
+        case TY_Q6_K: moe_shared_gate_up_ty<TY_Q6_K>(q, t, seg, part); break;
+        case TY_Q8_0: moe_shared_gate_up_ty<TY_Q8_0>(q, t, seg, part); break;
+    }
+}
+
+// This lane's part of the shared expert's down row r for token t (unweighted).
+template <int TS>
+__device__ __forceinline__ float moe_shared_down_ty(const MoeQ8Params& q, u32 t, int r, int seg) {
+    using U = Q8Unit<TS>;
+    const MoeParams& p = q.m;
+    const int tid = threadIdx.x, wr = seg / U::L, wk = (tid % seg) / U::L, l = tid % U::L;
+    const u64 at = (u64)p.n_tok * p.k_top * p.n_ff + (u64)t * q.n_ff_s;
+    const u8* row = (const u8*)q.sd + (u64)r * q.row_bytes_s_down;
+    const i8* xq = (const i8*)q.xq + at;
+    const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + at / 32;
+    float acc = 0.0f;
+    for (int c = wk; c < (int)(q.n_ff_s / U::W); c += wr) acc += U::dot(row, c, l, xq, xd);
+    return acc;
+}
+
+__device__ __forceinline__ float moe_shared_down(const MoeQ8Params& q, u32 t, int r, int seg) {
+    switch (q.ty_s_down) {
+        case TY_Q4_K: return moe_shared_down_ty<TY_Q4_K>(q, t, r, seg);
+        case TY_Q6_K: return moe_shared_down_ty<TY_Q6_K>(q, t, r, seg);
+        case TY_Q8_0: return moe_shared_down_ty<TY_Q8_0>(q, t, r, seg);
+    }
+    return MOE_NAN;
+}
+
+// grid (ceil(max(n_ff, n_ff_s) / rows), n_tok · k_top (+ n_tok with the shared expert)),
+// Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
 template <int TY>
 __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     using U = Q8Unit<TY>;
     const MoeParams& p = q.m;
     __shared__ float part[Q8_THREADS / 32];
-    const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
+    if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
+        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part);
+        return;
+    }
+    const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
     const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)p.n_ff;
     const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
@@ -160,7 +230,6 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)p.d;
     const int n_units = p.n_ff / U::W, items = p.k_top * n_units;
-    const u64 n_h = (u64)p.n_tok * p.k_top * p.n_ff;
     float acc = 0.0f;
     bool nan = false;
     if (valid) {
@@ -175,17 +244,18 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
             if (s == MOE_MISS) continue;
             const u8* row = (const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down;
             const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
-            const float2* xd = (const float2*)((const i8*)q.xq + n_h) + (u64)pair * (p.n_ff / 32);
+            const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
             acc += ((const float*)p.weights)[pair] * U::dot(row, c, l, xq, xd);
         }
+        if (q.sd) acc += sigmoid_f(((const float*)q.gs)[t]) * moe_shared_down(q, t, r, seg);
     }
     acc = seg_sum(nan ? MOE_NAN : acc, seg, part);
     if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
 }
 
 #define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
-    extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
+    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { pdl_enter(); moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { pdl_enter(); moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
 MOE_Q8_ENTRIES(q6_k, TY_Q6_K)
@@ -219,6 +289,7 @@ __device__ __forceinline__ bool moe_plan_takes(const MoePlanParams& p, u32 e) {
 
 // One block of 1024 threads; shared memory 2 · n_expert words.
 extern "C" __global__ void moe_plan(const MoePlanParams p) {
+    pdl_enter();
     extern __shared__ u32 cnt[];
     u32* cur = cnt + p.n_expert;
     u32* plan = (u32*)p.plan;
@@ -336,6 +407,7 @@ __device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {
 // grid ceil(n_tok · d / 256), 256 threads: out[t][i] = Σ_j part[t·k + j][i] in slot order (NaN
 // for an expert id out of range; nothing for an expert not resident).
 extern "C" __global__ void moe_combine(const MoeMmaParams q) {
+    pdl_enter();
     const MoeParams& p = q.m;
     const u64 at = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (at >= (u64)p.n_tok * p.d) return;
@@ -351,8 +423,8 @@ extern "C" __global__ void moe_combine(const MoeMmaParams q) {
 }
 
 #define MOE_MMA_ENTRIES(SUFFIX, TY)                                                                          \
-    extern "C" __global__ void moe_mma_gate_up_##SUFFIX(const MoeMmaParams q) { moe_mma_gate_up<TY>(q); } \
-    extern "C" __global__ void moe_mma_down_##SUFFIX(const MoeMmaParams q) { moe_mma_down<TY>(q); }
+    extern "C" __global__ void moe_mma_gate_up_##SUFFIX(const MoeMmaParams q) { pdl_enter(); moe_mma_gate_up<TY>(q); } \
+    extern "C" __global__ void moe_mma_down_##SUFFIX(const MoeMmaParams q) { pdl_enter(); moe_mma_down<TY>(q); }
 
 MOE_MMA_ENTRIES(f32, TY_F32)
 MOE_MMA_ENTRIES(f16, TY_F16)

@@ -11,6 +11,7 @@ struct MoeSharedParams {
 
 // grid (ceil(d / blockDim), n_tok).
 extern "C" __global__ void moe_shared_add(const MoeSharedParams p) {
+    pdl_enter();
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (i >= p.d) return;
     const float w = sigmoid_f(((const float*)p.gate)[t]);

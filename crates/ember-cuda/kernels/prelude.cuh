@@ -63,5 +63,33 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// Programmatic dependent launch (sm_90+). Inside a CUDA graph built with programmatic edges
+// (src/graph.rs) a kernel's blocks may be resident before the kernel ahead of it has finished.
+// Every kernel calls this first, before it touches global memory: it waits until the kernel
+// ahead has finished and its writes are visible, then lets the next kernel's blocks launch
+// (they wait here in turn, so at most two kernels overlap). Outside a programmatic launch, and
+// before sm_90, it does nothing.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// int8 block quantisation of activations (the layout of quantize_q8 in gemv_q8.cu, read by the
+// int8 GEMVs): the 32 lanes of a warp hold values 32·b .. 32·b + 31 of an n-value vector (lane
+// l the value at `idx` = 32·b + l); q holds the n int8 values, then a float2 (d, d·Σq) per
+// block at q + n. Every lane of the warp calls it.
+__device__ __forceinline__ void warp_q8(float v, u8* q, u64 n, u64 idx) {
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const int qv = amax > 0.0f ? __float2int_rn(v / d) : 0;
+    int s = qv;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    ((i8*)q)[idx] = (i8)qv;
+    if (idx % 32 == 0) ((float2*)(q + n))[idx / 32] = make_float2(d, d * (float)s);
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }

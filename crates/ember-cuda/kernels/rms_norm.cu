@@ -1,5 +1,8 @@
 // rms_norm: every `g`-wide group of every row, x / sqrt(mean(x²) + eps) · w (g = len(w)).
 // Reference: ember_ops::reference::rms_norm (sum of squares in f64 there; f32 tree sum here).
+// With `add` set, x ← x + add first (written back): a residual add fused with the norm that reads
+// it next, the same sums as `add` then `rms_norm`. With `gate` set, out ⊙= act(gate) after
+// (act: SiLU 0, sigmoid 1; gate.cu's product): a gated norm and its gate in one pass.
 
 struct RmsNormParams {
     u64 x;    // [n_group · g] f32
@@ -8,19 +11,45 @@ struct RmsNormParams {
     u32 g, n_group;
     float eps;
     u32 pad;
+    u64 add;   // [n_group · g] f32, or 0
+    u64 gate;  // [n_group · g] f32, or 0
+    u32 act, pad2;
 };
+
+// Value i of this block's group after the norm (and the gate, when set).
+__device__ __forceinline__ float normed(const RmsNormParams& p, const float* x, const float* w, float scale, u32 i) {
+    const float v = x[i] * scale * w[i];
+    if (!p.gate) return v;
+    const float g = ((const float*)p.gate)[(u64)blockIdx.x * p.g + i];
+    return v * (p.act == 0 ? silu_f(g) : sigmoid_f(g));
+}
+
+// Σ x² over this block's group, after x ← x + add when `add` is set; every thread gets it. A
+// thread later reads back only the x[i] it wrote.
+__device__ __forceinline__ float group_sum_sq(const RmsNormParams& p, float* x, float* scratch) {
+    const float* a = p.add ? (const float*)p.add + (u64)blockIdx.x * p.g : nullptr;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) {
+        float v = x[i];
+        if (a) {
+            v += a[i];
+            x[i] = v;
+        }
+        ss += v * v;
+    }
+    return block_sum(ss, scratch);
+}
 
 // One block per group.
 extern "C" __global__ void rms_norm(const RmsNormParams p) {
+    pdl_enter();
     __shared__ float scratch[32];
-    const float* x = (const float*)p.x + (u64)blockIdx.x * p.g;
+    float* x = (float*)p.x + (u64)blockIdx.x * p.g;
     float* out = (float*)p.out + (u64)blockIdx.x * p.g;
     const float* w = (const float*)p.w;
-    float ss = 0.0f;
-    for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
+    const float ss = group_sum_sq(p, x, scratch);
     const float scale = 1.0f / sqrtf(ss / (float)p.g + p.eps);
-    for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) out[i] = x[i] * scale * w[i];
+    for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) out[i] = normed(p, x, w, scale, i);
 }
 
 // rms_norm_q8: rms_norm that also writes its output quantised to int8 in blocks of 32, as
@@ -33,26 +62,18 @@ struct RmsNormQ8Params {
 };
 
 extern "C" __global__ void rms_norm_q8(const RmsNormQ8Params q) {
+    pdl_enter();
     const RmsNormParams& p = q.r;
     __shared__ float scratch[32];
-    const float* x = (const float*)p.x + (u64)blockIdx.x * p.g;
+    float* x = (float*)p.x + (u64)blockIdx.x * p.g;
     float* out = (float*)p.out + (u64)blockIdx.x * p.g;
     const float* w = (const float*)p.w;
-    float ss = 0.0f;
-    for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
+    const float ss = group_sum_sq(p, x, scratch);
     const float scale = 1.0f / sqrtf(ss / (float)p.g + p.eps);
     const u64 n = (u64)gridDim.x * p.g, base = (u64)blockIdx.x * p.g;
     for (u32 i = threadIdx.x; i < p.g; i += blockDim.x) {  // whole warps (g % 32 == 0)
-        const float v = x[i] * scale * w[i];
+        const float v = normed(p, x, w, scale, i);
         out[i] = v;
-        const float amax = warp_max(fabsf(v));
-        const float d = amax / 127.0f;
-        const int qv = amax > 0.0f ? __float2int_rn(v / d) : 0;
-        int s = qv;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        ((i8*)q.q)[base + i] = (i8)qv;
-        if (threadIdx.x % 32 == 0) ((float2*)((u8*)q.q + n))[(base + i) / 32] = make_float2(d, d * (float)s);
+        warp_q8(v, (u8*)q.q, n, base + i);
     }
 }

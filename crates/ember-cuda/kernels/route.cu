@@ -69,6 +69,7 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
 
 // One warp per token, blockDim 32, dynamic shared memory n_expert floats (unused by route_regs).
 extern "C" __global__ void route(const RouteParams p) {
+    pdl_enter();
     extern __shared__ float prob[];
     if (p.n_expert <= 32 * ROUTE_PER_LANE) {
         route_regs(p);

@@ -10,6 +10,7 @@ struct SelectRowsParams {
 
 // grid (ceil(d / blockDim), n_sel).
 extern "C" __global__ void select_rows(const SelectRowsParams p) {
+    pdl_enter();
     const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= p.d) return;
     const u32 r = ((const u32*)p.rows)[blockIdx.y];

@@ -176,6 +176,9 @@ pub struct Gpu {
     attn_decode: bool,
     /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
     attn_mma: bool,
+    /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
+    /// (`EMBER_MOE_SHARED=0`: no, its own GEMVs, gate and add, for measuring it).
+    moe_shared: bool,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -286,6 +289,8 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         let info = info(&ctx)?;
+        let mut recorder = Recorder::default();
+        recorder.set_programmatic(info.sm() >= 90 && graph::programmatic_from_env());
         Ok(Gpu {
             ctx,
             stream,
@@ -299,12 +304,13 @@ impl Gpu {
             graphs: AtomicBool::new(graph::graphs_from_env()),
             recording: AtomicBool::new(false),
             chunk: graph::chunk_from_env(),
-            recorder: Mutex::default(),
+            recorder: Mutex::new(recorder),
             pending: Arc::default(),
             flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
+            moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })
@@ -325,6 +331,12 @@ impl Gpu {
     /// it off).
     pub(crate) fn attn_mma_on(&self) -> bool {
         self.attn_mma
+    }
+
+    /// Whether a one-token int8 MoE may run the shared expert in its kernels
+    /// (`EMBER_MOE_SHARED=0` turns it off).
+    pub(crate) fn moe_shared_on(&self) -> bool {
+        self.moe_shared
     }
 
     /// The address of the int8 activation scratch, grown to hold `bytes` (the launches

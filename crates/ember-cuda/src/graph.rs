@@ -11,6 +11,12 @@
 //! [`MIN_NODES`], is launched kernel by kernel: a prompt of a size never seen costs no graph
 //! build.
 //!
+//! On sm_90+ the chain's edges are programmatic (`EMBER_CUDA_PDL=0` turns that off): a kernel's
+//! blocks may launch while the kernel ahead of it finishes, and each kernel's first act
+//! (`pdl_enter` in kernels/prelude.cuh) waits for the one ahead to finish and its writes to be
+//! visible. That hides the launch latency between two kernels, which is most of what a small
+//! kernel costs in a decode step of ~1,000 of them.
+//!
 //! The design decision a reader would question: graphs are built from the recorded list with
 //! the driver API rather than by stream capture, so a step pays no capture, and a hit is a
 //! byte comparison of the parameters plus a few node updates instead of a re-capture and an
@@ -112,6 +118,8 @@ pub(crate) struct Recorder {
     /// Launches that fill the list being recorded (doubles at each flush of a step).
     limit: usize,
     tick: u64,
+    /// Whether graphs chain their kernels with programmatic edges (see the module doc).
+    programmatic: bool,
     pub stats: GraphStats,
 }
 
@@ -160,6 +168,12 @@ fn check(op: &'static str, rc: sys::CUresult) -> Result<()> {
 }
 
 impl Recorder {
+    /// Chains the kernels of graphs built from now on with programmatic edges (sm_90+ only:
+    /// the kernels' `pdl_enter` needs `griddepcontrol`).
+    pub fn set_programmatic(&mut self, on: bool) {
+        self.programmatic = on;
+    }
+
     /// The next list is a step's first: it fills at [`FIRST_CHUNK`] launches.
     pub fn restart_chunks(&mut self) {
         self.limit = 0;
@@ -302,13 +316,25 @@ impl Recorder {
             let mut arg = params_of(words);
             let p = node_params(l, &mut arg);
             let mut node: sys::CUgraphNode = std::ptr::null_mut();
-            let (deps, n_deps) = match g.nodes.last() {
-                Some(prev) => (prev as *const sys::CUgraphNode, 1),
-                None => (std::ptr::null(), 0),
+            let prev = g.nodes.last().copied();
+            let (deps, n_deps) = match &prev {
+                Some(prev) if !self.programmatic => (prev as *const sys::CUgraphNode, 1),
+                _ => (std::ptr::null(), 0),
             };
             // SAFETY: `p` names a loaded function and points at its parameter struct, which the
             // driver copies; `deps` is null or one node of this graph.
             check("cuGraphAddKernelNode", unsafe { sys::cuGraphAddKernelNode_v2(&mut node, g.graph, deps, n_deps, &p) })?;
+            if let Some(prev) = prev.filter(|_| self.programmatic) {
+                // The node may launch once every block of `prev` has passed its `pdl_enter`.
+                let edge = sys::CUgraphEdgeData {
+                    from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                    to_port: 0,
+                    type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+                    reserved: [0; 5],
+                };
+                // SAFETY: `prev` and `node` are kernel nodes of this graph; one edge, one datum.
+                check("cuGraphAddDependencies", unsafe { sys::cuGraphAddDependencies_v2(g.graph, &prev, &node, &edge, 1) })?;
+            }
             g.nodes.push(node);
             g.state.push(NodeState { grid: l.grid, block: l.block, smem: l.smem, words: words.to_vec() });
         }
@@ -357,6 +383,12 @@ pub(crate) fn graphs_from_env() -> bool {
 /// [`CHUNK`]).
 pub(crate) fn chunk_from_env() -> usize {
     std::env::var("EMBER_CUDA_GRAPH_CHUNK").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(CHUNK)
+}
+
+/// Whether `EMBER_CUDA_PDL` leaves programmatic edges on (anything but `0`, `off` or `false`;
+/// they are used on sm_90+ only).
+pub(crate) fn programmatic_from_env() -> bool {
+    !matches!(std::env::var("EMBER_CUDA_PDL").as_deref(), Ok("0" | "off" | "false"))
 }
 
 /// Reads `any` (for a buffer's drop).

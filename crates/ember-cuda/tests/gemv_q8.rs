@@ -7,7 +7,7 @@
 
 use std::sync::OnceLock;
 
-use ember_cuda::ops::{GEMV_Q8_MULTI, MoeExperts, MoeRouting, Precision};
+use ember_cuda::ops::{Act, GEMV_Q8_MULTI, MoeExperts, MoeRouting, MoeSharedQ8, Precision};
 use ember_cuda::{Buf, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::{Mat, WeightView, reference};
@@ -193,58 +193,147 @@ fn rms_norm_q8_leaves_the_int8_copy_of_its_output() {
     }
 }
 
+/// The fused launches that leave an int8 copy (the gated norm of a DeltaNet layer, the gate of an
+/// attention layer, the residual add with its norm) write what the unfused ops write, and an
+/// int8 copy the GEMV reads as it reads quantize_q8's of that output: bit for bit.
+#[test]
+fn fused_q8_launches_match_the_unfused_ops() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let ty = GgmlType::Q8_0;
+    // The GEMV on the int8 scratch as it stands, and on quantize_q8 of `y`.
+    let gemv_pair = |g: &Gpu, wt: &ember_cuda::ops::DeviceWeight, y: &Buf<f32>, what: &str| {
+        let (mut y1, mut y2) = (g.upload(&[f32::NAN; 33]).unwrap(), g.upload(&[f32::NAN; 33]).unwrap());
+        g.gemv_q8_quantized(&[wt.all()], wt.k, &mut [&mut y1]).unwrap();
+        g.gemv_q8(&[wt.all()], y, &mut [&mut y2]).unwrap();
+        assert_eq!(g.download(&y1).unwrap(), g.download(&y2).unwrap(), "{what}: the GEMV on the int8 copy");
+    };
+    for (d, gw) in [(4096, 128), (2048, 2048), (96, 32)] {
+        let wt = g.upload_weight(ty, d, 33, &quantised(ty, &mut rng, d, 33)).unwrap();
+        let x = g.upload(&rng.vec(d, -3.0, 3.0)).unwrap();
+        let z = g.upload(&rng.vec(d, -6.0, 6.0)).unwrap();
+        let w = g.upload(&rng.vec(gw, 0.5, 1.5)).unwrap();
+        for act in [Act::Silu, Act::Sigmoid] {
+            // rms_norm_gate(_q8) against rms_norm then gate.
+            let (mut a, mut b, mut c) = (g.upload(&vec![f32::NAN; d]).unwrap(), g.alloc::<f32>(d).unwrap(), g.alloc::<f32>(d).unwrap());
+            g.rms_norm(&x, 1, d, &w, 1e-6, &mut a).unwrap();
+            g.gate(&mut a, &z, d, act).unwrap();
+            g.rms_norm_gate(&x, 1, d, &w, 1e-6, &z, act, &mut b).unwrap();
+            g.rms_norm_gate_q8(&x, 1, d, &w, 1e-6, &z, act, &mut c).unwrap();
+            let want = g.download(&a).unwrap();
+            let what = format!("rms_norm_gate d={d} g={gw} {act:?}");
+            assert_eq!(g.download(&b).unwrap(), want, "{what}");
+            assert_eq!(g.download(&c).unwrap(), want, "{what} (q8)");
+            gemv_pair(g, &wt, &c, &what);
+            // gate_q8 against gate.
+            let (mut y1, mut y2) = (g.upload(&want).unwrap(), g.upload(&want).unwrap());
+            g.gate(&mut y1, &z, d, act).unwrap();
+            g.gate_q8(&mut y2, &z, d, act).unwrap();
+            let what = format!("gate_q8 d={d} {act:?}");
+            assert_eq!(g.download(&y1).unwrap(), g.download(&y2).unwrap(), "{what}");
+            gemv_pair(g, &wt, &y2, &what);
+        }
+        if gw == d {
+            // add_rms_norm(_q8) against add then rms_norm.
+            let a = g.upload(&rng.vec(d, -1.0, 1.0)).unwrap();
+            let h0 = rng.vec(d, -3.0, 3.0);
+            let (mut h1, mut h2, mut h3) = (g.upload(&h0).unwrap(), g.upload(&h0).unwrap(), g.upload(&h0).unwrap());
+            let (mut o1, mut o2, mut o3) = (g.alloc::<f32>(d).unwrap(), g.alloc::<f32>(d).unwrap(), g.alloc::<f32>(d).unwrap());
+            g.add(&mut h1, &a, d).unwrap();
+            g.rms_norm(&h1, 1, d, &w, 1e-6, &mut o1).unwrap();
+            g.add_rms_norm(&mut h2, &a, 1, d, &w, 1e-6, &mut o2).unwrap();
+            g.add_rms_norm_q8(&mut h3, &a, 1, d, &w, 1e-6, &mut o3).unwrap();
+            let (hw, ow) = (g.download(&h1).unwrap(), g.download(&o1).unwrap());
+            for (h, o, what) in [(&h2, &o2, "add_rms_norm"), (&h3, &o3, "add_rms_norm_q8")] {
+                assert_eq!(g.download(h).unwrap(), hw, "{what} d={d}: h");
+                assert_eq!(g.download(o).unwrap(), ow, "{what} d={d}: out");
+            }
+            gemv_pair(g, &wt, &o3, "add_rms_norm_q8");
+        }
+    }
+}
+
 /// The MoE on int8 activations (`Gpu::moe_q8`) against a host model of it: x quantised per
-/// token, h = silu(gate·xq) ⊙ up·xq, h quantised, out = Σ_j w_j·down_j·hq_j, in f64. Only the
-/// GPU's f32 sums differ, and where one moves an h value across a rounding boundary, one int8
-/// step of h: |err| <= 2e-4·Σ_j |w_j|·Σ_m |down_j[m]·hq_j[m]| (measured on the H200: see the
-/// printed line).
+/// token, h = silu(gate·xq) ⊙ up·xq, h quantised, out = Σ_j w_j·down_j·hq_j, in f64; with a
+/// shared expert in the same kernels, out also gets sigmoid(gs)·down_s·hq_s. Only the GPU's f32
+/// sums differ, and where one moves an h value across a rounding boundary, one int8 step of h:
+/// |err| <= 2e-4·Σ_j |w_j|·Σ_m |down_j[m]·hq_j[m]| (measured on the H200: see the printed line).
 #[test]
 fn moe_q8_matches_quantised_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new();
-    let cases = [
-        (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, 8, 1),
-        (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 6, 3, 5),
-        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 3),
-        (GgmlType::Q6K, GgmlType::Q8_0, 256, 512, 4, 2, 2),
+    // (gate/up type, down type, d, n_ff, experts, k, tokens, shared expert (gate/up, down, n_ff)):
+    // the 35B Q4_K_M shape with its shared expert, mixed unit widths both ways (a Q8_0 shared
+    // expert beside K-quant experts, K-quant beside Q8_0), and routed experts alone.
+    type Case = (GgmlType, GgmlType, usize, usize, usize, usize, usize, Option<(GgmlType, GgmlType, usize)>);
+    let cases: [Case; 6] = [
+        (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, 8, 1, None),
+        (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, 8, 1, Some((GgmlType::Q4K, GgmlType::Q6K, 512))),
+        (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 6, 3, 5, None),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 3, None),
+        (GgmlType::Q6K, GgmlType::Q8_0, 256, 512, 4, 2, 2, Some((GgmlType::Q8_0, GgmlType::Q8_0, 64))),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 256, 64, 5, 2, 1, Some((GgmlType::Q4K, GgmlType::Q6K, 256))),
     ];
+    let deq = |ty: GgmlType, bytes: &[u8], k: usize, n: usize| {
+        let mut all = vec![0f32; k * n];
+        let rb = ty.row_bytes(k).unwrap();
+        for r in 0..n {
+            ember_gguf::quant::dequantize(ty, &bytes[r * rb..(r + 1) * rb], &mut all[r * k..(r + 1) * k]).unwrap();
+        }
+        all
+    };
+    let dot = |w: &[f32], x: &[f32]| w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+    // silu(gate_r·xq) ⊙ up_r·xq for rows r0.. of n_ff, quantised as the kernels quantise h.
+    let hidden = |gf: &[f32], uf: &[f32], r0: usize, n_ff: usize, xq: &[f32]| {
+        let d = xq.len();
+        let h: Vec<f32> = (r0..r0 + n_ff)
+            .map(|r| {
+                let gv = dot(&gf[r * d..(r + 1) * d], xq) as f32;
+                gv / (1.0 + (-gv).exp()) * dot(&uf[r * d..(r + 1) * d], xq) as f32
+            })
+            .collect();
+        q8_round_trip(&h)
+    };
     let mut worst = 0f64;
-    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok) in cases {
+    for (ty_gu, ty_dn, d, n_ff, n_expert, k, n_tok, shared) in cases {
         let gate = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
         let up = quantised(ty_gu, &mut rng, d, n_expert * n_ff);
         let down = quantised(ty_dn, &mut rng, n_ff, n_expert * d);
-        let deq = |ty: GgmlType, bytes: &[u8], k: usize, n: usize| {
-            let mut all = vec![0f32; k * n];
-            let rb = ty.row_bytes(k).unwrap();
-            for r in 0..n {
-                ember_gguf::quant::dequantize(ty, &bytes[r * rb..(r + 1) * rb], &mut all[r * k..(r + 1) * k]).unwrap();
-            }
-            all
-        };
         let (gf, uf, df) =
             (deq(ty_gu, &gate, d, n_expert * n_ff), deq(ty_gu, &up, d, n_expert * n_ff), deq(ty_dn, &down, n_ff, n_expert * d));
+        let sh = shared.map(|(ty_s, ty_sd, n_ff_s)| {
+            let (sg, su, sd) =
+                (quantised(ty_s, &mut rng, d, n_ff_s), quantised(ty_s, &mut rng, d, n_ff_s), quantised(ty_sd, &mut rng, n_ff_s, d));
+            let f = (deq(ty_s, &sg, d, n_ff_s), deq(ty_s, &su, d, n_ff_s), deq(ty_sd, &sd, n_ff_s, d));
+            let w = (
+                g.upload_weight(ty_s, d, n_ff_s, &sg).unwrap(),
+                g.upload_weight(ty_s, d, n_ff_s, &su).unwrap(),
+                g.upload_weight(ty_sd, n_ff_s, d, &sd).unwrap(),
+            );
+            (n_ff_s, f, w, rng.vec(n_tok, -2.0, 2.0))
+        });
         let x = rng.vec(n_tok * d, -1.0, 1.0);
         let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
         let routing = reference::route(&logits, k);
-        let dot = |w: &[f32], x: &[f32]| w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
         let (mut want, mut scale) = (vec![0f64; n_tok * d], vec![0f64; n_tok * d]);
+        let mut add = |t: usize, wt: f64, hq: &[f32], rows: &dyn Fn(usize) -> std::ops::Range<usize>, df: &[f32]| {
+            for i in 0..d {
+                let row = &df[rows(i)];
+                want[t * d + i] += wt * dot(row, hq);
+                scale[t * d + i] += wt.abs() * row.iter().zip(hq).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>();
+            }
+        };
         for t in 0..n_tok {
             let xq = q8_round_trip(&x[t * d..(t + 1) * d]);
             for j in 0..k {
                 let (e, wt) = (routing.ids[t * k + j].0 as usize, routing.weights[t * k + j] as f64);
-                let h: Vec<f32> = (0..n_ff)
-                    .map(|r| {
-                        let row = (e * n_ff + r) * d;
-                        let gv = dot(&gf[row..row + d], &xq) as f32;
-                        gv / (1.0 + (-gv).exp()) * dot(&uf[row..row + d], &xq) as f32
-                    })
-                    .collect();
-                let hq = q8_round_trip(&h);
-                for i in 0..d {
-                    let row = &df[(e * d + i) * n_ff..(e * d + i + 1) * n_ff];
-                    want[t * d + i] += wt * dot(row, &hq);
-                    scale[t * d + i] += wt.abs() * row.iter().zip(&hq).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>();
-                }
+                let hq = hidden(&gf, &uf, e * n_ff, n_ff, &xq);
+                add(t, wt, &hq, &|i| (e * d + i) * n_ff..(e * d + i + 1) * n_ff, &df);
+            }
+            if let Some((n_ff_s, (sgf, suf, sdf), _, gs)) = &sh {
+                let hq = hidden(sgf, suf, 0, *n_ff_s, &xq);
+                let wt = 1.0 / (1.0 + (-gs[t] as f64).exp());
+                add(t, wt, &hq, &|i| i * n_ff_s..(i + 1) * n_ff_s, sdf);
             }
         }
         let (gw, uw, dw) = (
@@ -254,13 +343,24 @@ fn moe_q8_matches_quantised_reference() {
         );
         let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
         let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
-        let mut h = g.upload(&vec![f32::NAN; n_tok * k * n_ff]).unwrap();
+        let n_ff_s = sh.as_ref().map_or(0, |s| s.0);
+        let mut h = g.upload(&vec![f32::NAN; n_tok * (k * n_ff + n_ff_s)]).unwrap();
         let mut out = g.upload(&vec![f32::NAN; n_tok * d]).unwrap();
         let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         assert!(g.moe_uses_q8(experts, Precision::Fast));
-        g.moe_q8(experts, &g.upload(&x).unwrap(), n_tok, MoeRouting { ids: &idb, weights: &wb, k }, &mut h, &mut out, false).unwrap();
+        let gsb = sh.as_ref().map(|s| g.upload(&s.3).unwrap());
+        let shared =
+            sh.as_ref().zip(gsb.as_ref()).map(|((_, _, (sg, su, sd), _), gs)| MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gs });
+        assert!(shared.is_none_or(|s| s.fits(experts, d)));
+        let r = MoeRouting { ids: &idb, weights: &wb, k };
+        g.moe_q8(experts, shared, &g.upload(&x).unwrap(), n_tok, r, &mut h, &mut out, false).unwrap();
         let got = g.download(&out).unwrap();
-        let what = format!("moe_q8 {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
+        let what = format!(
+            "moe_q8 {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok} shared={:?}",
+            ty_gu.name(),
+            ty_dn.name(),
+            shared.map(|s| (s.gate.ty.name(), s.down.ty.name(), n_ff_s))
+        );
         for i in 0..n_tok * d {
             let err = (got[i] as f64 - want[i]).abs();
             assert!(err <= 2e-4 * scale[i], "{what}: [{i}] got {}, want {} (err {err:e}, scale {:e})", got[i], want[i], scale[i]);

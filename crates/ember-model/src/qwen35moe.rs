@@ -243,15 +243,20 @@ impl Model {
 
         let h = ops.embed(self.tok_embd)?; // [ΣT, D]
         see(&mut tap, ops, "embd", 0, h)?;
+        // Each residual add goes with the norm that reads h next (one pass on backends that fuse
+        // them): the mixer's with the post-norm, the MoE's with the next layer's input norm.
+        let mut x = match self.layers.first() {
+            Some(layer) => Some(ops.rms_norm(h, layer.attn_norm, c.rms_eps)?),
+            None => None,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let li = LayerIdx(i as u16);
-            let x = ops.rms_norm(h, layer.attn_norm, c.rms_eps)?;
+            let x_in = x.take().expect("every layer's input norm is made before it runs");
             let m = match &layer.mixer {
-                Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x, delta)?,
-                Mixer::Attention(at) => at.forward(c, ops, li, x)?,
+                Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x_in, delta)?,
+                Mixer::Attention(at) => at.forward(c, ops, li, x_in)?,
             };
-            ops.add(h, m)?; // [ΣT, D]
-            let f = ops.rms_norm(h, layer.post_norm, c.rms_eps)?;
+            let f = ops.add_rms_norm(h, m, layer.post_norm, c.rms_eps)?; // h += m; [ΣT, D]
             let (y, routing) = layer.moe.forward(li, c, ops, f)?;
             if let Some(t) = tap.as_mut() {
                 let r = ops.read_routing(routing)?;
@@ -259,7 +264,10 @@ impl Model {
                 t("route_ids", i, &Mat::from_vec(r.n_tok, k, r.ids.iter().map(|e| e.0 as f32).collect()));
                 t("route_weights", i, &Mat::from_vec(r.n_tok, k, r.weights.clone()));
             }
-            ops.add(h, y)?;
+            match self.layers.get(i + 1) {
+                Some(next) => x = Some(ops.add_rms_norm(h, y, next.attn_norm, c.rms_eps)?), // h += y
+                None => ops.add(h, y)?,
+            }
             see(&mut tap, ops, "layer_out", i, h)?;
         }
 
@@ -350,8 +358,7 @@ impl DeltaNet {
         let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
         let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
-        let y = ops.rms_norm(o, self.norm, c.rms_eps)?; // per head, shared weight
-        ops.gate(y, z, Gate::Silu)?;
+        let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)
         Ok(ops.matmul(self.out, y)?) // [ΣT, D]
     }
 }

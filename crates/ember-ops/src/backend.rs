@@ -418,6 +418,12 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()> {
         (**self).add(h, x)
     }
+    fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        (**self).add_rms_norm(h, x, w, eps)
+    }
+    fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        (**self).rms_norm_gate(x, w, eps, g, act)
+    }
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
         (**self).attn_prep(s, qg, k)
     }

@@ -365,6 +365,32 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
         p.both("add", |o, i| o.add(a[i], b[i]));
         let (got, want) = p.read(a);
         check(&mut r, "add".into(), max_rel(&got.data, &want.data), tol.rel);
+        // The residual add with the norm after it: one group per row (the model's case, where a
+        // backend may also keep an int8 copy) and several.
+        for (w, d) in [(fx.norm96, 96), (fx.norm64, 192)] {
+            let (h, a) = (p.up(&rng.mat(n, d, 2.0)), p.up(&rng.mat(n, d, 1.0)));
+            let y = p.both("add_rms_norm", |o, i| o.add_rms_norm(h[i], a[i], w, 1e-6));
+            let (got, want) = p.read(y);
+            check(&mut r, "add_rms_norm".into(), max_rel(&got.data, &want.data), tol.rel);
+            let (got, want) = p.read(h);
+            check(&mut r, "add_rms_norm h".into(), max_rel(&got.data, &want.data), tol.rel);
+        }
+        // The gated norm, per head (groups of the weight's width) and over whole rows; the gate
+        // at a width a backend may also quantise (a multiple of 32).
+        for (w, d) in [(fx.norm64, 192), (fx.norm96, 96)] {
+            for act in [Gate::Silu, Gate::Sigmoid] {
+                let (x, g) = (p.up(&rng.mat(n, d, 2.0)), p.up(&rng.mat(n, d, 4.0)));
+                let y = p.both("rms_norm_gate", |o, i| o.rms_norm_gate(x[i], w, 1e-6, g[i], act));
+                let (got, want) = p.read(y);
+                check(&mut r, "rms_norm_gate".into(), max_rel(&got.data, &want.data), tol.rel);
+            }
+        }
+        for act in [Gate::Silu, Gate::Sigmoid] {
+            let (y, g) = (p.up(&rng.mat(n, 4096, 1.0)), p.up(&rng.mat(n, 4096, 8.0)));
+            p.both("gate", |o, i| o.gate(y[i], g[i], act));
+            let (got, want) = p.read(y);
+            check(&mut r, format!("gate {act:?}"), max_rel(&got.data, &want.data), tol.rel);
+        }
         for act in [Gate::Silu, Gate::Sigmoid] {
             let mut g = rng.mat(n, 4096 + 5, 1.0);
             g.data.iter_mut().for_each(|v| *v *= 40.0);
@@ -627,6 +653,13 @@ fn shape_errors(o: &mut dyn Ops, fx: &Fixture) {
     named("rms_norm", o.rms_norm(n65, fx.norm64, 1e-6).map(drop));
     named("rms_norm", o.rms_norm(n64, id, 1e-6).map(drop));
     named("add", o.add(a23, a32));
+    // The default add_rms_norm is add then rms_norm: its errors may name either.
+    for res in [o.add_rms_norm(a23, a32, fx.norm64, 1e-6), o.add_rms_norm(a23, y23, id, 1e-6)] {
+        match res {
+            Ok(_) => panic!("add_rms_norm: accepted a bad input"),
+            Err(e) => assert!(["add_rms_norm", "add", "rms_norm"].contains(&e.op), "add_rms_norm: error names another op: {e}"),
+        }
+    }
     named("gate", o.gate(y23, y24, Gate::Silu));
     named("select_rows", o.select_rows(a32).map(drop));
     let prep =

@@ -622,6 +622,21 @@ pub trait Ops: SeqStore + Send {
     /// `h ← h + x` (same shapes): the residual adds.
     fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()>;
 
+    /// [`Ops::rms_norm`] of `x`, then [`Ops::gate`] of it by `g`: a gated norm. A backend may do
+    /// both in one pass; the results are those of the two ops.
+    fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        let y = self.rms_norm(x, w, eps)?;
+        self.gate(y, g, act)?;
+        Ok(y)
+    }
+
+    /// `h ← h + x`, then RMSNorm of `h` as [`Ops::rms_norm`]: a residual add and the norm that
+    /// reads it next. A backend may do both in one pass; the results are those of the two ops.
+    fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        self.add(h, x)?;
+        self.rms_norm(h, w, eps)
+    }
+
     /// Gated attention prep (qwen35moe.md §6.3 steps 1–4) at the step's positions: splits `qg`
     /// [T, n_head·2·head_dim] into q and gate, RMS-normalises q and `k` per head, NeoX RoPE.
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn>;

@@ -67,6 +67,22 @@ impl Arena {
         (a, b)
     }
 
+    /// Buffers `a` and `c` to write and buffer `b` to read (all different and live, `c` after
+    /// both others: a buffer just allocated).
+    pub fn trio(&mut self, a: u32, b: u32, c: u32) -> (&mut Buf<f32>, &Buf<f32>, &mut Buf<f32>) {
+        assert!(a.max(b) < c, "trio: buffer {c} must come after {a} and {b}");
+        let (lo, hi) = self.bufs.split_at_mut(c as usize);
+        let (a, b) = (a as usize, b as usize);
+        let (wa, rb) = if a < b {
+            let (l, h) = lo.split_at_mut(b);
+            (&mut l[a], &h[0])
+        } else {
+            let (l, h) = lo.split_at_mut(a);
+            (&mut h[0], &l[b])
+        };
+        (wa, rb, &mut hi[0])
+    }
+
     /// Buffer `a` to write and buffer `b` to read (`a != b`, both live).
     pub fn pair(&mut self, a: u32, b: u32) -> (&mut Buf<f32>, &Buf<f32>) {
         let (a, b) = (a as usize, b as usize);

@@ -30,7 +30,7 @@ use ember_ops::{
 
 use crate::ops::{
     Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DeviceWeight, GEMV_MULTI,
-    GEMV_Q8_MULTI, KvPages, MOE_MISS, MoeExperts, MoeRouting, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
+    GEMV_Q8_MULTI, KvPages, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, Precision, SeqRows, StateAt, moe_scratch_len,
 };
 use crate::{Buf, Gpu};
 
@@ -87,6 +87,13 @@ struct StreamScratch {
 }
 
 /// A host matrix with the shape of `t` and no data, for the shared shape checks.
+fn act_of(g: Gate) -> Act {
+    match g {
+        Gate::Silu => Act::Silu,
+        Gate::Sigmoid => Act::Sigmoid,
+    }
+}
+
 fn shape_of(t: Tensor) -> Mat {
     Mat { n: t.n, d: t.d, data: Vec::new() }
 }
@@ -299,7 +306,9 @@ impl CudaOps {
         // The grouped prompt path's scratch (weighted expert outputs and its plan); other
         // batches do not read it and get one element, so the handles stay the same.
         let grouped = if gpu.moe_grouped(n, m.n_expert, prec) { moe_scratch_len(n, routing.k, m.n_expert, d_out) } else { 1 };
-        for (rows, width) in [(n * routing.k, m.n_ff), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
+        // h: the routed pairs' hidden rows, then room for the shared expert's (the int8 path
+        // runs it in the same kernels).
+        for (rows, width) in [(n, routing.k * m.n_ff + n_ffs), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
             arena.alloc(gpu, OP, rows, width)?;
         }
         let (rb, _) = self.routes.get(OP, routing)?;
@@ -316,13 +325,18 @@ impl CudaOps {
                 if !held {
                     gpu.quantize_q8(xb, x.d)?;
                 }
+                let shared = MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gsb };
+                if gpu.moe_shared_on() && shared.fits(experts, x.d) {
+                    // The shared expert in the routed experts' kernels: three launches in all.
+                    return gpu.moe_q8(experts, Some(shared), xb, n, routed, hb, ob, true);
+                }
                 if sg.ty == su.ty {
                     gpu.gemv_q8_quantized(&[sg.all(), su.all()], x.d, &mut [&mut *gb, &mut *ub])?;
                 } else {
                     gpu.gemv_q8_quantized(&[sg.all()], x.d, &mut [&mut *gb])?;
                     gpu.gemv_q8_quantized(&[su.all()], x.d, &mut [&mut *ub])?;
                 }
-                gpu.moe_q8(experts, xb, n, routed, hb, ob, true)?;
+                gpu.moe_q8(experts, None, xb, n, routed, hb, ob, true)?;
             } else {
                 gpu.moe_prec(experts, xb, n, routed, hb, sb, ob, prec)?;
                 gpu.matmul_prec(sg.all(), xb, n, gb, prec)?;
@@ -750,6 +764,32 @@ impl Ops for CudaOps {
         self.in_place("add", h, x, |g, h, x, n| g.add(h, x, n))
     }
 
+    fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        const OP: &str = "add_rms_norm";
+        if h.id == x.id {
+            self.add(h, x)?;
+            return self.rms_norm(h, w, eps);
+        }
+        self.arena.check(OP, h)?;
+        self.arena.check(OP, x)?;
+        check::same(OP, self.dev, &shape_of(h), &shape_of(x))?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
+        if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+            self.q8_x = None; // h changes: its int8 copy is stale
+        }
+        let y = self.arena.alloc(&self.gpu, OP, h.n, h.d)?;
+        let (hb, xb, yb) = self.arena.trio(h.id, x.id, y.id);
+        // As rms_norm: one token under Fast also gets the int8 copy.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, h.d, h.n, self.precision) && wv.len() == h.d {
+            let generation = self.gpu.add_rms_norm_q8(hb, xb, h.n, h.d, wv, eps, yb).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.add_rms_norm(hb, xb, h.n, h.d, wv, eps, yb).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
+    }
+
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
         const OP: &str = "attn_prep";
         self.rows_check(OP, qg)?;
@@ -954,11 +994,36 @@ impl Ops for CudaOps {
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
-        let act = match act {
-            Gate::Silu => Act::Silu,
-            Gate::Sigmoid => Act::Sigmoid,
-        };
+        let act = act_of(act);
+        // One token under Fast: the int8 copy the next GEMV reads, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, y.d, y.n, self.precision) && y.id != g.id {
+            let mut generation = 0;
+            self.in_place("gate", y, g, |gpu, y, g, n| gpu.gate_q8(y, g, n, act).map(|gen_| generation = gen_))?;
+            self.q8_x = Some((y.id, generation));
+            return Ok(());
+        }
         self.in_place("gate", y, g, |gpu, y, g, n| gpu.gate(y, g, n, act))
+    }
+
+    fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        const OP: &str = "rms_norm_gate";
+        self.arena.check(OP, x)?;
+        self.arena.check(OP, g)?;
+        check::same(OP, self.dev, &shape_of(x), &shape_of(g))?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
+        let act = act_of(act);
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (ins, outs) = self.arena.split(y.id);
+        let (xb, gb) = (&ins[x.id as usize], &ins[g.id as usize]);
+        // One token under Fast: the int8 copy the next GEMV reads, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len().is_multiple_of(32) {
+            let generation = self.gpu.rms_norm_gate_q8(xb, x.n, x.d, wv, eps, gb, act, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.rms_norm_gate(xb, x.n, x.d, wv, eps, gb, act, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
     }
 
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {

@@ -94,13 +94,53 @@ unsafe impl DeviceRepr for MoeParams {}
 struct MoeQ8Params {
     m: MoeParams,
     xq: u64,
+    sg: u64,
+    su: u64,
+    sd: u64,
+    gs: u64,
     wr: u32,
+    n_hq: u32,
+    ty_s_gu: u32,
+    ty_s_down: u32,
+    row_bytes_s_gu: u32,
+    row_bytes_s_down: u32,
+    n_ff_s: u32,
     pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
-// bytes, a multiple of 8: no padding in either language).
+// bytes, a multiple of 8, then 5 u64 and 8 u32: no padding in either language).
 unsafe impl DeviceRepr for MoeQ8Params {}
+
+/// The shared expert, for [`Gpu::moe_q8`] to run inside the routed experts' two kernels: gate
+/// and up [n_ff_s rows of d] of one int8 type, down [d rows of n_ff_s], and its gate logit per
+/// token (`sigmoid(gate_logit[t])` weighs its output).
+#[derive(Clone, Copy)]
+pub struct MoeSharedQ8<'a> {
+    pub gate: &'a DeviceWeight,
+    pub up: &'a DeviceWeight,
+    pub down: &'a DeviceWeight,
+    pub gate_logit: &'a Buf<f32>,
+}
+
+impl MoeSharedQ8<'_> {
+    /// Whether [`Gpu::moe_q8`] can take it with experts `e` over rows of `d`: int8 types whose
+    /// blocks tile the rows, shapes that chain, gate and up of one type.
+    pub fn fits(&self, e: MoeExperts<'_>, d: usize) -> bool {
+        let tiles = |w: &DeviceWeight| gemv_q8::unit(w.ty).is_some_and(|(_, bw)| w.k.is_multiple_of(bw));
+        let n_ff_s = self.gate.n_rows;
+        self.gate.ty == self.up.ty
+            && tiles(self.gate)
+            && tiles(self.down)
+            && self.gate.k == d
+            && self.up.k == d
+            && self.up.n_rows == n_ff_s
+            && self.down.k == n_ff_s
+            && self.down.n_rows == d
+            && n_ff_s.is_multiple_of(32)
+            && gemv_q8::unit(e.gate.ty).is_some()
+    }
+}
 
 #[repr(C)]
 struct MoePlanParams {
@@ -211,7 +251,7 @@ impl Gpu {
         if self.moe_grouped(n_tok, e.n_expert, precision) {
             self.moe_mma(e, x, n_tok, r, h, scratch, out)
         } else if self.moe_uses_q8(e, precision) {
-            self.moe_q8(e, x, n_tok, r, h, out, false)
+            self.moe_q8(e, None, x, n_tok, r, h, out, false)
         } else {
             self.moe(e, x, n_tok, r, h, out)
         }
@@ -318,12 +358,15 @@ impl Gpu {
     }
 
     /// [`Gpu::moe`] on int8 activations: x quantised (unless `x_quantized`: the caller's last
-    /// [`Gpu::quantize_q8`] was this x, n_tok·d values), gate/up, h quantised, down. The GPU's
-    /// int8 scratch holds h's quantisation afterwards.
+    /// [`Gpu::quantize_q8`] was this x, n_tok·d values), gate/up, h quantised, down. With
+    /// `shared`, the shared expert runs in the same kernels and `out` gets its gated output too
+    /// (h then holds n_tok·(k·n_ff + n_ff_s) floats). The GPU's int8 scratch holds h's
+    /// quantisation afterwards.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_q8(
         &self,
         e: MoeExperts<'_>,
+        shared: Option<MoeSharedQ8<'_>>,
         x: &Buf<f32>,
         n_tok: usize,
         r: MoeRouting<'_>,
@@ -341,29 +384,75 @@ impl Gpu {
         if !d.is_multiple_of(w_gu) || !n_ff.is_multiple_of(w_dn) {
             return Err(shape(OP, format!("d = {d}, n_ff = {n_ff}: not whole blocks of {w_gu} / {w_dn}")));
         }
+        if let Some(s) = shared {
+            if !s.fits(e, d) {
+                let desc = |w: &DeviceWeight| format!("{} {}x{}", w.ty.name(), w.n_rows, w.k);
+                return Err(shape(
+                    OP,
+                    format!("shared expert gate {}, up {}, down {} with d = {d}", desc(s.gate), desc(s.up), desc(s.down)),
+                ));
+            }
+            need(OP, "shared gate logit", s.gate_logit, n_tok)?;
+        }
+        let n_ff_s = shared.map_or(0, |s| s.gate.n_rows);
+        let n_hq = n_tok * (r.k * n_ff + n_ff_s);
+        need(OP, "h", h, n_hq)?;
         if n_tok == 0 {
             return Ok(());
         }
-        let pairs = u32_of(OP, "n_tok · k", n_tok * r.k)?;
+        let pairs = n_tok * r.k;
+        let blocks_y = u32_of(OP, "n_tok · (k + 1)", pairs + if shared.is_some() { n_tok } else { 0 })?;
         if !x_quantized {
             self.quantize_q8(x, n_tok * d)?;
         }
         let n_sm = self.info().n_sm;
-        let wr_gu = workers_per_row(n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm);
-        let wr_dn = workers_per_row(n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm);
+        // The shared expert's weights use the routed layout's lanes per row: at least their
+        // unit's lanes (all powers of two).
+        let lanes_s = |w: Option<&DeviceWeight>| w.and_then(|w| gemv_q8::unit(w.ty)).map_or(1, |(l, _)| l);
+        let wr_gu = workers_per_row(n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm).max(lanes_s(shared.map(|s| s.gate)) / l_gu).max(1);
+        let wr_dn = workers_per_row(n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm).max(lanes_s(shared.map(|s| s.down)) / l_dn).max(1);
         let f_gu = self.function(&MOE, &format!("moe_gate_up_q8_{gu}"))?;
         let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
         let threads = gemv_q8::THREADS;
-        let q_gu = MoeQ8Params { m: p, xq: self.q8_scratch(q8_bytes(n_tok * d))?, wr: wr_gu as u32, pad: 0 };
+        let mut q = MoeQ8Params {
+            m: p,
+            xq: self.q8_scratch(q8_bytes(n_tok * d))?,
+            sg: 0,
+            su: 0,
+            sd: 0,
+            gs: 0,
+            wr: wr_gu as u32,
+            n_hq: u32_of(OP, "h values", n_hq)?,
+            ty_s_gu: 0,
+            ty_s_down: 0,
+            row_bytes_s_gu: 0,
+            row_bytes_s_down: 0,
+            n_ff_s: n_ff_s as u32,
+            pad: 0,
+        };
+        if let Some(s) = shared {
+            q.sg = s.gate.ptr();
+            q.su = s.up.ptr();
+            q.sd = s.down.ptr();
+            q.gs = s.gate_logit.ptr();
+            q.ty_s_gu = s.gate.ty.id();
+            q.ty_s_down = s.down.ty.id();
+            q.row_bytes_s_gu = u32_of(OP, "row bytes", s.gate.row_bytes)?;
+            q.row_bytes_s_down = u32_of(OP, "row bytes", s.down.row_bytes)?;
+        }
+        let rows_gu = threads / (wr_gu * l_gu);
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
-        // h and out; the int8 scratch holds x's quantisation (n_tok·d values, quantize_q8 above
-        // or the caller's); rows are whole blocks of their types (checked), whose loads
-        // q8.cuh aligns as gemv_q8 does.
-        unsafe { self.launch(&f_gu, (blocks(n_ff, threads / (wr_gu * l_gu)), pairs, 1), threads as u32, 0, &q_gu)? };
-        self.quantize_q8(h, n_tok * r.k * n_ff)?;
-        let q_dn = MoeQ8Params { m: p, xq: self.q8_scratch(q8_bytes(n_tok * r.k * n_ff))?, wr: wr_dn as u32, pad: 0 };
-        // SAFETY: as above; the scratch now holds h's quantisation (n_tok·k·n_ff values).
-        unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q_dn) }
+        // h and out; the shared expert's shapes chain (`fits`), its gate logit holds n_tok and h
+        // its n_tok·n_ff_s more floats (checked); the int8 scratch holds x's quantisation
+        // (n_tok·d values, quantize_q8 above or the caller's); rows are whole blocks of their
+        // types (checked), whose loads q8.cuh aligns as gemv_q8 does; seg = wr·L is a multiple
+        // of the shared types' lanes (wr above).
+        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), rows_gu), blocks_y, 1), threads as u32, 0, &q)? };
+        self.quantize_q8(h, n_hq)?;
+        q.xq = self.q8_scratch(q8_bytes(n_hq))?;
+        q.wr = wr_dn as u32;
+        // SAFETY: as above; the scratch now holds h's quantisation (n_hq values).
+        unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q) }
     }
 
     /// The shape checks of [`Gpu::moe`], its kernels' parameters (rows_per_block unset) and the

@@ -4,6 +4,7 @@ use super::{need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::RMS_NORM;
+use crate::ops::Act;
 
 const OP: &str = "rms_norm";
 
@@ -16,6 +17,10 @@ struct RmsNormParams {
     n_group: u32,
     eps: f32,
     pad: u32,
+    add: u64,
+    gate: u64,
+    act: u32,
+    pad2: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `RmsNormParams` in kernels/rms_norm.cu.
@@ -28,23 +33,30 @@ struct RmsNormQ8Params {
 }
 
 // SAFETY: plain #[repr(C)] data matching `RmsNormQ8Params` in kernels/rms_norm.cu (RmsNormParams
-// is 32 bytes: no padding before q).
+// is 64 bytes: no padding before q).
 unsafe impl DeviceRepr for RmsNormQ8Params {}
 
-impl Gpu {
-    /// RMSNorm of every `w.len()`-wide group of x [n, d] (d a multiple of w.len()), times w.
-    pub fn rms_norm(&self, x: &Buf<f32>, n: usize, d: usize, w: &Buf<f32>, eps: f32, out: &mut Buf<f32>) -> Result<()> {
-        let g = w.len();
-        if g == 0 || !d.is_multiple_of(g) {
-            return Err(shape(OP, format!("width {d} is not a multiple of the weight length {g}")));
+/// What a norm launch does besides the norm: a residual add before it (`x ← x + add`, written
+/// back), a gate after it (`out ⊙= act(gate)`).
+#[derive(Clone, Copy, Default)]
+struct Extra<'a> {
+    add: Option<&'a Buf<f32>>,
+    gate: Option<(&'a Buf<f32>, Act)>,
+}
+
+impl Extra<'_> {
+    fn check(&self, len: usize) -> Result<()> {
+        if let Some(a) = self.add {
+            need(OP, "a", a, len)?;
         }
-        need(OP, "x", x, n * d)?;
-        need(OP, "out", out, n * d)?;
-        let n_group = n * d / g;
-        if n_group == 0 {
-            return Ok(());
+        if let Some((g, _)) = self.gate {
+            need(OP, "gate", g, len)?;
         }
-        let p = RmsNormParams {
+        Ok(())
+    }
+
+    fn params(&self, x: &Buf<f32>, w: &Buf<f32>, out: &Buf<f32>, g: usize, n_group: usize, eps: f32) -> Result<RmsNormParams> {
+        Ok(RmsNormParams {
             x: x.ptr(),
             w: w.ptr(),
             out: out.ptr(),
@@ -52,12 +64,80 @@ impl Gpu {
             n_group: u32_of(OP, "groups", n_group)?,
             eps,
             pad: 0,
-        };
-        // A row of the model's width (2,048) in one pass of 1,024 threads: the norm is a
-        // latency chain (load, block sum, store), so the fewer steps per thread the better.
-        let block = if g <= 128 { 32 } else { g.div_ceil(2).next_multiple_of(32).min(1024) as u32 };
+            add: self.add.map_or(0, Buf::ptr),
+            gate: self.gate.map_or(0, |(b, _)| b.ptr()),
+            act: self.gate.map_or(0, |(_, a)| (a == Act::Sigmoid) as u32),
+            pad2: 0,
+        })
+    }
+}
+
+/// Threads per group of `g` values, the same for every norm kernel (their block sums then add in
+/// the same order, so the fused and int8 forms give the plain form's bits). A row of the model's
+/// width (2,048) in one pass of 1,024 threads: the norm is a latency chain (load, block sum,
+/// store), so the fewer steps per thread the better; heads (g <= 128) one warp.
+fn block_of(g: usize) -> u32 {
+    if g <= 128 { 32 } else { g.div_ceil(2).next_multiple_of(32).min(1024) as u32 }
+}
+
+impl Gpu {
+    /// RMSNorm of every `w.len()`-wide group of x [n, d] (d a multiple of w.len()), times w.
+    pub fn rms_norm(&self, x: &Buf<f32>, n: usize, d: usize, w: &Buf<f32>, eps: f32, out: &mut Buf<f32>) -> Result<()> {
+        self.norm(x, Extra::default(), n, d, w, eps, out)
+    }
+
+    /// [`Gpu::rms_norm`], then `out ⊙= act(gate)` ([`Gpu::gate`]'s product), in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_gate(
+        &self,
+        x: &Buf<f32>,
+        n: usize,
+        d: usize,
+        w: &Buf<f32>,
+        eps: f32,
+        gate: &Buf<f32>,
+        act: Act,
+        out: &mut Buf<f32>,
+    ) -> Result<()> {
+        self.norm(x, Extra { add: None, gate: Some((gate, act)) }, n, d, w, eps, out)
+    }
+
+    /// `h ← h + a`, then [`Gpu::rms_norm`] of h, in one launch (the same sums as [`Gpu::add`]
+    /// then [`Gpu::rms_norm`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        h: &mut Buf<f32>,
+        a: &Buf<f32>,
+        n: usize,
+        d: usize,
+        w: &Buf<f32>,
+        eps: f32,
+        out: &mut Buf<f32>,
+    ) -> Result<()> {
+        self.norm(h, Extra { add: Some(a), gate: None }, n, d, w, eps, out)
+    }
+
+    /// [`Gpu::rms_norm`] of x with `extra` (x is written when it adds: the callers that add
+    /// hold it mutably).
+    #[allow(clippy::too_many_arguments)]
+    fn norm(&self, x: &Buf<f32>, extra: Extra<'_>, n: usize, d: usize, w: &Buf<f32>, eps: f32, out: &mut Buf<f32>) -> Result<()> {
+        let g = w.len();
+        if g == 0 || !d.is_multiple_of(g) {
+            return Err(shape(OP, format!("width {d} is not a multiple of the weight length {g}")));
+        }
+        need(OP, "x", x, n * d)?;
+        need(OP, "out", out, n * d)?;
+        extra.check(n * d)?;
+        let n_group = n * d / g;
+        if n_group == 0 {
+            return Ok(());
+        }
+        let p = extra.params(x, w, out, g, n_group, eps)?;
+        let block = block_of(g);
         let f = self.function(&RMS_NORM, "rms_norm")?;
-        // SAFETY: x and out hold n_group·g floats, w holds g (checked above).
+        // SAFETY: x, out, the add and the gate (when given) hold n_group·g floats, w holds g
+        // (checked above).
         unsafe { self.launch(&f, (p.n_group, 1, 1), block, 0, &p) }
     }
 
@@ -66,33 +146,60 @@ impl Gpu {
     /// int8 GEMVs that read it next; returns [`Gpu::q8_generation`] after it. Needs d a multiple
     /// of 32 and of the weight length, which a multiple of 32 too.
     pub fn rms_norm_q8(&self, x: &Buf<f32>, n: usize, d: usize, w: &Buf<f32>, eps: f32, out: &mut Buf<f32>) -> Result<u64> {
+        self.norm_q8(x, Extra::default(), n, d, w, eps, out)
+    }
+
+    /// [`Gpu::rms_norm_gate`] that also leaves its output quantised, as [`Gpu::rms_norm_q8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_gate_q8(
+        &self,
+        x: &Buf<f32>,
+        n: usize,
+        d: usize,
+        w: &Buf<f32>,
+        eps: f32,
+        gate: &Buf<f32>,
+        act: Act,
+        out: &mut Buf<f32>,
+    ) -> Result<u64> {
+        self.norm_q8(x, Extra { add: None, gate: Some((gate, act)) }, n, d, w, eps, out)
+    }
+
+    /// `h ← h + a`, then [`Gpu::rms_norm_q8`] of h, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_q8(
+        &self,
+        h: &mut Buf<f32>,
+        a: &Buf<f32>,
+        n: usize,
+        d: usize,
+        w: &Buf<f32>,
+        eps: f32,
+        out: &mut Buf<f32>,
+    ) -> Result<u64> {
+        self.norm_q8(h, Extra { add: Some(a), gate: None }, n, d, w, eps, out)
+    }
+
+    /// [`Gpu::rms_norm_q8`] of x with `extra` (see [`Gpu::norm`]).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_q8(&self, x: &Buf<f32>, extra: Extra<'_>, n: usize, d: usize, w: &Buf<f32>, eps: f32, out: &mut Buf<f32>) -> Result<u64> {
         let g = w.len();
         if g == 0 || !d.is_multiple_of(g) || !g.is_multiple_of(32) {
             return Err(shape(OP, format!("width {d}, weight length {g}: the int8 copy needs groups of a multiple of 32")));
         }
         need(OP, "x", x, n * d)?;
         need(OP, "out", out, n * d)?;
+        extra.check(n * d)?;
         let n_group = n * d / g;
         let q = self.q8_scratch(super::q8_bytes(n * d))?;
         let generation = self.bump_q8_generation();
         if n_group == 0 {
             return Ok(generation);
         }
-        let p = RmsNormQ8Params {
-            r: RmsNormParams {
-                x: x.ptr(),
-                w: w.ptr(),
-                out: out.ptr(),
-                g: u32_of(OP, "g", g)?,
-                n_group: u32_of(OP, "groups", n_group)?,
-                eps,
-                pad: 0,
-            },
-            q,
-        };
+        let p = RmsNormQ8Params { r: extra.params(x, w, out, g, n_group, eps)?, q };
         let f = self.function(&RMS_NORM, "rms_norm_q8")?;
-        let block = g.div_ceil(2).next_multiple_of(32).min(1024) as u32;
-        // SAFETY: x and out hold n·d floats, w g (checked); the scratch holds q8_bytes(n·d);
+        let block = block_of(g);
+        // SAFETY: x, out, the add and the gate (when given) hold n·d floats, w g (checked); the scratch holds q8_bytes(n·d);
         // one block per group; g % 32 == 0 keeps the kernel's warps whole.
         unsafe { self.launch(&f, (p.r.n_group, 1, 1), block, 0, &p)? };
         Ok(generation)
