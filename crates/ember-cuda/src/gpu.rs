@@ -154,6 +154,9 @@ pub struct Gpu {
     /// Pinned staging buffers for large uploads, made on the first one (None inside: pinned
     /// memory could not be had, large uploads go pageable).
     stage: Mutex<Option<Option<Stage>>>,
+    /// Pinned buffers for a step's small transfers ([`Gpu::download_ranges`],
+    /// [`Gpu::write_async`]), made on the first one.
+    small: Mutex<Option<Small>>,
     /// Per-kernel GPU time, when `EMBER_CUDA_PROFILE` is set.
     profile: Option<Mutex<Profile>>,
     /// Whether [`Gpu::begin_record`] records (`EMBER_CUDA_GRAPH=0` and the profile turn it off).
@@ -278,6 +281,110 @@ struct Stage {
     done: [CudaEvent; 2],
 }
 
+/// The largest transfer that goes through the small pinned buffers ([`Gpu::download_ranges`],
+/// [`Gpu::write_async`]): a step's routing and activations (2,048 tokens of 2,048 f32 are
+/// 16 MiB). Larger ones go pageable.
+const SMALL_BYTES_MAX: usize = 16 << 20;
+/// The smallest of those buffers; each grows to the next power of two a transfer needs.
+const SMALL_BYTES_MIN: usize = 64 << 10;
+
+/// A pinned host buffer grown on demand, and an event recorded after the last copy that used
+/// it: the host does not write, read or free the buffer before that copy is done.
+struct Pinned {
+    buf: Option<PinnedHostSlice<u8>>,
+    done: CudaEvent,
+    /// The smallest allocation refused so far (not asked for again).
+    refused: usize,
+}
+
+impl Pinned {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Pinned> {
+        let done = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(drv("cuEventCreate"))?;
+        Ok(Pinned { buf: None, done, refused: usize::MAX })
+    }
+
+    /// The buffer's first `bytes`, once the copy that last used it is done (grown first if
+    /// needed), and the event to record after the next; None when `bytes` is over
+    /// [`SMALL_BYTES_MAX`] or pinned memory cannot be had.
+    fn take(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Option<(&mut [u8], &CudaEvent)>> {
+        self.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        if bytes > SMALL_BYTES_MAX {
+            return Ok(None);
+        }
+        let want = bytes.next_power_of_two().max(SMALL_BYTES_MIN);
+        if want >= self.refused {
+            return Ok(None);
+        }
+        if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
+            // The old buffer's last copy is done (above), so it may go.
+            self.buf = None;
+            // SAFETY: the memory is uninitialised until the write_bytes below, and nothing
+            // reads it before.
+            match unsafe { ctx.alloc_pinned_with_flags::<u8>(want, 0) } {
+                Ok(mut b) => {
+                    let ptr = b.as_mut_ptr().map_err(drv("cuEventSynchronize"))?;
+                    // SAFETY: `ptr` points to `want` bytes of host memory owned by `b`.
+                    unsafe { std::ptr::write_bytes(ptr, 0, want) };
+                    self.buf = Some(b);
+                }
+                Err(_) => {
+                    self.refused = want;
+                    return Ok(None);
+                }
+            }
+        }
+        let Some(b) = self.buf.as_mut() else { return Ok(None) };
+        Ok(Some((&mut b.as_mut_slice().map_err(drv("cuEventSynchronize"))?[..bytes], &self.done)))
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // A copy still queued must not touch freed host memory.
+        let _ = self.done.synchronize();
+    }
+}
+
+/// The small transfers' pinned buffers: one for downloads, two used in turn for uploads (the
+/// host fills one while the copy from the other may still be queued behind the GPU's work).
+struct Small {
+    down: Pinned,
+    up: [Pinned; 2],
+    next_up: usize,
+}
+
+impl Small {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Small> {
+        Ok(Small { down: Pinned::new(ctx)?, up: [Pinned::new(ctx)?, Pinned::new(ctx)?], next_up: 0 })
+    }
+}
+
+/// One range for [`Gpu::download_ranges`]: `buf[at..at + len]` into `out`, which it resizes to
+/// `len` (left empty when the range is out of the buffer: `download_ranges` refuses it).
+pub struct Download<'a> {
+    src: u64,
+    /// `out`'s bytes.
+    out: &'a mut [u8],
+    check: Result<()>,
+}
+
+impl<'a> Download<'a> {
+    pub fn new<T: Elem>(buf: &'a Buf<T>, at: usize, len: usize, out: &'a mut Vec<T>) -> Download<'a> {
+        let check = range("download_ranges", buf.len, at, len);
+        out.clear();
+        let mut src = 0;
+        if check.is_ok() {
+            out.resize(len, T::default());
+            src = buf.ptr() + (at * std::mem::size_of::<T>()) as u64;
+        }
+        // SAFETY: Elem types are plain numbers (no padding, every bit pattern valid), so their
+        // bytes may be written as u8; the view borrows `out` mutably for 'a, so the vector is
+        // neither read nor resized while it lives.
+        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out.as_slice())) };
+        Download { src, out, check }
+    }
+}
+
 impl Gpu {
     /// Opens GPU `index`.
     pub fn new(index: usize) -> Result<Gpu> {
@@ -300,6 +407,7 @@ impl Gpu {
             modules: Mutex::default(),
             functions: Mutex::default(),
             stage: Mutex::default(),
+            small: Mutex::default(),
             profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             graphs: AtomicBool::new(graph::graphs_from_env()),
             recording: AtomicBool::new(false),
@@ -521,6 +629,45 @@ impl Gpu {
         self.sync()
     }
 
+    /// [`Gpu::write`] without the wait: `data` is copied into one of two pinned buffers of this
+    /// GPU, used in turn, and the copy to the device goes on the stream (after the work queued
+    /// before, before the work queued after). The host waits only to reuse a buffer whose copy
+    /// is still queued, i.e. when two newer uploads are. Over 16 MiB (`SMALL_BYTES_MAX`), or when
+    /// pinned memory cannot be had, it is [`Gpu::write`], which waits.
+    pub fn write_async<T: Elem>(&self, buf: &mut Buf<T>, data: &[T]) -> Result<()> {
+        if data.len() > buf.len() {
+            return Err(crate::error::shape("write_async", format!("{} values into a buffer of {}", data.len(), buf.len())));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.flush()?;
+        // SAFETY: Elem types are plain numbers (no padding, every bit pattern valid), so their
+        // bytes can be read as u8; the view lives no longer than `data`.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
+        {
+            let mut small = self.small.lock().unwrap_or_else(|e| e.into_inner());
+            let small = match &mut *small {
+                Some(s) => s,
+                none => none.insert(Small::new(&self.ctx)?),
+            };
+            let b = small.next_up;
+            if let Some((host, done)) = small.up[b].take(&self.ctx, bytes.len())? {
+                host.copy_from_slice(bytes);
+                self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+                // SAFETY: the destination `buf[..data.len()]` lies inside `buf` (checked above),
+                // whose free is stream-ordered, after this copy; the source is pinned memory of
+                // `small.up[b]`, which the host does not touch before `done`, recorded right
+                // after this copy, has fired.
+                unsafe { result::memcpy_htod_async(buf.ptr(), &*host, self.stream.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"))?;
+                done.record(&self.stream).map_err(drv("cuEventRecord"))?;
+                small.next_up = 1 - b;
+                return Ok(());
+            }
+        }
+        self.write(buf, data)
+    }
+
     /// Overwrites the start of each buffer with its data: the copies go back to back and the
     /// stream is waited on once (a step's small uploads, one wait instead of one each).
     pub fn write_each<T: Elem>(&self, items: &mut [(&mut Buf<T>, &[T])]) -> Result<()> {
@@ -575,6 +722,61 @@ impl Gpu {
         let v = self.stream.clone_dtoh(&view).map_err(drv("cuMemcpyDtoHAsync"))?;
         self.sync()?;
         Ok(v)
+    }
+
+    /// Every part's range on the host, with one flush and one wait for the stream (instead of
+    /// one each): the copies go back to back into a pinned buffer of this GPU, then to the
+    /// parts' vectors. Pageable copies, straight into the vectors, when the parts' bytes are
+    /// over 16 MiB (`SMALL_BYTES_MAX`) or pinned memory cannot be had. Nothing is copied when a
+    /// range is out of its buffer.
+    pub fn download_ranges(&self, parts: &mut [Download<'_>]) -> Result<()> {
+        for p in parts.iter_mut() {
+            std::mem::replace(&mut p.check, Ok(()))?;
+        }
+        let total: usize = parts.iter().map(|p| p.out.len()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        self.flush()?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let stream = self.stream.cu_stream();
+        let mut small = self.small.lock().unwrap_or_else(|e| e.into_inner());
+        let small = match &mut *small {
+            Some(s) => s,
+            none => none.insert(Small::new(&self.ctx)?),
+        };
+        let Some((host, done)) = small.down.take(&self.ctx, total)? else {
+            for p in parts.iter_mut().filter(|p| !p.out.is_empty()) {
+                // SAFETY: `p.src` is the range's start inside a live buffer (Download::new
+                // checked the range; `p` borrows the buffer); `p.out` is borrowed for this whole
+                // call, so it outlives the wait below.
+                unsafe { result::memcpy_dtoh_async(&mut *p.out, p.src, stream) }.map_err(drv("cuMemcpyDtoHAsync"))?;
+            }
+            return self.sync();
+        };
+        let mut at = 0;
+        let mut queued = Ok(());
+        for p in parts.iter() {
+            let n = p.out.len();
+            // SAFETY: as above for the source; `host[at..at + n]` is pinned memory of
+            // `small.down`, which the host does not touch before `done`, recorded right after
+            // these copies (also when one fails), has fired, and reads only after the wait below.
+            queued = unsafe { result::memcpy_dtoh_async(&mut host[at..at + n], p.src, stream) }.map_err(drv("cuMemcpyDtoHAsync"));
+            if queued.is_err() {
+                break;
+            }
+            at += n;
+        }
+        done.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        queued?;
+        self.sync()?;
+        let mut at = 0;
+        for p in parts.iter_mut() {
+            let n = p.out.len();
+            p.out.copy_from_slice(&host[at..at + n]);
+            at += n;
+        }
+        Ok(())
     }
 
     /// Zeroes `buf[at..at + len]` (stream-ordered).

@@ -3,12 +3,16 @@
 //!
 //! * The trunk (every layer's projections, norms, router, shared expert, KV and DeltaNet state,
 //!   the head) is on the GPU: [`Hybrid`] is every op of [`CudaOps`] except `moe`.
-//! * `moe` of a layer that holds all its experts is the GPU's. Otherwise the routing comes down
-//!   (the only sync per layer), its (token, expert) pairs split into hits and misses; the GPU
-//!   computes the hits and the shared expert while the CPU threads compute the misses from the
-//!   file's bytes (`CpuOps::moe_slots`, the CPU backend's kernels); their sum goes up and is
-//!   added. Placement changes which side computes a pair, never what it computes: the results
-//!   differ from the all-GPU run by the order of a sum and the kernels' rounding.
+//! * `moe` of a layer that holds all its experts is the GPU's. Otherwise the routing comes down,
+//!   its (token, expert) pairs split into hits and misses; the GPU computes the hits and the
+//!   shared expert while the CPU threads compute the misses from the file's bytes
+//!   (`CpuOps::moe_slots`, the CPU backend's kernels); their sum goes up, queued behind the
+//!   layer's kernels without a wait, and is added. A decode step's `x` comes down with its
+//!   routing (up to [`X_WITH_ROUTING_BYTES`]), so the routing's is the only wait for the GPU in
+//!   a decode layer, misses or not; a larger batch reads `x` in a second wait, only when its
+//!   misses run on the CPU. Placement changes which side computes a pair, never what it
+//!   computes: the results differ from the all-GPU run by the order of a sum and the kernels'
+//!   rounding.
 //! * A prompt batch may instead bring the experts it routes to but lacks up for the layer
 //!   ([`CudaOps::moe_streamed`]): a miss costs the CPU about its expert's bytes read once plus
 //!   its tokens' arithmetic, an upload about its bytes over PCIe, so batches with many tokens per
@@ -39,6 +43,13 @@ use crate::tier::HeatMap;
 use crate::{Home, Plan};
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// A batch whose `x` is at most this large brings it down with the routing, in the same wait,
+/// since a miss needs it on the host: one token of the 35B-A3B is 8 KiB, 32 tokens (batched
+/// decode) 256 KiB, ~10 µs over PCIe, less than a second wait, and with 8 experts a token such
+/// a batch likely has a miss. A larger one (a prompt) reads it only when its misses run on the
+/// CPU. Not measured yet against fetching it with one token only.
+pub const X_WITH_ROUTING_BYTES: usize = 256 << 10;
 
 /// How often the heat file is written while serving.
 pub const SAVE_EVERY: Duration = Duration::from_secs(60);
@@ -614,7 +625,14 @@ impl Ops for Hybrid {
         const OP: &str = "moe";
         let Some(slots) = self.gpu.expert_slots(layer) else { return self.gpu.moe(layer, x, routing, shared_gate) };
         let n_expert = slots.len();
-        let table = self.gpu.read_routing(routing)?;
+        // Decode: x comes down with the routing (X_WITH_ROUTING_BYTES); a prompt's later, if
+        // its misses run on the CPU.
+        let (table, xh) = if routing.n_tok == 1 || x.n * x.d * std::mem::size_of::<f32>() <= X_WITH_ROUTING_BYTES {
+            let (table, xh) = self.gpu.read_routing_with(routing, x)?;
+            (table, Some(xh))
+        } else {
+            (self.gpu.read_routing(routing)?, None)
+        };
         let ids: Vec<u32> = table.ids.iter().map(|e| e.0 as u32).collect();
         self.heat.record(layer.index(), &ids).map_err(|e| OpError::new(OP, self.gpu.device(), format!("{layer}"), e.to_string()))?;
         // The misses, by expert: (token, weight) pairs.
@@ -670,7 +688,10 @@ impl Ops for Hybrid {
                 return Ok(out);
             }
         }
-        let xh = self.gpu.read(x)?;
+        let xh = match xh {
+            Some(xh) => xh,
+            None => self.gpu.read(x)?,
+        };
         // The GPU's launches are queued; the CPU computes the misses meanwhile.
         let out = self.gpu.moe(layer, x, routing, shared_gate)?;
         // Recorded launches (a graph-replayed step) go out now, so the GPU runs them while
@@ -694,6 +715,7 @@ impl Ops for Hybrid {
             c.cpu_per_expert *= f;
             c.cpu_per_pair *= f;
         }
+        // Queued, not waited for (CudaOps::upload); the add runs after it on the stream.
         let yt = self.gpu.upload(&y)?;
         self.gpu.add(out, yt)?;
         Ok(out)

@@ -9,8 +9,8 @@
 //!   in one launch.
 //! * State lives in a device [`SeqStore`] ([`store`]): DeltaNet slots and a paged KV pool.
 //! * Every op runs the shape checks of [`ember_ops::check`] (so errors match every backend's)
-//!   before touching the GPU; routing stays on the device; `read`/`read_routing` are the only
-//!   downloads.
+//!   before touching the GPU; routing stays on the device; `read`/`read_routing` (and
+//!   [`CudaOps::read_routing_with`], both in one wait) are the only downloads.
 //!
 //! The delta rule: one token (decode) is always the recurrent scan; a prompt span is the
 //! chunked form under [`DeltaMode::Chunked`], and under `Auto` from
@@ -33,7 +33,7 @@ use crate::ops::{
     Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GEMV_MULTI, GEMV_Q8_MULTI,
     KvPages, Precision, SeqRows, StateAt,
 };
-use crate::{Buf, Gpu};
+use crate::{Buf, Download, Gpu};
 
 use arena::{Arena, Routes};
 use experts::StreamScratch;
@@ -206,6 +206,31 @@ impl CudaOps {
     /// (free, total) bytes of this GPU now.
     pub fn mem_info(&self) -> crate::Result<(usize, usize)> {
         self.gpu.mem_info()
+    }
+
+    /// [`Ops::read_routing`] and [`Ops::read`] of `x` with one wait for the stream instead of
+    /// two: what an expert tier needs on the host for a decode step's misses (the routing to
+    /// find them, `x` to compute them).
+    pub fn read_routing_with(&mut self, r: Routing, x: Tensor) -> OpResult<(RouteTable, Mat)> {
+        let (table, data) = self.download_routing("read_routing_with", r, Some(x))?;
+        Ok((table, Mat { n: x.n, d: x.d, data }))
+    }
+
+    /// A routing's ids and weights, and `x`'s values when asked for (else none), in one
+    /// [`Gpu::download_ranges`].
+    fn download_routing(&self, op: &'static str, r: Routing, x: Option<Tensor>) -> OpResult<(RouteTable, Vec<f32>)> {
+        let (b, _) = self.routes.get(op, r)?;
+        let n = r.n_tok * r.k;
+        let (mut ids, mut weights, mut data) = (Vec::new(), Vec::new(), Vec::new());
+        let xb = x.map(|x| self.arena.buf(op, x)).transpose()?;
+        let mut parts = vec![Download::new(&b.ids, 0, n, &mut ids), Download::new(&b.weights, 0, n, &mut weights)];
+        if let (Some(x), Some(xb)) = (x, xb) {
+            parts.push(Download::new(xb, 0, x.n * x.d, &mut data));
+        }
+        self.gpu.download_ranges(&mut parts).map_err(cuda(op, self.dev))?;
+        drop(parts);
+        let table = RouteTable { n_tok: r.n_tok, k: r.k, ids: ids.into_iter().map(|e| ExpertId(e as u16)).collect(), weights };
+        Ok((table, data))
     }
 
     fn rows_check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
@@ -385,6 +410,7 @@ impl Ops for CudaOps {
         Ok(())
     }
 
+    /// The copy is queued, not waited for ([`Gpu::write_async`]; a large matrix waits).
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
         const OP: &str = "upload";
         if x.data.len() != x.n * x.d {
@@ -392,9 +418,7 @@ impl Ops for CudaOps {
         }
         let t = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
         let (_, outs) = self.arena.split(t.id);
-        if !x.data.is_empty() {
-            self.gpu.write(&mut outs[0], &x.data).map_err(cuda(OP, self.dev))?;
-        }
+        self.gpu.write_async(&mut outs[0], &x.data).map_err(cuda(OP, self.dev))?;
         Ok(t)
     }
 
@@ -406,12 +430,7 @@ impl Ops for CudaOps {
     }
 
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
-        const OP: &str = "read_routing";
-        let (b, _) = self.routes.get(OP, r)?;
-        let n = r.n_tok * r.k;
-        let ids = self.gpu.download_range(&b.ids, 0, n).map_err(cuda(OP, self.dev))?;
-        let weights = self.gpu.download_range(&b.weights, 0, n).map_err(cuda(OP, self.dev))?;
-        Ok(RouteTable { n_tok: r.n_tok, k: r.k, ids: ids.into_iter().map(|e| ExpertId(e as u16)).collect(), weights })
+        Ok(self.download_routing("read_routing", r, None)?.0)
     }
 
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
