@@ -54,8 +54,17 @@ extern "C" __global__ void conv1d_silu(const ConvParams p) {
     conv_channel((const float*)p.x, (const float*)p.w, (float*)p.state, (float*)p.out, 0, p.n_tok, p.c, p.k, ch);
 }
 
-// grid (ceil(C / blockDim), n_seq): one thread per (channel, sequence).
+// grid (ceil(C / blockDim), n_seq): one thread per (channel, sequence). The block's weights and
+// state rows are asked for in L2 before pdl_enter (hints only; the sequence table was written
+// before the step).
 extern "C" __global__ void conv1d_silu_seqs(const ConvSeqsParams p) {
+    const u32 c0 = blockIdx.x * blockDim.x, nc = c0 < p.c ? min(blockDim.x, p.c - c0) : 0;
+    if (threadIdx.x < p.k && nc > 0) {
+        if (threadIdx.x == 0) prefetch_l2((const float*)p.w + (u64)c0 * p.k, 4ull * nc * p.k);
+        const u32 slot = ((const u32*)p.slot)[blockIdx.y];
+        if (threadIdx.x + 1 < p.k && slot < p.n_slots)
+            prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)threadIdx.x * p.c + c0, 4ull * nc);
+    }
     pdl_enter();
     const u32 ch = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y;
     if (ch >= p.c) return;

@@ -87,8 +87,15 @@ extern "C" __global__ void delta_rule_recurrent(const DeltaRuleParams p) {
                  p.n_tok, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, threadIdx.x % 32);
 }
 
-// blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0.
+// blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0. The
+// block's state columns are asked for in L2 before pdl_enter (the step's sequence table was
+// written before the step; a prefetch is only a hint to the coherent L2).
 extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
+    const u32 col0 = blockIdx.x * (blockDim.x / 32);
+    if (threadIdx.x == 0 && col0 < p.n_v_head * p.d_v) {
+        const u32 slot = ((const u32*)p.slot)[blockIdx.y], nc = min(blockDim.x / 32, p.n_v_head * p.d_v - col0);
+        if (slot < p.n_slots) prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * nc * p.d_k);
+    }
     pdl_enter();
     const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, s = blockIdx.y;
     if (col >= p.n_v_head * p.d_v) return;  // whole warps

@@ -41,7 +41,8 @@ struct GemvQ8Params {
     u32 row_bytes[GEMV_Q8_MULTI];
     u32 block0[GEMV_Q8_MULTI + 1];
     u32 wr[GEMV_Q8_MULTI];  // workers per row: a power of two, wr·L <= GEMV_Q8_THREADS
-    u32 k, n, pad;
+    u32 k, n;
+    u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
 };
 
 template <int TY>
@@ -51,7 +52,12 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     u32 i = 0;
     while (i + 1 < p.n && blockIdx.x >= p.block0[i + 1]) ++i;
     const int tid = threadIdx.x, seg = (int)p.wr[i] * U::L;  // lanes per row
-    const int row = (int)(blockIdx.x - p.block0[i]) * (GEMV_Q8_THREADS / seg) + tid / seg;
+    const int row0 = (int)(blockIdx.x - p.block0[i]) * (GEMV_Q8_THREADS / seg), row = row0 + tid / seg;
+    if (p.prefetch && tid == 0 && row0 < (int)p.n_rows[i]) {
+        const int nr = min(GEMV_Q8_THREADS / seg, (int)p.n_rows[i] - row0);
+        prefetch_l2((const u8*)p.w[i] + (u64)row0 * p.row_bytes[i], (u64)nr * p.row_bytes[i]);
+    }
+    pdl_enter();
     const int wk = (tid % seg) / U::L, t = tid % U::L, wr = p.wr[i];
     const int n_units = p.k / U::W;
     const bool valid = row < (int)p.n_rows[i];
@@ -67,6 +73,77 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
 }
 
-extern "C" __global__ void gemv_q8_q4_k(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q4_K>(p); }
-extern "C" __global__ void gemv_q8_q6_k(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q6_K>(p); }
-extern "C" __global__ void gemv_q8_q8_0(const GemvQ8Params p) { pdl_enter(); gemv_q8<TY_Q8_0>(p); }
+// (gemv_q8 prefetches, then calls pdl_enter.)
+extern "C" __global__ void gemv_q8_q4_k(const GemvQ8Params p) { gemv_q8<TY_Q4_K>(p); }
+extern "C" __global__ void gemv_q8_q6_k(const GemvQ8Params p) { gemv_q8<TY_Q6_K>(p); }
+extern "C" __global__ void gemv_q8_q8_0(const GemvQ8Params p) { gemv_q8<TY_Q8_0>(p); }
+
+// ---- gemv_q8_rows_<type>: the same product for large weights (the output head) ----
+// A warp copies R whole rows into shared memory with 16-byte asynchronous copies (rows are
+// multiples of 16 bytes, whatever the block size: Q6_K's 210 and Q8_0's 34-byte blocks are
+// otherwise read 2 bytes at a time), then its lanes take the R rows' units L at a time, each lane
+// summing into its unit's row; the warp's lanes sum each row in a fixed order. Measured
+// (bench/gpu/gemv-micro.cu, H200, 248,320 rows of k = 2048, 2026-12-04): Q8_0 386 → 154 us,
+// Q6_K 186 → 159 us. On weights of a few MiB it is slower than gemv_q8 (fewer warps in flight).
+
+struct GemvQ8RowsParams {
+    u64 w;
+    u64 y;
+    u64 xq;  // quantize_q8's output for k values
+    u32 n_rows, row_bytes, k, pad;
+};
+
+#define GEMV_Q8_ROWS_WARPS 4
+
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem));
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// grid ceil(n_rows / (GEMV_Q8_ROWS_WARPS · R)), 32 · GEMV_Q8_ROWS_WARPS threads, shared memory
+// GEMV_Q8_ROWS_WARPS · R · row_bytes.
+template <int TY, int R>
+__device__ __forceinline__ void gemv_q8_rows(const GemvQ8RowsParams& p) {
+    using U = Q8Unit<TY>;
+    extern __shared__ uint4 rows_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = (blockIdx.x * GEMV_Q8_ROWS_WARPS + warp) * R;
+    if (row0 >= (int)p.n_rows) return;  // whole warps; no block-wide barrier below
+    const int nr = min(R, (int)p.n_rows - row0), rb = (int)p.row_bytes;
+    u8* s = (u8*)rows_smem + warp * R * rb;
+    const u8* src = (const u8*)p.w + (u64)row0 * rb;
+    for (int i = lane; i < nr * rb / 16; i += 32) copy16_async(s + 16 * i, src + 16 * i);
+    copy_async_wait();
+    __syncwarp();
+    const int n_units = p.k / U::W, g = lane / U::L, t = lane % U::L;
+    const i8* xq = (const i8*)p.xq;
+    const float2* xd = (const float2*)(xq + p.k);
+    float acc[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+    for (int u = g; u < nr * n_units; u += 32 / U::L) {
+        const int r = u / n_units;
+        const float v = U::dot(s + r * rb, u - r * n_units, t, xq, xd);
+#pragma unroll
+        for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const float v = warp_sum(acc[j]);
+        if (lane == 0 && j < nr) ((float*)p.y)[row0 + j] = v;
+    }
+}
+
+#define GEMV_Q8_ROWS_Q6_K 4
+#define GEMV_Q8_ROWS_Q8_0 2
+extern "C" __global__ void gemv_q8_rows_q6_k(const GemvQ8RowsParams p) { pdl_enter(); gemv_q8_rows<TY_Q6_K, GEMV_Q8_ROWS_Q6_K>(p); }
+extern "C" __global__ void gemv_q8_rows_q8_0(const GemvQ8RowsParams p) { pdl_enter(); gemv_q8_rows<TY_Q8_0, GEMV_Q8_ROWS_Q8_0>(p); }

@@ -105,13 +105,19 @@ struct MatmulMultiParams {
     u32 block0[GEMV_MULTI + 1];
     u32 ty, k, n_tok, n;
     u32 ksplit[GEMV_MULTI];
-    u32 pad;
+    u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
 };
 
 template <int TY>
 __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     u32 i = 0;
     while (i + 1 < mp.n && blockIdx.x >= mp.block0[i + 1]) ++i;
+    if (mp.prefetch && threadIdx.x == 0 && blockIdx.y == 0) {
+        const u32 per = (blockDim.x / 32) / max(1u, mp.ksplit[i]), r0 = (blockIdx.x - mp.block0[i]) * per;
+        if (r0 < mp.n_rows[i])
+            prefetch_l2((const u8*)mp.w[i] + (u64)r0 * mp.row_bytes[i], (u64)min(per, mp.n_rows[i] - r0) * mp.row_bytes[i]);
+    }
+    pdl_enter();
     MatmulParams p;
     p.w = mp.w[i];
     p.x = mp.x;
@@ -125,14 +131,15 @@ __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     gemv<TY>(p, blockIdx.x - mp.block0[i]);
 }
 
-extern "C" __global__ void matmul_gemv_multi_f32(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_F32>(p); }
-extern "C" __global__ void matmul_gemv_multi_f16(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_F16>(p); }
-extern "C" __global__ void matmul_gemv_multi_bf16(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_BF16>(p); }
-extern "C" __global__ void matmul_gemv_multi_q8_0(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q8_0>(p); }
-extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q4_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q5_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_Q6_K>(p); }
-extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { pdl_enter(); gemv_multi<TY_IQ4_XS>(p); }
+// (gemv_multi prefetches, then calls pdl_enter.)
+extern "C" __global__ void matmul_gemv_multi_f32(const MatmulMultiParams p) { gemv_multi<TY_F32>(p); }
+extern "C" __global__ void matmul_gemv_multi_f16(const MatmulMultiParams p) { gemv_multi<TY_F16>(p); }
+extern "C" __global__ void matmul_gemv_multi_bf16(const MatmulMultiParams p) { gemv_multi<TY_BF16>(p); }
+extern "C" __global__ void matmul_gemv_multi_q8_0(const MatmulMultiParams p) { gemv_multi<TY_Q8_0>(p); }
+extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { gemv_multi<TY_Q4_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { gemv_multi<TY_Q5_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { gemv_multi<TY_Q6_K>(p); }
+extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { gemv_multi<TY_IQ4_XS>(p); }
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
 // tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.

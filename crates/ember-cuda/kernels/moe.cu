@@ -106,10 +106,13 @@ MOE_ENTRIES(q6_k, TY_Q6_K)
 MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 
 // ---- Decode-sized batches on int8 activations (Precision::Fast; q8.cuh) ----
-// The same two kernels with x and h quantised to int8 (quantize_q8 over all tokens, then over
-// all pairs' h) and each weight block summed with dp4a; a row's units go to `wr` workers of L
-// lanes (Q8Unit), summed by seg_sum. moe_down_q8's workers share a row's k_top·units items
-// (expert j = item / units), each item weighted by its routing weight before the fixed-order sum.
+// The same two kernels with x and h quantised to int8 and each weight block summed with dp4a.
+// moe_gate_up_q8: blocks of 32 · seg threads give each of MOE_GU_ROWS = 32 consecutive rows
+// (one int8 block of h) seg = wr · L lanes (wr workers of L lanes, Q8Unit; seg at most
+// MOE_GU_MAX_SEG), summed by seg_sum; warp 0 then quantises the block's 32 values of h (warp_q8, the layout of
+// quantize_q8) into the memory of the f32 h buffer, which moe_down_q8 reads as its int8 input:
+// no quantize_q8 launch between the two. moe_down_q8's `wr` workers share a row's k_top·units
+// items (expert j = item / units), each weighted by its routing weight before the fixed-order sum.
 
 // The shared expert may ride along (sd != 0): gate/up gets n_tok more blocks in y, which write
 // its silu(gate·x) ⊙ up·x after the pairs' h (h[n_tok · k_top · n_ff + t · n_ff_s + r]); down adds
@@ -118,21 +121,32 @@ MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 // row (seg a multiple of their unit's lanes: the launcher's choice of wr).
 struct MoeQ8Params {
     MoeParams m;
-    u64 xq;  // quantize_q8 of x ([n_tok, d]) for gate/up, of h (n_hq values) for down
+    u64 xq;  // quantize_q8 of x ([n_tok, d]) for gate/up, of h (n_hq values, in m.h) for down
     u64 sg, su, sd;  // the shared expert: gate, up [n_ff_s rows of d], down [d rows of n_ff_s]; sd = 0: none
     u64 gs;          // [n_tok] f32: the shared expert's gate logit
-    u32 wr;          // workers per row
+    u32 wr;          // workers per row (set per launch)
     u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
-    u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s, pad;
+    u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s;
+    u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
 };
+
+#define MOE_GU_ROWS 32
+#define MOE_GU_MAX_SEG 16
+
+// Quantises the block's MOE_GU_ROWS values hv (rows r0.. of h, at h index `at`) to int8 into
+// the h buffer (values at `at`, (d, d·Σq) at n_hq + at / 32 float2s). Every thread calls it.
+__device__ __forceinline__ void moe_gu_quantize(const MoeQ8Params& q, const float* hv, u64 at) {
+    __syncthreads();  // hv complete
+    if (threadIdx.x < 32) warp_q8(hv[threadIdx.x], (u8*)q.m.h, q.n_hq, at + threadIdx.x);
+}
 
 // Shared expert, gate and up, of token t: rows of this block at `seg` lanes per row.
 template <int TS>
-__device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 t, int seg, float* part) {
+__device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 t, int seg, float* part, float* hv) {
     using U = Q8Unit<TS>;
     const MoeParams& p = q.m;
     const int tid = threadIdx.x, wr = seg / U::L;
-    const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)q.n_ff_s;
     float g = 0.0f, u = 0.0f;
     if (valid) {
@@ -148,15 +162,19 @@ __device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 
     }
     g = seg_sum(g, seg, part);
     u = seg_sum(u, seg, part);
-    if (valid && tid % seg == 0) ((float*)p.h + (u64)p.n_tok * p.k_top * p.n_ff + (u64)t * q.n_ff_s)[r] = silu_f(g) * u;
+    if (tid % seg == 0) hv[tid / seg] = valid ? silu_f(g) * u : 0.0f;
 }
 
-__device__ __forceinline__ void moe_shared_gate_up(const MoeQ8Params& q, u32 t, int seg, float* part) {
+// The shared expert's blocks: rows blockIdx.x · MOE_GU_ROWS.. of token t (blocks past n_ff_s
+// write nothing; n_ff_s is a multiple of 32).
+__device__ __forceinline__ void moe_shared_gate_up(const MoeQ8Params& q, u32 t, int seg, float* part, float* hv) {
     switch (q.ty_s_gu) {
-        case TY_Q4_K: moe_shared_gate_up_ty<TY_Q4_K>(q, t, seg, part); break;
-        case TY_Q6_K: moe_shared_gate_up_ty<TY_Q6_K>(q, t, seg, part); break;
-        case TY_Q8_0: moe_shared_gate_up_ty<TY_Q8_0>(q, t, seg, part); break;
+        case TY_Q4_K: moe_shared_gate_up_ty<TY_Q4_K>(q, t, seg, part, hv); break;
+        case TY_Q6_K: moe_shared_gate_up_ty<TY_Q6_K>(q, t, seg, part, hv); break;
+        case TY_Q8_0: moe_shared_gate_up_ty<TY_Q8_0>(q, t, seg, part, hv); break;
     }
+    const u32 r0 = blockIdx.x * MOE_GU_ROWS;
+    if (r0 < q.n_ff_s) moe_gu_quantize(q, hv, (u64)q.m.n_tok * q.m.k_top * q.m.n_ff + (u64)t * q.n_ff_s + r0);
 }
 
 // This lane's part of the shared expert's down row r for token t (unweighted).
@@ -183,20 +201,28 @@ __device__ __forceinline__ float moe_shared_down(const MoeQ8Params& q, u32 t, in
     return MOE_NAN;
 }
 
-// grid (ceil(max(n_ff, n_ff_s) / rows), n_tok · k_top (+ n_tok with the shared expert)),
-// Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
+// grid (ceil(max(n_ff, n_ff_s) / MOE_GU_ROWS), n_tok · k_top (+ n_tok with the shared
+// expert)), MOE_GU_ROWS · wr · L threads.
 template <int TY>
 __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     using U = Q8Unit<TY>;
     const MoeParams& p = q.m;
-    __shared__ float part[Q8_THREADS / 32];
+    __shared__ float part[MOE_GU_MAX_SEG];
+    __shared__ float hv[MOE_GU_ROWS];
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
     if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
-        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part);
+        const u32 r0 = blockIdx.x * MOE_GU_ROWS;
+        if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a kernel
+            const u32 rb = q.row_bytes_s_gu, nr = min((u32)MOE_GU_ROWS, q.n_ff_s - r0);
+            prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)r0 * rb, (u64)nr * rb);
+        }
+        pdl_enter();
+        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part, hv);
         return;
     }
+    pdl_enter();
     const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
-    const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)p.n_ff;
     const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
     float g = 0.0f, u = 0.0f;
@@ -213,13 +239,17 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     }
     g = seg_sum(g, seg, part);
     u = seg_sum(u, seg, part);
-    if (!valid || tid % seg != 0) return;
-    float* h = (float*)p.h + (u64)pair * p.n_ff;
-    if (e >= p.n_expert) h[r] = MOE_NAN;
-    else if (s != MOE_MISS) h[r] = silu_f(g) * u;  // a pair not here: moe_down_q8 skips it
+    // A pair not here: moe_down_q8 skips it (its h is zeros); an id out of range: NaN, which
+    // moe_down_q8 also flags from the id.
+    if (tid % seg == 0) hv[tid / seg] = e >= p.n_expert ? MOE_NAN : (valid && s != MOE_MISS ? silu_f(g) * u : 0.0f);
+    const u32 r0 = blockIdx.x * MOE_GU_ROWS;
+    if (r0 < p.n_ff) moe_gu_quantize(q, hv, (u64)pair * p.n_ff + r0);
 }
 
-// grid (ceil(d / rows), n_tok), Q8_THREADS threads, rows = Q8_THREADS / (wr · L).
+// grid (ceil(d / rows), n_tok), Q8_THREADS threads, rows = Q8_THREADS / (wr · L). With
+// `prefetch`, threads j < k_top ask for expert j's rows of this block (and thread k_top for the
+// shared expert's) before pdl_enter: the ids come from the route kernel, at least two launches
+// back (gate/up runs between), so they are complete (see prefetch_l2).
 template <int TY>
 __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     using U = Q8Unit<TY>;
@@ -228,6 +258,17 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     const u32 t = blockIdx.y;
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
     const int r = blockIdx.x * (Q8_THREADS / seg) + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
+    if (q.prefetch && tid <= (int)p.k_top) {
+        const u32 r0 = blockIdx.x * (Q8_THREADS / seg), nr = min((u32)(Q8_THREADS / seg), p.d - min(r0, p.d));
+        if (tid < (int)p.k_top) {
+            const u32 e = ((const u32*)p.ids)[t * p.k_top + tid];
+            const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
+            if (s != MOE_MISS) prefetch_l2((const u8*)p.down + ((u64)s * p.d + r0) * p.row_bytes_down, (u64)nr * p.row_bytes_down);
+        } else if (q.sd) {
+            prefetch_l2((const u8*)q.sd + (u64)r0 * q.row_bytes_s_down, (u64)nr * q.row_bytes_s_down);
+        }
+    }
+    pdl_enter();
     const bool valid = r < (int)p.d;
     const int n_units = p.n_ff / U::W, items = p.k_top * n_units;
     float acc = 0.0f;
@@ -253,9 +294,10 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
 }
 
+// (Both call pdl_enter themselves, after their prefetches.)
 #define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { pdl_enter(); moe_gate_up_q8<TY>(q); } \
-    extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { pdl_enter(); moe_down_q8<TY>(q); }
+    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
 MOE_Q8_ENTRIES(q6_k, TY_Q6_K)

@@ -65,14 +65,32 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // Programmatic dependent launch (sm_90+). Inside a CUDA graph built with programmatic edges
 // (src/graph.rs) a kernel's blocks may be resident before the kernel ahead of it has finished.
-// Every kernel calls this first, before it touches global memory: it waits until the kernel
-// ahead has finished and its writes are visible, then lets the next kernel's blocks launch
-// (they wait here in turn, so at most two kernels overlap). Outside a programmatic launch, and
-// before sm_90, it does nothing.
+// Every kernel calls this first, before it touches global memory (only weights, and what
+// kernels at least two launches back wrote, may be read before it: see prefetch_l2), and no
+// block returns before it: it waits until the kernel ahead has finished and its writes are
+// visible, then lets the next kernel's blocks launch (they wait here in turn, so at most two
+// kernels overlap). Outside a programmatic launch, and before sm_90, it does nothing.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks for bytes [p, p + n) to be brought into L2 (sm_90+: one bulk prefetch, a hint that
+// never faults or blocks; before sm_90 nothing). The range shrinks to whole 16-byte chunks
+// inside it, as the instruction needs. Kernels call it on their weights *before* pdl_enter:
+// weights are never written by the kernel ahead, so their reads may start while it runs, and
+// a GEMV's DRAM latency and ramp overlap the previous kernel instead of following it. Anything
+// a kernel at least two launches back wrote is also safe to read there (this kernel launched
+// after the one ahead passed its own pdl_enter, i.e. after that one's predecessor finished).
+__device__ __forceinline__ void prefetch_l2(const void* p, u64 n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const u64 a = ((u64)p + 15) & ~(u64)15, e = ((u64)p + n) & ~(u64)15;
+    for (u64 at = a; at < e; at += 1u << 30) {
+        const u32 len = (u32)(e - at < (1u << 30) ? e - at : (1u << 30));
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(len) : "memory");
+    }
 #endif
 }
 

@@ -90,9 +90,10 @@ fn run_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize) -> Ca
     Case { got, want_q, scale_q, want, bound }
 }
 
-/// Shapes of the 35B-A3B decode (k 2048 / 4096 / 512; 512 to 8192 rows) and ragged ones (a
-/// single row, odd row counts, k of one block, Q8_0 k of an odd number of blocks); every
-/// launch shape the launcher picks (rows spread over 1 to 16 workers, a row over several warps).
+/// Shapes of the 35B-A3B decode (k 2048 / 4096 / 512; 512 to 8192 rows), ragged ones (a
+/// single row, odd row counts, k of one block, Q8_0 k of an odd number of blocks) and large
+/// ones; every launch shape the launcher picks (rows spread over 1 to 16 workers, a row over
+/// several warps, the row kernel of large weights).
 const CASES: &[(GgmlType, usize, usize)] = &[
     (GgmlType::Q4K, 2048, 4096),
     (GgmlType::Q4K, 4096, 2048),
@@ -108,6 +109,10 @@ const CASES: &[(GgmlType, usize, usize)] = &[
     (GgmlType::Q8_0, 4096, 2048),
     (GgmlType::Q8_0, 512, 2048),
     (GgmlType::Q8_0, 96, 3),
+    // Over 64 MiB (the output head's size): gemv_q8_rows, rows staged in shared memory, the
+    // last warp's rows partial.
+    (GgmlType::Q6K, 2048, 40_001),
+    (GgmlType::Q8_0, 2048, 31_001),
 ];
 
 /// Against the same product on the quantised x: only the f32 sums' order differs, so

@@ -17,15 +17,44 @@ const OP: &str = "gemv_q8";
 pub const GEMV_Q8_MULTI: usize = 4;
 /// Threads per block (`GEMV_Q8_THREADS`).
 pub(crate) const THREADS: usize = 128;
-/// Threads per SM the launcher aims to give work (an H100/H200 SM holds 2,048 at once);
-/// `EMBER_Q8_FILL` overrides it (measurements). Fewer workers per row give each worker several
-/// weight blocks in flight instead of one and shorter cross-lane sums. Measured on the H200
-/// (full-size 35B Q4_K_M, tg128, three alternating rounds each, 2026-12-04): 2048 → 291.8 t/s,
-/// 1024 → 300.8, 512 → 324.1 (against 1024's 302.8 in its own rounds), 256 → 307.5 (against
-/// 512's 324.0).
-fn threads_per_sm() -> usize {
-    static FILL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *FILL.get_or_init(|| std::env::var("EMBER_Q8_FILL").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(512))
+/// Threads per SM the launcher aims to give work (an H100/H200 SM holds 2,048 at once), by
+/// weight type; `EMBER_Q8_FILL` overrides it for every type (measurements). Fewer workers per
+/// row give each worker several weight blocks in flight instead of one and shorter cross-lane
+/// sums. Measured on the H200, full-size 35B Q4_K_M, tg128 (2026-12-04): Q4_K and Q6_K at
+/// 2048 → 291.8 t/s, 1024 → 300.8, 512 → 324.1 (three alternating rounds each, against
+/// 1024's 302.8 in its own rounds), 256 → 307.5 (against 512's 324.0); Q6_K alone at 2048
+/// 341.2 against 512's 348.4 (one round). Q8_0, whose unit is a lane's 8 bytes of 2-byte loads,
+/// wants more workers (bench/gpu/gemv-micro.cu, one 12,288 × 2048 GEMV launched back to back
+/// with programmatic launch: 19.6 us at 512, 11.8 at 2048).
+fn threads_per_sm(ty: GgmlType) -> usize {
+    static FILL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = *FILL.get_or_init(|| std::env::var("EMBER_Q8_FILL").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0));
+    set.unwrap_or(if ty == GgmlType::Q8_0 { 2048 } else { 512 })
+}
+
+/// Launches whose weights together take at most this many bytes ask for them in L2 before they
+/// wait for the kernel ahead (`prefetch` in GemvQ8Params). Larger ones would push their own
+/// first rows out of the H200's 60 MB L2 before reading them (measured: the 540 MB Q8_0 head
+/// 384 → 425 us with it).
+pub(crate) const PREFETCH_MAX_BYTES: usize = 32 << 20;
+
+/// Weights of at least this many bytes (the output head) take gemv_q8_rows where their type
+/// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off.
+const ROWS_MIN_BYTES: usize = 64 << 20;
+
+/// Rows per warp of gemv_q8_rows by type (`GEMV_Q8_ROWS_*`), and its warps per block.
+fn rows_per_warp(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q6K => Some(4),
+        GgmlType::Q8_0 => Some(2),
+        _ => None,
+    }
+}
+const ROWS_WARPS: usize = 4;
+
+fn rows_kernel_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("EMBER_GEMV_ROWS").as_deref(), Ok("0" | "off" | "false")))
 }
 
 #[repr(C)]
@@ -50,12 +79,27 @@ struct GemvQ8Params {
     wr: [u32; GEMV_Q8_MULTI],
     k: u32,
     n: u32,
-    pad: u32,
+    prefetch: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `GemvQ8Params` in kernels/gemv_q8.cu (72 bytes of u64,
 // then 17 + 3 u32: 152 bytes, no padding in either language).
 unsafe impl DeviceRepr for GemvQ8Params {}
+
+#[repr(C)]
+struct GemvQ8RowsParams {
+    w: u64,
+    y: u64,
+    xq: u64,
+    n_rows: u32,
+    row_bytes: u32,
+    k: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `GemvQ8RowsParams` in kernels/gemv_q8.cu (3 u64, 4 u32:
+// 40 bytes, no padding in either language).
+unsafe impl DeviceRepr for GemvQ8RowsParams {}
 
 /// Lanes and weights per unit of work (`Q8Unit<TY>::L`, `::W`) of the types the kernel has.
 pub(crate) fn unit(ty: GgmlType) -> Option<(usize, usize)> {
@@ -83,8 +127,8 @@ pub fn q8_bytes(k: usize) -> usize {
 
 /// Workers (of `lanes` lanes) per row for a weight of `n_rows` rows of `n_units` units: enough
 /// that the launch fills every SM, at most one per unit and what a block holds.
-pub(crate) fn workers_per_row(n_rows: usize, n_units: usize, lanes: usize, n_sm: u32) -> usize {
-    let want = (n_sm as usize * threads_per_sm()).div_ceil(n_rows.max(1) * lanes).next_power_of_two();
+pub(crate) fn workers_per_row(ty: GgmlType, n_rows: usize, n_units: usize, lanes: usize, n_sm: u32) -> usize {
+    let want = (n_sm as usize * threads_per_sm(ty)).div_ceil(n_rows.max(1) * lanes).next_power_of_two();
     let units = if n_units.is_power_of_two() { n_units } else { n_units.next_power_of_two() / 2 };
     want.min(units.max(1)).min(THREADS / lanes)
 }
@@ -130,6 +174,10 @@ impl Gpu {
             return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
         }
         let q = self.q8_scratch(q8_bytes(k))?;
+        if n == 1 && self.gemv_q8_rows(&ws[0], k, q, ys[0])? {
+            return Ok(());
+        }
+        let bytes: usize = ws.iter().map(|w| w.n_rows * w.row_bytes()).sum();
         let mut p = GemvQ8Params {
             w: [0; GEMV_Q8_MULTI],
             y: [0; GEMV_Q8_MULTI],
@@ -140,12 +188,12 @@ impl Gpu {
             wr: [1; GEMV_Q8_MULTI],
             k: u32_of(OP, "k", k)?,
             n: n as u32,
-            pad: 0,
+            prefetch: if bytes <= PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
         };
         let mut total = 0u32;
         for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
             need(OP, "y", y, w.n_rows)?;
-            let wr = workers_per_row(w.n_rows, k / per_unit, lanes, self.info().n_sm);
+            let wr = workers_per_row(ty, w.n_rows, k / per_unit, lanes, self.info().n_sm);
             p.w[i] = w.ptr();
             p.y[i] = y.ptr();
             p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
@@ -167,6 +215,34 @@ impl Gpu {
         // multiples of 16 bytes (the kernel's 16-byte loads), Q6_K and Q8_0 are read 2 bytes at
         // a time; the int8 x is read 16 (Q4_K) or 8 bytes at a time at multiples of that.
         unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) }
+    }
+
+    /// `y = x · wᵀ` by gemv_q8_rows when `w` is large and of a type it has, its rows whole
+    /// 16-byte chunks and the shared memory fits; false (nothing launched) otherwise.
+    fn gemv_q8_rows(&self, w: &WeightRef<'_>, k: usize, xq: u64, y: &mut Buf<f32>) -> Result<bool> {
+        let (ty, rb) = (w.ty(), w.row_bytes());
+        let (Some(r), Some(sfx)) = (rows_per_warp(ty), suffix(ty)) else { return Ok(false) };
+        let smem = ROWS_WARPS * r * rb;
+        if !rows_kernel_on() || w.n_rows * rb < ROWS_MIN_BYTES || !rb.is_multiple_of(16) || !w.ptr().is_multiple_of(16) || smem > 48 << 10 {
+            return Ok(false);
+        }
+        need(OP, "y", y, w.n_rows)?;
+        let p = GemvQ8RowsParams {
+            w: w.ptr(),
+            y: y.ptr(),
+            xq,
+            n_rows: u32_of(OP, "n_rows", w.n_rows)?,
+            row_bytes: u32_of(OP, "row_bytes", rb)?,
+            k: u32_of(OP, "k", k)?,
+            pad: 0,
+        };
+        let f = self.function(&GEMV_Q8, &format!("gemv_q8_rows_{sfx}"))?;
+        // SAFETY: w addresses n_rows rows of row_bytes (WeightRef's range), whole blocks of its
+        // type (the caller checked k), at a 16-byte aligned address with rows of whole 16-byte
+        // chunks (checked: the kernel's 16-byte copies); y holds n_rows floats (checked); the
+        // scratch holds q8_bytes(k); each warp's R rows fit its share of the shared memory.
+        unsafe { self.launch(&f, (blocks(w.n_rows, ROWS_WARPS * r), 1, 1), (32 * ROWS_WARPS) as u32, smem as u32, &p)? };
+        Ok(true)
     }
 
     /// [`Gpu::quantize_q8`] then [`Gpu::gemv_q8_quantized`].

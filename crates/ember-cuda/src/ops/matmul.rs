@@ -227,7 +227,7 @@ struct MatmulMultiParams {
     n_tok: u32,
     n: u32,
     ksplit: [u32; GEMV_MULTI],
-    pad: u32,
+    prefetch: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulMultiParams` in kernels/matmul.cu (u64 arrays
@@ -308,8 +308,11 @@ impl Gpu {
             n_tok: u32_of(OP, "n_tok", n_tok)?,
             n: n as u32,
             ksplit: [1; GEMV_MULTI],
-            pad: 0,
+            prefetch: 0,
         };
+        if ws.iter().map(|w| w.n_rows * w.w.row_bytes).sum::<usize>() <= super::gemv_q8::PREFETCH_MAX_BYTES {
+            p.prefetch = super::l2_prefetch();
+        }
         let mut blocks_so_far = 0u32;
         for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
             need(OP, "y", y, n_tok * w.n_rows)?;

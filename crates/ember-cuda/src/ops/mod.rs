@@ -36,6 +36,14 @@ pub use route::ROUTE_SUM_MIN;
 use crate::error::{Result, shape};
 use crate::gpu::Buf;
 
+/// Whether weight-reading decode kernels ask for their blocks' weights in L2 before they wait
+/// for the kernel ahead (`prefetch_l2` in kernels/prelude.cuh); `EMBER_L2_PREFETCH=0` turns it
+/// off (measurements).
+pub(crate) fn l2_prefetch() -> u32 {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    u32::from(*ON.get_or_init(|| !matches!(std::env::var("EMBER_L2_PREFETCH").as_deref(), Ok("0" | "off" | "false"))))
+}
+
 /// The sequences of a step, as device buffers written once per step: sequence s has rows
 /// `row0[s]..row0[s] + n[s]` of the activations and its state in slot `slot[s]`.
 #[derive(Debug, Clone, Copy)]

@@ -90,6 +90,11 @@ struct MoeParams {
 // SAFETY: plain #[repr(C)] data matching `MoeParams` in kernels/moe.cu.
 unsafe impl DeviceRepr for MoeParams {}
 
+/// Rows of h per gate/up block in the int8 kernels (`MOE_GU_ROWS`: one int8 block, which the
+/// block quantises itself) and the most lanes per row (`MOE_GU_MAX_SEG`: 512 threads a block).
+const GU_ROWS: usize = 32;
+const GU_MAX_SEG: usize = 16;
+
 #[repr(C)]
 struct MoeQ8Params {
     m: MoeParams,
@@ -105,7 +110,7 @@ struct MoeQ8Params {
     row_bytes_s_gu: u32,
     row_bytes_s_down: u32,
     n_ff_s: u32,
-    pad: u32,
+    prefetch: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
@@ -395,7 +400,11 @@ impl Gpu {
             need(OP, "shared gate logit", s.gate_logit, n_tok)?;
         }
         let n_ff_s = shared.map_or(0, |s| s.gate.n_rows);
+        if !n_ff.is_multiple_of(GU_ROWS) || !n_ff_s.is_multiple_of(GU_ROWS) {
+            return Err(shape(OP, format!("n_ff = {n_ff}, shared n_ff = {n_ff_s}: h is quantised in blocks of {GU_ROWS}")));
+        }
         let n_hq = n_tok * (r.k * n_ff + n_ff_s);
+        // h's int8 copy (values, then a (d, d·Σq) pair per 32) goes into the f32 h buffer.
         need(OP, "h", h, n_hq)?;
         if n_tok == 0 {
             return Ok(());
@@ -409,8 +418,13 @@ impl Gpu {
         // The shared expert's weights use the routed layout's lanes per row: at least their
         // unit's lanes (all powers of two).
         let lanes_s = |w: Option<&DeviceWeight>| w.and_then(|w| gemv_q8::unit(w.ty)).map_or(1, |(l, _)| l);
-        let wr_gu = workers_per_row(n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm).max(lanes_s(shared.map(|s| s.gate)) / l_gu).max(1);
-        let wr_dn = workers_per_row(n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm).max(lanes_s(shared.map(|s| s.down)) / l_dn).max(1);
+        // Gate/up: 32 rows a block, at most GU_MAX_SEG lanes a row (threads = 32 · wr · L).
+        let wr_gu = workers_per_row(e.gate.ty, n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm)
+            .max(lanes_s(shared.map(|s| s.gate)) / l_gu)
+            .clamp(1, (GU_MAX_SEG / l_gu).max(1));
+        let wr_dn =
+            workers_per_row(e.down.ty, n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm).max(lanes_s(shared.map(|s| s.down)) / l_dn).max(1);
+        let down_bytes = n_tok * (r.k + usize::from(shared.is_some())) * d * e.down.row_bytes;
         let f_gu = self.function(&MOE, &format!("moe_gate_up_q8_{gu}"))?;
         let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
         let threads = gemv_q8::THREADS;
@@ -428,7 +442,7 @@ impl Gpu {
             row_bytes_s_gu: 0,
             row_bytes_s_down: 0,
             n_ff_s: n_ff_s as u32,
-            pad: 0,
+            prefetch: if down_bytes <= super::gemv_q8::PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
         };
         if let Some(s) = shared {
             q.sg = s.gate.ptr();
@@ -440,18 +454,20 @@ impl Gpu {
             q.row_bytes_s_gu = u32_of(OP, "row bytes", s.gate.row_bytes)?;
             q.row_bytes_s_down = u32_of(OP, "row bytes", s.down.row_bytes)?;
         }
-        let rows_gu = threads / (wr_gu * l_gu);
+        let threads_gu = GU_ROWS * wr_gu * l_gu;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
         // h and out; the shared expert's shapes chain (`fits`), its gate logit holds n_tok and h
         // its n_tok·n_ff_s more floats (checked); the int8 scratch holds x's quantisation
         // (n_tok·d values, quantize_q8 above or the caller's); rows are whole blocks of their
         // types (checked), whose loads q8.cuh aligns as gemv_q8 does; seg = wr·L is a multiple
-        // of the shared types' lanes (wr above).
-        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), rows_gu), blocks_y, 1), threads as u32, 0, &q)? };
-        self.quantize_q8(h, n_hq)?;
-        q.xq = self.q8_scratch(q8_bytes(n_hq))?;
+        // of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff and n_ff_s are
+        // multiples of 32 (checked), so each block's 32 rows are one int8 block of h, and h's
+        // 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes).
+        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
+        debug_assert!(q8_bytes(n_hq) <= 4 * n_hq);
+        q.xq = h.ptr();
         q.wr = wr_dn as u32;
-        // SAFETY: as above; the scratch now holds h's quantisation (n_hq values).
+        // SAFETY: as above; h now holds its own int8 copy (n_hq values), written by gate/up.
         unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q) }
     }
 
