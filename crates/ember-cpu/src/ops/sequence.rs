@@ -200,6 +200,9 @@ impl CpuOps {
                     }
                     for p in p0..p1 {
                         let kr = &kc.row(p)[m * hb..(m + 1) * hb];
+                        if p + KV_PF_ROWS < p1 {
+                            simd::prefetch(&kc.row(p + KV_PF_ROWS)[m * hb..(m + 1) * hb]);
+                        }
                         let at = |h: usize| h * max_pos + p - p0;
                         let mut h = 0;
                         // Eight heads (or four, or one) per pass over the key row.
@@ -246,6 +249,10 @@ impl CpuOps {
                         let n = PV_CHUNK.min(p1 - c0);
                         for (j, r) in vrows.chunks_exact_mut(hd).take(n).enumerate() {
                             kv_row(kn, vc, c0 + j, m * hd, r);
+                            // The next chunk's row j, while this chunk converts and multiplies.
+                            if c0 + n + j < p1 {
+                                simd::prefetch(kv_head(vc, c0 + n + j, m, hd));
+                            }
                         }
                         let a = &scores[c0 - p0..];
                         kn.gemm_f32(&Gemm { a, lda: max_pos, b: &vrows, ldb: hd, ldc: hd, m: g, n: hd, kd: n, acc: true }, o);
@@ -296,6 +303,22 @@ impl CpuOps {
 
 /// Value rows converted per P·V product in decode (64 KiB of f32 at head size 256: in L2).
 const PV_CHUNK: usize = 64;
+
+/// Cache rows the decode loops ask for ahead of the one they read: a KV head's slice of a row
+/// is 512 bytes (f16, head size 256) in rows 1 KiB apart, which the hardware prefetchers
+/// left waiting on DRAM (measured with attn_bench at depth 32768: the f16 kernel 12.3 → ~5.5
+/// ms a call on 2 threads with its own prefetch).
+const KV_PF_ROWS: usize = 16;
+
+/// The bytes of KV head `m` (head size `hd`) in row `p` of a cache.
+fn kv_head(c: &KvRows, p: usize, m: usize, hd: usize) -> &[u8] {
+    let row = c.row(p);
+    match c.ty {
+        KvType::F16 => &row[2 * m * hd..2 * (m + 1) * hd],
+        KvType::Q8_0 if hd.is_multiple_of(32) => &row[m * hd / 32 * 34..(m + 1) * hd / 32 * 34],
+        _ => row,
+    }
+}
 
 /// Fewest positions in one range of a split attention: below this a range's fixed costs (a
 /// merge, a scratch row) outweigh another worker's share of the reads.

@@ -329,6 +329,9 @@ unsafe fn gemm_tile<const R: usize, const NV: usize>(
 /// Positions per block of the P·V pass: their V rows (`hd` f16 each) stay in L2 while every
 /// 32-value column strip of the output is accumulated over them.
 const ATTN_BLOCK: usize = 512;
+/// Key rows the decode kernel asks for ahead of the one it scores (the rows are 1 KiB apart
+/// in the cache: the hardware prefetchers left each row's first lines waiting on DRAM).
+const ATTN_PF_ROWS: usize = 16;
 
 /// [`Kernels::attn_f16`] for NH (≤ 8) heads: each K row converted once and dotted with all NH
 /// queries (NH accumulators, one reduction each per position); softmax per head; then the
@@ -345,6 +348,9 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
     };
     for p in 0..npos {
         let kr = io.k_row(p); // hd f16
+        if p + ATTN_PF_ROWS < npos {
+            super::prefetch(io.k_row(p + ATTN_PF_ROWS));
+        }
         let mut acc = [_mm512_setzero_ps(); NH];
         for c in 0..hd / 16 {
             let kc = f16x16(kr, 32 * c);
@@ -372,10 +378,15 @@ unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: 
         for p in b0..b1 {
             vrows[p - b0] = io.v_row(p);
         }
+        let b2 = (b1 + ATTN_BLOCK).min(npos);
         for c in 0..hd / 32 {
             let mut acc = [[_mm512_setzero_ps(); 2]; NH];
             for p in b0..b1 {
                 let vr = vrows[p - b0];
+                // Line c of the next block's row p (each line of it once, as this one streams).
+                if p + ATTN_BLOCK < b2 {
+                    super::prefetch(&io.v_row(p + ATTN_BLOCK)[64 * c..64 * c + 64]);
+                }
                 let (v0, v1) = (f16x16(vr, 64 * c), f16x16(vr, 64 * c + 32));
                 for (n, a) in acc.iter_mut().enumerate() {
                     let s = _mm512_set1_ps(scores[n * npos + p]);

@@ -54,6 +54,8 @@ pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
 /// Positions per block of the P·V pass: their V rows stay in L2 while every 8-value column
 /// strip of the output is accumulated over them.
 const ATTN_BLOCK: usize = 512;
+/// Key rows asked for ahead of the one being scored (as the AVX-512 kernel's `ATTN_PF_ROWS`).
+const ATTN_PF_ROWS: usize = 16;
 
 /// [`Kernels::attn_f16`] for NH (≤ 8) heads, the AVX2 form of the AVX-512 `attn_group`: each
 /// K row converted once and dotted with all NH queries; softmax per head; the output in strips
@@ -74,6 +76,9 @@ pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [
     let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
     for p in 0..npos {
         let kr = io.k_row(p); // hd f16
+        if p + ATTN_PF_ROWS < npos {
+            crate::simd::prefetch(io.k_row(p + ATTN_PF_ROWS));
+        }
         let mut acc = [_mm256_setzero_ps(); NH];
         for c in 0..hd / 8 {
             let kc = f16x8(kr, 16 * c);
@@ -105,10 +110,15 @@ pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [
         for p in b0..b1 {
             vrows[p - b0] = io.v_row(p);
         }
+        let b2 = (b1 + ATTN_BLOCK).min(npos);
         for c in 0..hd / 8 {
             let mut acc = [_mm256_setzero_ps(); NH];
             for p in b0..b1 {
                 let vv = f16x8(vrows[p - b0], 16 * c);
+                // Line c / 4 of the next block's row p (each line of it once, as this one streams).
+                if c % 4 == 0 && p + ATTN_BLOCK < b2 {
+                    crate::simd::prefetch(&io.v_row(p + ATTN_BLOCK)[16 * c..16 * c + 64]);
+                }
                 for (n, a) in acc.iter_mut().enumerate() {
                     // SAFETY: n·npos + p < NH·npos ≤ scores.len() (asserted above).
                     *a = _mm256_fmadd_ps(_mm256_set1_ps(unsafe { *sp.add(n * npos + p) }), vv, *a);
