@@ -391,18 +391,8 @@ pub(super) fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out:
     match c.ty {
         KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
         KvType::Q8_0 if start.is_multiple_of(32) && out.len().is_multiple_of(32) => {
-            q8_0_to_f32(&c.row(p)[start / 32 * 34..(start + out.len()) / 32 * 34], out)
+            kn.q8_0_to_f32(&c.row(p)[start / 32 * 34..(start + out.len()) / 32 * 34], out)
         }
         _ => c.read(p, start, out),
-    }
-}
-
-/// q8_0 blocks to f32 (`d · q`, as `ember_gguf::quant::dequantize`, without its per-call
-/// dispatch: the decode loop calls this once per cached row).
-#[inline]
-fn q8_0_to_f32(src: &[u8], out: &mut [f32]) {
-    for (b, o) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        o.iter_mut().zip(&b[2..]).for_each(|(o, &q)| *o = d * q as i8 as f32);
     }
 }

@@ -175,6 +175,13 @@ pub trait Kernels: Copy + Send + Sync + 'static {
     /// f16 values (little-endian bytes) to f32.
     fn f16_to_f32(self, src: &[u8], dst: &mut [f32]);
 
+    /// Q8_0 blocks (34 bytes: an f16 scale d, 32 int8 q) to f32 `d·q`, as
+    /// `ember_gguf::quant::dequantize` computes them: whole blocks of `src` into `dst`, as many
+    /// as both hold. The default is the scalar loop.
+    fn q8_0_to_f32(self, src: &[u8], dst: &mut [f32]) {
+        q8_0_to_f32_scalar(src, dst)
+    }
+
     /// One token of the gated delta rule for one value head (qwen35moe.md §6.4 step 8), with
     /// the state stored transposed (`st[jv·d_k + i] = S[i][jv]`, a row per value index):
     /// `S ← decay·S;  δ = β(v − Sᵀk);  S ← S + kδᵀ;  o = Sᵀq`.
@@ -501,6 +508,14 @@ impl Kernels for Scalar {
 
     fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
         delta_step_scalar(st, q, k, v, decay, beta, o)
+    }
+}
+
+/// The scalar [`Kernels::q8_0_to_f32`].
+pub fn q8_0_to_f32_scalar(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        o.iter_mut().zip(&b[2..]).for_each(|(o, &q)| *o = d * q as i8 as f32);
     }
 }
 

@@ -243,6 +243,20 @@ fn check_vector_ops<K: Kernels>(k: K, n: usize, seed: &mut u64) {
     k.f16_to_f32(&h, &mut got);
     Scalar.f16_to_f32(&h, &mut want);
     assert_eq!(got, want);
+    // Q8_0 blocks (every int8 value, scales of both signs): bit for bit with the file's
+    // dequantisation.
+    let nb = n.div_ceil(32) + 8;
+    let q8: Vec<u8> = (0..nb)
+        .flat_map(|b| {
+            let mut blk = half::f16::from_f32(x[b % n] * 0.01).to_le_bytes().to_vec();
+            blk.extend((0..32).map(|i| ((b * 32 + i) * 37 % 256) as u8));
+            blk
+        })
+        .collect();
+    let (mut got, mut want) = (vec![0f32; 32 * nb], vec![0f32; 32 * nb]);
+    k.q8_0_to_f32(&q8, &mut got);
+    ember_gguf::quant::dequantize(ember_gguf::GgmlType::Q8_0, &q8, &mut want).unwrap();
+    assert_eq!(got, want, "q8_0_to_f32 n={n}");
 }
 
 fn check_delta<K: Kernels>(k: K, dk: usize, dv: usize, seed: &mut u64) {

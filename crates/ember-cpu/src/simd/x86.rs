@@ -93,6 +93,12 @@ macro_rules! x86_kernels {
             }
 
             #[inline]
+            fn q8_0_to_f32(self, src: &[u8], dst: &mut [f32]) {
+                // SAFETY: as above.
+                unsafe { q8_0_to_f32(src, dst) }
+            }
+
+            #[inline]
             fn delta_step(self, st: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
                 if k.len() % 8 != 0 {
                     return super::delta_step_scalar(st, q, k, v, decay, beta, o);
@@ -202,6 +208,21 @@ macro_rules! x86_kernels {
             }
             for v in &mut x[i..] {
                 *v = ember_ops::reference::silu(*v);
+            }
+        }
+
+        /// Eight int8 lanes at a time: sign-extended to i32, converted, scaled by the block's d
+        /// (the same product as the scalar form, so the same values).
+        #[target_feature(enable = $feat)]
+        fn q8_0_to_f32(src: &[u8], dst: &mut [f32]) {
+            for (b, o) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+                let d = _mm256_set1_ps(f16(b, 0));
+                for j in 0..4 {
+                    let q = &b[2 + 8 * j..10 + 8 * j];
+                    // SAFETY: `q` is 8 readable bytes; loadl reads exactly 8, unaligned.
+                    let q = unsafe { _mm_loadl_epi64(q.as_ptr().cast()) };
+                    stps(o, 8 * j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+                }
             }
         }
 
