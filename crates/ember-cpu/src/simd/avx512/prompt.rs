@@ -1,0 +1,186 @@
+//! The AVX-512 prompt and attention kernels: `Kernels::gemm_f32`'s register tiles and grouped
+//! attention over the f16 KV cache. The `Kernels` methods that call them are in the parent
+//! module (as `avx2/prompt.rs` is to `avx2.rs`).
+
+use super::*;
+
+/// C's rows are taken in register tiles of 6 (then 4, 2); [`Kernels::gemm_f32`] here needs
+/// them to be a multiple of this.
+pub(super) const GEMM_ROWS: usize = 2;
+
+/// Values of kd per pass: a pass's B strip (at most this many rows of 64 floats, 32 KiB) stays
+/// in L1 while every row tile reads it.
+const GEMM_KC: usize = 64;
+
+/// [`Kernels::gemm_f32`] in register tiles of up to 6 rows × 64 columns of C (24 accumulators):
+/// per step along kd, four 16-float loads of B's row and 6 broadcasts of A's column feed 24
+/// FMAs. kd is cut into passes of [`GEMM_KC`] (C accumulates across them in memory), each pass
+/// into strips of 64 (or 32, 16) columns, each strip into row tiles.
+/// SAFETY (caller): `g.check(c)` passed; `g.m` is a multiple of [`GEMM_ROWS`], `g.n` of 16.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
+    let mut k0 = 0;
+    while k0 < g.kd {
+        let k1 = (k0 + GEMM_KC).min(g.kd);
+        let acc = g.acc || k0 > 0;
+        let mut j = 0;
+        while j < g.n {
+            let nv = ((g.n - j) / 16).min(4);
+            let nv = if nv == 3 { 2 } else { nv };
+            let mut i = 0;
+            while i < g.m {
+                let r = (g.m - i).min(6);
+                let r = if r == 5 { 4 } else { r };
+                // SAFETY: rows i..i + r, columns j..j + 16·nv and kd k0..k1 lie inside the
+                // product (caller); r is 6, 4 or 2 (m is even), nv 4, 2 or 1 (n a multiple of 16).
+                unsafe {
+                    match (r, nv) {
+                        (6, 4) => gemm_tile::<6, 4>(g, c, i, j, k0, k1, acc),
+                        (6, 2) => gemm_tile::<6, 2>(g, c, i, j, k0, k1, acc),
+                        (6, _) => gemm_tile::<6, 1>(g, c, i, j, k0, k1, acc),
+                        (4, 4) => gemm_tile::<4, 4>(g, c, i, j, k0, k1, acc),
+                        (4, 2) => gemm_tile::<4, 2>(g, c, i, j, k0, k1, acc),
+                        (4, _) => gemm_tile::<4, 1>(g, c, i, j, k0, k1, acc),
+                        (_, 4) => gemm_tile::<2, 4>(g, c, i, j, k0, k1, acc),
+                        (_, 2) => gemm_tile::<2, 2>(g, c, i, j, k0, k1, acc),
+                        _ => gemm_tile::<2, 1>(g, c, i, j, k0, k1, acc),
+                    }
+                }
+                i += r;
+            }
+            j += 16 * nv;
+        }
+        k0 = k1;
+    }
+}
+
+/// One register tile of [`gemm_f32`]: rows i0..i0 + R, columns j0..j0 + 16·NV of C, the
+/// products of kd k0..k1 added to C (`acc`) or written over it.
+/// SAFETY (caller): `g.check(c)` passed and the tile lies inside the m×n×kd product, so every
+/// pointer below stays inside `g.a`, `g.b` or `c`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemm_tile<const R: usize, const NV: usize>(
+    g: &super::super::Gemm<'_>,
+    c: &mut [f32],
+    i0: usize,
+    j0: usize,
+    k0: usize,
+    k1: usize,
+    acc_c: bool,
+) {
+    let (ap, bp, cp) = (g.a.as_ptr(), g.b.as_ptr(), c.as_mut_ptr());
+    let mut acc = [[_mm512_setzero_ps(); NV]; R];
+    if acc_c {
+        for (r, a) in acc.iter_mut().enumerate() {
+            for (v, x) in a.iter_mut().enumerate() {
+                // SAFETY: element (i0 + r, j0 + 16v..+16) of C is inside `c` (caller).
+                *x = unsafe { _mm512_loadu_ps(cp.add((i0 + r) * g.ldc + j0 + 16 * v)) };
+            }
+        }
+    }
+    for k in k0..k1 {
+        let mut bv = [_mm512_setzero_ps(); NV];
+        for (v, x) in bv.iter_mut().enumerate() {
+            // SAFETY: row k, columns j0 + 16v..+16 of B are inside `g.b` (caller).
+            *x = unsafe { _mm512_loadu_ps(bp.add(k * g.ldb + j0 + 16 * v)) };
+        }
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: element (i0 + r, k) of A is inside `g.a` (caller).
+            let av = _mm512_set1_ps(unsafe { *ap.add((i0 + r) * g.lda + k) });
+            for (x, b) in a.iter_mut().zip(&bv) {
+                *x = _mm512_fmadd_ps(av, *b, *x);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (v, x) in a.iter().enumerate() {
+            // SAFETY: as for the loads of C.
+            unsafe { _mm512_storeu_ps(cp.add((i0 + r) * g.ldc + j0 + 16 * v), *x) };
+        }
+    }
+}
+
+/// Positions per block of the P·V pass: their V rows (`hd` f16 each) stay in L2 while every
+/// 32-value column strip of the output is accumulated over them.
+const ATTN_BLOCK: usize = 512;
+/// Key rows the decode kernel asks for ahead of the one it scores (the rows are 1 KiB apart
+/// in the cache: the hardware prefetchers left each row's first lines waiting on DRAM).
+const ATTN_PF_ROWS: usize = 16;
+
+/// [`Kernels::attn_f16`] for NH (≤ 8) heads: each K row converted once and dotted with all NH
+/// queries (NH accumulators, one reduction each per position); softmax per head; then the
+/// output in strips of 32 values × NH heads held in registers across a block of positions.
+/// SAFETY (caller): bounds as checked in `attn_f16`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
+    let AttnIo { q, npos, hd, scale, .. } = *io;
+    let f16x16 = |b: &[u8], at: usize| -> __m512 {
+        debug_assert!(at + 32 <= b.len());
+        // SAFETY: `b` is a k_row / v_row slice of exactly 2·hd bytes (its slicing is checked),
+        // and `at` is 32c for c < hd/16, or 64c (+ 32) for c < hd/32: inside it.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
+    };
+    for p in 0..npos {
+        let kr = io.k_row(p); // hd f16
+        if p + ATTN_PF_ROWS < npos {
+            crate::simd::prefetch(io.k_row(p + ATTN_PF_ROWS));
+        }
+        let mut acc = [_mm512_setzero_ps(); NH];
+        for c in 0..hd / 16 {
+            let kc = f16x16(kr, 32 * c);
+            for (n, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(kc, ld512ps(q, n * hd + 16 * c), *a);
+            }
+        }
+        for (n, a) in acc.iter().enumerate() {
+            scores[n * npos + p] = _mm512_reduce_add_ps(*a) * scale;
+        }
+    }
+    let mut inv = [0f32; NH];
+    for (n, iv) in inv.iter_mut().enumerate() {
+        let sc = &mut scores[n * npos..(n + 1) * npos];
+        let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum = exp_sum(sc, mx);
+        (ml[2 * n], ml[2 * n + 1]) = (mx, sum);
+        *iv = 1.0 / sum;
+    }
+    out[..NH * hd].fill(0.0);
+    for b0 in (0..npos).step_by(ATTN_BLOCK) {
+        let b1 = (b0 + ATTN_BLOCK).min(npos);
+        // The block's V rows, looked up in the page table once.
+        let mut vrows: [&[u8]; ATTN_BLOCK] = [&[]; ATTN_BLOCK];
+        for p in b0..b1 {
+            vrows[p - b0] = io.v_row(p);
+        }
+        let b2 = (b1 + ATTN_BLOCK).min(npos);
+        for c in 0..hd / 32 {
+            let mut acc = [[_mm512_setzero_ps(); 2]; NH];
+            for p in b0..b1 {
+                let vr = vrows[p - b0];
+                // Line c of the next block's row p (each line of it once, as this one streams).
+                if p + ATTN_BLOCK < b2 {
+                    crate::simd::prefetch(&io.v_row(p + ATTN_BLOCK)[64 * c..64 * c + 64]);
+                }
+                let (v0, v1) = (f16x16(vr, 64 * c), f16x16(vr, 64 * c + 32));
+                for (n, a) in acc.iter_mut().enumerate() {
+                    let s = _mm512_set1_ps(scores[n * npos + p]);
+                    a[0] = _mm512_fmadd_ps(s, v0, a[0]);
+                    a[1] = _mm512_fmadd_ps(s, v1, a[1]);
+                }
+            }
+            for (n, a) in acc.iter().enumerate() {
+                let o = &mut out[n * hd + 32 * c..n * hd + 32 * c + 32];
+                let (o0, o1) = (_mm512_add_ps(ld512ps(o, 0), a[0]), _mm512_add_ps(ld512ps(o, 16), a[1]));
+                // SAFETY: `o` is 32 writable f32.
+                unsafe {
+                    _mm512_storeu_ps(o.as_mut_ptr(), o0);
+                    _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
+                }
+            }
+        }
+    }
+    for (n, iv) in inv.iter().enumerate() {
+        out[n * hd..(n + 1) * hd].iter_mut().for_each(|x| *x *= iv);
+    }
+}
