@@ -9,7 +9,8 @@
 #   load   load to first token, both engines on the 35B file: ember's first start with an empty
 #          kernel cache, then ROUNDS alternations of `ember run -n 1` / `llama-completion -n 1`
 #   bench  `ember bench --device cuda` and `llama-bench -ngl 99 -fa 1`, alternating, ROUNDS
-#          times: pp512 and tg128 at depth 0 and at DEPTHS; prints the table of rounds and ratios
+#          times: pp at PROMPTS (default 512; issue 19 wants 512,8192) and tg128 at depth 0 and at
+#          DEPTHS; prints the table of rounds and ratios
 #   tier   the expert tier (issue 20) on the ud-q4_k_m 35B (synthesised when missing): per budget
 #          in BUDGETS (GiB=ncmoe pairs, default 20=6,12=23,8=31: llama.cpp's best fitting -ncmoe
 #          per budget, from the issue), `ember bench --gpu-mem 0=B` (tg128, pp2048, 128k context
@@ -173,14 +174,16 @@ if has tier; then
     done
 fi
 if has bench; then
-    ensure_model; wait_llama_build
+    ensure_model
+    # ember's first round runs while llama.cpp may still be building; llama.cpp's waits for it.
     for r in $(seq 1 "$ROUNDS"); do
         for eng in ember llama; do
+            [[ $eng == llama ]] && wait_llama_build
             t0=$(date +%s)
             if [[ $eng == ember ]]; then
-                $E bench -m $F --device cuda -p 512 -n 128 -d 0,$DEPTHS -r 2 -o json > "$O/ember-$r.json" 2> "$O/ember-$r.log"
+                $E bench -m $F --device cuda -p ${PROMPTS:-512} -n 128 -d 0,$DEPTHS -r 2 -o json > "$O/ember-$r.json" 2> "$O/ember-$r.log"
             elif [[ -x $LB ]]; then
-                $LB -m $F -ngl 99 -fa 1 -p 512 -n 128 -d 0,$DEPTHS -r 2 -o json > "$O/llama-$r.json" 2> "$O/llama-$r.log"
+                $LB -m $F -ngl 99 -fa 1 -p ${PROMPTS:-512} -n 128 -d 0,$DEPTHS -r 2 -o json > "$O/llama-$r.json" 2> "$O/llama-$r.log"
             fi
             echo "round $r $eng: exit $? in $(( $(date +%s) - t0 )) s"
         done

@@ -21,6 +21,9 @@ for l in sys.stdin:
 rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/ember.xz .gpu/ember.gz
 mkdir -p .gpu/bin
 strip -o .gpu/bin/ember target/release/ember
+# ONLY_EMBER=1: the binary alone (benchmark calls: leaves room for the llama.cpp source in the
+# 64 MiB that travels, which the tree's fixtures fill to ~50 MiB).
+[[ ${ONLY_EMBER:-0} == 1 ]] && tests=
 for t in $tests; do n=$(basename "$t"); strip -o ".gpu/bin/${n%-*}" "$t"; done
 tar -C .gpu -cf - bin | xz -9e -T2 > .gpu/bin.tar.xz
 rm -rf .gpu/bin
