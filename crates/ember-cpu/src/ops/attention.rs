@@ -384,15 +384,24 @@ fn vstrip(hd: usize) -> usize {
     if hd.is_multiple_of(64) { 64 } else { 16 }
 }
 
+/// The bytes of values `start..start + len` of cached row `p` for the f16 cache and the q8_0
+/// one when `start` and `len` are whole blocks; None for the layouts read value by value.
+#[inline]
+pub(super) fn kv_bytes(c: &KvRows, p: usize, start: usize, len: usize) -> Option<&[u8]> {
+    match c.ty {
+        KvType::F16 => Some(&c.row(p)[2 * start..2 * (start + len)]),
+        KvType::Q8_0 if start.is_multiple_of(32) && len.is_multiple_of(32) => Some(&c.row(p)[start / 32 * 34..(start + len) / 32 * 34]),
+        _ => None,
+    }
+}
+
 /// Values `start..start + out.len()` of cached row `p`, as f32 (for q8_0, `start` and the
 /// length are whole blocks).
 #[inline]
 pub(super) fn kv_row<K: Kernels>(kn: K, c: &KvRows, p: usize, start: usize, out: &mut [f32]) {
-    match c.ty {
-        KvType::F16 => kn.f16_to_f32(&c.row(p)[2 * start..2 * (start + out.len())], out),
-        KvType::Q8_0 if start.is_multiple_of(32) && out.len().is_multiple_of(32) => {
-            kn.q8_0_to_f32(&c.row(p)[start / 32 * 34..(start + out.len()) / 32 * 34], out)
-        }
+    match (c.ty, kv_bytes(c, p, start, out.len())) {
+        (KvType::F16, Some(b)) => kn.f16_to_f32(b, out),
+        (KvType::Q8_0, Some(b)) => kn.q8_0_to_f32(b, out),
         _ => c.read(p, start, out),
     }
 }

@@ -7,7 +7,7 @@ use ember_ops::{AttnShape, DeltaShape, KV_PAGE, KvRows, KvType, Mat};
 
 use std::sync::Mutex;
 
-use super::attention::kv_row;
+use super::attention::{kv_bytes, kv_row};
 use super::{CpuOps, Precision, lock};
 use crate::kernels::ActRow;
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
@@ -200,8 +200,10 @@ impl CpuOps {
                     }
                     for p in p0..p1 {
                         let kr = &kc.row(p)[m * hb..(m + 1) * hb];
-                        if p + KV_PF_ROWS < p1 {
-                            simd::prefetch(&kc.row(p + KV_PF_ROWS)[m * hb..(m + 1) * hb]);
+                        if p + KV_PF_ROWS < p1
+                            && let Some(b) = kv_bytes(kc, p + KV_PF_ROWS, m * hd, hd)
+                        {
+                            simd::prefetch(b);
                         }
                         let at = |h: usize| h * max_pos + p - p0;
                         let mut h = 0;
@@ -250,8 +252,10 @@ impl CpuOps {
                         for (j, r) in vrows.chunks_exact_mut(hd).take(n).enumerate() {
                             kv_row(kn, vc, c0 + j, m * hd, r);
                             // The next chunk's row j, while this chunk converts and multiplies.
-                            if c0 + n + j < p1 {
-                                simd::prefetch(kv_head(vc, c0 + n + j, m, hd));
+                            if c0 + n + j < p1
+                                && let Some(b) = kv_bytes(vc, c0 + n + j, m * hd, hd)
+                            {
+                                simd::prefetch(b);
                             }
                         }
                         let a = &scores[c0 - p0..];
@@ -309,16 +313,6 @@ const PV_CHUNK: usize = 64;
 /// left waiting on DRAM (measured with attn_bench at depth 32768: the f16 kernel 12.3 → ~5.5
 /// ms a call on 2 threads with its own prefetch).
 const KV_PF_ROWS: usize = 16;
-
-/// The bytes of KV head `m` (head size `hd`) in row `p` of a cache.
-fn kv_head(c: &KvRows, p: usize, m: usize, hd: usize) -> &[u8] {
-    let row = c.row(p);
-    match c.ty {
-        KvType::F16 => &row[2 * m * hd..2 * (m + 1) * hd],
-        KvType::Q8_0 if hd.is_multiple_of(32) => &row[m * hd / 32 * 34..(m + 1) * hd / 32 * 34],
-        _ => row,
-    }
-}
 
 /// Fewest positions in one range of a split attention: below this a range's fixed costs (a
 /// merge, a scratch row) outweigh another worker's share of the reads.
