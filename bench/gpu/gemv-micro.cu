@@ -110,7 +110,7 @@ static void launch_prod(K kern, const Type& T, const u8* w, float* y, const i8* 
 
 template <int TY, int R>
 static void launch_stg(bool two, const u8* w, float* y, const i8* xq, int rows, int row_bytes, int k) {
-    const int warps = 4, per_block = warps * R;
+    const int warps = GEMV_Q8_ROWS_WARPS, per_block = warps * R;
     const int blocks = (rows + per_block - 1) / per_block;
     const size_t smem = (size_t)warps * R * row_bytes;
     if (two) {

@@ -97,52 +97,33 @@ __global__ void q4k_l4(const u8* w, float* y, const i8* xq, int n_rows) {
     if (row < n_rows && p == 0) y[row] = acc;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// "stg": any int8 type; a warp stages R whole rows in shared memory with 16-byte cp.async
-// (rows are multiples of 16 bytes), then its lanes take the R rows' units L lanes at a time
-// (Q8Unit reads shared memory as it reads global). Shared memory: warps · R · row_bytes.
+// "stg": the production row kernel (gemv_q8_rows in kernels/gemv_q8.cu, which this variant
+// became): a warp stages R whole rows in shared memory with 16-byte cp.async, then its lanes take
+// the R rows' units L lanes at a time. Shared memory: GEMV_Q8_ROWS_WARPS · R · row_bytes.
 template <int TY, int R>
 __global__ void stg(const u8* w, float* y, const i8* xq, int n_rows, int row_bytes, int k) {
+    const GemvQ8RowsParams p = {(u64)w, (u64)y, (u64)xq, (u32)n_rows, (u32)row_bytes, (u32)k, 0};
+    gemv_q8_rows<TY, R>(p);
+}
+
+// Adds this lane's units of staged rows r0..r0 + nr (of R) into acc[row].
+template <int TY, int R>
+__device__ __forceinline__ void stg_units(const u8* s, int r0, int nr, int row_bytes, int k, const i8* xq, float* acc) {
     using U = Q8Unit<TY>;
-    extern __shared__ uint4 smem[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    const int row0 = (blockIdx.x * nw + warp) * R;
-    if (row0 >= n_rows) return;
-    const int nr = min(R, n_rows - row0);
-    u8* s = (u8*)smem + (u64)warp * R * row_bytes;
-    const u8* src = w + (u64)row0 * row_bytes;
-    const int n16 = nr * row_bytes / 16;
-    for (int i = lane; i < n16; i += 32) cp_async16(s + 16 * i, src + 16 * i);
-    cp_async_wait_all();
-    __syncwarp();
-    const int n_units = k / U::W, G = 32 / U::L, g = lane / U::L, t = lane % U::L;
+    const int lane = threadIdx.x % 32, n_units = k / U::W;
     const float2* xd = (const float2*)(xq + k);
-    float acc[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) acc[j] = 0.0f;
-    for (int u = g; u < nr * n_units; u += G) {
-        const int r = u / n_units, c = u % n_units;
-        const float v = U::dot(s + r * row_bytes, c, t, xq, xd);
+    for (int u = lane / U::L; u < nr * n_units; u += 32 / U::L) {
+        const int r = r0 + u / n_units;
+        const float v = U::dot(s + r * row_bytes, u % n_units, lane % U::L, xq, xd);
 #pragma unroll
         for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-        const float v = warp_sum(acc[j]);
-        if (lane == 0 && j < nr) y[row0 + j] = v;
     }
 }
 
 // "stg2": as stg, but the warp's rows come in two halves of R / 2, the second half's copy in
-// flight while the first half is computed.
+// flight while the first half is computed (GEMV_Q8_ROWS_WARPS warps a block).
 template <int TY, int R>
 __global__ void stg2(const u8* w, float* y, const i8* xq, int n_rows, int row_bytes, int k) {
-    using U = Q8Unit<TY>;
     extern __shared__ uint4 smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     const int row0 = (blockIdx.x * nw + warp) * R;
@@ -151,31 +132,19 @@ __global__ void stg2(const u8* w, float* y, const i8* xq, int n_rows, int row_by
     u8* s = (u8*)smem + (u64)warp * R * row_bytes;
     const u8* src = w + (u64)row0 * row_bytes;
     const int h = R / 2, n_a = min(h, nr), n_b = nr - n_a;
-    for (int i = lane; i < n_a * row_bytes / 16; i += 32) cp_async16(s + 16 * i, src + 16 * i);
+    for (int i = lane; i < n_a * row_bytes / 16; i += 32) copy16_async(s + 16 * i, src + 16 * i);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    for (int i = lane; i < n_b * row_bytes / 16; i += 32) cp_async16(s + h * row_bytes + 16 * i, src + h * row_bytes + 16 * i);
+    for (int i = lane; i < n_b * row_bytes / 16; i += 32) copy16_async(s + h * row_bytes + 16 * i, src + h * row_bytes + 16 * i);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    const int n_units = k / U::W, G = 32 / U::L, g = lane / U::L, t = lane % U::L;
-    const float2* xd = (const float2*)(xq + k);
     float acc[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) acc[j] = 0.0f;
     asm volatile("cp.async.wait_group 1;" ::: "memory");
     __syncwarp();
-    for (int u = g; u < n_a * n_units; u += G) {
-        const int r = u / n_units, c = u % n_units;
-        const float v = U::dot(s + r * row_bytes, c, t, xq, xd);
-#pragma unroll
-        for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
-    }
-    cp_async_wait_all();
+    stg_units<TY, R>(s, 0, n_a, row_bytes, k, xq, acc);
+    copy_async_wait();
     __syncwarp();
-    for (int u = g; u < n_b * n_units; u += G) {
-        const int r = h + u / n_units, c = u % n_units;
-        const float v = U::dot(s + r * row_bytes, c, t, xq, xd);
-#pragma unroll
-        for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
-    }
+    stg_units<TY, R>(s, h, n_b, row_bytes, k, xq, acc);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
         const float v = warp_sum(acc[j]);
