@@ -18,7 +18,9 @@ use crate::graph::{self, GraphStats, Pending, Recorder};
 use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
+mod mailbox;
 mod transfers;
+pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
 pub use transfers::Download;
 use transfers::{Small, Stage};
 
@@ -388,6 +390,12 @@ impl Gpu {
         Ok(())
     }
 
+    /// Whether every launch is timed (`EMBER_CUDA_PROFILE`): the profile waits on its events
+    /// now and then, which a kernel waiting on the host must not be behind.
+    pub fn profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
     /// Whether [`Gpu::begin_record`] records.
     pub fn graphs(&self) -> bool {
         self.graphs.load(Ordering::Relaxed) && self.profile.is_none()
@@ -453,6 +461,17 @@ impl Gpu {
     /// The stream every call runs on. Work put on it directly must come after [`Gpu::flush`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Whether everything put on the stream so far has finished (`cuStreamQuery`; recorded
+    /// launches not yet flushed do not count). An error the stream hit shows here.
+    pub fn stream_idle(&self) -> Result<bool> {
+        // SAFETY: queries this Gpu's live stream; no memory is touched.
+        match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(drv("cuStreamQuery")(cudarc::driver::DriverError(e))),
+        }
     }
 
     /// (free, total) bytes now.

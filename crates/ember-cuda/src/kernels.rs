@@ -54,6 +54,7 @@ kernel!(DELTA_RULE, "delta_rule");
 kernel!(DELTA_CHUNKED, "delta_chunked");
 kernel!(MOE, "moe", DEQUANT, MMA, Q8);
 kernel!(MOE_SHARED, "moe_shared");
+kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention", DEQUANT, MMA);
 
@@ -74,6 +75,7 @@ pub static ALL: &[&Kernel] = &[
     &DELTA_CHUNKED,
     &MOE,
     &MOE_SHARED,
+    &MAILBOX,
     &KV_APPEND,
     &ATTENTION,
 ];

@@ -3,16 +3,23 @@
 //!
 //! * The trunk (every layer's projections, norms, router, shared expert, KV and DeltaNet state,
 //!   the head) is on the GPU: [`Hybrid`] is every op of [`CudaOps`] except `moe`.
-//! * `moe` of a layer that holds all its experts is the GPU's. Otherwise the routing comes down,
-//!   its (token, expert) pairs split into hits and misses; the GPU computes the hits and the
-//!   shared expert while the CPU threads compute the misses from the file's bytes
-//!   (`CpuOps::moe_slots`, the CPU backend's kernels); their sum goes up, queued behind the
-//!   layer's kernels without a wait, and is added. A decode step's `x` comes down with its
-//!   routing (up to [`X_WITH_ROUTING_BYTES`]), so the routing's is the only wait for the GPU in
-//!   a decode layer, misses or not; a larger batch reads `x` in a second wait, only when its
-//!   misses run on the CPU. Placement changes which side computes a pair, never what it
-//!   computes: the results differ from the all-GPU run by the order of a sum and the kernels'
-//!   rounding.
+//! * `moe` of a layer that holds all its experts is the GPU's. For a layer that holds only some
+//!   and a decode-sized batch (x up to [`X_WITH_ROUTING_BYTES`]), nothing waits: `moe_post`
+//!   copies the routing into the layer's [`Mailbox`] (host memory the GPU writes), and x too
+//!   when some pair's expert is not resident; the GPU computes the resident pairs and the
+//!   shared expert; `moe_wait_add` adds the host's sum of the misses, and waits for it only
+//!   when there are some. The host serves the step's mailboxes, in layer order, before the
+//!   first call that waits for the stream (the logits' `read`, a KV page's table write, the
+//!   next step): it records each routing for the heat and, for a layer with misses, computes
+//!   them on CPU threads from the file's bytes (`CpuOps::moe_slots`, the CPU backend's kernels)
+//!   and writes their sum. A step whose every pair is resident never waits on the host
+//!   (docs/backend.md). Larger batches (and `EMBER_TIER_MAILBOX=0`, and the per-launch
+//!   profile) bring the routing down instead: its (token, expert) pairs split into hits and
+//!   misses; the GPU computes the hits and the shared expert while the CPU threads compute the
+//!   misses; their sum goes up, queued behind the layer's kernels without a wait, and is
+//!   added. Placement changes which side computes a pair, never what it computes: the results
+//!   differ from the all-GPU run by the order of a sum and the kernels' rounding, and the two
+//!   forms give the same results bit for bit.
 //! * A prompt batch may instead bring the experts it routes to but lacks up for the layer
 //!   ([`CudaOps::moe_streamed`]): a miss costs the CPU about its expert's bytes read once plus
 //!   its tokens' arithmetic, an upload about its bytes over PCIe, so batches with many tokens per
@@ -31,8 +38,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ember_cpu::CpuOps;
-use ember_cuda::CudaOps;
 use ember_cuda::ops::MOE_MISS;
+use ember_cuda::{CudaOps, Mailbox};
 use ember_ops::{
     AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, LayerIdx, Mat,
     MoeSlot, OpError, OpResult, Ops, Registry, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor, WeightId,
@@ -64,8 +71,12 @@ pub struct TierOptions {
     pub max_uploads: usize,
     /// Tokens after which a routing counts half.
     pub half_life: f64,
-    /// Where a prompt batch's misses run.
+    /// Where a prompt batch's misses run (`EMBER_TIER_PROMPT_MISSES=cpu|upload`, default auto).
     pub prompt_misses: MissPath,
+    /// Whether decode-sized batches (x up to [`X_WITH_ROUTING_BYTES`]) hand their routing to
+    /// the host through mailboxes instead of a download and a wait per partial layer (see the
+    /// module docs); `EMBER_TIER_MAILBOX=0` turns it off.
+    pub mailbox: bool,
 }
 
 /// Where the misses of a prompt batch (more than one token) run.
@@ -86,7 +97,13 @@ impl Default for TierOptions {
     /// text of the last few hundred tokens, and a candidate must beat a resident clearly.
     /// Two uploads a step: an expert of the 35B-A3B is ~1.7 MB, a few hundred µs over PCIe.
     fn default() -> Self {
-        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses: MissPath::Auto }
+        let mailbox = !matches!(std::env::var("EMBER_TIER_MAILBOX").as_deref(), Ok("0" | "off" | "false"));
+        let prompt_misses = match std::env::var("EMBER_TIER_PROMPT_MISSES").as_deref() {
+            Ok("cpu") => MissPath::Cpu,
+            Ok("upload") => MissPath::Upload,
+            _ => MissPath::Auto,
+        };
+        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses, mailbox }
     }
 }
 
@@ -142,7 +159,25 @@ pub struct Hybrid {
     pressure: Option<Pressure>,
     /// Per layer: routed pairs resident / not.
     per_layer: Vec<(u64, u64)>,
+    /// Per layer, its mailbox (made on the layer's first decode step).
+    boxes: Vec<Option<Mailbox>>,
+    /// Mailboxes of this step the host has not served yet, in layer order.
+    posted: Vec<Posted>,
 }
+
+/// A layer's routing published in its mailbox by a queued `moe_post`, not served yet.
+#[derive(Debug, Clone, Copy)]
+struct Posted {
+    layer: LayerIdx,
+    step: u32,
+    n_tok: usize,
+    k: usize,
+    d: usize,
+}
+
+/// How long the host waits for a step's `moe_post` to publish before it calls the step failed
+/// (the GPU reaches a layer within milliseconds; a stream that failed is seen sooner).
+const POST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Watching the GPU's free memory (see [`Hybrid::watch_memory`]).
 #[derive(Debug, Clone)]
@@ -211,6 +246,8 @@ impl Hybrid {
             resident,
             pressure: None,
             per_layer: Vec::new(),
+            boxes: Vec::new(),
+            posted: Vec::new(),
             gpu,
             cpu,
             host,
@@ -430,6 +467,145 @@ impl Hybrid {
         }
     }
 
+    /// Counts a layer's routed pairs for the stats: `n_miss` of `n` not resident.
+    fn count(&mut self, layer: LayerIdx, n: usize, n_miss: usize) {
+        self.stats.misses += n_miss as u64;
+        self.stats.hits += (n - n_miss) as u64;
+        if self.per_layer.len() <= layer.index() {
+            self.per_layer.resize(layer.index() + 1, (0, 0));
+        }
+        let pl = &mut self.per_layer[layer.index()];
+        pl.0 += (n - n_miss) as u64;
+        pl.1 += n_miss as u64;
+    }
+
+    /// The misses of a routing, by expert: (token, weight) pairs of the experts `layer` does
+    /// not hold. An id out of range is the GPU kernels' to report (NaN rows, as without a tier).
+    fn misses(&self, layer: LayerIdx, ids: &[u32], weights: &[f32], k: usize) -> BTreeMap<u16, Vec<(usize, f32)>> {
+        let slots = self.gpu.expert_slots(layer).unwrap_or_default();
+        let mut misses: BTreeMap<u16, Vec<(usize, f32)>> = BTreeMap::new();
+        for (p, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+            if slots.get(e as usize) == Some(&MOE_MISS) {
+                misses.entry(e as u16).or_default().push((p / k.max(1), w));
+            }
+        }
+        misses
+    }
+
+    /// The CPU's sum of `misses` over `x` (the time and bytes go to the stats).
+    fn cpu_misses(&mut self, layer: LayerIdx, misses: &BTreeMap<u16, Vec<(usize, f32)>>, x: &Mat) -> OpResult<Mat> {
+        let t0 = Instant::now();
+        let mut views = Vec::with_capacity(misses.len());
+        for (&e, toks) in misses {
+            let expert = self.host.expert("moe", layer, ExpertId(e))?;
+            self.stats.miss_bytes += (expert.gate.data.len() + expert.up.data.len() + expert.down.data.len()) as u64;
+            views.push(MoeSlot { expert, tokens: toks });
+        }
+        let y = self.cpu.moe_slots(&views, x);
+        self.stats.miss_secs += t0.elapsed().as_secs_f64();
+        Ok(y)
+    }
+
+    /// The decode form of a partial layer's MoE: the routing goes to the layer's mailbox
+    /// (`moe_post`), the GPU computes the resident pairs and the shared expert, and
+    /// `moe_wait_add` adds the host's sum of the misses, waiting for it only when there are
+    /// some. Nothing waits here: the host serves the mailbox later ([`Hybrid::drain`]).
+    fn moe_posted(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
+        let l = layer.index();
+        let (pairs, floats) = (routing.n_tok * routing.k, x.n * x.d);
+        let fits = |b: &Option<Mailbox>| b.as_ref().is_some_and(|b| b.cap_pairs() >= pairs && b.cap_x() >= floats);
+        if !self.boxes.get(l).is_some_and(fits) {
+            // Making (or replacing) one may wait for the stream: serve what is posted first.
+            self.drain()?;
+            if self.boxes.len() <= l {
+                self.boxes.resize_with(l + 1, || None);
+            }
+            let cap_x = (X_WITH_ROUTING_BYTES / std::mem::size_of::<f32>()).max(floats);
+            let cap_pairs = (cap_x / x.d.max(1) * routing.k).max(pairs);
+            self.boxes[l] = None;
+            self.boxes[l] = Some(self.gpu.mailbox(cap_pairs, cap_x)?);
+        }
+        let Some(mb) = self.boxes[l].as_ref() else { unreachable!("made above") };
+        self.gpu.moe_post(layer, routing, x, mb)?;
+        let out = self.gpu.moe(layer, x, routing, shared_gate)?;
+        self.gpu.moe_wait_add(out, mb)?;
+        self.posted.push(Posted { layer, step: self.gpu.generation(), n_tok: routing.n_tok, k: routing.k, d: x.d });
+        Ok(out)
+    }
+
+    /// Serves every posted mailbox of this step, in layer order: what runs before anything
+    /// that waits for the stream (a posted layer with misses waits for the host). On an error
+    /// the mailboxes not served get NaN answers, so the stream finishes at once and the step's
+    /// outputs show the failure.
+    fn drain(&mut self) -> OpResult<()> {
+        if self.posted.is_empty() {
+            return Ok(());
+        }
+        let posted = std::mem::take(&mut self.posted);
+        let mut r = self.gpu.flush();
+        for (i, p) in posted.iter().enumerate() {
+            if let Err(e) = r.and_then(|()| self.serve(*p)) {
+                for q in &posted[i..] {
+                    if let Some(mb) = self.boxes.get(q.layer.index()).and_then(Option::as_ref) {
+                        let _ = mb.answer(q.step, &vec![f32::NAN; q.n_tok * q.d]);
+                    }
+                }
+                return Err(e);
+            }
+            r = Ok(());
+        }
+        r
+    }
+
+    fn mailbox_of(&self, layer: LayerIdx) -> OpResult<&Mailbox> {
+        self.boxes
+            .get(layer.index())
+            .and_then(Option::as_ref)
+            .ok_or_else(|| OpError::new("moe", self.gpu.device(), format!("{layer}"), "no mailbox"))
+    }
+
+    /// Waits for `p`'s routing, records it for the heat and the stats, and when some pairs
+    /// miss computes them on the CPU and answers with their sum.
+    fn serve(&mut self, p: Posted) -> OpResult<()> {
+        const OP: &str = "moe";
+        let dev = self.gpu.device();
+        let fail = |msg: String| OpError::new(OP, dev, format!("{}", p.layer), msg);
+        let (ids, weights, gpu_misses) = {
+            let mb = self.mailbox_of(p.layer)?;
+            let t0 = Instant::now();
+            let mut spins = 0u32;
+            while mb.routed() != p.step {
+                spins = spins.wrapping_add(1);
+                if !spins.is_multiple_of(256) {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                // The stream finished without publishing (a failed launch) or takes far too
+                // long: an error, never a hang.
+                let idle = self.gpu.gpu().stream_idle().map_err(|e| fail(e.to_string()))?;
+                if (idle && mb.routed() != p.step) || t0.elapsed() > POST_TIMEOUT {
+                    return Err(fail(format!("the GPU did not publish the routing (stream idle: {idle}, waited {:?})", t0.elapsed())));
+                }
+                std::thread::yield_now();
+            }
+            let (ids, weights) = mb.routing(p.n_tok * p.k).map_err(|e| fail(e.to_string()))?;
+            (ids, weights, mb.n_miss())
+        };
+        self.heat.record(p.layer.index(), &ids).map_err(|e| fail(e.to_string()))?;
+        let misses = self.misses(p.layer, &ids, &weights, p.k);
+        let n_miss: usize = misses.values().map(Vec::len).sum();
+        self.count(p.layer, ids.len(), n_miss);
+        if gpu_misses as usize != n_miss {
+            return Err(fail(format!("the GPU counted {gpu_misses} misses, the host {n_miss}")));
+        }
+        if n_miss == 0 {
+            return Ok(());
+        }
+        let x = Mat { n: p.n_tok, d: p.d, data: self.mailbox_of(p.layer)?.x(p.n_tok * p.d).map_err(|e| fail(e.to_string()))? };
+        let y = self.cpu_misses(p.layer, &misses, &x)?;
+        self.mailbox_of(p.layer)?.answer(p.step, &y.data).map_err(|e| fail(e.to_string()))
+    }
+
     /// Moves the hottest missing experts in, at most `max_uploads`, each replacing the coldest
     /// resident of its layer when hotter by the margin.
     fn rebalance(&mut self) -> OpResult<()> {
@@ -463,6 +639,10 @@ impl Hybrid {
 
 impl Drop for Hybrid {
     fn drop(&mut self) {
+        // A step cut short may leave mailboxes posted: serve them, so nothing waits on them.
+        if let Err(e) = self.drain() {
+            eprintln!("expert tier: {e}");
+        }
         if let Err(e) = self.save_heat() {
             eprintln!("expert tier: could not save the heat: {e}");
         }
@@ -471,30 +651,38 @@ impl Drop for Hybrid {
 
 impl SeqStore for Hybrid {
     fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
+        self.drain()?;
         self.gpu.configure(layout, slots, kv_pages)
     }
     fn alloc_slot(&mut self) -> OpResult<Slot> {
+        self.drain()?;
         self.gpu.alloc_slot()
     }
     fn clear_slot(&mut self, slot: &Slot) -> OpResult<()> {
+        self.drain()?;
         self.gpu.clear_slot(slot)
     }
     fn slot_len(&mut self, slot: &Slot) -> OpResult<usize> {
+        self.drain()?;
         self.gpu.slot_len(slot)
     }
     fn snapshot(&mut self, slot: &Slot) -> OpResult<Snapshot> {
+        self.drain()?;
         self.gpu.snapshot(slot)
     }
     fn restore(&mut self, slot: &Slot, snap: &Snapshot) -> OpResult<()> {
+        self.drain()?;
         self.gpu.restore(slot, snap)
     }
     fn read_delta(&mut self, slot: &Slot, layer: LayerIdx) -> OpResult<(Vec<f32>, Vec<f32>)> {
+        self.drain()?;
         self.gpu.read_delta(slot, layer)
     }
     fn store_stats(&mut self) -> StoreStats {
         self.gpu.store_stats()
     }
     fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>> {
+        self.drain()?;
         let free = SeqStore::kv_pages_that_fit(&mut self.gpu, layout, slots)?;
         let Some(cap) = self.state_cap else { return Ok(free) };
         let delta = (slots * layout.delta_bytes()) as u64;
@@ -514,6 +702,7 @@ impl Ops for Hybrid {
     /// has less memory than the plan counted on (another process took some since), it starts
     /// smaller: each failed try keeps 3/4 of every layer's experts, the coldest going.
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        self.drain()?;
         self.host.set(weights.clone());
         for (l, list) in self.resident.iter_mut().enumerate() {
             if let Some(list) = list {
@@ -549,10 +738,12 @@ impl Ops for Hybrid {
         Ok(())
     }
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
+        self.drain()?;
         self.step_tokens = batch.tokens.len();
         self.gpu.begin_step(batch)
     }
     fn end_step(&mut self) -> OpResult<()> {
+        self.drain()?;
         self.gpu.end_step()?;
         self.heat.advance(self.step_tokens);
         self.stats.tokens += self.step_tokens as u64;
@@ -567,12 +758,30 @@ impl Ops for Hybrid {
         Ok(())
     }
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
+        self.drain()?;
         self.gpu.upload(x)
     }
     fn read(&mut self, x: Tensor) -> OpResult<Mat> {
-        self.gpu.read(x)
+        self.drain()?;
+        let m = self.gpu.read(x)?;
+        // The stream has finished the step so far: a wait that gave up on the host (which
+        // served it too late) left NaN rows, an error rather than a silent result.
+        let step = self.gpu.generation();
+        if let Some(l) = self.boxes.iter().position(|b| b.as_ref().is_some_and(|b| b.timed_out() == step)) {
+            return Err(OpError::new(
+                "moe",
+                self.gpu.device(),
+                format!("layer {l}"),
+                format!(
+                    "the GPU waited more than {:?} for the host's sum of the misses",
+                    Duration::from_nanos(ember_cuda::MAILBOX_TIMEOUT_NS)
+                ),
+            ));
+        }
+        Ok(m)
     }
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
+        self.drain()?;
         self.gpu.read_routing(r)
     }
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
@@ -600,6 +809,10 @@ impl Ops for Hybrid {
         self.gpu.attn_prep(s, qg, k)
     }
     fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
+        // A new KV page's table write waits for the stream, which may wait on a mailbox.
+        if !self.posted.is_empty() && self.gpu.kv_append_waits(layer) {
+            self.drain()?;
+        }
         self.gpu.kv_append(layer, k, v)
     }
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
@@ -625,9 +838,16 @@ impl Ops for Hybrid {
         const OP: &str = "moe";
         let Some(slots) = self.gpu.expert_slots(layer) else { return self.gpu.moe(layer, x, routing, shared_gate) };
         let n_expert = slots.len();
+        let small = x.n * x.d * std::mem::size_of::<f32>() <= X_WITH_ROUTING_BYTES;
+        // Decode: the mailbox (no wait here), unless every launch is timed (the profile waits
+        // on its events, which a kernel waiting on the host must not be behind).
+        if small && self.opts.mailbox && !self.gpu.gpu().profiling() {
+            return self.moe_posted(layer, x, routing, shared_gate);
+        }
+        self.drain()?;
         // Decode: x comes down with the routing (X_WITH_ROUTING_BYTES); a prompt's later, if
         // its misses run on the CPU.
-        let (table, xh) = if routing.n_tok == 1 || x.n * x.d * std::mem::size_of::<f32>() <= X_WITH_ROUTING_BYTES {
+        let (table, xh) = if routing.n_tok == 1 || small {
             let (table, xh) = self.gpu.read_routing_with(routing, x)?;
             (table, Some(xh))
         } else {
@@ -635,24 +855,9 @@ impl Ops for Hybrid {
         };
         let ids: Vec<u32> = table.ids.iter().map(|e| e.0 as u32).collect();
         self.heat.record(layer.index(), &ids).map_err(|e| OpError::new(OP, self.gpu.device(), format!("{layer}"), e.to_string()))?;
-        // The misses, by expert: (token, weight) pairs.
-        let slots = self.gpu.expert_slots(layer).unwrap_or_default();
-        let mut misses: BTreeMap<u16, Vec<(usize, f32)>> = BTreeMap::new();
-        for (p, (&e, &w)) in ids.iter().zip(&table.weights).enumerate() {
-            // An id out of range is the GPU kernels' to report (NaN rows, as without a tier).
-            if (e as usize) < n_expert && slots[e as usize] == MOE_MISS {
-                misses.entry(e as u16).or_default().push((p / table.k.max(1), w));
-            }
-        }
+        let misses = self.misses(layer, &ids, &table.weights, table.k);
         let n_miss: usize = misses.values().map(Vec::len).sum();
-        self.stats.misses += n_miss as u64;
-        self.stats.hits += (ids.len() - n_miss) as u64;
-        if self.per_layer.len() <= layer.index() {
-            self.per_layer.resize(layer.index() + 1, (0, 0));
-        }
-        let pl = &mut self.per_layer[layer.index()];
-        pl.0 += (ids.len() - n_miss) as u64;
-        pl.1 += n_miss as u64;
+        self.count(layer, ids.len(), n_miss);
         if misses.is_empty() {
             return self.gpu.moe(layer, x, routing, shared_gate);
         }
@@ -698,19 +903,12 @@ impl Ops for Hybrid {
         // the CPU computes.
         self.gpu.flush()?;
         let t0 = Instant::now();
-        let mut views = Vec::with_capacity(misses.len());
-        for (&e, toks) in &misses {
-            let expert = self.host.expert(OP, layer, ExpertId(e))?;
-            self.stats.miss_bytes += (expert.gate.data.len() + expert.up.data.len() + expert.down.data.len()) as u64;
-            views.push(MoeSlot { expert, tokens: toks });
-        }
-        let y = self.cpu.moe_slots(&views, &xh);
+        let y = self.cpu_misses(layer, &misses, &xh)?;
         let took = t0.elapsed().as_secs_f64();
-        self.stats.miss_secs += took;
         if table.n_tok > 1
             && let Some(c) = self.cost.as_mut()
         {
-            let want = c.cpu(views.len(), n_miss);
+            let want = c.cpu(misses.len(), n_miss);
             let f = (took / want.max(1e-9)).clamp(0.5, 2.0).powf(0.25);
             c.cpu_per_expert *= f;
             c.cpu_per_pair *= f;

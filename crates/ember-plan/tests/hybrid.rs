@@ -107,9 +107,15 @@ fn hybrid(m: &Model, p: CudaPrecision, cpu: ember_cpu::Precision) -> Hybrid {
 }
 
 fn hybrid_with(m: &Model, p: CudaPrecision, cpu: ember_cpu::Precision, prompt_misses: MissPath) -> Hybrid {
+    // The upload path is the download form's: batches up to X_WITH_ROUTING_BYTES (256 tokens
+    // of these models) would go to the mailbox, where misses always run on the CPU.
+    let mailbox = prompt_misses != MissPath::Upload;
+    hybrid_opts(m, p, cpu, TierOptions { half_life: 64.0, prompt_misses, mailbox, ..Default::default() })
+}
+
+fn hybrid_opts(m: &Model, p: CudaPrecision, cpu: ember_cpu::Precision, opts: TierOptions) -> Hybrid {
     let ops = CudaOps::with_precision(0, p).unwrap();
     let heat = HeatMap::new(4, 4, 64.0);
-    let opts = TierOptions { half_life: 64.0, prompt_misses, ..Default::default() };
     let mut h = Hybrid::new(ops, ember_cpu::CpuOps::new(cpu, 2), partial(), heat, None, opts);
     h.register(m.weights().clone()).unwrap();
     h
@@ -234,6 +240,54 @@ fn prompt_experts_uploaded_for_the_batch_give_the_same_logits_bit_for_bit() {
                 h.cost_model()
             );
             assert!(t.streamed_pairs > 0 && t.streamed_pairs == t.misses, "{q} {p:?}: every miss of the prompts went up: {t:?}");
+        }
+    }
+}
+
+/// The prompt's logits and each greedy decode step's, `n` steps.
+fn decode_logits(m: &Model, ops: &mut dyn Ops, ids: &[u32], n: usize) -> Vec<Vec<f32>> {
+    m.configure_store(ops, KvType::F32, 1, ids.len() + n + 8, 0).unwrap();
+    let mut st = m.new_state(ops, ids.len() + n + 8).unwrap();
+    let mut l = m.forward(ops, ids, &mut st, Forward { logits: Some(Logits::All), ..Default::default() }).unwrap();
+    let mut out = vec![l.data.clone()];
+    for _ in 0..n {
+        let last = &l.data[l.data.len() - l.d..];
+        let t = ember_testkit::argmax(last.iter().map(|&x| x as f64)) as u32;
+        l = m.forward(ops, &[t], &mut st, Forward { logits: Some(Logits::Last), ..Default::default() }).unwrap();
+        out.push(l.data.clone());
+    }
+    out
+}
+
+/// The mailbox form (routing published by the GPU, the host answering only layers with misses)
+/// and the download form (routing brought down and waited for in every partial layer) compute
+/// the same pairs on the same sides and add the CPU's sum in the same f32 add: the prompts'
+/// logits (37 and 130 tokens, mailboxes too on these models: x of 130 × 256 floats is under
+/// X_WITH_ROUTING_BYTES) and 24 decode steps' are equal bit for bit, with the same hit and miss
+/// counts. The tier moves experts between steps in both the same way (same heat).
+#[test]
+fn mailbox_and_download_forms_give_the_same_logits_bit_for_bit() {
+    let Some(_g) = gpu_lock() else { return };
+    for q in ["BF16", "Q4_K_M"] {
+        let m = model(q);
+        for (p, cpu) in [(CudaPrecision::Exact, ember_cpu::Precision::Exact), (CudaPrecision::Fast, ember_cpu::Precision::Fast)] {
+            let opts = |mailbox| TierOptions { half_life: 64.0, prompt_misses: MissPath::Cpu, mailbox, ..Default::default() };
+            let mut posted = hybrid_opts(&m, p, cpu, opts(true));
+            let mut waited = hybrid_opts(&m, p, cpu, opts(false));
+            for case in ["g_p37", "p130"] {
+                let ids = case_ids(case);
+                let (a, b) = (decode_logits(&m, &mut posted, &ids, 24), decode_logits(&m, &mut waited, &ids, 24));
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!(x == y, "{q} {p:?} {case}: logits of step {i} differ between the mailbox and download forms");
+                }
+            }
+            let (s, t) = (posted.stats(), waited.stats());
+            assert_eq!((s.hits, s.misses, s.uploads), (t.hits, t.misses, t.uploads), "{q} {p:?}");
+            assert!(s.misses > 0 && s.hits > 0, "{q} {p:?}: both sides computed pairs: {s:?}");
+            println!(
+                "{q} {p:?}: mailbox = download form bit for bit; pairs on the GPU {} on the CPU {}, uploads {}",
+                s.hits, s.misses, s.uploads
+            );
         }
     }
 }

@@ -1,11 +1,11 @@
 //! The routed experts of [`CudaOps`]: which ones a layer holds (the expert tier's residency),
 //! the MoE op over them, and the streamed path that uploads a prompt batch's missing experts.
 
-use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, Tensor, check};
+use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, StateKind, Tensor, check};
 
 use super::{CudaOps, cuda, shape_of};
-use crate::Buf;
 use crate::ops::{Act, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+use crate::{Buf, Mailbox};
 
 /// Where [`CudaOps::moe_streamed`] puts a batch's experts: `n_slots` experts stacked like a
 /// layer's, and each expert's slot.
@@ -50,6 +50,61 @@ impl CudaOps {
     /// The expert in each slot of `layer` (None when it holds all).
     pub fn slot_experts(&self, layer: LayerIdx) -> Option<&[u16]> {
         self.weights.pools.get(layer.index()).and_then(Option::as_ref).map(|p| p.experts.as_slice())
+    }
+
+    /// This step's generation, bumped by every `begin_step`: what a mailbox's
+    /// [`Mailbox::routed`] reads once this step's [`CudaOps::moe_post`] has run.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// Whether [`Ops::kv_append`] on `layer` in this step writes to the device and waits for
+    /// the stream (a new KV page, or a cache not at the step's positions): a caller whose host
+    /// work the stream may be waiting on (a posted mailbox) serves it first. True when unsure.
+    pub fn kv_append_waits(&self, layer: LayerIdx) -> bool {
+        let Ok(a) = self.store.ordinal("kv_append", layer, StateKind::Kv) else { return true };
+        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        if self.store.live_all("kv_append", &self.slots).is_err() || self.store.grow_changes_pages(&self.slots, &ns, a) {
+            return true;
+        }
+        self.slots.iter().zip(&self.spans).any(|(s, sp)| self.store.cache(*s, a, 0).len != sp.pos0)
+    }
+
+    /// A mailbox for routings of up to `cap_pairs` pairs and `cap_x` floats of x.
+    pub fn mailbox(&self, cap_pairs: usize, cap_x: usize) -> OpResult<Mailbox> {
+        self.gpu.mailbox(cap_pairs, cap_x).map_err(cuda("mailbox", self.dev))
+    }
+
+    /// Queues the publication of `routing` (and `x`, when some pair misses) in `mb` for the
+    /// host, tagged with this step's generation: the expert tier's decode layer without a
+    /// wait (kernels/mailbox.cu). `layer` must hold only some of its experts.
+    pub fn moe_post(&mut self, layer: LayerIdx, routing: Routing, x: Tensor, mb: &Mailbox) -> OpResult<()> {
+        const OP: &str = "moe_post";
+        let dev = self.dev;
+        let m = *self.weights.reg.moe(OP, layer)?;
+        self.arena.check(OP, x)?;
+        let (rb, _) = self.routes.get(OP, routing)?;
+        let Some(pool) = self.weights.pools.get(layer.index()).and_then(Option::as_ref) else {
+            return Err(OpError::new(OP, dev, format!("{layer}"), "the layer holds all its experts"));
+        };
+        if x.n != routing.n_tok {
+            return Err(OpError::new(OP, dev, format!("x {}x{}", x.n, x.d), format!("a routing of {} tokens", routing.n_tok)));
+        }
+        let routed = MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k };
+        let xb = self.arena.buf(OP, x)?;
+        self.gpu.moe_post(routed, routing.n_tok, xb, x.n * x.d, &pool.dev, m.n_expert, &self.step.generation, mb).map_err(cuda(OP, dev))
+    }
+
+    /// Queues `out += ` the host's answer in `mb`, waited for only when this step's
+    /// [`CudaOps::moe_post`] on `mb` found misses.
+    pub fn moe_wait_add(&mut self, out: Tensor, mb: &Mailbox) -> OpResult<()> {
+        const OP: &str = "moe_wait_add";
+        self.arena.check(OP, out)?;
+        if self.q8_x.is_some_and(|(id, _)| id == out.id) {
+            self.q8_x = None;
+        }
+        let (_, outs) = self.arena.split(out.id);
+        self.gpu.moe_wait_add(&mut outs[0], out.n * out.d, &self.step.generation, mb).map_err(cuda(OP, self.dev))
     }
 
     /// The MoE op with the layer's own experts, or (`streamed`) with the experts

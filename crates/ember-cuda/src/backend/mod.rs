@@ -51,6 +51,8 @@ struct StepBufs {
     seq_slot: Buf<u32>,
     /// Per-call positions for a `kv_append` whose caches are not at the sequences' pos0.
     kv_pos: Buf<u32>,
+    /// One u32: the step's generation ([`CudaOps::generation`]), for the mailbox kernels.
+    generation: Buf<u32>,
 }
 
 /// ember's ops on one CUDA GPU.
@@ -76,6 +78,8 @@ pub struct CudaOps {
     /// ([`Gpu::q8_generation`]): a norm's output the GEMVs after it read without quantising it
     /// again.
     q8_x: Option<(u32, u64)>,
+    /// Bumped by every `begin_step` (never 0, which a fresh mailbox holds).
+    generation: u32,
 }
 
 fn act_of(g: Gate) -> Act {
@@ -149,6 +153,7 @@ impl CudaOps {
             seq_n: one()?,
             seq_slot: one()?,
             kv_pos: one()?,
+            generation: one()?,
         };
         Ok(CudaOps {
             dev,
@@ -166,6 +171,7 @@ impl CudaOps {
             resident: Vec::new(),
             stream: None,
             q8_x: None,
+            generation: 0,
             gpu,
         })
     }
@@ -379,6 +385,8 @@ impl Ops for CudaOps {
         let row0: Vec<u32> = self.spans.iter().map(|s| s.row0 as u32).collect();
         let seq_n: Vec<u32> = self.spans.iter().map(|s| s.n as u32).collect();
         let slot: Vec<u32> = self.slots.iter().map(|s| s.0).collect();
+        self.generation = self.generation.checked_add(1).unwrap_or(1);
+        let generation = [self.generation];
         let (g, st) = (&self.gpu, &mut self.step);
         let mut items = [
             (&mut st.tokens, &batch.tokens[..]),
@@ -388,6 +396,7 @@ impl Ops for CudaOps {
             (&mut st.seq_row0, &row0[..]),
             (&mut st.seq_n, &seq_n[..]),
             (&mut st.seq_slot, &slot[..]),
+            (&mut st.generation, &generation[..]),
         ];
         put_all(g, &mut items).map_err(cuda(OP, dev))?;
         // A small step's launches are recorded from here and replayed as CUDA graphs (in lists

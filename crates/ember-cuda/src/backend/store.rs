@@ -202,6 +202,20 @@ impl DevStore {
         &self.slots[slot.0 as usize].caches[2 * a + kv]
     }
 
+    /// Whether [`DevStore::grow`] with these arguments changes a page (a new one, or a shared
+    /// partial last page copied), so that [`DevStore::sync_table`] then writes the table.
+    pub fn grow_changes_pages(&self, slots: &[SlotId], n: &[usize], a: usize) -> bool {
+        self.dirty
+            || slots.iter().zip(n).any(|(s, &n)| {
+                n > 0
+                    && (0..2).any(|kv| {
+                        let c = self.cache(*s, a, kv);
+                        (c.len + n).div_ceil(KV_PAGE) > c.pages.len()
+                            || (!c.len.is_multiple_of(KV_PAGE) && c.pages.last().is_some_and(|p| self.refs[*p as usize] > 1))
+                    })
+            })
+    }
+
     /// Makes room for `n[i]` more rows in the K and V caches of layer ordinal `a` of each
     /// `slots[i]` (live, distinct): new pages from the pool, a shared partial last page copied
     /// first. Returns each sequence's length before. Nothing changes when the pool has too few

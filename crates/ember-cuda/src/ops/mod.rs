@@ -13,6 +13,7 @@ mod gate;
 mod gemv_q8;
 mod get_rows;
 mod kv_append;
+mod mailbox;
 mod matmul;
 mod moe;
 mod rms_norm;

@@ -1,0 +1,133 @@
+// The expert tier's mailbox (docs/backend.md, "The expert tier's decode layer"): a decode step's
+// MoE layer that holds only some of its routed experts hands its routing to the host through
+// host memory mapped into the GPU's address space, and waits for the host's sum of the
+// non-resident pairs only when there are some. A layer whose routed pairs are all resident
+// never waits on the host.
+//
+// A mailbox, in 32-bit words (host memory, written by both sides; src/gpu/mailbox.rs):
+//   [0] routed  the step's generation, written last by moe_post (release, system scope)
+//   [1] done    the generation, written by the host after sum[] (only when n_miss > 0)
+//   [2] n_miss  pairs whose expert is not resident
+//   [3] timed_out  the generation, written by moe_wait_add when it gave up on the host
+//   [4 ..)      ids[cap_pairs] u32, weights[cap_pairs] f32, x[cap_x] f32, sum[cap_x] f32
+// `need` is one word of device memory per mailbox: n_miss again, for moe_wait_add to read
+// without a trip over PCIe.
+
+#define MB_ROUTED 0
+#define MB_DONE 1
+#define MB_N_MISS 2
+#define MB_TIMED_OUT 3
+#define MB_HEAD 4
+#define MB_MISS 0xffffffffu  // MOE_MISS of moe.cu: the expert is not on the device
+
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+struct MoePostParams {
+    u64 ids;      // [n_pairs] u32, the routing on the device
+    u64 weights;  // [n_pairs] f32
+    u64 x;        // [n_x] f32, the MoE's input
+    u64 slot_of;  // [n_expert] u32: slot or MB_MISS
+    u64 step;      // one u32 of device memory: this step's generation
+    u64 need;     // one u32 of device memory: n_miss for moe_wait_add
+    u64 box;      // the mailbox (device address of the mapped host memory)
+    u32 n_pairs, n_expert, n_x, cap_pairs;
+};
+
+// One block. Copies the routing into the mailbox (and x when some pair misses: the host
+// computes those pairs from it), then publishes `routed`. An id out of range counts as
+// resident here: the MoE kernels report it (NaN rows), as without a tier.
+extern "C" __global__ void moe_post(const MoePostParams p) {
+    pdl_enter();
+    u32* box = (u32*)p.box;
+    const u32* ids = (const u32*)p.ids;
+    const float* w = (const float*)p.weights;
+    const u32* slot_of = (const u32*)p.slot_of;
+    u32* b_ids = box + MB_HEAD;
+    float* b_w = (float*)(b_ids + p.cap_pairs);
+    float* b_x = b_w + p.cap_pairs;
+    __shared__ u32 n_miss;
+    if (threadIdx.x == 0) n_miss = 0;
+    __syncthreads();
+    u32 mine = 0;
+    for (u32 i = threadIdx.x; i < p.n_pairs; i += blockDim.x) {
+        const u32 e = ids[i];
+        mine += e < p.n_expert && slot_of[e] == MB_MISS;
+        b_ids[i] = e;
+        b_w[i] = w[i];
+    }
+    if (mine) atomicAdd(&n_miss, mine);
+    __syncthreads();
+    const u32 miss = n_miss;
+    if (miss) {
+        const float* x = (const float*)p.x;
+        for (u32 i = threadIdx.x; i < p.n_x; i += blockDim.x) b_x[i] = x[i];
+    }
+    // Every thread's writes reach the host before `routed` does.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *(u32*)p.need = miss;
+        ((volatile u32*)box)[MB_N_MISS] = miss;
+        st_release_sys(box + MB_ROUTED, *(const u32*)p.step);
+    }
+}
+
+struct MoeWaitParams {
+    u64 out;   // [n_x] f32: the GPU's MoE output (hits + shared expert), updated in place
+    u64 box;
+    u64 step;
+    u64 need;
+    u64 timeout_ns;
+    u32 n_x, cap_pairs, cap_x, pad;
+};
+
+// Any grid. When moe_post found misses: waits until the host has written the sum of those
+// pairs (`done` = this step's generation), then out += sum. A host that has not answered after
+// timeout_ns gets NaN rows instead of a hang, and `timed_out` says so (the host then reports the
+// step as failed).
+extern "C" __global__ void moe_wait_add(const MoeWaitParams p) {
+    pdl_enter();
+    if (*(const u32*)p.need == 0) return;
+    const u32* box = (const u32*)p.box;
+    __shared__ u32 ok;
+    if (threadIdx.x == 0) {
+        const u32 gen = *(const u32*)p.step;
+        const u64 t0 = global_ns();
+        u32 sleep = 32;
+        for (;;) {
+            if (ld_acquire_sys(box + MB_DONE) == gen) {
+                ok = 1;
+                break;
+            }
+            if (global_ns() - t0 > p.timeout_ns) {
+                ok = 0;
+                if (blockIdx.x == 0) st_release_sys((u32*)box + MB_TIMED_OUT, gen);
+                break;
+            }
+            __nanosleep(sleep);
+            sleep = sleep < 512 ? 2 * sleep : 512;
+        }
+    }
+    __syncthreads();
+    // Volatile: the host rewrites sum[] every step, so no cached copy may be read.
+    const volatile float* sum = (const volatile float*)(box + MB_HEAD + 2 * p.cap_pairs + p.cap_x);
+    float* out = (float*)p.out;
+    const float nan = __int_as_float(0x7fc00000);
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n_x; i += gridDim.x * blockDim.x) {
+        out[i] = ok ? out[i] + sum[i] : nan;
+    }
+}
