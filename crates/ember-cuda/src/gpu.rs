@@ -20,9 +20,11 @@ use crate::nvrtc::{Image, Nvrtc};
 
 mod mailbox;
 mod transfers;
+mod uploads;
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
 pub use transfers::Download;
 use transfers::{Small, Stage};
+pub use uploads::UploadDone;
 
 /// What the driver says about one GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,6 +165,8 @@ pub struct Gpu {
     /// Pinned buffers for a step's small transfers ([`Gpu::download_ranges`],
     /// [`Gpu::write_async`]), made on the first one.
     small: Mutex<Option<Small>>,
+    /// The copy stream and its pinned buffers for [`Gpu::upload_async`], made on first use.
+    lane: Mutex<Option<uploads::CopyLane>>,
     /// Per-kernel GPU time, when `EMBER_CUDA_PROFILE` is set.
     profile: Option<Mutex<Profile>>,
     /// Whether [`Gpu::begin_record`] records (`EMBER_CUDA_GRAPH=0` and the profile turn it off).
@@ -299,6 +303,7 @@ impl Gpu {
             functions: Mutex::default(),
             stage: Mutex::default(),
             small: Mutex::default(),
+            lane: Mutex::default(),
             profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             graphs: AtomicBool::new(graph::graphs_from_env()),
             recording: AtomicBool::new(false),

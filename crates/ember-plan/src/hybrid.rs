@@ -28,7 +28,9 @@
 //! * At the end of each step the routing heat ages by the step's tokens and at most
 //!   `max_uploads` experts move in: per layer, the hottest missing expert replaces the coldest
 //!   resident one when it is hotter by the margin (the layer's slot count is fixed by the plan,
-//!   so no layer can crowd out another).
+//!   so no layer can crowd out another). The copies go on a copy stream from pinned memory and
+//!   nothing waits for them: the evicted expert leaves the slot table at once, the incoming one
+//!   enters it at the first step end that sees its copies done, and runs on the CPU until then.
 //! * The heat is saved to the heat file (see [`crate::tier::default_heat_path`]) every
 //!   [`SAVE_EVERY`] and when the backend is dropped; the next run's plan starts from it.
 
@@ -77,6 +79,9 @@ pub struct TierOptions {
     /// the host through mailboxes instead of a download and a wait per partial layer (see the
     /// module docs); `EMBER_TIER_MAILBOX=0` turns it off.
     pub mailbox: bool,
+    /// Whether the tier's uploads run behind the next steps (on the copy stream) instead of
+    /// being waited for at the step's end; `EMBER_TIER_ASYNC_UPLOADS=0` waits (A/B).
+    pub async_uploads: bool,
 }
 
 /// Where the misses of a prompt batch (more than one token) run.
@@ -103,7 +108,8 @@ impl Default for TierOptions {
             Ok("upload") => MissPath::Upload,
             _ => MissPath::Auto,
         };
-        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses, mailbox }
+        let async_uploads = !matches!(std::env::var("EMBER_TIER_ASYNC_UPLOADS").as_deref(), Ok("0" | "off" | "false"));
+        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses, mailbox, async_uploads }
     }
 }
 
@@ -607,18 +613,33 @@ impl Hybrid {
     }
 
     /// Moves the hottest missing experts in, at most `max_uploads`, each replacing the coldest
-    /// resident of its layer when hotter by the margin.
+    /// resident of its layer when hotter by the margin: the uploads go on the copy stream
+    /// (`CudaOps::place_expert`) and nothing waits; an expert counts as resident from the first
+    /// step end that sees its copies done.
     fn rebalance(&mut self) -> OpResult<()> {
+        // Experts whose copies are done go into their slot tables (queued before the next
+        // step's kernels); the others stay misses until a later step sees them done.
+        self.gpu.finish_uploads(false)?;
         let mut swaps = Vec::new();
         for (l, _) in self.partial.iter().enumerate().filter(|(_, p)| **p) {
             let layer = LayerIdx(l as u16);
             let (Some(slots), Some(experts)) = (self.gpu.expert_slots(layer), self.gpu.slot_experts(layer)) else { continue };
-            let mut cands: Vec<(f64, usize)> =
-                (0..slots.len()).filter(|&e| slots[e] == MOE_MISS).map(|e| (self.heat.get(l, e), e)).filter(|c| c.0 > 0.0).collect();
-            if cands.is_empty() || experts.is_empty() {
+            // Slots and experts with an upload on its way are neither candidates nor evictable.
+            let up = self.gpu.uploading(layer);
+            let mut cands: Vec<(f64, usize)> = (0..slots.len())
+                .filter(|&e| slots[e] == MOE_MISS && !up.iter().any(|u| u.1 as usize == e))
+                .map(|e| (self.heat.get(l, e), e))
+                .filter(|c| c.0 > 0.0)
+                .collect();
+            let mut res: Vec<(f64, usize)> = experts
+                .iter()
+                .enumerate()
+                .filter(|(s, _)| !up.iter().any(|u| u.0 == *s))
+                .map(|(s, &e)| (self.heat.get(l, e as usize), s))
+                .collect();
+            if cands.is_empty() || res.is_empty() {
                 continue;
             }
-            let mut res: Vec<(f64, usize)> = experts.iter().enumerate().map(|(s, &e)| (self.heat.get(l, e as usize), s)).collect();
             cands.sort_by(|a, b| b.0.total_cmp(&a.0));
             res.sort_by(|a, b| a.0.total_cmp(&b.0));
             for ((hot, e), (cold, s)) in cands.into_iter().zip(res).take(self.opts.max_uploads) {
@@ -632,6 +653,9 @@ impl Hybrid {
         for (_, layer, s, e) in swaps.into_iter().take(self.opts.max_uploads) {
             self.gpu.place_expert(layer, s, ExpertId(e as u16))?;
             self.stats.uploads += 1;
+        }
+        if !self.opts.async_uploads {
+            self.gpu.finish_uploads(true)?;
         }
         Ok(())
     }

@@ -14,10 +14,11 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ember_cuda::ops::MOE_MISS;
 use ember_cuda::{CudaOps, Gpu, Precision as CudaPrecision};
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model};
-use ember_ops::{KvType, LayerIdx, Ops};
+use ember_ops::{ExpertId, KvType, LayerIdx, Ops};
 use ember_plan::hybrid::{Hybrid, MissPath, TierOptions};
 use ember_plan::tier::HeatMap;
 use ember_testkit::{LogitStats, RefTensor};
@@ -240,6 +241,39 @@ fn prompt_experts_uploaded_for_the_batch_give_the_same_logits_bit_for_bit() {
                 h.cost_model()
             );
             assert!(t.streamed_pairs > 0 && t.streamed_pairs == t.misses, "{q} {p:?}: every miss of the prompts went up: {t:?}");
+        }
+    }
+}
+
+/// Experts moved in on the copy stream (`place_expert`, then `finish_uploads`): until the
+/// upload is seen done the incoming expert and the evicted one are both out of the slot table,
+/// and afterwards the layer computes exactly what a layer registered with that final set does:
+/// logits bit for bit (Exact and Fast, BF16 and Q4_K_M; the missing expert adds nothing on
+/// either side, these are CudaOps alone).
+#[test]
+fn experts_uploaded_on_the_copy_stream_give_a_registered_layers_logits() {
+    let Some(_g) = gpu_lock() else { return };
+    for q in ["BF16", "Q4_K_M"] {
+        let m = model(q);
+        for p in [CudaPrecision::Exact, CudaPrecision::Fast] {
+            let mut moved = gpu(&m, p, Some(vec![Some(vec![0, 1, 2]); 4]));
+            for l in 0..4u16 {
+                let layer = LayerIdx(l);
+                moved.place_expert(layer, 0, ExpertId(3)).unwrap();
+                assert_eq!(moved.expert_slots(layer).unwrap()[..], [MOE_MISS, 1, 2, MOE_MISS], "{q} {p:?} {layer}: 0 left, 3 not in yet");
+                assert!(moved.place_expert(layer, 0, ExpertId(0)).is_err(), "the slot is on its way");
+                moved.place_expert(layer, 1, ExpertId(0)).unwrap();
+                assert_eq!(moved.uploading(layer), [(0, 3), (1, 0)]);
+            }
+            assert_eq!(moved.finish_uploads(true).unwrap(), 8);
+            assert_eq!(moved.expert_slots(LayerIdx(2)).unwrap()[..], [1, MOE_MISS, 2, 0]);
+            let mut registered = gpu(&m, p, Some(vec![Some(vec![3, 0, 2]); 4]));
+            for case in ["p5", "p130"] {
+                let ids = case_ids(case);
+                let (x, y) = (logits(&m, &mut registered, &ids), logits(&m, &mut moved, &ids));
+                assert!(x == y, "{q} {p:?} {case}: logits differ after the uploads");
+            }
+            println!("{q} {p:?}: 8 experts moved in on the copy stream: logits bit-identical to the registered layers");
         }
     }
 }

@@ -32,10 +32,23 @@ impl CudaOps {
         self.weights.pools.get(layer.index()).and_then(Option::as_ref).map(|p| p.slot_of.as_slice())
     }
 
-    /// Moves expert `e` of `layer` onto this GPU into `slot`, replacing the expert there (which
-    /// becomes a miss). Synchronous; not inside a step.
+    /// Starts moving expert `e` of `layer` onto this GPU into `slot`, replacing the expert
+    /// there, which is a miss from now on; e is one once its copies on the copy stream are done
+    /// and [`CudaOps::finish_uploads`] has seen it (until then its pairs are misses too, and
+    /// neither the slot nor e can be placed again). Nothing waits; not inside a step.
     pub fn place_expert(&mut self, layer: LayerIdx, slot: usize, e: ExpertId) -> OpResult<()> {
         self.weights.place_expert(&self.gpu, layer, slot, e)
+    }
+
+    /// Puts the experts whose uploads are done into their slot tables (all of them, waiting
+    /// for their copies, with `wait`); returns how many. Not inside a step.
+    pub fn finish_uploads(&mut self, wait: bool) -> OpResult<usize> {
+        self.weights.finish_uploads(&self.gpu, wait)
+    }
+
+    /// The (slot, expert) pairs of `layer` on their way in.
+    pub fn uploading(&self, layer: LayerIdx) -> Vec<(usize, u16)> {
+        self.weights.uploading(layer)
     }
 
     /// Makes `layer` hold exactly the routed experts `list` (its expert tensors are freed, then

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use ember_ops::{DeviceId, ExpertId, GateUp, LayerIdx, OpError, OpResult, Registry, WeightId, WeightInfo, WeightSet};
 
 use crate::ops::{DeviceWeight, MOE_MISS};
-use crate::{Buf, Gpu};
+use crate::{Buf, Gpu, UploadDone};
 
 /// The routed experts one MoE layer holds on the device, by slot.
 pub(super) struct ExpertPool {
@@ -56,7 +56,25 @@ pub(super) enum DevWeight {
     },
 }
 
+/// An expert on its way into a slot on the copy stream ([`DevWeights::place_expert`]): the
+/// slot is in no table until it is done. Dropping one waits for its copies.
+struct Upload {
+    layer: usize,
+    slot: usize,
+    expert: u16,
+    done: UploadDone,
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        let _ = self.done.wait();
+    }
+}
+
 pub(super) struct DevWeights {
+    /// Uploads not yet seen done. Declared first, so they are dropped (each waiting for its
+    /// copies) before the tensors they write.
+    uploads: Vec<Upload>,
     pub reg: Registry,
     w: Vec<Option<DevWeight>>,
     /// Per layer: the experts it holds, when not all of them.
@@ -66,7 +84,7 @@ pub(super) struct DevWeights {
 
 impl DevWeights {
     pub fn empty(dev: DeviceId) -> Self {
-        DevWeights { reg: Registry::new(dev), w: Vec::new(), pools: Vec::new(), dev }
+        DevWeights { uploads: Vec::new(), reg: Registry::new(dev), w: Vec::new(), pools: Vec::new(), dev }
     }
 
     /// Uploads every weight of `set`; of the routed experts of layer l, only `resident[l]` when
@@ -134,11 +152,15 @@ impl DevWeights {
         }
         let mut reg = Registry::new(dev);
         reg.set(set);
-        Ok(DevWeights { reg, w, pools, dev })
+        Ok(DevWeights { uploads: Vec::new(), reg, w, pools, dev })
     }
 
-    /// Puts expert `e` of `layer` into `slot` (whose expert leaves the device): its gate, up
-    /// and down rows, then the slot table. Synchronous.
+    /// Starts moving expert `e` of `layer` into `slot`, whose expert leaves the device at once:
+    /// the slot table marks both as not here (their pairs run on the CPU), the table write and
+    /// then the copies of e's gate, up and down rows are queued (the copies on the copy stream,
+    /// after the work queued so far), and nothing waits. [`DevWeights::finish_uploads`] puts
+    /// e in the table once its copies are done. Without pinned memory the rows are written
+    /// synchronously and e is in the table on return.
     pub fn place_expert(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize, e: ExpertId) -> OpResult<()> {
         const OP: &str = "place_expert";
         let dev = self.dev;
@@ -150,31 +172,113 @@ impl DevWeights {
         let Some(pool) = pool.filter(|p| slot < p.experts.len() && e.index() < m.n_expert) else {
             return Err(OpError::new(OP, dev, format!("{layer} slot {slot} expert {}", e.0), "no such slot or expert"));
         };
-        if pool.slot_of[e.index()] != MOE_MISS {
-            return Err(OpError::new(OP, dev, format!("{layer} expert {}", e.0), "already on the device"));
+        if pool.slot_of[e.index()] != MOE_MISS || self.uploading(layer).iter().any(|&(s, x)| s == slot || x == e.0) {
+            return Err(OpError::new(OP, dev, format!("{layer} slot {slot} expert {}", e.0), "already on the device or on its way"));
         }
         let (gate, up, down) = (view.gate.data, view.up.data, view.down.data);
         let (gr, dr) = (slot * m.n_ff, slot * set.info(m.down).map_or(0, |i| i.rows_per_mat()));
-        match m.gate_up {
-            GateUp::Separate { gate: g, up: u } => {
-                self.matrix_mut(OP, g)?.write_rows(gpu, gr, gate).map_err(fail)?;
-                self.matrix_mut(OP, u)?.write_rows(gpu, gr, up).map_err(fail)?;
-            }
-            GateUp::Fused(w) => match self.w.get_mut(w.index()).and_then(Option::as_mut) {
-                Some(DevWeight::Split { gate: g, up: u }) => {
-                    g.write_rows(gpu, gr, gate).map_err(fail)?;
-                    u.write_rows(gpu, gr, up).map_err(fail)?;
-                }
+        let (g, u) = match m.gate_up {
+            GateUp::Separate { gate: g, up: u } => (self.matrix(OP, g)?.1, self.matrix(OP, u)?.1),
+            GateUp::Fused(w) => match self.w.get(w.index()).and_then(Option::as_ref) {
+                Some(DevWeight::Split { gate: g, up: u }) => (g, u),
                 _ => return Err(OpError::new(OP, dev, format!("weight {}", w.0), "not a fused gate|up expert tensor")),
             },
-        }
-        self.matrix_mut(OP, m.down)?.write_rows(gpu, dr, down).map_err(fail)?;
+        };
+        let d = self.matrix(OP, m.down)?.1;
+        let dsts = [g.rows_at(gr, gate.len()), u.rows_at(gr, up.len()), d.rows_at(dr, down.len())];
+        let [Ok(gd), Ok(ud), Ok(dd)] = dsts else {
+            let msg = dsts.into_iter().filter_map(|r| r.err()).map(|e| e.to_string()).collect::<Vec<_>>().join("; ");
+            return Err(OpError::new(OP, dev, format!("{layer} slot {slot}"), msg));
+        };
+        // The slot leaves the table first: kernels queued from now on do not read it.
         let Some(pool) = self.pools.get_mut(layer.index()).and_then(Option::as_mut) else { unreachable!("checked above") };
         let old = pool.experts[slot] as usize;
         pool.slot_of[old] = MOE_MISS;
-        pool.slot_of[e.index()] = slot as u32;
         pool.experts[slot] = e.0;
-        gpu.write(&mut pool.dev, &pool.slot_of).map_err(fail)
+        gpu.write_async(&mut pool.dev, &pool.slot_of).map_err(fail)?;
+        // SAFETY: each destination is whole rows inside a stacked expert tensor of this layer
+        // (rows_at checked it), in the slot no table names until the upload is done
+        // (finish_uploads), and the tensors are freed only after the pending uploads are
+        // waited for (set_layer_experts, and `uploads` drops first).
+        let done = unsafe { gpu.upload_async(&[(gd, gate), (ud, up), (dd, down)]) }.map_err(fail)?;
+        match done {
+            Some(done) => self.uploads.push(Upload { layer: layer.index(), slot, expert: e.0, done }),
+            None => {
+                self.write_expert_rows(gpu, layer, slot, e).map_err(fail)?;
+                let Some(pool) = self.pools.get_mut(layer.index()).and_then(Option::as_mut) else { unreachable!("checked above") };
+                pool.slot_of[e.index()] = slot as u32;
+                gpu.write(&mut pool.dev, &pool.slot_of).map_err(fail)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes expert `e`'s rows into `slot` of `layer`, synchronously.
+    fn write_expert_rows(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize, e: ExpertId) -> crate::Result<()> {
+        let bad = |what: &str| crate::Error::Shape { op: "place_expert", msg: format!("{layer}: {what}") };
+        let set = self.reg.weights("place_expert").map_err(|e| bad(&e.to_string()))?.clone();
+        let m = *self.reg.moe("place_expert", layer).map_err(|e| bad(&e.to_string()))?;
+        let view = set.expert(layer, e).ok_or_else(|| bad("no such expert"))?;
+        let (gr, dr) = (slot * m.n_ff, slot * set.info(m.down).map_or(0, |i| i.rows_per_mat()));
+        match m.gate_up {
+            GateUp::Separate { gate: g, up: u } => {
+                self.matrix_mut("place_expert", g).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, gr, view.gate.data)?;
+                self.matrix_mut("place_expert", u).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, gr, view.up.data)?;
+            }
+            GateUp::Fused(w) => match self.w.get_mut(w.index()).and_then(Option::as_mut) {
+                Some(DevWeight::Split { gate: g, up: u }) => {
+                    g.write_rows(gpu, gr, view.gate.data)?;
+                    u.write_rows(gpu, gr, view.up.data)?;
+                }
+                _ => return Err(bad("not a fused gate|up expert tensor")),
+            },
+        }
+        self.matrix_mut("place_expert", m.down).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, dr, view.down.data)
+    }
+
+    /// The (slot, expert) pairs of `layer` on their way in.
+    pub fn uploading(&self, layer: LayerIdx) -> Vec<(usize, u16)> {
+        self.uploads.iter().filter(|u| u.layer == layer.index()).map(|u| (u.slot, u.expert)).collect()
+    }
+
+    /// Puts the experts whose copies are done into their layers' slot tables (a table write
+    /// queued on the compute stream, before the kernels queued after it); with `wait`, waits
+    /// for every upload first. Returns how many went in.
+    pub fn finish_uploads(&mut self, gpu: &Gpu, wait: bool) -> OpResult<usize> {
+        const OP: &str = "finish_uploads";
+        let dev = self.dev;
+        let fail = |e: crate::Error| OpError::new(OP, dev, "", e.to_string());
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.uploads.len() {
+            let u = &self.uploads[i];
+            if wait {
+                u.done.wait().map_err(fail)?;
+            }
+            if wait || u.done.is_done().map_err(fail)? {
+                let u = self.uploads.swap_remove(i);
+                done.push((u.layer, u.slot, u.expert));
+            } else {
+                i += 1;
+            }
+        }
+        let mut layers: Vec<usize> = Vec::new();
+        for &(l, slot, e) in &done {
+            if let Some(pool) = self.pools.get_mut(l).and_then(Option::as_mut)
+                && pool.experts.get(slot) == Some(&e)
+            {
+                pool.slot_of[e as usize] = slot as u32;
+                layers.push(l);
+            }
+        }
+        layers.sort_unstable();
+        layers.dedup();
+        for l in layers {
+            if let Some(pool) = self.pools.get_mut(l).and_then(Option::as_mut) {
+                gpu.write_async(&mut pool.dev, &pool.slot_of).map_err(fail)?;
+            }
+        }
+        Ok(done.len())
     }
 
     /// Re-uploads the routed experts of `layer` as slots holding exactly `list` (the old
@@ -183,6 +287,8 @@ impl DevWeights {
     /// one with slots.
     pub fn set_layer_experts(&mut self, gpu: &Gpu, layer: LayerIdx, list: Vec<u16>) -> OpResult<()> {
         const OP: &str = "set_layer_experts";
+        // Copies still on their way may write the tensors freed below.
+        self.finish_uploads(gpu, true)?;
         let dev = self.dev;
         let set = self.reg.weights(OP)?.clone();
         let m = *self.reg.moe(OP, layer)?;

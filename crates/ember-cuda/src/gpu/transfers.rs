@@ -26,7 +26,7 @@ const SMALL_BYTES_MIN: usize = 64 << 10;
 
 /// A pinned host buffer grown on demand, and an event recorded after the last copy that used
 /// it: the host does not write, read or free the buffer before that copy is done.
-struct Pinned {
+pub(super) struct Pinned {
     buf: Option<PinnedHostSlice<u8>>,
     done: CudaEvent,
     /// The smallest allocation refused so far (not asked for again).
@@ -34,7 +34,7 @@ struct Pinned {
 }
 
 impl Pinned {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Pinned> {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Pinned> {
         let done = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(drv("cuEventCreate"))?;
         Ok(Pinned { buf: None, done, refused: usize::MAX })
     }
@@ -42,7 +42,7 @@ impl Pinned {
     /// The buffer's first `bytes`, once the copy that last used it is done (grown first if
     /// needed), and the event to record after the next; None when `bytes` is over
     /// [`SMALL_BYTES_MAX`] or pinned memory cannot be had.
-    fn take(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Option<(&mut [u8], &CudaEvent)>> {
+    pub(super) fn take(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<Option<(&mut [u8], &CudaEvent)>> {
         self.done.synchronize().map_err(drv("cuEventSynchronize"))?;
         if bytes > SMALL_BYTES_MAX {
             return Ok(None);
@@ -71,6 +71,13 @@ impl Pinned {
         }
         let Some(b) = self.buf.as_mut() else { return Ok(None) };
         Ok(Some((&mut b.as_mut_slice().map_err(drv("cuEventSynchronize"))?[..bytes], &self.done)))
+    }
+}
+
+impl Pinned {
+    /// Whether the copy that last used the buffer is done (an error counts as not).
+    pub(super) fn idle(&self) -> bool {
+        self.done.try_is_complete().unwrap_or(false)
     }
 }
 

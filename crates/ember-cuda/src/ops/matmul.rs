@@ -102,6 +102,16 @@ impl DeviceWeight {
         gpu.write_parts(&mut self.bytes, row0 * self.row_bytes, parts)
     }
 
+    /// The device address of row `row0`, checking that `bytes` from there are whole rows inside
+    /// the weight (an asynchronous upload's destination).
+    pub fn rows_at(&self, row0: usize, bytes: usize) -> Result<u64> {
+        let n = bytes / self.row_bytes.max(1);
+        if n * self.row_bytes != bytes || row0 + n > self.n_rows {
+            return Err(shape("rows_at", format!("{bytes} bytes at row {row0} of {} rows of {} bytes", self.n_rows, self.row_bytes)));
+        }
+        Ok(self.bytes.ptr() + (row0 * self.row_bytes) as u64)
+    }
+
     /// Overwrites rows `row0..` with `data` (whole rows of this weight's type and width): how
     /// an expert moves into a slot of a stacked tensor.
     pub fn write_rows(&mut self, gpu: &Gpu, row0: usize, data: &[u8]) -> Result<()> {
