@@ -137,7 +137,7 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
     use ember_plan::hybrid::{HeatFile, Hybrid, TierOptions, resident_lists};
     use ember_plan::tier::{HeatMap, default_heat_path, model_key};
     let sizes = ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, place.parallel.max(1))?;
-    let opts = TierOptions::default();
+    let opts = TierOptions::from_env();
     let key = model_key(place.file);
     let path = default_heat_path(&key);
     let (n_layer, n_expert) = (sizes.layers.len(), sizes.n_expert);
@@ -192,7 +192,7 @@ fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place
     let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
     let ops = ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
     let cfg = ember_model::Config::from_gguf(place.file)?;
-    let opts = TierOptions::default();
+    let opts = TierOptions::from_env();
     let key = model_key(place.file);
     let heat = HeatMap::new(cfg.n_layer, cfg.n_expert, opts.half_life);
     let file = default_heat_path(&key).map(|path| HeatFile { path, model_key: key });

@@ -115,7 +115,7 @@ extern "C" __global__ void moe_wait_add(const MoeWaitParams p) {
             }
             if (global_ns() - t0 > p.timeout_ns) {
                 ok = 0;
-                if (blockIdx.x == 0) st_release_sys((u32*)box + MB_TIMED_OUT, gen);
+                st_release_sys((u32*)box + MB_TIMED_OUT, gen);  // every block that gives up
                 break;
             }
             __nanosleep(sleep);

@@ -24,7 +24,7 @@ mod uploads;
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
 pub use transfers::Download;
 use transfers::{Small, Stage};
-pub use uploads::UploadDone;
+pub(crate) use uploads::UploadDone;
 
 /// What the driver says about one GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -395,10 +395,12 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether every launch is timed (`EMBER_CUDA_PROFILE`): the profile waits on its events
-    /// now and then, which a kernel waiting on the host must not be behind.
-    pub fn profiling(&self) -> bool {
-        self.profile.is_some()
+    /// Whether a kernel may wait on the host mid-step (the expert tier's mailbox): not when
+    /// launches or flushes are timed (`EMBER_CUDA_PROFILE`, `EMBER_CUDA_GRAPH_STATS`: those
+    /// wait on their events now and then, mid-step), nor without stream-ordered allocation
+    /// (then freeing a buffer waits for the stream).
+    pub fn host_waits_ok(&self) -> bool {
+        self.profile.is_none() && self.flush_time.is_none() && self.ctx.has_async_alloc()
     }
 
     /// Whether [`Gpu::begin_record`] records.

@@ -102,14 +102,26 @@ impl Default for TierOptions {
     /// text of the last few hundred tokens, and a candidate must beat a resident clearly.
     /// Two uploads a step: an expert of the 35B-A3B is ~1.7 MB, a few hundred µs over PCIe.
     fn default() -> Self {
-        let mailbox = !matches!(std::env::var("EMBER_TIER_MAILBOX").as_deref(), Ok("0" | "off" | "false"));
+        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses: MissPath::Auto, mailbox: true, async_uploads: true }
+    }
+}
+
+impl TierOptions {
+    /// The defaults with the A/B switches of the environment: `EMBER_TIER_MAILBOX=0`,
+    /// `EMBER_TIER_ASYNC_UPLOADS=0`, `EMBER_TIER_PROMPT_MISSES=cpu|upload`.
+    pub fn from_env() -> Self {
+        let off = |var: &str| matches!(std::env::var(var).as_deref(), Ok("0" | "off" | "false"));
         let prompt_misses = match std::env::var("EMBER_TIER_PROMPT_MISSES").as_deref() {
             Ok("cpu") => MissPath::Cpu,
             Ok("upload") => MissPath::Upload,
             _ => MissPath::Auto,
         };
-        let async_uploads = !matches!(std::env::var("EMBER_TIER_ASYNC_UPLOADS").as_deref(), Ok("0" | "off" | "false"));
-        TierOptions { margin: 0.25, max_uploads: 2, half_life: 1024.0, prompt_misses, mailbox, async_uploads }
+        TierOptions {
+            prompt_misses,
+            mailbox: !off("EMBER_TIER_MAILBOX"),
+            async_uploads: !off("EMBER_TIER_ASYNC_UPLOADS"),
+            ..Default::default()
+        }
     }
 }
 
@@ -169,6 +181,8 @@ pub struct Hybrid {
     boxes: Vec<Option<Mailbox>>,
     /// Mailboxes of this step the host has not served yet, in layer order.
     posted: Vec<Posted>,
+    /// The newest generation whose timed-out waits have been reported.
+    timeouts_seen: u32,
 }
 
 /// A layer's routing published in its mailbox by a queued `moe_post`, not served yet.
@@ -183,7 +197,7 @@ struct Posted {
 
 /// How long the host waits for a step's `moe_post` to publish before it calls the step failed
 /// (the GPU reaches a layer within milliseconds; a stream that failed is seen sooner).
-const POST_TIMEOUT: Duration = Duration::from_secs(10);
+const POST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Watching the GPU's free memory (see [`Hybrid::watch_memory`]).
 #[derive(Debug, Clone)]
@@ -254,6 +268,7 @@ impl Hybrid {
             per_layer: Vec::new(),
             boxes: Vec::new(),
             posted: Vec::new(),
+            timeouts_seen: 0,
             gpu,
             cpu,
             host,
@@ -376,6 +391,10 @@ impl Hybrid {
     /// `layer` holds `list` from now on; on failure (the memory went meanwhile) none, and the
     /// CPU takes all its experts. What the pressure watch does; public for tests and tools.
     pub fn set_layer(&mut self, layer: LayerIdx, list: Vec<u16>) {
+        // The re-upload waits for the stream, which may wait on a posted mailbox.
+        if let Err(e) = self.drain() {
+            say(format!("expert tier: {e}"));
+        }
         if let Some(p) = self.partial.get_mut(layer.index()) {
             *p = true;
         } else {
@@ -528,14 +547,18 @@ impl Hybrid {
             }
             let cap_x = (X_WITH_ROUTING_BYTES / std::mem::size_of::<f32>()).max(floats);
             let cap_pairs = (cap_x / x.d.max(1) * routing.k).max(pairs);
+            // No launch naming the old mailbox is left unsent (drain flushed what was posted;
+            // every recorded moe_post is posted): dropping it waits for the stream.
+            self.gpu.flush()?;
             self.boxes[l] = None;
             self.boxes[l] = Some(self.gpu.mailbox(cap_pairs, cap_x)?);
         }
         let Some(mb) = self.boxes[l].as_ref() else { unreachable!("made above") };
         self.gpu.moe_post(layer, routing, x, mb)?;
+        // Posted as soon as moe_post is queued: drain serves it even if what follows fails.
+        self.posted.push(Posted { layer, step: self.gpu.generation(), n_tok: routing.n_tok, k: routing.k, d: x.d });
         let out = self.gpu.moe(layer, x, routing, shared_gate)?;
         self.gpu.moe_wait_add(out, mb)?;
-        self.posted.push(Posted { layer, step: self.gpu.generation(), n_tok: routing.n_tok, k: routing.k, d: x.d });
         Ok(out)
     }
 
@@ -548,19 +571,32 @@ impl Hybrid {
             return Ok(());
         }
         let posted = std::mem::take(&mut self.posted);
-        let mut r = self.gpu.flush();
-        for (i, p) in posted.iter().enumerate() {
-            if let Err(e) = r.and_then(|()| self.serve(*p)) {
-                for q in &posted[i..] {
-                    if let Some(mb) = self.boxes.get(q.layer.index()).and_then(Option::as_ref) {
-                        let _ = mb.answer(q.step, &vec![f32::NAN; q.n_tok * q.d]);
-                    }
-                }
-                return Err(e);
+        let failed = match self.gpu.flush() {
+            Err(e) => Some((0, e)),
+            Ok(()) => posted.iter().enumerate().find_map(|(i, p)| self.serve(*p).err().map(|e| (i, e))),
+        };
+        let Some((i, e)) = failed else { return Ok(()) };
+        for q in &posted[i..] {
+            if let Some(mb) = self.boxes.get(q.layer.index()).and_then(Option::as_ref) {
+                let _ = mb.answer(q.step, &vec![f32::NAN; q.n_tok * q.d]);
             }
-            r = Ok(());
         }
-        r
+        Err(e)
+    }
+
+    /// An error when a wait of a step the stream has finished gave up on the host (NaN rows in
+    /// that step's outputs and state); each is reported once. Called after calls that waited
+    /// for the stream.
+    fn check_timeouts(&mut self) -> OpResult<()> {
+        let newest = self.boxes.iter().enumerate().filter_map(|(l, b)| b.as_ref().map(|b| (b.timed_out(), l))).max();
+        let Some((step, l)) = newest.filter(|(step, _)| *step > self.timeouts_seen) else { return Ok(()) };
+        self.timeouts_seen = step;
+        Err(OpError::new(
+            "moe",
+            self.gpu.device(),
+            format!("layer {l}"),
+            format!("the GPU waited more than {:?} for the host's sum of the misses", Duration::from_nanos(ember_cuda::MAILBOX_TIMEOUT_NS)),
+        ))
     }
 
     fn mailbox_of(&self, layer: LayerIdx) -> OpResult<&Mailbox> {
@@ -764,7 +800,9 @@ impl Ops for Hybrid {
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         self.drain()?;
         self.step_tokens = batch.tokens.len();
-        self.gpu.begin_step(batch)
+        // begin_step writes the batch and waits for the stream: every earlier step is done.
+        self.gpu.begin_step(batch)?;
+        self.check_timeouts()
     }
     fn end_step(&mut self) -> OpResult<()> {
         self.drain()?;
@@ -788,19 +826,9 @@ impl Ops for Hybrid {
     fn read(&mut self, x: Tensor) -> OpResult<Mat> {
         self.drain()?;
         let m = self.gpu.read(x)?;
-        // The stream has finished the step so far: a wait that gave up on the host (which
-        // served it too late) left NaN rows, an error rather than a silent result.
-        let step = self.gpu.generation();
-        if let Some(l) = self.boxes.iter().position(|b| b.as_ref().is_some_and(|b| b.timed_out() == step)) {
-            return Err(OpError::new(
-                "moe",
-                self.gpu.device(),
-                format!("layer {l}"),
-                format!(
-                    "the GPU waited more than {:?} for the host's sum of the misses",
-                    Duration::from_nanos(ember_cuda::MAILBOX_TIMEOUT_NS)
-                ),
-            ));
+        // A read of rows has waited for the stream (one of none has not; begin_step checks).
+        if x.n * x.d > 0 {
+            self.check_timeouts()?;
         }
         Ok(m)
     }
@@ -863,9 +891,9 @@ impl Ops for Hybrid {
         let Some(slots) = self.gpu.expert_slots(layer) else { return self.gpu.moe(layer, x, routing, shared_gate) };
         let n_expert = slots.len();
         let small = x.n * x.d * std::mem::size_of::<f32>() <= X_WITH_ROUTING_BYTES;
-        // Decode: the mailbox (no wait here), unless every launch is timed (the profile waits
-        // on its events, which a kernel waiting on the host must not be behind).
-        if small && self.opts.mailbox && !self.gpu.gpu().profiling() {
+        // Decode: the mailbox (no wait here), unless the host may wait for the stream mid-step
+        // (timed launches or flushes, frees that are not stream-ordered: Gpu::host_waits_ok).
+        if small && self.opts.mailbox && self.gpu.gpu().host_waits_ok() {
             return self.moe_posted(layer, x, routing, shared_gate);
         }
         self.drain()?;

@@ -1,7 +1,7 @@
 //! The routed experts of [`CudaOps`]: which ones a layer holds (the expert tier's residency),
 //! the MoE op over them, and the streamed path that uploads a prompt batch's missing experts.
 
-use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, StateKind, Tensor, check};
+use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, Tensor, check};
 
 use super::{CudaOps, cuda, shape_of};
 use crate::ops::{Act, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
@@ -69,18 +69,6 @@ impl CudaOps {
     /// [`Mailbox::routed`] reads once this step's [`CudaOps::moe_post`] has run.
     pub fn generation(&self) -> u32 {
         self.generation
-    }
-
-    /// Whether [`Ops::kv_append`] on `layer` in this step writes to the device and waits for
-    /// the stream (a new KV page, or a cache not at the step's positions): a caller whose host
-    /// work the stream may be waiting on (a posted mailbox) serves it first. True when unsure.
-    pub fn kv_append_waits(&self, layer: LayerIdx) -> bool {
-        let Ok(a) = self.store.ordinal("kv_append", layer, StateKind::Kv) else { return true };
-        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
-        if self.store.live_all("kv_append", &self.slots).is_err() || self.store.grow_changes_pages(&self.slots, &ns, a) {
-            return true;
-        }
-        self.slots.iter().zip(&self.spans).any(|(s, sp)| self.store.cache(*s, a, 0).len != sp.pos0)
     }
 
     /// A mailbox for routings of up to `cap_pairs` pairs and `cap_x` floats of x.

@@ -222,6 +222,24 @@ impl CudaOps {
         Ok((table, Mat { n: x.n, d: x.d, data }))
     }
 
+    /// Whether [`Ops::kv_append`] on `layer` in this step writes to the device and waits for
+    /// the stream (a page table write, or positions for caches not at the step's): a caller
+    /// whose host work the stream may be waiting on (a posted mailbox) serves it first. True
+    /// when unsure.
+    pub fn kv_append_waits(&self, layer: LayerIdx) -> bool {
+        let Ok(a) = self.store.ordinal("kv_append", layer, StateKind::Kv) else { return true };
+        if self.live_slots("kv_append").is_err() {
+            return true;
+        }
+        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        self.store.grow_writes_table(&self.slots, &ns, a) || !self.kv_at_pos0(a)
+    }
+
+    /// Whether every sequence's K cache of layer ordinal `a` ends at the step's first position.
+    fn kv_at_pos0(&self, a: usize) -> bool {
+        self.slots.iter().zip(&self.spans).all(|(s, sp)| self.store.cache(*s, a, 0).len == sp.pos0)
+    }
+
     /// A routing's ids and weights, and `x`'s values when asked for (else none), in one
     /// [`Gpu::download_ranges`].
     fn download_routing(&self, op: &'static str, r: Routing, x: Option<Tensor>) -> OpResult<(RouteTable, Vec<f32>)> {
@@ -613,10 +631,10 @@ impl Ops for CudaOps {
             check::kv_append(OP, dev, &KvRows::new(ty, width), &Mat { n: sp.n, d: k.d, data: Vec::new() })?;
         }
         let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
+        let at_pos0 = self.kv_at_pos0(a);
         let before = self.store.grow(&self.gpu, OP, &self.slots, &ns, a)?;
         self.store.sync_table(&self.gpu, OP)?;
-        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
-        let at_pos0 = before.iter().zip(&self.spans).all(|(b, s)| *b == s.pos0);
         if !at_pos0 {
             let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
             put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(OP, dev))?;

@@ -202,27 +202,10 @@ impl DevStore {
         &self.slots[slot.0 as usize].caches[2 * a + kv]
     }
 
-    /// Whether [`DevStore::grow`] with these arguments changes a page (a new one, or a shared
-    /// partial last page copied), so that [`DevStore::sync_table`] then writes the table.
-    pub fn grow_changes_pages(&self, slots: &[SlotId], n: &[usize], a: usize) -> bool {
-        self.dirty
-            || slots.iter().zip(n).any(|(s, &n)| {
-                n > 0
-                    && (0..2).any(|kv| {
-                        let c = self.cache(*s, a, kv);
-                        (c.len + n).div_ceil(KV_PAGE) > c.pages.len()
-                            || (!c.len.is_multiple_of(KV_PAGE) && c.pages.last().is_some_and(|p| self.refs[*p as usize] > 1))
-                    })
-            })
-    }
-
-    /// Makes room for `n[i]` more rows in the K and V caches of layer ordinal `a` of each
-    /// `slots[i]` (live, distinct): new pages from the pool, a shared partial last page copied
-    /// first. Returns each sequence's length before. Nothing changes when the pool has too few
-    /// pages: an error naming the pool.
-    pub fn grow(&mut self, gpu: &Gpu, op: &'static str, slots: &[SlotId], n: &[usize], a: usize) -> OpResult<Vec<usize>> {
-        let mut need = 0;
-        let mut most = 0;
+    /// What [`DevStore::grow`] with these arguments takes from the pool (new pages, and copies
+    /// of shared partial last pages) and the most pages a cache then has.
+    fn page_need(&self, slots: &[SlotId], n: &[usize], a: usize) -> (usize, usize) {
+        let (mut need, mut most) = (0, 0);
         for (s, &n) in slots.iter().zip(n) {
             for kv in 0..2 {
                 let c = self.cache(*s, a, kv);
@@ -234,6 +217,21 @@ impl DevStore {
                 most = most.max(pages);
             }
         }
+        (need, most)
+    }
+
+    /// Whether [`DevStore::grow`] with these arguments, then [`DevStore::sync_table`], writes
+    /// the page table (a page changes, or the table already has changes to write).
+    pub fn grow_writes_table(&self, slots: &[SlotId], n: &[usize], a: usize) -> bool {
+        self.dirty || self.page_need(slots, n, a).0 > 0
+    }
+
+    /// Makes room for `n[i]` more rows in the K and V caches of layer ordinal `a` of each
+    /// `slots[i]` (live, distinct): new pages from the pool, a shared partial last page copied
+    /// first. Returns each sequence's length before. Nothing changes when the pool has too few
+    /// pages: an error naming the pool.
+    pub fn grow(&mut self, gpu: &Gpu, op: &'static str, slots: &[SlotId], n: &[usize], a: usize) -> OpResult<Vec<usize>> {
+        let (need, most) = self.page_need(slots, n, a);
         if need > self.free.len() {
             return Err(err(
                 op,

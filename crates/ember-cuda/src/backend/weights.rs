@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use ember_ops::{DeviceId, ExpertId, GateUp, LayerIdx, OpError, OpResult, Registry, WeightId, WeightInfo, WeightSet};
 
+use crate::gpu::UploadDone;
 use crate::ops::{DeviceWeight, MOE_MISS};
-use crate::{Buf, Gpu, UploadDone};
+use crate::{Buf, Gpu};
 
 /// The routed experts one MoE layer holds on the device, by slot.
 pub(super) struct ExpertPool {
@@ -159,8 +160,7 @@ impl DevWeights {
     /// the slot table marks both as not here (their pairs run on the CPU), the table write and
     /// then the copies of e's gate, up and down rows are queued (the copies on the copy stream,
     /// after the work queued so far), and nothing waits. [`DevWeights::finish_uploads`] puts
-    /// e in the table once its copies are done. Without pinned memory the rows are written
-    /// synchronously and e is in the table on return.
+    /// e in the table once its copies are done.
     pub fn place_expert(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize, e: ExpertId) -> OpResult<()> {
         const OP: &str = "place_expert";
         let dev = self.dev;
@@ -190,50 +190,23 @@ impl DevWeights {
             let msg = dsts.into_iter().filter_map(|r| r.err()).map(|e| e.to_string()).collect::<Vec<_>>().join("; ");
             return Err(OpError::new(OP, dev, format!("{layer} slot {slot}"), msg));
         };
-        // The slot leaves the table first: kernels queued from now on do not read it.
+        // The slot leaves the table first (the host's copy once the device's write is queued):
+        // kernels queued from now on do not read it.
         let Some(pool) = self.pools.get_mut(layer.index()).and_then(Option::as_mut) else { unreachable!("checked above") };
         let old = pool.experts[slot] as usize;
-        pool.slot_of[old] = MOE_MISS;
+        let mut table = pool.slot_of.clone();
+        table[old] = MOE_MISS;
+        gpu.write_async(&mut pool.dev, &table).map_err(fail)?;
+        pool.slot_of = table;
         pool.experts[slot] = e.0;
-        gpu.write_async(&mut pool.dev, &pool.slot_of).map_err(fail)?;
         // SAFETY: each destination is whole rows inside a stacked expert tensor of this layer
         // (rows_at checked it), in the slot no table names until the upload is done
-        // (finish_uploads), and the tensors are freed only after the pending uploads are
-        // waited for (set_layer_experts, and `uploads` drops first).
+        // (finish_uploads); the tensors are freed only after the pending uploads are waited
+        // for (set_layer_experts, and `uploads` drops first). A failed upload has waited for
+        // its copies; its slot then holds no expert a table names.
         let done = unsafe { gpu.upload_async(&[(gd, gate), (ud, up), (dd, down)]) }.map_err(fail)?;
-        match done {
-            Some(done) => self.uploads.push(Upload { layer: layer.index(), slot, expert: e.0, done }),
-            None => {
-                self.write_expert_rows(gpu, layer, slot, e).map_err(fail)?;
-                let Some(pool) = self.pools.get_mut(layer.index()).and_then(Option::as_mut) else { unreachable!("checked above") };
-                pool.slot_of[e.index()] = slot as u32;
-                gpu.write(&mut pool.dev, &pool.slot_of).map_err(fail)?;
-            }
-        }
+        self.uploads.push(Upload { layer: layer.index(), slot, expert: e.0, done });
         Ok(())
-    }
-
-    /// Writes expert `e`'s rows into `slot` of `layer`, synchronously.
-    fn write_expert_rows(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize, e: ExpertId) -> crate::Result<()> {
-        let bad = |what: &str| crate::Error::Shape { op: "place_expert", msg: format!("{layer}: {what}") };
-        let set = self.reg.weights("place_expert").map_err(|e| bad(&e.to_string()))?.clone();
-        let m = *self.reg.moe("place_expert", layer).map_err(|e| bad(&e.to_string()))?;
-        let view = set.expert(layer, e).ok_or_else(|| bad("no such expert"))?;
-        let (gr, dr) = (slot * m.n_ff, slot * set.info(m.down).map_or(0, |i| i.rows_per_mat()));
-        match m.gate_up {
-            GateUp::Separate { gate: g, up: u } => {
-                self.matrix_mut("place_expert", g).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, gr, view.gate.data)?;
-                self.matrix_mut("place_expert", u).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, gr, view.up.data)?;
-            }
-            GateUp::Fused(w) => match self.w.get_mut(w.index()).and_then(Option::as_mut) {
-                Some(DevWeight::Split { gate: g, up: u }) => {
-                    g.write_rows(gpu, gr, view.gate.data)?;
-                    u.write_rows(gpu, gr, view.up.data)?;
-                }
-                _ => return Err(bad("not a fused gate|up expert tensor")),
-            },
-        }
-        self.matrix_mut("place_expert", m.down).map_err(|e| bad(&e.to_string()))?.write_rows(gpu, dr, view.down.data)
     }
 
     /// The (slot, expert) pairs of `layer` on their way in.
@@ -243,42 +216,46 @@ impl DevWeights {
 
     /// Puts the experts whose copies are done into their layers' slot tables (a table write
     /// queued on the compute stream, before the kernels queued after it); with `wait`, waits
-    /// for every upload first. Returns how many went in.
+    /// for every upload first. Returns how many went in. On an error, the uploads seen done
+    /// before it still go in.
     pub fn finish_uploads(&mut self, gpu: &Gpu, wait: bool) -> OpResult<usize> {
         const OP: &str = "finish_uploads";
         let dev = self.dev;
         let fail = |e: crate::Error| OpError::new(OP, dev, "", e.to_string());
         let mut done = Vec::new();
+        let mut err = None;
         let mut i = 0;
         while i < self.uploads.len() {
             let u = &self.uploads[i];
-            if wait {
-                u.done.wait().map_err(fail)?;
-            }
-            if wait || u.done.is_done().map_err(fail)? {
-                let u = self.uploads.swap_remove(i);
-                done.push((u.layer, u.slot, u.expert));
-            } else {
-                i += 1;
-            }
-        }
-        let mut layers: Vec<usize> = Vec::new();
-        for &(l, slot, e) in &done {
-            if let Some(pool) = self.pools.get_mut(l).and_then(Option::as_mut)
-                && pool.experts.get(slot) == Some(&e)
-            {
-                pool.slot_of[e as usize] = slot as u32;
-                layers.push(l);
+            let finished = if wait { u.done.wait().map(|()| true) } else { u.done.is_done() };
+            match finished {
+                Ok(true) => {
+                    let u = self.uploads.swap_remove(i);
+                    done.push((u.layer, u.slot, u.expert));
+                }
+                Ok(false) => i += 1,
+                Err(e) => {
+                    err = Some(fail(e));
+                    break;
+                }
             }
         }
+        let mut layers: Vec<usize> = done.iter().map(|d| d.0).collect();
         layers.sort_unstable();
         layers.dedup();
         for l in layers {
-            if let Some(pool) = self.pools.get_mut(l).and_then(Option::as_mut) {
-                gpu.write_async(&mut pool.dev, &pool.slot_of).map_err(fail)?;
+            let Some(pool) = self.pools.get_mut(l).and_then(Option::as_mut) else { continue };
+            let mut table = pool.slot_of.clone();
+            for &(_, slot, e) in done.iter().filter(|d| d.0 == l) {
+                if pool.experts.get(slot) == Some(&e) {
+                    table[e as usize] = slot as u32;
+                }
             }
+            // The host's table follows the device's only once its write is queued.
+            gpu.write_async(&mut pool.dev, &table).map_err(fail)?;
+            pool.slot_of = table;
         }
-        Ok(done.len())
+        err.map_or(Ok(done.len()), Err)
     }
 
     /// Re-uploads the routed experts of `layer` as slots holding exactly `list` (the old
@@ -308,8 +285,10 @@ impl DevWeights {
         // On the device first: each tensor rebuilt from the experts it keeps (device copies)
         // and the new ones (one staged gather), one tensor at a time, so the extra memory is
         // one tensor's new size and nothing waits on the host for kept experts.
+        // Per old slot, its expert, or u16::MAX when the table does not name it there (an
+        // upload that failed): only experts the table names are copied over.
         let held: Vec<u16> = match &self.pools[layer.index()] {
-            Some(p) => p.experts.clone(),
+            Some(p) => p.experts.iter().enumerate().map(|(s, &e)| if p.slot_of[e as usize] == s as u32 { e } else { u16::MAX }).collect(),
             None => (0..m.n_expert as u16).collect(),
         };
         let mut order: Vec<u16> = list.iter().copied().filter(|e| held.contains(e)).collect();
@@ -349,13 +328,6 @@ impl DevWeights {
         let pool = ExpertPool::new(gpu, m.n_expert, list).map_err(|e| OpError::new(OP, dev, format!("{layer}"), e.to_string()))?;
         self.pools[layer.index()] = Some(pool);
         Ok(())
-    }
-
-    fn matrix_mut(&mut self, op: &'static str, id: WeightId) -> OpResult<&mut DeviceWeight> {
-        match self.w.get_mut(id.index()).and_then(Option::as_mut) {
-            Some(DevWeight::Matrix(m)) => Ok(m),
-            _ => Err(OpError::new(op, self.dev, format!("matrix weight {}", id.0), "not registered")),
-        }
     }
 
     fn get(&self, op: &'static str, id: WeightId) -> OpResult<&DevWeight> {

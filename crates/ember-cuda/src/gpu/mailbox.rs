@@ -23,13 +23,14 @@ const DONE: usize = 1;
 const N_MISS: usize = 2;
 const TIMED_OUT: usize = 3;
 
-/// How long `moe_wait_add` waits for the host before it writes NaN rows instead (the host
-/// serves a decode step's mailboxes within milliseconds; this only ends a step whose host side
-/// failed, instead of hanging the stream).
-pub const MAILBOX_TIMEOUT_NS: u64 = 2_000_000_000;
+/// How long `moe_wait_add` waits for the host before it writes NaN rows instead: the host
+/// answers a layer within milliseconds (its misses' bytes read once, even from a cold disk), so
+/// this only ends a step whose host side failed or stalled, instead of hanging the stream.
+pub const MAILBOX_TIMEOUT_NS: u64 = 10_000_000_000;
 
 /// One layer's mailbox: room for `cap_pairs` routed (token, expert) pairs and `cap_x` floats of
-/// the MoE's input (and as many of the host's sum).
+/// the MoE's input (and as many of the host's sum). Dropping it waits for the stream; launches
+/// naming it that are still recorded, not sent ([`Gpu::flush`]), must be sent before.
 pub struct Mailbox {
     /// `cuMemHostAlloc(DEVICEMAP | PORTABLE)`, [`Mailbox::words`] u32, freed in `drop`.
     host: *mut u32,

@@ -20,7 +20,7 @@ pub(super) struct CopyLane {
 }
 
 /// The end of an upload: an event recorded on the copy stream after its copies.
-pub struct UploadDone {
+pub(crate) struct UploadDone {
     event: CudaEvent,
 }
 
@@ -38,15 +38,18 @@ impl UploadDone {
 
 impl Gpu {
     /// Queues `parts` (device address, bytes) on the copy stream, after everything queued on
-    /// the compute stream so far, without waiting; None (nothing queued) when pinned memory
-    /// cannot be had or the parts are over 16 MiB in all: the caller writes synchronously.
+    /// the compute stream so far, without waiting. When pinned memory cannot be had (or the
+    /// parts are over 16 MiB in all) the copies are made synchronously, after the compute
+    /// stream has finished, and the returned upload is already done.
     ///
     /// # Safety
     /// Every `dst..dst + bytes.len()` must lie inside one live device buffer of this GPU, which
     /// neither the host nor a kernel reads or frees before the returned [`UploadDone`] is done.
-    pub unsafe fn upload_async(&self, parts: &[(u64, &[u8])]) -> Result<Option<UploadDone>> {
+    pub(crate) unsafe fn upload_async(&self, parts: &[(u64, &[u8])]) -> Result<UploadDone> {
         self.flush()?;
         let total: usize = parts.iter().map(|p| p.1.len()).sum();
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let event = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
         let mut lane = self.lane.lock().unwrap_or_else(|e| e.into_inner());
         if lane.is_none() {
             let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
@@ -65,28 +68,45 @@ impl Gpu {
                 lane.next
             }
         };
-        let Some((host, done)) = lane.bufs[i].take(&self.ctx, total)? else { return Ok(None) };
+        let Some((host, done)) = lane.bufs[i].take(&self.ctx, total)? else {
+            self.sync()?;
+            for (dst, b) in parts {
+                // SAFETY: the destination is live device memory nobody touches until the upload
+                // is done (the caller's contract); the copy is synchronous from `b`.
+                unsafe { result::memcpy_htod_sync(*dst, b) }.map_err(drv("cuMemcpyHtoD"))?;
+            }
+            event.record(&self.stream).map_err(drv("cuEventRecord"))?;
+            return Ok(UploadDone { event });
+        };
         let mut at = 0;
         for (_, b) in parts {
             host[at..at + b.len()].copy_from_slice(b);
             at += b.len();
         }
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
         let ready = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
         ready.record(&self.stream).map_err(drv("cuEventRecord"))?;
         lane.stream.wait(&ready).map_err(drv("cuStreamWaitEvent"))?;
         let mut at = 0;
+        let mut copied = Ok(());
         for (dst, b) in parts {
             // SAFETY: the destination is live device memory nobody touches until the upload is
             // done (the caller's contract); the source is `host[at..]`, pinned memory of the
             // ring that is not written again before `done`, recorded after these copies.
-            unsafe { result::memcpy_htod_async(*dst, &host[at..at + b.len()], lane.stream.cu_stream()) }
-                .map_err(drv("cuMemcpyHtoDAsync"))?;
+            copied = unsafe { result::memcpy_htod_async(*dst, &host[at..at + b.len()], lane.stream.cu_stream()) }
+                .map_err(drv("cuMemcpyHtoDAsync"));
+            if copied.is_err() {
+                break;
+            }
             at += b.len();
         }
-        done.record(&lane.stream).map_err(drv("cuEventRecord"))?;
-        let event = self.ctx.new_event(flags).map_err(drv("cuEventCreate"))?;
+        // Recorded even after a failed copy: the buffer is not reused before the copies queued.
+        let recorded = done.record(&lane.stream).map_err(drv("cuEventRecord"));
+        if let Err(e) = copied.and(recorded) {
+            // The caller gets no upload to wait for: the copies queued must end here.
+            let _ = lane.stream.synchronize();
+            return Err(e);
+        }
         event.record(&lane.stream).map_err(drv("cuEventRecord"))?;
-        Ok(Some(UploadDone { event }))
+        Ok(UploadDone { event })
     }
 }

@@ -81,8 +81,8 @@ impl Gpu {
         };
         let f = self.function(&MAILBOX, "moe_post")?;
         // SAFETY: sizes checked above; the mailbox holds cap_pairs ids and weights and cap_x
-        // floats of x, mapped for this GPU, and lives while this launch may run (its drop waits
-        // for the stream).
+        // floats of x, mapped for this GPU, and lives while this launch may run: its drop waits
+        // for the stream, and its owner sends recorded launches before dropping it (Mailbox).
         unsafe { self.launch(&f, (1, 1, 1), 256, 0, &p) }
     }
 
@@ -110,7 +110,7 @@ impl Gpu {
         // A few blocks: each polls `done`, then adds its share of the sum over PCIe.
         let grid = blocks(n_x, 1024).clamp(1, 32);
         // SAFETY: sizes checked above; the mailbox holds cap_x floats of sum after its
-        // routing and x, and lives while this launch may run.
+        // routing and x, and lives while this launch may run (as for moe_post).
         unsafe { self.launch(&f, (grid, 1, 1), 256, 0, &p) }
     }
 }

@@ -111,19 +111,6 @@ impl DeviceWeight {
         }
         Ok(self.bytes.ptr() + (row0 * self.row_bytes) as u64)
     }
-
-    /// Overwrites rows `row0..` with `data` (whole rows of this weight's type and width): how
-    /// an expert moves into a slot of a stacked tensor.
-    pub fn write_rows(&mut self, gpu: &Gpu, row0: usize, data: &[u8]) -> Result<()> {
-        let n = data.len() / self.row_bytes.max(1);
-        if n * self.row_bytes != data.len() || row0 + n > self.n_rows {
-            return Err(shape(
-                "write_rows",
-                format!("{} bytes at row {row0} of {} rows of {} bytes", data.len(), self.n_rows, self.row_bytes),
-            ));
-        }
-        gpu.write_at(&mut self.bytes, row0 * self.row_bytes, data)
-    }
 }
 
 /// The suffix of the per-type kernel entries (`matmul_gemv_q4_k`, `moe_down_q6_k`, ...), for
