@@ -51,6 +51,12 @@ use ember_ops::{
 use crate::tier::HeatMap;
 use crate::{Home, Plan};
 
+mod posted;
+mod pressure;
+
+use posted::Posted;
+use pressure::Pressure;
+
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// A batch whose `x` is at most this large brings it down with the routing, in the same wait,
@@ -184,38 +190,6 @@ pub struct Hybrid {
     /// The newest generation whose timed-out waits have been reported.
     timeouts_seen: u32,
 }
-
-/// A layer's routing published in its mailbox by a queued `moe_post`, not served yet.
-#[derive(Debug, Clone, Copy)]
-struct Posted {
-    layer: LayerIdx,
-    step: u32,
-    n_tok: usize,
-    k: usize,
-    d: usize,
-}
-
-/// How long the host waits for a step's `moe_post` to publish before it calls the step failed
-/// (the GPU reaches a layer within milliseconds; a stream that failed is seen sooner).
-const POST_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Watching the GPU's free memory (see [`Hybrid::watch_memory`]).
-#[derive(Debug, Clone)]
-struct Pressure {
-    reserve: u64,
-    last: Instant,
-    /// Per layer, the experts the plan gave it: what growth returns to.
-    target: Vec<usize>,
-}
-
-/// How often the free memory is read.
-const WATCH_EVERY: Duration = Duration::from_millis(200);
-/// Eviction frees this much beyond the reserve; growth leaves this much beyond it (so the two
-/// never alternate).
-const EVICT_SLACK: u64 = 64 << 20;
-const GROW_SLACK: u64 = 512 << 20;
-/// Layers re-uploaded per check when memory comes back (each is a stall of tens of ms).
-const GROW_LAYERS: usize = 4;
 
 /// One line on stderr: through the log when `serve` has set one up, else plainly.
 fn say(msg: String) {
@@ -358,140 +332,6 @@ impl Hybrid {
         }
     }
 
-    /// Keeps `reserve` bytes of the GPU free while serving: when another process takes memory
-    /// and the free memory falls below it, the coldest resident experts (of any layer; a layer
-    /// holding all its experts becomes one with slots) leave the GPU until it is back, and
-    /// their pairs run on the CPU; when memory comes back, layers grow again towards the plan's
-    /// counts, hottest experts first. Checked at step ends, every [`WATCH_EVERY`].
-    pub fn watch_memory(&mut self, reserve: u64) {
-        let target = (0..self.resident.len().max(self.partial.len()))
-            .map(|l| {
-                let n = self.host.moe("watch_memory", LayerIdx(l as u16)).map_or(0, |m| m.n_expert);
-                self.resident.get(l).and_then(|r| r.as_ref()).map_or(n, Vec::len)
-            })
-            .collect();
-        self.pressure = Some(Pressure { reserve, last: Instant::now(), target });
-    }
-
-    /// The experts `layer` holds now.
-    fn held(&self, layer: LayerIdx) -> Vec<u16> {
-        match self.gpu.slot_experts(layer) {
-            Some(e) => e.to_vec(),
-            None => {
-                let n = self.host.moe("watch_memory", layer).map_or(0, |m| m.n_expert);
-                (0..n as u16).collect()
-            }
-        }
-    }
-
-    fn expert_bytes(&self, layer: LayerIdx) -> u64 {
-        self.host.expert("watch_memory", layer, ExpertId(0)).map_or(0, |v| (v.gate.data.len() + v.up.data.len() + v.down.data.len()) as u64)
-    }
-
-    /// `layer` holds `list` from now on; on failure (the memory went meanwhile) none, and the
-    /// CPU takes all its experts. What the pressure watch does; public for tests and tools.
-    pub fn set_layer(&mut self, layer: LayerIdx, list: Vec<u16>) {
-        // The re-upload waits for the stream, which may wait on a posted mailbox.
-        if let Err(e) = self.drain() {
-            say(format!("expert tier: {e}"));
-        }
-        if let Some(p) = self.partial.get_mut(layer.index()) {
-            *p = true;
-        } else {
-            self.partial.resize(layer.index() + 1, false);
-            self.partial[layer.index()] = true;
-        }
-        if let Err(e) = self.gpu.set_layer_experts(layer, list)
-            && let Err(e2) = self.gpu.set_layer_experts(layer, Vec::new())
-        {
-            say(format!("expert tier: {layer} lost its experts ({e}) and could not be emptied ({e2})"));
-        }
-    }
-
-    fn check_memory(&mut self) {
-        let Some(p) = self.pressure.as_mut() else { return };
-        if p.last.elapsed() < WATCH_EVERY {
-            return;
-        }
-        p.last = Instant::now();
-        let (reserve, target) = (p.reserve, p.target.clone());
-        let Ok((free, _)) = self.gpu.mem_info() else { return };
-        let free = free as u64;
-        let n_layer = target.len();
-        if free < reserve {
-            // The coldest residents first; equal heat (no routing seen yet) spreads over layers.
-            let need = reserve - free + EVICT_SLACK;
-            let mut res: Vec<(f64, u16, usize)> = Vec::new();
-            for l in 0..n_layer {
-                for e in self.held(LayerIdx(l as u16)) {
-                    res.push((self.heat.get(l, e as usize), e, l));
-                }
-            }
-            res.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-            let mut out: Vec<Vec<u16>> = vec![Vec::new(); n_layer];
-            let mut freed = 0u64;
-            for (_, e, l) in res {
-                if freed >= need {
-                    break;
-                }
-                freed += self.expert_bytes(LayerIdx(l as u16));
-                out[l].push(e);
-            }
-            let n: usize = out.iter().map(Vec::len).sum();
-            let layers: Vec<usize> = (0..n_layer).filter(|&l| !out[l].is_empty()).collect();
-            for &l in &layers {
-                let layer = LayerIdx(l as u16);
-                let keep: Vec<u16> = self.held(layer).into_iter().filter(|e| !out[l].contains(e)).collect();
-                self.set_layer(layer, keep);
-            }
-            let after = self.gpu.mem_info().map_or(0, |m| m.0 as u64);
-            self.stats.evictions += n as u64;
-            say(format!(
-                "expert tier: GPU free memory {:.2} GiB is below the reserve {:.2} GiB (another process took memory): {n} experts left the GPU from {} layers ({:.2} GiB); free now {:.2} GiB",
-                free as f64 / GIB,
-                reserve as f64 / GIB,
-                layers.len(),
-                freed as f64 / GIB,
-                after as f64 / GIB
-            ));
-        } else if free > reserve + GROW_SLACK {
-            let mut room = free - reserve - GROW_SLACK;
-            let mut grown = (0, 0);
-            for (l, &want) in target.iter().enumerate() {
-                if grown.0 >= GROW_LAYERS {
-                    break;
-                }
-                let layer = LayerIdx(l as u16);
-                let held = self.held(layer);
-                if held.len() >= want {
-                    continue;
-                }
-                let bytes = self.expert_bytes(layer).max(1);
-                let fit = ((room / bytes) as usize).min(want - held.len());
-                if fit == 0 {
-                    break;
-                }
-                let mut cands: Vec<(f64, u16)> =
-                    (0..self.heat.n_expert()).filter(|e| !held.contains(&(*e as u16))).map(|e| (self.heat.get(l, e), e as u16)).collect();
-                cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                let mut list = held;
-                list.extend(cands.into_iter().take(fit).map(|c| c.1));
-                self.set_layer(layer, list);
-                room = room.saturating_sub(fit as u64 * bytes);
-                grown = (grown.0 + 1, grown.1 + fit);
-            }
-            if grown.1 > 0 {
-                self.stats.uploads += grown.1 as u64;
-                say(format!(
-                    "expert tier: GPU memory came back ({:.2} GiB free): {} experts back on the GPU in {} layers",
-                    free as f64 / GIB,
-                    grown.1,
-                    grown.0
-                ));
-            }
-        }
-    }
-
     /// Counts a layer's routed pairs for the stats: `n_miss` of `n` not resident.
     fn count(&mut self, layer: LayerIdx, n: usize, n_miss: usize) {
         self.stats.misses += n_miss as u64;
@@ -529,123 +369,6 @@ impl Hybrid {
         let y = self.cpu.moe_slots(&views, x);
         self.stats.miss_secs += t0.elapsed().as_secs_f64();
         Ok(y)
-    }
-
-    /// The decode form of a partial layer's MoE: the routing goes to the layer's mailbox
-    /// (`moe_post`), the GPU computes the resident pairs and the shared expert, and
-    /// `moe_wait_add` adds the host's sum of the misses, waiting for it only when there are
-    /// some. Nothing waits here: the host serves the mailbox later ([`Hybrid::drain`]).
-    fn moe_posted(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
-        let l = layer.index();
-        let (pairs, floats) = (routing.n_tok * routing.k, x.n * x.d);
-        let fits = |b: &Option<Mailbox>| b.as_ref().is_some_and(|b| b.cap_pairs() >= pairs && b.cap_x() >= floats);
-        if !self.boxes.get(l).is_some_and(fits) {
-            // Making (or replacing) one may wait for the stream: serve what is posted first.
-            self.drain()?;
-            if self.boxes.len() <= l {
-                self.boxes.resize_with(l + 1, || None);
-            }
-            let cap_x = (X_WITH_ROUTING_BYTES / std::mem::size_of::<f32>()).max(floats);
-            let cap_pairs = (cap_x / x.d.max(1) * routing.k).max(pairs);
-            // No launch naming the old mailbox is left unsent (drain flushed what was posted;
-            // every recorded moe_post is posted): dropping it waits for the stream.
-            self.gpu.flush()?;
-            self.boxes[l] = None;
-            self.boxes[l] = Some(self.gpu.mailbox(cap_pairs, cap_x)?);
-        }
-        let Some(mb) = self.boxes[l].as_ref() else { unreachable!("made above") };
-        self.gpu.moe_post(layer, routing, x, mb)?;
-        // Posted as soon as moe_post is queued: drain serves it even if what follows fails.
-        self.posted.push(Posted { layer, step: self.gpu.generation(), n_tok: routing.n_tok, k: routing.k, d: x.d });
-        let out = self.gpu.moe(layer, x, routing, shared_gate)?;
-        self.gpu.moe_wait_add(out, mb)?;
-        Ok(out)
-    }
-
-    /// Serves every posted mailbox of this step, in layer order: what runs before anything
-    /// that waits for the stream (a posted layer with misses waits for the host). On an error
-    /// the mailboxes not served get NaN answers, so the stream finishes at once and the step's
-    /// outputs show the failure.
-    fn drain(&mut self) -> OpResult<()> {
-        if self.posted.is_empty() {
-            return Ok(());
-        }
-        let posted = std::mem::take(&mut self.posted);
-        let failed = match self.gpu.flush() {
-            Err(e) => Some((0, e)),
-            Ok(()) => posted.iter().enumerate().find_map(|(i, p)| self.serve(*p).err().map(|e| (i, e))),
-        };
-        let Some((i, e)) = failed else { return Ok(()) };
-        for q in &posted[i..] {
-            if let Some(mb) = self.boxes.get(q.layer.index()).and_then(Option::as_ref) {
-                let _ = mb.answer(q.step, &vec![f32::NAN; q.n_tok * q.d]);
-            }
-        }
-        Err(e)
-    }
-
-    /// An error when a wait of a step the stream has finished gave up on the host (NaN rows in
-    /// that step's outputs and state); each is reported once. Called after calls that waited
-    /// for the stream.
-    fn check_timeouts(&mut self) -> OpResult<()> {
-        let newest = self.boxes.iter().enumerate().filter_map(|(l, b)| b.as_ref().map(|b| (b.timed_out(), l))).max();
-        let Some((step, l)) = newest.filter(|(step, _)| *step > self.timeouts_seen) else { return Ok(()) };
-        self.timeouts_seen = step;
-        Err(OpError::new(
-            "moe",
-            self.gpu.device(),
-            format!("layer {l}"),
-            format!("the GPU waited more than {:?} for the host's sum of the misses", Duration::from_nanos(ember_cuda::MAILBOX_TIMEOUT_NS)),
-        ))
-    }
-
-    fn mailbox_of(&self, layer: LayerIdx) -> OpResult<&Mailbox> {
-        self.boxes
-            .get(layer.index())
-            .and_then(Option::as_ref)
-            .ok_or_else(|| OpError::new("moe", self.gpu.device(), format!("{layer}"), "no mailbox"))
-    }
-
-    /// Waits for `p`'s routing, records it for the heat and the stats, and when some pairs
-    /// miss computes them on the CPU and answers with their sum.
-    fn serve(&mut self, p: Posted) -> OpResult<()> {
-        const OP: &str = "moe";
-        let dev = self.gpu.device();
-        let fail = |msg: String| OpError::new(OP, dev, format!("{}", p.layer), msg);
-        let (ids, weights, gpu_misses) = {
-            let mb = self.mailbox_of(p.layer)?;
-            let t0 = Instant::now();
-            let mut spins = 0u32;
-            while mb.routed() != p.step {
-                spins = spins.wrapping_add(1);
-                if !spins.is_multiple_of(256) {
-                    std::hint::spin_loop();
-                    continue;
-                }
-                // The stream finished without publishing (a failed launch) or takes far too
-                // long: an error, never a hang.
-                let idle = self.gpu.gpu().stream_idle().map_err(|e| fail(e.to_string()))?;
-                if (idle && mb.routed() != p.step) || t0.elapsed() > POST_TIMEOUT {
-                    return Err(fail(format!("the GPU did not publish the routing (stream idle: {idle}, waited {:?})", t0.elapsed())));
-                }
-                std::thread::yield_now();
-            }
-            let (ids, weights) = mb.routing(p.n_tok * p.k).map_err(|e| fail(e.to_string()))?;
-            (ids, weights, mb.n_miss())
-        };
-        self.heat.record(p.layer.index(), &ids).map_err(|e| fail(e.to_string()))?;
-        let misses = self.misses(p.layer, &ids, &weights, p.k);
-        let n_miss: usize = misses.values().map(Vec::len).sum();
-        self.count(p.layer, ids.len(), n_miss);
-        if gpu_misses as usize != n_miss {
-            return Err(fail(format!("the GPU counted {gpu_misses} misses, the host {n_miss}")));
-        }
-        if n_miss == 0 {
-            return Ok(());
-        }
-        let x = Mat { n: p.n_tok, d: p.d, data: self.mailbox_of(p.layer)?.x(p.n_tok * p.d).map_err(|e| fail(e.to_string()))? };
-        let y = self.cpu_misses(p.layer, &misses, &x)?;
-        self.mailbox_of(p.layer)?.answer(p.step, &y.data).map_err(|e| fail(e.to_string()))
     }
 
     /// Moves the hottest missing experts in, at most `max_uploads`, each replacing the coldest
