@@ -124,7 +124,8 @@ pub fn main(a: Args) -> Result<()> {
     let src = model.file().get_str("tokenizer.chat_template").context("the model has no chat template")?;
     let template = ChatTemplate::new(src).context("compiling the chat template")?;
     let n_ctx = a.ctx.unwrap_or(model.config.n_ctx_train.min(8192));
-    let cfg = EngineConfig { n_parallel: 1, n_queue: 4, n_ctx, n_batch: 512, cache_bytes: a.cache_ram << 20, checkpoint_every: 2048 };
+    let cfg =
+        EngineConfig { n_parallel: 1, n_queue: 4, n_ctx, n_batch: 512, cache_bytes: a.cache_ram << 20, checkpoint_every: 2048, warm_up: 0 };
     let ops = device::backend(
         a.device,
         Precision::Fast,

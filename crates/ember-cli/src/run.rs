@@ -103,7 +103,7 @@ pub fn main(a: Args) -> Result<()> {
     let eog = tok.eog_ids().to_vec();
     // The same engine as `ember serve`, with one slot: one driver of the model everywhere.
     let backend = ModelBackend::new(model, ops, a.kv_type)?;
-    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: n_ctx + 1, n_batch: 512, cache_bytes: 0, checkpoint_every: 0 };
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: n_ctx + 1, n_batch: 512, cache_bytes: 0, checkpoint_every: 0, warm_up: 0 };
     let (engine, thread) = ember_engine::start(backend, cfg).context("starting the engine")?;
     eprintln!("loaded in {:.2} s, {n_threads} threads, prompt {} tokens, context {n_ctx}", t_load.elapsed().as_secs_f64(), ids.len());
 

@@ -69,6 +69,11 @@ pub struct Args {
     /// Prompt processing is several times slower (no prompt-sized kernels); decode is not.
     #[arg(long)]
     batch_invariant: bool,
+    /// Tokens of the prompt run once at start-up, before serving, so that the first request
+    /// does not pay for the memory a full batch touches for the first time (default: --batch;
+    /// 0: none). Never with the expert tier, whose routing heat it would skew.
+    #[arg(long)]
+    warm_up: Option<usize>,
     /// Testing aid: every response is this text (tokenized), whatever the prompt.
     #[arg(long, hide = true)]
     script: Option<String>,
@@ -100,13 +105,14 @@ pub fn main(a: Args) -> Result<()> {
         None => "ember-demo-tiny-a".into(),
     });
     let meta = json!({ "n_ctx": n_ctx, "n_ctx_train": n_ctx_train, "n_vocab": model.config.n_vocab, "n_parallel": a.parallel });
-    let cfg = EngineConfig {
+    let mut cfg = EngineConfig {
         n_parallel: a.parallel,
         n_queue: a.queue,
         n_ctx,
         n_batch: a.batch,
         cache_bytes: a.cache_ram << 20,
         checkpoint_every: a.checkpoint_every,
+        warm_up: 0,
     };
     if a.cache_ram > 0 {
         tracing::info!(
@@ -136,6 +142,12 @@ pub fn main(a: Args) -> Result<()> {
                 &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: a.parallel, kv_type: a.kv_type },
             )?;
             tracing::info!("{} sequences of {n_ctx} tokens, queue {}", a.parallel, a.queue);
+            if ops.expert_stats().is_none() {
+                cfg.warm_up = a.warm_up.unwrap_or(a.batch);
+            }
+            if cfg.warm_up > 0 {
+                tracing::info!("warming up: one prompt of {} tokens", cfg.warm_up.min(a.batch).min(n_ctx - 1));
+            }
             ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }
     }

@@ -317,3 +317,32 @@ fn r14_admission_by_free_kv_pages() {
     }
     assert_eq!(stats.kv_pages_free.load(Ordering::SeqCst), total, "pages held after every request ended");
 }
+
+/// The start-up warm-up (`EngineConfig::warm_up`) runs one prompt of at most `n_batch` tokens
+/// on a scratch sequence before `start` returns, and leaves nothing behind: on the tiny model
+/// the same seeded requests give the same tokens with and without it.
+#[test]
+fn warm_up_runs_one_batch_first_and_changes_nothing() {
+    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 4, n_ctx: 64, n_batch: 6, warm_up: 40, ..Default::default() };
+    let (_h, _t) = ember_engine::start(Recording { inner: script(&[1, 2, 3]), steps: steps.clone() }, cfg).unwrap();
+    assert_eq!(*steps.lock().unwrap(), vec![vec![6]], "one item of n_batch tokens, before any request");
+
+    let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());
+    let tokens = |warm_up: usize| {
+        let model = ember_model::Model::load(file.clone(), |_, _| {}).unwrap();
+        let ops = ember_cpu::backend(ember_cpu::Precision::BatchInvariant, 1);
+        let cfg = EngineConfig { n_parallel: 2, n_queue: 4, n_ctx: 128, n_batch: 16, warm_up, ..Default::default() };
+        let (h, _t) = ember_engine::start(ModelBackend::new(model, ops, ember_ops::KvType::F16).unwrap(), cfg).unwrap();
+        (0..2u32)
+            .map(|i| {
+                let (s, rx, _) = sink();
+                let mut r = req((0..12 + i).map(|j| (j * 29 + i * 7) % 600).collect(), 12, i as u64);
+                r.eog = Vec::new();
+                h.submit(r, s).unwrap();
+                collect(&rx).0
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(tokens(16), tokens(0));
+}

@@ -49,7 +49,7 @@ fn setup() -> Setup {
 fn engine(s: &Setup, cache_bytes: usize) -> EngineHandle {
     let model = Model::load(s.file.clone(), |_, _| {}).unwrap();
     let backend = ModelBackend::new(model, ember_cpu::backend(Precision::Exact, 2), KvType::F32).unwrap();
-    let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 1024, n_batch: 64, cache_bytes, checkpoint_every: 48 };
+    let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 1024, n_batch: 64, cache_bytes, checkpoint_every: 48, warm_up: 0 };
     ember_engine::start(backend, cfg).unwrap().0
 }
 
