@@ -29,6 +29,12 @@
 #          sequences), alternating, ROUNDS rounds (LLAMA=0: ember only)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
+#   cpu    issue 18 on this host's CPU, the GPU hidden (CUDA_VISIBLE_DEVICES=): the `bandwidth`
+#          example, then on the q4_k_m 35B at each of CPU_THREADS (default 16,8), alternating,
+#          ROUNDS rounds: `ember bench --device cpu -t T -p 512 -n 128 -d 0,CPU_DEPTHS` (default
+#          4096) against `llama-bench -ngl 0 -fa 1` with the same arguments; then (CPU_HTTP=1,
+#          default) `ember serve --device cpu -t 16` + `ember bench-http --depths 512` against
+#          `ember bench -d 0,512` (the HTTP path, item 4)
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
 set -uo pipefail
 O=${OUT:-/tmp/out}; M=/tmp/m; L=/tmp/llama; mkdir -p "$O" "$M" "$L"
@@ -63,7 +69,7 @@ ensure_model() {
 }
 secs() { local t0=$EPOCHREALTIME; "$@" < /dev/null > /dev/null 2>&1; local rc=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.2f s (exit %d)", b - a, rc }'; }
 
-if (has tests || has load || has bench || has tier || has batched) && [[ ${LLAMA:-1} == 1 ]]; then start_llama_build; fi
+if (has tests || has load || has bench || has tier || has batched || has cpu) && [[ ${LLAMA:-1} == 1 ]]; then start_llama_build; fi
 # UD_SYNTH=1: the ud-q4_k_m 35B for the tier stage, written in its own session (it survives
 # the call, like the llama.cpp build) so a later call finds it.
 if [[ ${UD_SYNTH:-0} == 1 && ! -s $M/35b-ud.gguf && ! -f $M/35b-ud.gguf.synthing ]]; then
@@ -75,7 +81,7 @@ if has tests; then
     # The q4_k_m 35B for load/bench (SYNTH=0: not needed by the stages that follow).
     if [[ ${SYNTH:-1} == 1 ]]; then ensure_model & SY=$!; else SY=; fi
     for t in /tmp/bin/*; do
-        n=$(basename "$t"); [[ $n == ember || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
+        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
         t0=$(date +%s)
         timeout 300 "$t" --test-threads=1 --nocapture > "$O/test-$n.log" 2>&1
         echo "test $n: exit $? in $(( $(date +%s) - t0 )) s: $(grep '^test result' "$O/test-$n.log" | tail -1)"
@@ -206,4 +212,50 @@ for t, d in rows.items():
     ratio = (sum(e) / len(e)) / (sum(l) / len(l)) if e and l else float('nan')
     print(f"| {t} | {' '.join('%.1f' % v for v in e)} | {' '.join('%.1f' % v for v in l)} | {ratio:.2f} |")
 PY
+fi
+if has cpu; then
+    ensure_model; [[ ${LLAMA:-1} == 1 ]] && wait_llama_build
+    export CUDA_VISIBLE_DEVICES=
+    [[ -x /tmp/bin/bandwidth ]] && /tmp/bin/bandwidth 2048 16 > "$O/cpu-bandwidth.txt" 2>&1 && cat "$O/cpu-bandwidth.txt"
+    for t in $(echo "${CPU_THREADS:-16,8}" | tr ',' ' '); do
+        for r in $(seq 1 "$ROUNDS"); do
+            $E bench -m $F --device cpu -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r 2 -o json > "$O/cpu-ember-t$t-$r.json" 2> "$O/cpu-ember-t$t-$r.log"
+            echo "cpu t=$t round $r ember: exit $?"
+            if [[ -x $LB ]]; then
+                $LB -m $F -ngl 0 -fa 1 -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r 2 -o json > "$O/cpu-llama-t$t-$r.json" 2> "$O/cpu-llama-t$t-$r.log"
+                echo "cpu t=$t round $r llama.cpp: exit $?"
+            fi
+        done
+    done
+    python3 - "$O" <<'PY'
+import json, glob, sys, os, re
+rows = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], 'cpu-*-t*-*.json'))):
+    eng, t = re.match(r'cpu-(\w+)-t(\d+)-', os.path.basename(f)).groups()
+    try:
+        for x in json.load(open(f)):
+            name = ('pp%d' % x['n_prompt'] if x['n_prompt'] else 'tg%d' % x['n_gen']) + ('@d%d' % x['n_depth'] if x.get('n_depth') else '')
+            rows.setdefault((int(t), name), {}).setdefault(eng, []).append(x['avg_ts'])
+    except Exception as e:
+        print(f, 'unreadable:', e)
+print('| threads | test | ember t/s (rounds) | llama.cpp t/s (rounds) | ratio of means |')
+print('| ---: | --- | --- | --- | ---: |')
+for (t, name), d in sorted(rows.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+    e, l = d.get('ember', []), d.get('llama', [])
+    ratio = (sum(e) / len(e)) / (sum(l) / len(l)) if e and l else float('nan')
+    print(f"| {t} | {name} | {' '.join('%.1f' % v for v in e)} | {' '.join('%.1f' % v for v in l)} | {ratio:.2f} |")
+PY
+    if [[ ${CPU_HTTP:-1} == 1 ]]; then
+        $E bench -m $F --device cpu -t 16 -p 512 -n 64 -d 0,512 -r 2 -o json > "$O/cpu-http-bench.json" 2> "$O/cpu-http-bench.log"
+        $E serve -m $F --device cpu -t 16 --port 8097 --parallel 1 -c 8192 > "$O/cpu-serve.log" 2>&1 & S=$!
+        for i in $(seq 1 240); do curl -s http://127.0.0.1:8097/v1/models > /dev/null && break; sleep 1; done
+        $E bench-http --url http://127.0.0.1:8097 --depths 512 --n-predict 64 --runs 3 -o json > "$O/cpu-http.json" 2> "$O/cpu-http.log"
+        echo "cpu http: exit $?"; kill $S; wait $S 2>/dev/null
+        python3 -c "
+import json, sys
+b = {('pp%d' % x['n_prompt'] if x['n_prompt'] else 'tg%d' % x['n_gen']) + ('@d%d' % x['n_depth'] if x.get('n_depth') else ''): x['avg_ts'] for x in json.load(open(sys.argv[1]))}
+h = json.load(open(sys.argv[2]))[0]
+print('http prefill %.1f vs pp512 %.1f (%.3f); decode %.2f vs tg64@d512 %.2f (%.3f)' % (h['prefill_ts'], b['pp512'], h['prefill_ts'] / b['pp512'], h['decode_ts'], b['tg64@d512'], h['decode_ts'] / b['tg64@d512']))
+" "$O/cpu-http-bench.json" "$O/cpu-http.json"
+    fi
 fi

@@ -12,6 +12,8 @@ mkdir -p .gpu
 # there), stripped, in one solid xz: the binaries share most of their code, so each test binary
 # adds ~0.3 MB.
 cargo build --release -p ember-cli
+# The `bandwidth` example (the host's read bandwidth, for h200.sh's cpu stage).
+cargo build --release -p ember-cpu --example bandwidth
 tests=$(cargo test --release -p ember-cuda -p ember-plan --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -21,6 +23,7 @@ for l in sys.stdin:
 rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/ember.xz .gpu/ember.gz
 mkdir -p .gpu/bin
 strip -o .gpu/bin/ember target/release/ember
+strip -o .gpu/bin/bandwidth target/release/examples/bandwidth
 # ONLY_EMBER=1: the binary alone (benchmark calls: leaves room for the llama.cpp source in the
 # 64 MiB that travels, which the tree's fixtures fill to ~50 MiB).
 [[ ${ONLY_EMBER:-0} == 1 ]] && tests=
