@@ -40,9 +40,10 @@ fn chat_stream_equals_non_stream_with_same_seed() {
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"], json!([]));
     let mut streamed_usage = last["usage"].clone();
-    // The same prompt again: everything but its last token comes from the prompt cache.
+    // The same prompt again: all of it comes from the prompt cache (with its last token's
+    // logits), and the streamed answer above equals the first one.
     let n_prompt = usage["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(streamed_usage["prompt_tokens_details"]["cached_tokens"], n_prompt - 1);
+    assert_eq!(streamed_usage["prompt_tokens_details"]["cached_tokens"], n_prompt);
     streamed_usage["prompt_tokens_details"]["cached_tokens"] = json!(0);
     assert_eq!(&streamed_usage, usage, "streamed usage equals the non-streamed one");
     for ch in &chunks {

@@ -110,7 +110,8 @@ pub struct GenRequest {
     pub n_logprobs: Option<usize>,
     /// Prompt positions where a follow-up request may diverge (e.g. the end of every chat
     /// message): the state after that many tokens is checkpointed into the prompt cache. The
-    /// prompt minus its last token and the end of the generation are always checkpointed.
+    /// prompt's end (with its last token's logits) and the end of the generation are always
+    /// checkpointed.
     pub checkpoints: Vec<usize>,
 }
 
@@ -334,17 +335,20 @@ struct Seq<S> {
     n_generated: usize,
     /// Tokens its KV pages were reserved for at admission.
     reserve_to: usize,
+    /// The logits of the prompt's last token, restored with the whole prompt from the cache:
+    /// the first token is sampled from them before the next step, nothing is recomputed.
+    restored_logits: Option<Vec<f32>>,
 }
 
 impl<S> Seq<S> {
     /// Checkpoint positions of the prompt: the ones the request names, every `every` tokens,
-    /// and the prompt minus its last token (a repeated or extended prompt restores there and
-    /// recomputes from the last token, whose logits it needs anyway).
+    /// and the prompt's end (kept with its last token's logits, so the same prompt again
+    /// restores everything and computes nothing before its first token).
     fn is_checkpoint(&self, pos: usize, every: usize) -> bool {
         let n_prompt = self.job.req.prompt.len();
         pos > 0
-            && pos < n_prompt
-            && (pos == n_prompt - 1 || (every > 0 && pos.is_multiple_of(every)) || self.job.req.checkpoints.contains(&pos))
+            && pos <= n_prompt
+            && (pos == n_prompt || (every > 0 && pos.is_multiple_of(every)) || self.job.req.checkpoints.contains(&pos))
     }
 
     /// Where the current prompt chunk must end so that the next checkpoint is hit exactly.
@@ -352,8 +356,7 @@ impl<S> Seq<S> {
         let n_prompt = self.job.req.prompt.len();
         let periodic = self.n_fed.checked_div(every).map_or(n_prompt, |k| (k + 1) * every);
         let asked = self.job.req.checkpoints.iter().copied().filter(|&p| p > self.n_fed).min().unwrap_or(n_prompt);
-        let last = if self.n_fed < n_prompt - 1 { n_prompt - 1 } else { n_prompt };
-        periodic.min(asked).min(last).min(n_prompt)
+        periodic.min(asked).min(n_prompt)
     }
 }
 
@@ -363,7 +366,22 @@ struct Scheduler<B: Backend> {
     stats: Arc<EngineStats>,
     rx: mpsc::Receiver<Msg>,
     active: Vec<Seq<B::State>>,
-    cache: Option<PrefixCache<B::Snapshot>>,
+    cache: Option<PrefixCache<Cached<B::Snapshot>>>,
+}
+
+/// A prompt-cache entry: a state, and at a prompt's end the logits of its last token.
+struct Cached<S> {
+    snap: S,
+    logits: Option<Vec<f32>>,
+}
+
+impl<S: Checkpoint> Checkpoint for Cached<S> {
+    fn bytes(&self) -> usize {
+        self.snap.bytes() + self.logits.as_ref().map_or(0, |l| std::mem::size_of_val(l.as_slice()))
+    }
+    fn shared(&self) -> Vec<(usize, usize)> {
+        self.snap.shared()
+    }
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -469,23 +487,24 @@ impl<B: Backend> Scheduler<B> {
             self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        // The longest cached prefix that ends at a checkpoint; at least the last prompt token is
-        // always computed, since its logits are needed.
+        // The longest cached prefix that ends at a checkpoint: the whole prompt only with its
+        // last token's logits (they are needed to sample), else at least that token is computed.
         let prompt = &job.req.prompt;
+        let n_prompt = prompt.len();
         let restored = self
             .cache
             .as_mut()
-            .and_then(|c| c.lookup(&prompt[..prompt.len() - 1]))
-            .map(|(n, snap)| (n, self.backend.restore(snap, self.cfg.n_ctx)));
+            .and_then(|c| c.lookup_with(prompt, |n, e| n < n_prompt || e.logits.is_some()))
+            .map(|(n, e)| (n, e.logits.clone().filter(|_| n == n_prompt), self.backend.restore(&e.snap, self.cfg.n_ctx)));
         self.update_cache_stats();
-        let (state, n_cached) = match restored {
-            Some((n, Ok(s))) => (s, n),
-            Some((_, Err(e))) => {
+        let (state, n_cached, restored_logits) = match restored {
+            Some((n, logits, Ok(s))) => (s, n, logits),
+            Some((_, _, Err(e))) => {
                 job.sink.send(Event::Failed(format!("restoring a prompt-cache checkpoint: {e}")));
                 return;
             }
             None => match self.backend.new_state(self.cfg.n_ctx) {
-                Ok(s) => (s, 0),
+                Ok(s) => (s, 0, None),
                 Err(e) => {
                     job.sink.send(Event::Failed(e.to_string()));
                     return;
@@ -507,7 +526,17 @@ impl<B: Backend> Scheduler<B> {
         }
         let history = job.req.prompt.clone();
         let reserve_to = self.reserve_to(&job.req);
-        self.active.push(Seq { job, state, sampler, history, n_fed: n_cached, n_done: n_cached, n_generated: 0, reserve_to });
+        self.active.push(Seq {
+            job,
+            state,
+            sampler,
+            history,
+            n_fed: n_cached,
+            n_done: n_cached,
+            n_generated: 0,
+            reserve_to,
+            restored_logits,
+        });
     }
 
     /// One forward pass over every active sequence, then sampling.
@@ -521,17 +550,40 @@ impl<B: Backend> Scheduler<B> {
         }
         let caching = self.cache.is_some();
         let every = if caching { self.cfg.checkpoint_every } else { 0 };
+        let n_ctx = self.cfg.n_ctx;
+        let mut done = vec![false; self.active.len()];
+        let mut to_checkpoint: Vec<(usize, Option<Vec<f32>>)> = Vec::new();
+        // Finished events go out after the end-of-generation checkpoint is taken and the slot
+        // is freed, so a client that sees the end also sees the cache and slot counts updated.
+        let mut finished: Vec<(usize, Event)> = Vec::new();
+        // A sequence restored with its whole prompt takes its first token from the restored
+        // logits, then decodes in this step like the others.
+        for (i, s) in self.active.iter_mut().enumerate() {
+            let Some(row) = s.restored_logits.take() else { continue };
+            match take_token(s, &row, n_ctx, &self.stats) {
+                Took::Goes => {}
+                Took::Ends(ev) => {
+                    finished.push((i, ev));
+                    done[i] = true;
+                    to_checkpoint.push((i, None));
+                }
+                Took::Gone => done[i] = true,
+            }
+        }
         // Which tokens each sequence feeds this step: (start, end, wants logits). Decoders take
         // one token each; prompt chunks share what is left of the budget, first come first
         // served, and end at checkpoint positions. A prompt left without budget waits (a, a).
-        let n_decoding = self.active.iter().filter(|s| s.n_fed >= s.job.req.prompt.len()).count();
+        let n_decoding = self.active.iter().zip(&done).filter(|(s, d)| !**d && s.n_fed >= s.job.req.prompt.len()).count();
         let mut left = self.cfg.n_batch.saturating_sub(n_decoding);
         let spans: Vec<(usize, usize, bool)> = self
             .active
             .iter()
-            .map(|s| {
+            .zip(&done)
+            .map(|(s, &d)| {
                 let n_prompt = s.job.req.prompt.len();
-                if s.n_fed < n_prompt {
+                if d {
+                    (0, 0, false) // ended on its restored logits
+                } else if s.n_fed < n_prompt {
                     let cut = if caching { s.next_checkpoint(every) } else { n_prompt };
                     let end = (s.n_fed + left).min(cut);
                     left -= end - s.n_fed;
@@ -592,13 +644,12 @@ impl<B: Backend> Scheduler<B> {
                 return;
             }
         }
-        let n_ctx = self.cfg.n_ctx;
-        let mut done = vec![false; self.active.len()];
-        let mut to_checkpoint = Vec::new();
-        // Finished events go out after the end-of-generation checkpoint is taken and the slot
-        // is freed, so a client that sees the end also sees the cache and slot counts updated.
-        let mut finished: Vec<(usize, Event)> = Vec::new();
+        let mut prompt_checkpoints: Vec<(usize, Option<Vec<f32>>)> = Vec::new();
+        let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
         for (i, ((s, row), &(a, b, _))) in self.active.iter_mut().zip(logits).zip(&spans).enumerate() {
+            if done[i] {
+                continue;
+            }
             if failed[i] {
                 done[i] = true;
                 continue;
@@ -610,42 +661,33 @@ impl<B: Backend> Scheduler<B> {
             if s.n_fed < n_prompt {
                 s.n_fed = b;
                 if self.cache.is_some() && s.is_checkpoint(b, every) {
-                    to_checkpoint.push(i);
+                    // The prompt's end keeps its last token's logits.
+                    prompt_checkpoints.push((i, row.as_ref().filter(|_| b == n_prompt).cloned()));
                 }
             }
-            let Some(row) = row else { continue };
-            let id = s.sampler.sample(&row, &s.history);
-            s.n_generated += 1;
-            self.stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
-            if s.job.req.eog.contains(&id) {
-                finished.push((i, Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated }));
-                done[i] = true;
-                to_checkpoint.push(i);
-                continue;
-            }
-            let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(&row, id, k));
-            if !s.job.sink.send(Event::Token { id, logprobs }) {
-                self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
-                done[i] = true;
-                continue;
-            }
-            s.history.push(id);
-            let reason = if s.n_generated >= s.job.req.max_tokens {
-                Some(FinishReason::MaxTokens)
-            } else if s.history.len() >= n_ctx {
-                // The sampled token cannot be fed: the context is full.
-                Some(FinishReason::ContextFull)
-            } else {
-                None
-            };
-            if let Some(r) = reason {
-                finished.push((i, Event::Finished { reason: r, n_prompt, n_generated: s.n_generated }));
-                done[i] = true;
-                to_checkpoint.push(i);
+            if let Some(row) = row {
+                rows.push((i, row));
             }
         }
-        for i in to_checkpoint {
-            self.checkpoint(i);
+        // Prompt checkpoints before the first token goes out: its time to first token holds
+        // the state's copy, not the decode that follows.
+        for (i, logits) in prompt_checkpoints {
+            self.checkpoint(i, logits);
+        }
+        for (i, row) in rows {
+            match take_token(&mut self.active[i], &row, n_ctx, &self.stats) {
+                Took::Goes => {}
+                Took::Ends(ev) => {
+                    finished.push((i, ev));
+                    done[i] = true;
+                    to_checkpoint.push((i, None));
+                }
+                Took::Gone => done[i] = true,
+            }
+        }
+        finished.sort_by_key(|f| f.0);
+        for (i, logits) in to_checkpoint {
+            self.checkpoint(i, logits);
         }
         let mut sinks: Vec<(Box<dyn EventSink>, Event)> = Vec::with_capacity(finished.len());
         let mut events = finished.into_iter().peekable();
@@ -668,8 +710,8 @@ impl<B: Backend> Scheduler<B> {
 
 impl<B: Backend> Scheduler<B> {
     /// Stores the state of active sequence `i` (covering `history[..n_done]`) in the prompt
-    /// cache, unless that exact prefix is already there.
-    fn checkpoint(&mut self, i: usize) {
+    /// cache, with `logits` of its last token when given, unless that exact prefix is there.
+    fn checkpoint(&mut self, i: usize, logits: Option<Vec<f32>>) {
         let Some(cache) = self.cache.as_mut() else { return };
         let s = &self.active[i];
         let key = &s.history[..s.n_done];
@@ -681,7 +723,7 @@ impl<B: Backend> Scheduler<B> {
             // A checkpoint is an optimisation: without one the prompt is recomputed later.
             Err(_) => return,
         };
-        let evicted = cache.insert(key, snap);
+        let evicted = cache.insert(key, Cached { snap, logits });
         self.stats.cache_checkpoints.fetch_add(1, Ordering::Relaxed);
         self.stats.cache_evictions.fetch_add(evicted as u64, Ordering::Relaxed);
         self.update_cache_stats();
@@ -700,6 +742,46 @@ impl<B: Backend> Scheduler<B> {
 
 /// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
 /// lower id).
+/// What became of a sequence that took a token.
+enum Took {
+    /// It goes on.
+    Goes,
+    /// It ended (end of generation, max tokens, full context): this event goes out.
+    Ends(Event),
+    /// Its client left.
+    Gone,
+}
+
+/// Samples the next token of `s` from `row` (its last token's logits), sends it, and appends it
+/// to the history when the sequence goes on.
+fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats) -> Took {
+    let n_prompt = s.job.req.prompt.len();
+    let id = s.sampler.sample(row, &s.history);
+    s.n_generated += 1;
+    stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+    if s.job.req.eog.contains(&id) {
+        return Took::Ends(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
+    }
+    let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(row, id, k));
+    if !s.job.sink.send(Event::Token { id, logprobs }) {
+        stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
+        return Took::Gone;
+    }
+    s.history.push(id);
+    let reason = if s.n_generated >= s.job.req.max_tokens {
+        Some(FinishReason::MaxTokens)
+    } else if s.history.len() >= n_ctx {
+        // The sampled token cannot be fed: the context is full.
+        Some(FinishReason::ContextFull)
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Took::Ends(Event::Finished { reason, n_prompt, n_generated: s.n_generated }),
+        None => Took::Goes,
+    }
+}
+
 pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
     let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     let log_total = (row.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum::<f64>()).ln() as f32;

@@ -103,11 +103,16 @@ impl<S: Checkpoint> PrefixCache<S> {
     /// The longest checkpointed prefix of `tokens`: its length and checkpoint. Counts a hit or
     /// a miss and marks the entry as recently used.
     pub fn lookup(&mut self, tokens: &[u32]) -> Option<(usize, &S)> {
+        self.lookup_with(tokens, |_, _| true)
+    }
+
+    /// [`PrefixCache::lookup`] among the checkpoints `accept(depth, checkpoint)` takes.
+    pub fn lookup_with(&mut self, tokens: &[u32], accept: impl Fn(usize, &S) -> bool) -> Option<(usize, &S)> {
         let mut at = 0usize; // node
         let mut depth = 0usize; // tokens matched so far
         let mut best: Option<(usize, usize)> = None; // (node, depth)
         loop {
-            if self.node(at).checkpoint.is_some() && depth > 0 {
+            if depth > 0 && self.node(at).checkpoint.as_ref().is_some_and(|c| accept(depth, c)) {
                 best = Some((at, depth));
             }
             let Some(&next) = tokens.get(depth).and_then(|t| self.node(at).children.get(t)) else { break };
