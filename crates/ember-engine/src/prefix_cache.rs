@@ -397,6 +397,19 @@ mod tests {
     }
 
     #[test]
+    fn lookup_with_skips_the_checkpoints_it_refuses() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(&[1, 2], Cp("a", 10));
+        c.insert(&[1, 2, 3, 4], Cp("b", 10));
+        // As the engine asks: the whole query only from an entry that says so ("b" does not).
+        let whole_ok = |n: usize, s: &Cp| n < 4 || s.0 == "x";
+        assert_eq!(c.lookup_with(&[1, 2, 3, 4], whole_ok).map(|(n, s)| (n, s.0)), Some((2, "a")));
+        assert_eq!(c.lookup_with(&[1, 2, 3, 4, 5], |_, _| true).map(|(n, s)| (n, s.0)), Some((4, "b")));
+        assert_eq!(c.lookup_with(&[1, 2], |_, _| false).map(|(n, _)| n), None);
+        assert_eq!((c.stats().hits, c.stats().misses), (2, 1), "one count per lookup");
+    }
+
+    #[test]
     fn longest_checkpointed_prefix() {
         let mut c = PrefixCache::new(1000);
         assert!(c.lookup(&[1, 2, 3]).is_none());
