@@ -560,15 +560,8 @@ impl<B: Backend> Scheduler<B> {
         // logits, then decodes in this step like the others.
         for (i, s) in self.active.iter_mut().enumerate() {
             let Some(row) = s.restored_logits.take() else { continue };
-            match take_token(s, &row, n_ctx, &self.stats) {
-                Took::Goes => {}
-                Took::Ends(ev) => {
-                    finished.push((i, ev));
-                    done[i] = true;
-                    to_checkpoint.push((i, None));
-                }
-                Took::Gone => done[i] = true,
-            }
+            let took = take_token(s, &row, n_ctx, &self.stats);
+            settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
         // Which tokens each sequence feeds this step: (start, end, wants logits). Decoders take
         // one token each; prompt chunks share what is left of the budget, first come first
@@ -675,15 +668,8 @@ impl<B: Backend> Scheduler<B> {
             self.checkpoint(i, logits);
         }
         for (i, row) in rows {
-            match take_token(&mut self.active[i], &row, n_ctx, &self.stats) {
-                Took::Goes => {}
-                Took::Ends(ev) => {
-                    finished.push((i, ev));
-                    done[i] = true;
-                    to_checkpoint.push((i, None));
-                }
-                Took::Gone => done[i] = true,
-            }
+            let took = take_token(&mut self.active[i], &row, n_ctx, &self.stats);
+            settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
         finished.sort_by_key(|f| f.0);
         for (i, logits) in to_checkpoint {
@@ -782,6 +768,20 @@ fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats)
     }
 }
 
+/// Records what became of sequence `i`: an ended one is done, its event goes out and its
+/// generation is checkpointed; a gone one is done.
+fn settle(i: usize, took: Took, done: &mut [bool], finished: &mut Vec<(usize, Event)>, to_checkpoint: &mut Vec<(usize, Option<Vec<f32>>)>) {
+    match took {
+        Took::Goes => {}
+        Took::Ends(ev) => {
+            finished.push((i, ev));
+            done[i] = true;
+            to_checkpoint.push((i, None));
+        }
+        Took::Gone => done[i] = true,
+    }
+}
+
 pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
     let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     let log_total = (row.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum::<f64>()).ln() as f32;
@@ -797,95 +797,5 @@ pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
     TokenLogprobs {
         logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
         top: idx.into_iter().map(|t| (t, lp(row[t as usize]))).collect(),
-    }
-}
-
-/// A [`Backend`] that plays back a fixed token sequence, whatever the prompt: the `k`-th
-/// sampled token of every sequence is `script[k]`, then `eog`. Its logits put the scripted
-/// token 50 nats above all others, so any sampler settings pick it. For end-to-end tests of
-/// clients and output parsing, where a random-weight model cannot be made to emit tool calls.
-pub struct ScriptBackend {
-    pub n_vocab: usize,
-    pub script: Vec<u32>,
-    pub eog: u32,
-}
-
-/// State of a [`ScriptBackend`] sequence.
-pub struct ScriptState {
-    n_past: usize,
-    n_ctx: usize,
-    n_sampled: usize,
-}
-
-/// Snapshot of a [`ScriptBackend`] sequence: only its length.
-pub struct ScriptSnapshot {
-    n_past: usize,
-}
-
-impl Checkpoint for ScriptSnapshot {
-    fn bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-    }
-
-    fn shared(&self) -> Vec<(usize, usize)> {
-        Vec::new()
-    }
-}
-
-impl Backend for ScriptBackend {
-    type State = ScriptState;
-    type Snapshot = ScriptSnapshot;
-
-    fn configure(&mut self, _slots: usize, _n_ctx: usize, _cache_bytes: usize) -> Result<(), Error> {
-        Ok(())
-    }
-
-    fn snapshot(&mut self, state: &ScriptState) -> Result<ScriptSnapshot, Error> {
-        Ok(ScriptSnapshot { n_past: state.n_past })
-    }
-
-    fn kv_pages(&mut self) -> Option<(usize, usize)> {
-        None
-    }
-
-    fn pages_for(&self, _from: usize, _to: usize) -> usize {
-        0
-    }
-
-    fn restore(&mut self, snap: &ScriptSnapshot, n_ctx: usize) -> Result<ScriptState, Error> {
-        Ok(ScriptState { n_past: snap.n_past, n_ctx, n_sampled: 0 })
-    }
-
-    fn n_vocab(&self) -> usize {
-        self.n_vocab
-    }
-
-    fn new_state(&mut self, n_ctx: usize) -> Result<ScriptState, Error> {
-        Ok(ScriptState { n_past: 0, n_ctx, n_sampled: 0 })
-    }
-
-    fn forward(&mut self, items: &mut [Step<'_, ScriptState>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
-        let mut out = Vec::with_capacity(items.len());
-        for it in items.iter_mut() {
-            let st = &mut *it.state;
-            if st.n_past + it.tokens.len() > st.n_ctx {
-                return Err(Error::Backend(format!("context full: {} + {} > {}", st.n_past, it.tokens.len(), st.n_ctx)));
-            }
-            st.n_past += it.tokens.len();
-            if it.logits == Logits::None {
-                out.push(None);
-                continue;
-            }
-            let id = self.script.get(st.n_sampled).copied().unwrap_or(self.eog);
-            st.n_sampled += 1;
-            // Every row but the last is flat (only `ember logits` asks for them).
-            let n_rows = if it.logits == Logits::All { it.tokens.len() } else { 1 };
-            let mut rows = vec![0.0f32; n_rows * self.n_vocab];
-            if let Some(x) = rows.get_mut((n_rows - 1) * self.n_vocab + id as usize) {
-                *x = 50.0;
-            }
-            out.push(Some(rows));
-        }
-        Ok(out)
     }
 }

@@ -13,13 +13,14 @@ pub mod engine;
 mod model_backend;
 pub mod prefix_cache;
 pub mod sampler;
+mod script_backend;
 
 pub use engine::{
-    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, ScriptBackend, Step,
-    TokenLogprobs, start,
+    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, Step, TokenLogprobs, start,
 };
 pub use model_backend::{ModelBackend, pool_pages};
 pub use sampler::{Sampler, SamplerConfig};
+pub use script_backend::{ScriptBackend, ScriptSnapshot, ScriptState};
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]
