@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-E=/work/main/target/release/ember; M=$HOME/.cache/ember/synth/small-q4_k_m-seed0-skew1.gguf; O=/tmp/http4
+# Three rounds: ember bench in process, ember serve + bench-http with the defaults ("warm"), and
+# again with the extra serve arguments given (TAG), e.g.
+#   rounds.sh OUT cold --warm-up 0      (folders 2, 3)
+#   rounds.sh OUT nocache --cache-ram 0 (folders 4, 5, 6)
+E=${EMBER:-/work/main/target/release/ember}; M=$HOME/.cache/ember/synth/small-q4_k_m-seed0-skew1.gguf; O=${1:?output folder}; TAG=${2:?tag of the second server}; shift 2
 cp $E $O/ember-bin; E=$O/ember-bin
 serve_http() { # $1 tag, rest: serve args
   local tag=$1; shift
@@ -15,6 +19,6 @@ for r in 1 2 3; do
   $E bench -m $M --device cpu -t 2 -p 512 -n 64 -d 0,512 -r 3 -o json > $O/bench-$r.json 2> $O/bench-$r.log
   echo "round $r bench exit $?"
   serve_http warm-$r
-  serve_http nocache-$r --cache-ram 0
+  serve_http $TAG-$r "$@"
 done
 echo done
