@@ -139,8 +139,13 @@ fn r17_chat_in_a_terminal_ctrl_c_stops_the_answer_only() {
     t.cmd(&["send-keys", "-t", "chat", "Go on", "Enter"]);
     t.wait_for("the second answer to start", |s| answer_started(s, "Go on"));
     std::thread::sleep(Duration::from_millis(100));
-    t.cmd(&["send-keys", "-t", "chat", "C-c"]);
-    let s = t.wait_for("the second answer to stop", |s| s.matches("stopped (Ctrl-C)").count() == 2);
+    // The demo model (random weights) may end this answer itself (an end-of-generation token:
+    // its text depends on where the first answer was cut); Ctrl-C then would reach the prompt
+    // and quit. Stop it only while it runs: the first turn has tested the stop.
+    if turn_stats(&t.screen()).len() < 2 {
+        t.cmd(&["send-keys", "-t", "chat", "C-c"]);
+    }
+    let s = t.wait_for("the second answer to end", |s| turn_stats(s).len() == 2);
     let stats = turn_stats(&s);
     assert_eq!(stats.len(), 2, "{s}");
     assert!(stats[1].1 > 0, "the second turn restored the first from the prompt cache: {s}");
