@@ -34,7 +34,8 @@
 #          ROUNDS rounds: `ember bench --device cpu -t T -p 512 -n 128 -d 0,CPU_DEPTHS` (default
 #          4096) against `llama-bench -ngl 0 -fa 1` with the same arguments; then (CPU_HTTP=1,
 #          default) `ember serve --device cpu -t 16` + `ember bench-http --depths 512` against
-#          `ember bench -d 0,512` (the HTTP path, item 4)
+#          `ember bench -d 0,512` (the HTTP path, item 4); before it (CPU_PROFILE=1, default)
+#          decode's per-op profile at 16 threads at depths 0 and CPU_DEPTHS' first (model_bench)
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
 set -uo pipefail
 O=${OUT:-/tmp/out}; M=/tmp/m; L=/tmp/llama; mkdir -p "$O" "$M" "$L"
@@ -81,7 +82,7 @@ if has tests; then
     # The q4_k_m 35B for load/bench (SYNTH=0: not needed by the stages that follow).
     if [[ ${SYNTH:-1} == 1 ]]; then ensure_model & SY=$!; else SY=; fi
     for t in /tmp/bin/*; do
-        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
+        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || $n == model_bench || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
         t0=$(date +%s)
         timeout 300 "$t" --test-threads=1 --nocapture > "$O/test-$n.log" 2>&1
         echo "test $n: exit $? in $(( $(date +%s) - t0 )) s: $(grep '^test result' "$O/test-$n.log" | tail -1)"
@@ -245,6 +246,14 @@ for (t, name), d in sorted(rows.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
     ratio = (sum(e) / len(e)) / (sum(l) / len(l)) if e and l else float('nan')
     print(f"| {t} | {name} | {' '.join('%.1f' % v for v in e)} | {' '.join('%.1f' % v for v in l)} | {ratio:.2f} |")
 PY
+    # CPU_PROFILE=1 (default): decode's time per op at 16 threads (issue 18 item 3), at depth 0
+    # and at the first of CPU_DEPTHS (`model_bench` with EMBER_PROFILE=1, 32 tokens).
+    if [[ ${CPU_PROFILE:-1} == 1 && -x /tmp/bin/model_bench ]]; then
+        for d in 0 ${CPU_DEPTHS%%,*}; do
+            EMBER_PROFILE=1 /tmp/bin/model_bench $F 35b-a3b q4_k_m 0 32 $d 16 > "$O/cpu-profile-d$d.txt" 2>&1
+            echo "cpu profile d=$d: exit $?"; head -40 "$O/cpu-profile-d$d.txt"
+        done
+    fi
     if [[ ${CPU_HTTP:-1} == 1 ]]; then
         $E bench -m $F --device cpu -t 16 -p 512 -n 64 -d 0,512 -r 2 -o json > "$O/cpu-http-bench.json" 2> "$O/cpu-http-bench.log"
         $E serve -m $F --device cpu -t 16 --port 8097 --parallel 1 -c 8192 > "$O/cpu-serve.log" 2>&1 & S=$!

@@ -12,8 +12,9 @@ mkdir -p .gpu
 # there), stripped, in one solid xz: the binaries share most of their code, so each test binary
 # adds ~0.3 MB.
 cargo build --release -p ember-cli
-# The `bandwidth` example (the host's read bandwidth, for h200.sh's cpu stage).
-cargo build --release -p ember-cpu --example bandwidth
+# The `bandwidth` example (the host's read bandwidth) and `model_bench` (the per-op CPU profile),
+# for h200.sh's cpu stage.
+cargo build --release -p ember-cpu --example bandwidth --example model_bench
 tests=$(cargo test --release -p ember-cuda -p ember-plan --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -22,12 +23,14 @@ for l in sys.stdin:
         print(m["executable"])')
 rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/ember.xz .gpu/ember.gz
 mkdir -p .gpu/bin
-# PACK_SKIP=a,b: leave those binaries out (test binaries, `ember` or `bandwidth`) when the tree
-# would pass the 64 MiB, e.g. PACK_SKIP=ember,nvrtc_compile,bandwidth for a tests call that
-# builds llama.cpp alongside (nvrtc_compile needs no GPU and runs in CI; bandwidth serves only
-# the cpu stage).
+# PACK_SKIP=a,b: leave those binaries out (test binaries, `ember`, `bandwidth`, `model_bench`)
+# when the tree would pass the 64 MiB, e.g. PACK_SKIP=ember,nvrtc_compile,bandwidth,model_bench
+# for a tests call that builds llama.cpp alongside (nvrtc_compile needs no GPU and runs in CI;
+# bandwidth and model_bench serve only the cpu stage).
 [[ ",${PACK_SKIP:-}," == *",ember,"* ]] || strip -o .gpu/bin/ember target/release/ember
-[[ ",${PACK_SKIP:-}," == *",bandwidth,"* ]] || strip -o .gpu/bin/bandwidth target/release/examples/bandwidth
+for x in bandwidth model_bench; do
+    [[ ",${PACK_SKIP:-}," == *",$x,"* ]] || strip -o .gpu/bin/$x target/release/examples/$x
+done
 # ONLY_EMBER=1: the binary alone (benchmark calls: leaves room for the llama.cpp source in the
 # 64 MiB that travels, which the tree's fixtures fill to ~50 MiB).
 [[ ${ONLY_EMBER:-0} == 1 ]] && tests=
