@@ -302,7 +302,7 @@ pub fn start<B: Backend>(mut backend: B, cfg: EngineConfig) -> Result<(EngineHan
 
 /// [`EngineConfig::warm_up`]: one prompt on a scratch sequence, dropped after.
 fn warm_up<B: Backend>(backend: &mut B, cfg: &EngineConfig) -> Result<(), Error> {
-    let n = cfg.warm_up.min(cfg.n_batch).min(cfg.n_ctx - 1);
+    let n = cfg.warm_up.min(cfg.n_batch).min(cfg.n_ctx.saturating_sub(1));
     if n == 0 {
         return Ok(());
     }
@@ -552,7 +552,7 @@ impl<B: Backend> Scheduler<B> {
         let every = if caching { self.cfg.checkpoint_every } else { 0 };
         let n_ctx = self.cfg.n_ctx;
         let mut done = vec![false; self.active.len()];
-        let mut to_checkpoint: Vec<(usize, Option<Vec<f32>>)> = Vec::new();
+        let mut to_checkpoint: Vec<usize> = Vec::new();
         // Finished events go out after the end-of-generation checkpoint is taken and the slot
         // is freed, so a client that sees the end also sees the cache and slot counts updated.
         let mut finished: Vec<(usize, Event)> = Vec::new();
@@ -672,8 +672,8 @@ impl<B: Backend> Scheduler<B> {
             settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
         finished.sort_by_key(|f| f.0);
-        for (i, logits) in to_checkpoint {
-            self.checkpoint(i, logits);
+        for i in to_checkpoint {
+            self.checkpoint(i, None);
         }
         let mut sinks: Vec<(Box<dyn EventSink>, Event)> = Vec::with_capacity(finished.len());
         let mut events = finished.into_iter().peekable();
@@ -726,8 +726,6 @@ impl<B: Backend> Scheduler<B> {
     }
 }
 
-/// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
-/// lower id).
 /// What became of a sequence that took a token.
 enum Took {
     /// It goes on.
@@ -770,18 +768,20 @@ fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats)
 
 /// Records what became of sequence `i`: an ended one is done, its event goes out and its
 /// generation is checkpointed; a gone one is done.
-fn settle(i: usize, took: Took, done: &mut [bool], finished: &mut Vec<(usize, Event)>, to_checkpoint: &mut Vec<(usize, Option<Vec<f32>>)>) {
+fn settle(i: usize, took: Took, done: &mut [bool], finished: &mut Vec<(usize, Event)>, to_checkpoint: &mut Vec<usize>) {
     match took {
         Took::Goes => {}
         Took::Ends(ev) => {
             finished.push((i, ev));
             done[i] = true;
-            to_checkpoint.push((i, None));
+            to_checkpoint.push(i);
         }
         Took::Gone => done[i] = true,
     }
 }
 
+/// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
+/// lower id).
 pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
     let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     let log_total = (row.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum::<f64>()).ln() as f32;
