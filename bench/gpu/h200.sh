@@ -195,24 +195,7 @@ if has bench; then
             echo "round $r $eng: exit $? in $(( $(date +%s) - t0 )) s"
         done
     done
-    python3 - "$O" <<'PY'
-import json, glob, sys, os
-rows = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], '*-[0-9].json'))):
-    eng = os.path.basename(f).split('-')[0]
-    try:
-        for x in json.load(open(f)):
-            t = ('pp%d' % x['n_prompt'] if x['n_prompt'] else 'tg%d' % x['n_gen']) + ('@d%d' % x['n_depth'] if x.get('n_depth') else '')
-            rows.setdefault(t, {}).setdefault(eng, []).append(x['avg_ts'])
-    except Exception as e:
-        print(f, 'unreadable:', e)
-print('| test | ember t/s (rounds) | llama.cpp t/s (rounds) | ratio of means |')
-print('| --- | --- | --- | ---: |')
-for t, d in rows.items():
-    e, l = d.get('ember', []), d.get('llama', [])
-    ratio = (sum(e) / len(e)) / (sum(l) / len(l)) if e and l else float('nan')
-    print(f"| {t} | {' '.join('%.1f' % v for v in e)} | {' '.join('%.1f' % v for v in l)} | {ratio:.2f} |")
-PY
+    python3 bench/gpu/ratios.py "$O" '(?P<eng>ember|llama)-[0-9]+\.json'
 fi
 if has cpu; then
     ensure_model; [[ ${LLAMA:-1} == 1 ]] && wait_llama_build
@@ -228,24 +211,7 @@ if has cpu; then
             fi
         done
     done
-    python3 - "$O" <<'PY'
-import json, glob, sys, os, re
-rows = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], 'cpu-*-t*-*.json'))):
-    eng, t = re.match(r'cpu-(\w+)-t(\d+)-', os.path.basename(f)).groups()
-    try:
-        for x in json.load(open(f)):
-            name = ('pp%d' % x['n_prompt'] if x['n_prompt'] else 'tg%d' % x['n_gen']) + ('@d%d' % x['n_depth'] if x.get('n_depth') else '')
-            rows.setdefault((int(t), name), {}).setdefault(eng, []).append(x['avg_ts'])
-    except Exception as e:
-        print(f, 'unreadable:', e)
-print('| threads | test | ember t/s (rounds) | llama.cpp t/s (rounds) | ratio of means |')
-print('| ---: | --- | --- | --- | ---: |')
-for (t, name), d in sorted(rows.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-    e, l = d.get('ember', []), d.get('llama', [])
-    ratio = (sum(e) / len(e)) / (sum(l) / len(l)) if e and l else float('nan')
-    print(f"| {t} | {name} | {' '.join('%.1f' % v for v in e)} | {' '.join('%.1f' % v for v in l)} | {ratio:.2f} |")
-PY
+    python3 bench/gpu/ratios.py "$O" 'cpu-(?P<eng>ember|llama)-t(?P<t>[0-9]+)-[0-9]+\.json'
     # CPU_PROFILE=1 (default): decode's time per op at 16 threads (issue 18 item 3), at depth 0
     # and at the first of CPU_DEPTHS (`model_bench` with EMBER_PROFILE=1, 32 tokens).
     if [[ ${CPU_PROFILE:-1} == 1 && -x /tmp/bin/model_bench ]]; then
