@@ -145,8 +145,8 @@ pub fn main(a: Args) -> Result<()> {
             if ops.expert_stats().is_none() {
                 cfg.warm_up = a.warm_up.unwrap_or(a.batch);
             }
-            if cfg.warm_up > 0 {
-                tracing::info!("warming up: one prompt of {} tokens", cfg.warm_up.min(a.batch).min(n_ctx - 1));
+            if cfg.warm_up_tokens() > 0 {
+                tracing::info!("warming up: one prompt of {} tokens", cfg.warm_up_tokens());
             }
             ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg)
         }

@@ -15,6 +15,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::prefix_cache::{Checkpoint, PrefixCache};
+use crate::sampler::logprobs_of;
 use crate::{Error, Sampler, SamplerConfig};
 
 /// One forward item: new tokens of one sequence and its state.
@@ -87,6 +88,13 @@ pub struct EngineConfig {
     /// then does not pay for the memory a full batch touches for the first time (on the 2-core
     /// VM a first 512-token prompt of `small` took 2.6 s, the next ones 1.9 s: 409k page faults).
     pub warm_up: usize,
+}
+
+impl EngineConfig {
+    /// The tokens the warm-up runs: [`EngineConfig::warm_up`], at most a batch, within the context.
+    pub fn warm_up_tokens(&self) -> usize {
+        self.warm_up.min(self.n_batch).min(self.n_ctx.saturating_sub(1))
+    }
 }
 
 impl Default for EngineConfig {
@@ -302,7 +310,7 @@ pub fn start<B: Backend>(mut backend: B, cfg: EngineConfig) -> Result<(EngineHan
 
 /// [`EngineConfig::warm_up`]: one prompt on a scratch sequence, dropped after.
 fn warm_up<B: Backend>(backend: &mut B, cfg: &EngineConfig) -> Result<(), Error> {
-    let n = cfg.warm_up.min(cfg.n_batch).min(cfg.n_ctx.saturating_sub(1));
+    let n = cfg.warm_up_tokens();
     if n == 0 {
         return Ok(());
     }
@@ -777,25 +785,5 @@ fn settle(i: usize, took: Took, done: &mut [bool], finished: &mut Vec<(usize, Ev
             to_checkpoint.push(i);
         }
         Took::Gone => done[i] = true,
-    }
-}
-
-/// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
-/// lower id).
-pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> TokenLogprobs {
-    let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-    let log_total = (row.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum::<f64>()).ln() as f32;
-    let lp = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x - max - log_total };
-    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    let by_desc = |a: &u32, b: &u32| lp(row[*b as usize]).total_cmp(&lp(row[*a as usize])).then(a.cmp(b));
-    let k = k.min(idx.len());
-    if k > 0 && k < idx.len() {
-        idx.select_nth_unstable_by(k - 1, by_desc);
-    }
-    idx.truncate(k);
-    idx.sort_unstable_by(by_desc);
-    TokenLogprobs {
-        logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
-        top: idx.into_iter().map(|t| (t, lp(row[t as usize]))).collect(),
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Filters run on the *untempered* logits, as in llama.cpp: temperature only reshapes the
 //! distribution over the tokens that survive. Candidates are kept in one reusable buffer;
-//! a call allocates nothing once the buffer has grown to the vocabulary size.
+//! a call allocates nothing once the buffer has grown to the vocabulary size. [`logprobs_of`]:
+//! the log-probabilities a response reports for a sampled token.
 
 use std::cmp::Ordering;
 
@@ -312,6 +313,26 @@ impl Xoshiro256 {
     /// Uniform in [0, 1) with 53 random bits.
     fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
+/// lower id).
+pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> crate::engine::TokenLogprobs {
+    let max = row.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let log_total = (row.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - max).exp()).sum::<f64>()).ln() as f32;
+    let lp = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x - max - log_total };
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let by_desc = |a: &u32, b: &u32| lp(row[*b as usize]).total_cmp(&lp(row[*a as usize])).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_desc);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by_desc);
+    crate::engine::TokenLogprobs {
+        logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        top: idx.into_iter().map(|t| (t, lp(row[t as usize]))).collect(),
     }
 }
 
