@@ -57,7 +57,10 @@ pub struct Placement<'a> {
 /// the hottest routed experts there with the rest on the CPU ([`ember_plan::hybrid::Hybrid`])
 /// when it does not, the CPU when there is no usable GPU (auto). Logs the choice.
 pub fn backend(device: Device, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
-    let cpu = || -> Box<dyn Ops> { Box::new(ember_cpu::backend(precision, threads)) };
+    let cpu = || -> Box<dyn Ops> {
+        say(host_memory(threads, place));
+        Box::new(ember_cpu::backend(precision, threads))
+    };
     let weight_bytes: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
     let budget_of = |g: &ember_cuda::DeviceInfo| -> Result<u64> {
         match &place.args.gpu_mem {
@@ -203,6 +206,42 @@ fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place
     Ok(Box::new(h))
 }
 
+/// What a model on the CPU takes of host memory: the weights (mapped from the file), the KV cache
+/// at the full context and the DeltaNet state, against the memory available now. The KV pages
+/// come as the context fills, so a long context that cannot fit is a warning, not an error.
+fn host_memory(threads: usize, place: &Placement) -> String {
+    let weights: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
+    let seqs = place.parallel.max(1);
+    let sizes = match ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, seqs) {
+        Ok(s) => s,
+        Err(e) => return format!("device: cpu ({} threads); state sizes unknown: {e}", self::threads(threads)),
+    };
+    let kv: u64 = sizes.layers.iter().map(|l| l.kv).sum();
+    let delta: u64 = sizes.layers.iter().map(|l| l.delta).sum();
+    let n_kv = sizes.layers.iter().filter(|l| l.kv > 0).count();
+    let s = seqs as u64;
+    let mut msg = format!(
+        "device: cpu ({} threads): weights {} ({}); KV cache {} {} a sequence at {} tokens ({n_kv} attention layers), {} for {seqs}, taken as contexts fill; DeltaNet state {} a sequence",
+        self::threads(threads),
+        size(weights),
+        if crate::load::no_mmap() { "read into memory" } else { "mapped from the file" },
+        format!("{:?}", place.kv_type).to_lowercase(),
+        size(kv / s),
+        place.n_ctx,
+        size(kv),
+        size(delta / s),
+    );
+    if let Some(avail) = crate::load::mem_available() {
+        let need = weights + kv + delta;
+        msg += &format!("; {} for the model and full contexts, {} of host memory available", size(need), size(avail));
+        if need > avail {
+            let q8 = if place.kv_type == ember_ops::KvType::Q8_0 { "" } else { ", or use --kv-type q8_0" };
+            msg += &format!(" (WARNING: full contexts would not fit: lower -c or --parallel{q8})");
+        }
+    }
+    msg
+}
+
 /// The memory the tier keeps free on the GPU while serving (`--reserve`).
 fn reserve(place: &Placement) -> Result<u64> {
     ember_plan::parse_bytes(&place.args.reserve).with_context(|| format!("--reserve {}", place.args.reserve))
@@ -220,6 +259,11 @@ fn say(msg: String) {
 /// The CPU threads a `-t` value means (0: the physical cores).
 pub fn threads(t: usize) -> usize {
     if t == 0 { ember_cpu::physical_cores() } else { t }
+}
+
+/// `b` bytes in GiB, or in MiB below one GiB.
+fn size(b: u64) -> String {
+    if b < 1 << 30 { format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64) } else { gib(b) }
 }
 
 fn gib(b: u64) -> String {

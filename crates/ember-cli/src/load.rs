@@ -20,6 +20,10 @@ pub fn set_no_mmap(on: bool) {
     NO_MMAP.store(on, Ordering::Relaxed);
 }
 
+pub fn no_mmap() -> bool {
+    NO_MMAP.load(Ordering::Relaxed)
+}
+
 /// A byte progress bar on stderr (drawn only on a terminal).
 fn bytes_bar(what: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(0);
@@ -95,7 +99,7 @@ pub fn parse_kv_type(s: &str) -> Result<ember_ops::KvType, String> {
 }
 
 /// `MemAvailable` from /proc/meminfo, in bytes (Linux; None elsewhere or when unreadable).
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -141,7 +141,7 @@ pub fn main(a: Args) -> Result<()> {
                 a.threads,
                 &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: a.parallel, kv_type: a.kv_type },
             )?;
-            tracing::info!("{} sequences of {n_ctx} tokens, queue {}", a.parallel, a.queue);
+            tracing::info!("{} sequence{} of {n_ctx} tokens, queue {}", a.parallel, if a.parallel == 1 { "" } else { "s" }, a.queue);
             if ops.expert_stats().is_none() {
                 cfg.warm_up = a.warm_up.unwrap_or(a.batch);
             }

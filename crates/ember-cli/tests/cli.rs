@@ -99,6 +99,22 @@ fn run_is_deterministic_with_a_seed() {
     assert!(String::from_utf8_lossy(&c.stderr).contains("bundled demo"));
 }
 
+/// On the CPU a command says what the model and its state take of host memory. tiny-a has 2
+/// attention layers of 2 KV heads × 64: at 4096 tokens (`run` sizes -c + 1) K and V take
+/// 2 × 2 × 4096 rows of 128 values, 256 bytes each in f16 (4 MiB), 136 in q8_0 (2.125 MiB).
+#[test]
+fn cpu_reports_its_memory() {
+    let m = path("tiny-a/gguf/tiny-a-Q4_K_M.gguf");
+    for (kv, want) in [
+        ("f16", "KV cache f16 4.0 MiB a sequence at 4096 tokens (2 attention layers)"),
+        ("q8_0", "KV cache q8_0 2.1 MiB a sequence at 4096 tokens"),
+    ] {
+        let o = ok(&["run", "-m", &m, "-p", "Hi", "-n", "1", "--device", "cpu", "-c", "4095", "--kv-type", kv]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want) && err.contains("DeltaNet state") && err.contains("host memory available"), "{err}");
+    }
+}
+
 #[test]
 fn inspect_reports_groups() {
     let o = ok(&["inspect", "-m", &path("tiny-a/gguf/tiny-a-Q4_K_M.gguf"), "--json"]);
