@@ -212,6 +212,16 @@ if has cpu; then
         done
     done
     python3 bench/gpu/ratios.py "$O" 'cpu-(?P<eng>ember|llama)-t(?P<t>[0-9]+)-[0-9]+\.json'
+    # CPU_BF16_AB=1: prompts at depth with P·V in bf16 and in f32 (EMBER_BF16=0), alternating
+    # (where the host has AVX-512 BF16; measured on Zen 4 only so far).
+    if [[ ${CPU_BF16_AB:-0} == 1 ]] && grep -q avx512_bf16 /proc/cpuinfo; then
+        for r in $(seq 1 "$ROUNDS"); do
+            for bf in 1 0; do
+                EMBER_BF16=$bf $E bench -m $F --device cpu -t 16 -p 512 -n 0 -d ${CPU_BF16_DEPTH:-8192} -r 2 -o json > "$O/cpu-bf16-$bf-$r.json" 2> "$O/cpu-bf16-$bf-$r.log"
+                echo "cpu bf16=$bf round $r: $(python3 -c "import json,sys; print(' '.join('pp%d@d%d %.1f' % (x['n_prompt'], x['n_depth'], x['avg_ts']) for x in json.load(open(sys.argv[1]))))" "$O/cpu-bf16-$bf-$r.json")"
+            done
+        done
+    fi
     # CPU_PROFILE=1 (default): decode's time per op at 16 threads (issue 18 item 3), at depth 0
     # and at the first of CPU_DEPTHS (`model_bench` with EMBER_PROFILE=1, 32 tokens).
     if [[ ${CPU_PROFILE:-1} == 1 && -x /tmp/bin/model_bench ]]; then

@@ -14,8 +14,14 @@
 //! matmuls use, `crate::panel`) and the scaled query vectors are quantised once per KV head
 //! to 8 bits in blocks of 32 with an f32 scale each ([`ActRow`], as the matmuls' activations),
 //! so a score is `Σ_blocks d_q·d_k·Σ q_q·q_k` by `vpdpbusd` (`Kernels::panel_dot`). The
-//! quantised query costs accuracy (measured in tests/conformance.rs); P·V stays in f32 on the
-//! converted values (probabilities are not 8-bit material).
+//! quantised query costs accuracy (measured in tests/conformance.rs); P·V stays in floats on
+//! the converted values (probabilities are not 8-bit material).
+//!
+//! Where the CPU has AVX-512 BF16 ([`Kernels::has_bf16`]), P·V takes the values and each
+//! block's probabilities rounded to bf16 and sums pairs of products in f32 (`vdpbf16ps`: twice
+//! the multiply-adds of an f32 FMA per instruction). Both roundings are relative errors of at
+//! most 2⁻⁹ per term, averaged over the block's positions; llama.cpp's CPU attention over an
+//! f16 cache sums V in f16. The error is measured in the tests below and tests/conformance.rs.
 
 use ember_gguf::GgmlType;
 use ember_ops::{AttnShape, KvRows, KvType, Mat};
@@ -24,7 +30,7 @@ use super::CpuOps;
 use crate::kernels::ActRow;
 use crate::panel::{self, Panel};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
-use crate::simd::{Gemm, Kernels};
+use crate::simd::{Gemm, GemmBf16, Kernels};
 
 /// Key positions per block: one product of a tile's queries with the block's keys, then one
 /// with its values.
@@ -109,7 +115,10 @@ impl CpuOps {
         let mut kt = if int_k { Vec::new() } else { vec![0f32; n_blk * BLK * hd] };
         let mut kp = if int_k { vec![Panel::default(); n_blk * PANELS] } else { Vec::new() };
         let mut qa = if int_k { vec![ActRow::default(); s.n_tok * g] } else { Vec::new() };
-        let mut vf = vec![0f32; n_blk * BLK * hd];
+        // An f32 cache asks for f32 precision: its P·V stays in f32.
+        let bf = kn.has_bf16() && vc.ty != KvType::F32;
+        let mut vf = if bf { Vec::new() } else { vec![0f32; n_blk * BLK * hd] };
+        let mut vh = if bf { vec![0u16; n_blk * BLK * hd] } else { Vec::new() };
         let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
         let mut bb = [0usize; MAX_PARTS + 1];
         let cparts = even_bounds(n_blk, parts_for(threads), 1, &mut bb);
@@ -119,10 +128,7 @@ impl CpuOps {
         for m in 0..s.n_head_kv {
             if int_k {
                 let pb = bb.map(|e| e * PANELS);
-                self.pool.split_mut2(&mut kp, &pb[..=cparts], &mut vf, &vb[..=cparts], |pi, kp, vp| {
-                    key_panels(kn, kc, m, hd, npos, bb[pi], kp);
-                    values_f32(kn, vc, m, hd, npos, bb[pi], vp);
-                });
+                self.pool.split_mut(&mut kp, &pb[..=cparts], |pi, kp| key_panels(kn, kc, m, hd, npos, bb[pi], kp));
                 // Row r of the tiles' order: token r / g, query head m·g + r % g.
                 self.pool.split_mut(&mut qa, &qb[..=qparts], |pi, qa| {
                     let mut x = vec![0f32; hd];
@@ -135,7 +141,7 @@ impl CpuOps {
                     }
                 });
             } else {
-                self.pool.split_mut2(&mut kt, &vb[..=cparts], &mut vf, &vb[..=cparts], |pi, kp, vp| {
+                self.pool.split_mut(&mut kt, &vb[..=cparts], |pi, kp| {
                     let mut row = vec![0f32; hd];
                     for (bi, kb) in kp.chunks_exact_mut(BLK * hd).enumerate() {
                         let p0 = (bb[pi] + bi) * BLK;
@@ -146,11 +152,15 @@ impl CpuOps {
                             }
                         }
                     }
-                    values_f32(kn, vc, m, hd, npos, bb[pi], vp);
                 });
             }
+            if bf {
+                self.pool.split_mut(&mut vh, &vb[..=cparts], |pi, vp| values_bf16(kn, vc, m, hd, npos, bb[pi], vp));
+            } else {
+                self.pool.split_mut(&mut vf, &vb[..=cparts], |pi, vp| values_f32(kn, vc, m, hd, npos, bb[pi], vp));
+            }
             let keys = if int_k { Keys::Int { panels: &kp, qa: &qa } } else { Keys::F32(&kt) };
-            let vf = &vf[..];
+            let vals = if bf { Vals::Bf16(&vh) } else { Vals::F32(&vf) };
             self.pool.split_mut(&mut ob, &ob_b[..=parts], |pi, items| {
                 let mut w = Work::new(rows_max, hd);
                 for (j, o) in items.chunks_exact_mut(slot).enumerate() {
@@ -158,7 +168,7 @@ impl CpuOps {
                     let t0 = item / n_split * tt;
                     let nt = tt.min(s.n_tok - t0);
                     let (b0, b1) = blocks(item);
-                    let tile = Tile { kn, s, q, m, t0, nt, g, keys, vf };
+                    let tile = Tile { kn, s, q, m, t0, nt, g, keys, vals };
                     tile.run(&mut w, b0, b1, o);
                 }
             });
@@ -199,7 +209,9 @@ impl CpuOps {
 struct Work {
     q: Vec<f32>,  // [row][hd + QPAD], scaled
     sc: Vec<f32>, // [row][BLK]: scores, then probabilities
-    o: Vec<f32>,  // [row][hd], unnormalised
+    /// [row][BLK]: the probabilities in bf16 (P·V in bf16).
+    pb: Vec<u16>,
+    o: Vec<f32>, // [row][hd], unnormalised
     mx: Vec<f32>,
     l: Vec<f32>,
     /// One panel's 16 scores per row (integer scores).
@@ -211,6 +223,7 @@ impl Work {
         Work {
             q: vec![0.0; rows * (hd + QPAD)],
             sc: vec![0.0; rows * BLK],
+            pb: vec![0; rows * BLK],
             o: vec![0.0; rows * hd],
             mx: vec![0.0; rows],
             l: vec![0.0; rows],
@@ -230,7 +243,16 @@ struct Tile<'a, K> {
     nt: usize,
     g: usize,
     keys: Keys<'a>,
-    vf: &'a [f32],
+    vals: Vals<'a>,
+}
+
+/// The values of one KV head as the tiles read them: per block, strips of [`vstrip`] columns.
+#[derive(Clone, Copy)]
+enum Vals<'a> {
+    /// f32, [block][strip][j][c].
+    F32(&'a [f32]),
+    /// bf16 in pairs of positions, [block][strip][j / 2][c][j % 2] (the B of [`GemmBf16`]).
+    Bf16(&'a [u16]),
 }
 
 /// The keys of one KV head as the tiles read them.
@@ -248,7 +270,7 @@ impl<K: Kernels> Tile<'_, K> {
     /// then (largest score, sum) per row; rows that see no key of the range get zeros and
     /// (−∞, 0), weight zero in the merge.
     fn run(&self, w: &mut Work, b0: usize, b1: usize, o: &mut [f32]) {
-        let Tile { kn, s, q, m, t0, nt, g, keys, vf } = *self;
+        let Tile { kn, s, q, m, t0, nt, g, keys, vals } = *self;
         let hd = s.head_dim;
         let gw = g * hd;
         let rows = nt * g;
@@ -273,8 +295,8 @@ impl<K: Kernels> Tile<'_, K> {
         w.o[..rp * hd].fill(0.0);
         w.mx[..rows].fill(f32::NEG_INFINITY);
         w.l[..rows].fill(0.0);
+        let sw = vstrip(hd);
         for b in b0..b1 {
-            let vb = &vf[b * BLK * hd..(b + 1) * BLK * hd];
             match keys {
                 Keys::F32(kt) => {
                     let kb = &kt[b * BLK * hd..(b + 1) * BLK * hd];
@@ -312,10 +334,20 @@ impl<K: Kernels> Tile<'_, K> {
                 }
                 w.l[r] += sum;
             }
-            let sw = vstrip(hd);
-            for (st, vs) in vb.chunks_exact(BLK * sw).enumerate() {
-                let g = Gemm { a: &w.sc, lda: BLK, b: vs, ldb: sw, ldc: hd, m: rp, n: sw, kd: BLK, acc: true };
-                kn.gemm_f32(&g, &mut w.o[st * sw..]);
+            match vals {
+                Vals::F32(vf) => {
+                    for (st, vs) in vf[b * BLK * hd..(b + 1) * BLK * hd].chunks_exact(BLK * sw).enumerate() {
+                        let g = Gemm { a: &w.sc, lda: BLK, b: vs, ldb: sw, ldc: hd, m: rp, n: sw, kd: BLK, acc: true };
+                        kn.gemm_f32(&g, &mut w.o[st * sw..]);
+                    }
+                }
+                Vals::Bf16(vh) => {
+                    kn.f32_to_bf16(&w.sc[..rp * BLK], &mut w.pb[..rp * BLK]);
+                    for (st, vs) in vh[b * BLK * hd..(b + 1) * BLK * hd].chunks_exact(BLK * sw).enumerate() {
+                        let g = GemmBf16 { a: &w.pb, lda: BLK, b: vs, ldb: 2 * sw, ldc: hd, m: rp, n: sw, kp: BLK / 2 };
+                        kn.gemm_bf16(&g, &mut w.o[st * sw..]);
+                    }
+                }
             }
         }
         let n_vec = o.len() / (hd + 2); // the slot's tt·g vectors
@@ -374,6 +406,26 @@ fn values_f32<K: Kernels>(kn: K, vc: &KvRows, m: usize, hd: usize, npos: usize, 
             kv_row(kn, vc, p0 + j, m * hd, &mut row);
             for (st, x) in row.chunks_exact(sw).enumerate() {
                 vb[st * BLK * sw + j * sw..][..sw].copy_from_slice(x);
+            }
+        }
+    }
+}
+
+/// The values of KV head `m` at the blocks from `b0` on into `vp` in bf16
+/// (`[block][strip][j / 2][c][j % 2]`, strips of [`vstrip`] columns); positions past `npos`
+/// are not written.
+fn values_bf16<K: Kernels>(kn: K, vc: &KvRows, m: usize, hd: usize, npos: usize, b0: usize, vp: &mut [u16]) {
+    let sw = vstrip(hd);
+    let mut row = vec![0f32; hd];
+    let mut h = vec![0u16; hd];
+    for (bi, vb) in vp.chunks_exact_mut(BLK * hd).enumerate() {
+        let p0 = (b0 + bi) * BLK;
+        for j in 0..BLK.min(npos - p0) {
+            kv_row(kn, vc, p0 + j, m * hd, &mut row);
+            kn.f32_to_bf16(&row, &mut h);
+            for (st, x) in h.chunks_exact(sw).enumerate() {
+                let dst = &mut vb[st * BLK * sw + j / 2 * 2 * sw + j % 2..];
+                x.iter().enumerate().for_each(|(c, v)| dst[2 * c] = *v);
             }
         }
     }

@@ -30,6 +30,12 @@ impl Avx512 {
     }
 }
 
+/// Whether the CPU has AVX-512 BF16 (and `EMBER_BF16` is not `0`). Detected once.
+fn bf16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| is_x86_feature_detected!("avx512bf16") && std::env::var("EMBER_BF16").as_deref() != Ok("0"))
+}
+
 /// Σ of four neighbouring u8·i8 products into each i32 lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -74,6 +80,31 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         // SAFETY: the CPU has the features (token); `check` bounded every element the tiles
         // touch, and m, n are multiples of the tile's rows and of 16 columns.
         unsafe { gemm_f32(g, c) }
+    }
+
+    #[inline]
+    fn has_bf16(self) -> bool {
+        bf16()
+    }
+
+    fn gemm_bf16(self, g: &super::GemmBf16<'_>, c: &mut [f32]) {
+        g.check(c);
+        if !bf16() || !g.m.is_multiple_of(GEMM_ROWS) || !g.n.is_multiple_of(16) {
+            return super::gemm_bf16_scalar(g, c);
+        }
+        // SAFETY: the CPU has the token's features and AVX-512 BF16 (`bf16`); `check` bounded
+        // every element the tiles touch; m, n are multiples of the tile's rows and of 16
+        // columns.
+        unsafe { gemm_bf16(g, c) }
+    }
+
+    fn f32_to_bf16(self, src: &[f32], dst: &mut [u16]) {
+        assert!(dst.len() >= src.len(), "f32_to_bf16: {} values into {}", src.len(), dst.len());
+        if !bf16() {
+            return dst.iter_mut().zip(src).for_each(|(d, x)| *d = super::bf16_of(*x));
+        }
+        // SAFETY: the CPU has AVX-512 BF16 (`bf16`); dst holds at least src.len() values.
+        unsafe { f32_to_bf16(src, dst) }
     }
 
     fn delta_seq(self, st: &mut [f32], io: &DeltaIo<'_>, o: &mut [f32]) {

@@ -214,6 +214,28 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         gemm_f32_scalar(g, c)
     }
 
+    /// `C ← C + A·B` for the bf16 matrices of `g` (see [`GemmBf16`]), each pair of products
+    /// summed in f32: the tiled prompt attention's O += P·V where [`Kernels::has_bf16`]. The
+    /// default is the scalar loop.
+    fn gemm_bf16(self, g: &GemmBf16<'_>, c: &mut [f32]) {
+        g.check(c);
+        gemm_bf16_scalar(g, c)
+    }
+
+    /// Whether [`Kernels::gemm_bf16`] is a fast kernel on this CPU (AVX-512 BF16: twice the
+    /// multiply-adds of an f32 FMA per instruction), worth converting a prompt's values and
+    /// probabilities to bf16 for. `EMBER_BF16=0` turns it off (for measurements).
+    fn has_bf16(self) -> bool {
+        false
+    }
+
+    /// `dst[i]` = `src[i]` rounded to bf16 (to nearest, ties to even). The default is
+    /// [`bf16_of`] per value.
+    fn f32_to_bf16(self, src: &[f32], dst: &mut [u16]) {
+        assert!(dst.len() >= src.len(), "f32_to_bf16: {} values into {}", src.len(), dst.len());
+        dst.iter_mut().zip(src).for_each(|(d, x)| *d = bf16_of(*x));
+    }
+
     /// Whether this instruction set has fast [`Panel`] kernels (worth using for prompts).
     fn has_panels(self) -> bool {
         false
@@ -304,6 +326,73 @@ impl Gemm<'_> {
             b.len(),
             c.len()
         );
+    }
+}
+
+/// A product for [`Kernels::gemm_bf16`] in bf16 (`u16` bit patterns), summed along `kd` in
+/// pairs: A is `m×2kp` (row i at `a[i·lda..]`); B is `2kp×n` stored as `kp` pair rows, pair
+/// row t at `b[t·ldb..]` holding `(B[2t][j], B[2t+1][j])` at `2j, 2j + 1` (the operand layout
+/// of `vdpbf16ps`); C is `m×n` f32 (row i at `c[i·ldc..]`), added to.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmBf16<'a> {
+    pub a: &'a [u16],
+    pub lda: usize,
+    pub b: &'a [u16],
+    pub ldb: usize,
+    pub ldc: usize,
+    pub m: usize,
+    pub n: usize,
+    /// Pairs along kd.
+    pub kp: usize,
+}
+
+impl GemmBf16<'_> {
+    /// Panics unless every element the product reads or writes lies inside `a`, `b` and `c`
+    /// (the SIMD form indexes through pointers after this check).
+    pub fn check(&self, c: &[f32]) {
+        let GemmBf16 { a, lda, b, ldb, ldc, m, n, kp } = *self;
+        let fits =
+            |len: usize, rows: usize, ld: usize, cols: usize| rows == 0 || cols == 0 || (ld >= cols && len >= (rows - 1) * ld + cols);
+        assert!(
+            fits(a.len(), m, lda, 2 * kp) && fits(b.len(), kp, ldb, 2 * n) && fits(c.len(), m, ldc, n),
+            "gemm_bf16: {m}x{} · {}x{n} does not fit its buffers ({} / {} / {})",
+            2 * kp,
+            2 * kp,
+            a.len(),
+            b.len(),
+            c.len()
+        );
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even; a NaN stays a NaN).
+#[inline]
+pub fn bf16_of(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7fc0;
+    }
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The f32 value of bf16 bits `h`.
+#[inline]
+pub fn f32_of_bf16(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// [`Kernels::gemm_bf16`] in plain f32 (the scalar kernel, and the reference of the tests):
+/// each pair's two products added, then the pair's sum added to C.
+pub fn gemm_bf16_scalar(g: &GemmBf16<'_>, c: &mut [f32]) {
+    for i in 0..g.m {
+        for t in 0..g.kp {
+            let (a0, a1) = (f32_of_bf16(g.a[i * g.lda + 2 * t]), f32_of_bf16(g.a[i * g.lda + 2 * t + 1]));
+            let br = &g.b[t * g.ldb..t * g.ldb + 2 * g.n];
+            let cr = &mut c[i * g.ldc..i * g.ldc + g.n];
+            for (x, b) in cr.iter_mut().zip(br.chunks_exact(2)) {
+                *x += a0 * f32_of_bf16(b[0]) + a1 * f32_of_bf16(b[1]);
+            }
+        }
     }
 }
 

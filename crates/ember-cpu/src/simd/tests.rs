@@ -382,6 +382,37 @@ fn check_gemm<K: Kernels>(k: K, m: usize, n: usize, kd: usize, seed: &mut u64) {
     }
 }
 
+/// `gemm_bf16` (row strides wider than the rows) against [`gemm_bf16_scalar`] and against
+/// the f64 sum of the same bf16 products: |got − want| ≤ 1e-5·(|C| + Σ|a·b|), as for
+/// `gemm_f32` (the inputs are exact in bf16, so only the f32 sums round).
+fn check_gemm_bf16<K: Kernels>(k: K, m: usize, n: usize, kp: usize, seed: &mut u64) {
+    let (lda, ldb, ldc) = (2 * kp + 6, 2 * n + 32, n + 5);
+    let bits = |v: Vec<f32>| -> Vec<u16> { v.into_iter().map(bf16_of).collect() };
+    let a = bits(random_acts(m * lda, seed));
+    let b = bits(random_acts(kp * ldb, seed));
+    let c0 = random_acts(m * ldc, seed);
+    let g = GemmBf16 { a: &a, lda, b: &b, ldb, ldc, m, n, kp };
+    let mut c = c0.clone();
+    k.gemm_bf16(&g, &mut c);
+    let mut scalar = c0.clone();
+    gemm_bf16_scalar(&g, &mut scalar);
+    for i in 0..m {
+        for j in 0..ldc {
+            let (got, sc) = (c[i * ldc + j], scalar[i * ldc + j]);
+            if j >= n {
+                assert_eq!(got, c0[i * ldc + j], "gemm_bf16 wrote outside C: row {i} column {j}");
+                continue;
+            }
+            let terms = (0..2 * kp).map(|l| f32_of_bf16(a[i * lda + l]) as f64 * f32_of_bf16(b[l / 2 * ldb + 2 * j + l % 2]) as f64);
+            let base = c0[i * ldc + j] as f64;
+            let want = base + terms.clone().sum::<f64>();
+            let tol = 1e-5 * (base.abs() + terms.map(f64::abs).sum::<f64>()).max(1e-20);
+            assert!((got as f64 - want).abs() <= tol, "gemm_bf16 {m}x{kp}x{n} ({i},{j}): {got} vs {want}");
+            assert!((sc as f64 - want).abs() <= tol, "scalar gemm_bf16 ({i},{j}): {sc} vs {want}");
+        }
+    }
+}
+
 fn for_each_isa(mut f: impl FnMut(Isa)) {
     for isa in Isa::available() {
         f(isa);
@@ -453,6 +484,32 @@ proptest! {
         for (m, n) in [(8 * m, 16 * n), (8 * m, 64), (4 * m, 16 * n), (m, n)] {
             for_each_isa(|isa| with_kernels!(isa, |k| check_gemm(k, m, n, kd, &mut seed)));
         }
+    }
+
+    #[test]
+    fn gemm_bf16_matches_reference(m in 1usize..5, n in 1usize..6, kp in 1usize..80, seed in any::<u64>()) {
+        let mut seed = seed;
+        // Shapes of the SIMD tiles (m even, n a multiple of 16) and others (the scalar fallback).
+        for (m, n) in [(8 * m, 16 * n), (2 * m, 64), (m, n)] {
+            for_each_isa(|isa| with_kernels!(isa, |k| check_gemm_bf16(k, m, n, kp, &mut seed)));
+        }
+    }
+
+    /// Every kernel rounds to bf16 as [`bf16_of`] does (to nearest, ties to even), tails too.
+    #[test]
+    fn bf16_rounding_matches_reference(n in 0usize..100, seed in any::<u64>()) {
+        let mut seed = seed;
+        let mut x = random_acts(n, &mut seed);
+        // Ties: a value halfway between two bf16s, either way of even.
+        for (i, v) in x.iter_mut().enumerate().take(8) {
+            *v = f32::from_bits(0x3f80_8000 + ((i as u32) << 16));
+        }
+        let want: Vec<u16> = x.iter().map(|v| bf16_of(*v)).collect();
+        for_each_isa(|isa| {
+            let mut got = vec![0u16; n];
+            with_kernels!(isa, |k| k.f32_to_bf16(&x, &mut got));
+            assert_eq!(got, want, "{isa:?}");
+        });
     }
 
     #[test]
