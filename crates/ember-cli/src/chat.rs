@@ -37,6 +37,10 @@ pub struct Args {
     /// Most tokens per answer (default: until the context is full).
     #[arg(short = 'n', long)]
     n_predict: Option<usize>,
+    /// Never sample the end-of-generation tokens: an answer runs to -n or the context's end
+    /// (or Ctrl-C).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.8)]
     temp: f32,
@@ -112,6 +116,7 @@ struct Chat {
     no_think: bool,
     sampler: SamplerConfig,
     n_predict: Option<usize>,
+    ignore_eos: bool,
     n_ctx: usize,
     interrupt: Arc<Interrupt>,
     /// Stdout is a terminal: reasoning is dimmed inline; else it goes to stderr.
@@ -145,6 +150,7 @@ pub fn main(a: Args) -> Result<()> {
         no_think: a.no_think,
         sampler,
         n_predict: a.n_predict,
+        ignore_eos: a.ignore_eos,
         n_ctx,
         interrupt,
         tty_out: std::io::stdout().is_terminal(),
@@ -251,6 +257,7 @@ impl Chat {
             sampler: self.sampler.clone(),
             max_tokens: self.n_predict.map_or(room, |n| n.min(room)),
             eog: self.tok.eog_ids().to_vec(),
+            ignore_eos: self.ignore_eos,
             n_logprobs: None,
         };
         let (tx, rx) = mpsc::channel();

@@ -21,6 +21,9 @@ pub struct Args {
     /// Tokens to generate.
     #[arg(short = 'n', long, default_value_t = 128)]
     n_predict: usize,
+    /// Never sample the end-of-generation tokens: generate all -n tokens.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.8)]
     temp: f32,
@@ -108,7 +111,15 @@ pub fn main(a: Args) -> Result<()> {
     eprintln!("loaded in {:.2} s, {n_threads} threads, prompt {} tokens, context {n_ctx}", t_load.elapsed().as_secs_f64(), ids.len());
 
     let (tx, rx) = std::sync::mpsc::channel();
-    let req = GenRequest { prompt: ids.clone(), sampler, max_tokens: a.n_predict, eog, n_logprobs: None, checkpoints: Vec::new() };
+    let req = GenRequest {
+        prompt: ids.clone(),
+        sampler,
+        max_tokens: a.n_predict,
+        eog,
+        ignore_eos: a.ignore_eos,
+        n_logprobs: None,
+        checkpoints: Vec::new(),
+    };
     let t_prompt = Instant::now();
     engine.submit(req, Box::new(Sink(tx))).context("submitting the prompt")?;
     drop(engine); // the engine thread ends once this request is done

@@ -113,8 +113,10 @@ fn r17_chat_in_a_terminal_ctrl_c_stops_the_answer_only() {
     let dir = temp("tmux");
     let saved = dir.join("conv.json");
     let t = Tmux { socket: format!("ember-chat-test-{}", std::process::id()) };
-    // Unlimited answers (-n absent): only Ctrl-C or the full context ends them.
-    let cmd = format!("{} chat -t 1 --seed 2 -c 4096; echo EXITED $?; sleep 30", env!("CARGO_BIN_EXE_ember"));
+    // Unlimited answers (-n absent, --ignore-eos): only Ctrl-C or the full context ends them
+    // (the demo model's random text can sample an end-of-generation token within 100 tokens,
+    // before a Ctrl-C sent once the answer shows would land).
+    let cmd = format!("{} chat -t 1 --seed 2 -c 4096 --ignore-eos; echo EXITED $?; sleep 30", env!("CARGO_BIN_EXE_ember"));
     let o = t.cmd(&["new-session", "-d", "-s", "chat", "-x", "200", "-y", "50", &cmd]);
     assert!(o.status.success(), "tmux: {}", String::from_utf8_lossy(&o.stderr));
     t.wait_for("the prompt", |s| s.contains("ember chat") && s.trim_end().ends_with('>'));

@@ -114,6 +114,10 @@ pub struct GenRequest {
     /// End-of-generation ids: sampling one ends the request with [`FinishReason::Eog`]; it is
     /// counted as generated but not sent as a token.
     pub eog: Vec<u32>,
+    /// Never sample the `eog` ids (their logits masked), so only `max_tokens` or the context
+    /// end stops the request (llama.cpp's `--ignore-eos`, llama-server's and vLLM's
+    /// `ignore_eos`).
+    pub ignore_eos: bool,
     /// `Some(k)`: report each token's logprob and the `k` most likely alternatives.
     pub n_logprobs: Option<usize>,
     /// Prompt positions where a follow-up request may diverge (e.g. the end of every chat
@@ -748,6 +752,19 @@ enum Took {
 /// to the history when the sequence goes on.
 fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats) -> Took {
     let n_prompt = s.job.req.prompt.len();
+    let masked;
+    let row = if s.job.req.ignore_eos && !s.job.req.eog.is_empty() {
+        let mut m = row.to_vec();
+        for &e in &s.job.req.eog {
+            if let Some(x) = m.get_mut(e as usize) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        masked = m;
+        &masked[..]
+    } else {
+        row
+    };
     let id = s.sampler.sample(row, &s.history);
     s.n_generated += 1;
     stats.tokens_generated.fetch_add(1, Ordering::Relaxed);

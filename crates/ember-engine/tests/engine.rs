@@ -35,6 +35,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize, seed: u64) -> GenRequest {
         sampler: SamplerConfig { seed: Some(seed), temperature: 1.0, ..Default::default() },
         max_tokens,
         eog: vec![99],
+        ignore_eos: false,
         n_logprobs: None,
         checkpoints: vec![],
     }
@@ -66,6 +67,13 @@ fn finish_reasons() {
     let (ids, end) = collect(&rx);
     assert_eq!(ids, [5, 6, 7]);
     assert_eq!(end, Event::Finished { reason: FinishReason::Eog, n_prompt: 10, n_generated: 4 });
+    // ignore_eos: the EOG token is never sampled, max_tokens ends the request.
+    let (s, rx, _) = sink();
+    h.submit(GenRequest { ignore_eos: true, ..req(vec![1; 4], 9, 1) }, s).unwrap();
+    let (ids, end) = collect(&rx);
+    assert_eq!(ids[..3], [5, 6, 7]);
+    assert!(ids.len() == 9 && !ids.contains(&99), "{ids:?}");
+    assert_eq!(end, Event::Finished { reason: FinishReason::MaxTokens, n_prompt: 4, n_generated: 9 });
     // max_tokens.
     let (s, rx, _) = sink();
     h.submit(req(vec![1; 3], 2, 1), s).unwrap();

@@ -80,6 +80,7 @@ fn run(s: &Setup, e: &EngineHandle, ids: &[u32], n: usize) -> Output {
         sampler: SamplerConfig { temperature: 0.0, seed: Some(1), ..Default::default() },
         max_tokens: n,
         eog: vec![],
+        ignore_eos: false,
         n_logprobs: Some(640),
         checkpoints: message_ends(s, ids),
     };

@@ -110,6 +110,7 @@ impl Run {
             sampler: params.sampler.clone(),
             max_tokens,
             eog: st.tokenizer.eog_ids().to_vec(),
+            ignore_eos: params.ignore_eos,
             n_logprobs: params.logprobs,
             checkpoints: message_ends(&st.tokenizer, &prompt_ids),
         };

@@ -24,6 +24,8 @@ pub struct GenParams {
     pub include_usage: bool,
     /// `Some(k)`: report logprobs with `k` alternatives per token.
     pub logprobs: Option<usize>,
+    /// `ignore_eos` (llama-server, vLLM): end-of-generation tokens are never sampled.
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -244,7 +246,8 @@ fn gen_params(f: &Fields, chat: bool) -> Result<GenParams, ApiError> {
         f.int("logprobs", 0, MAX_TOP_LOGPROBS as i64)?.map(|k| k as usize)
     };
 
-    Ok(GenParams { sampler, max_tokens, stop, stream, include_usage, logprobs })
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    Ok(GenParams { sampler, max_tokens, stop, stream, include_usage, logprobs, ignore_eos })
 }
 
 fn model(f: &Fields) -> Result<Option<String>, ApiError> {
