@@ -427,6 +427,16 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("top_logprobs"));
         let e = chat(&obj(json!({"messages": [{"role": "user"}], "logprobs": true, "top_logprobs": 21}))).unwrap_err();
         assert!(e.message.contains("between 0 and 20"));
+        let e = chat(&obj(json!({"messages": [{"role": "user"}], "ignore_eos": "yes"}))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("ignore_eos"));
+    }
+
+    #[test]
+    fn ignore_eos_is_taken() {
+        let m = json!([{"role": "user", "content": "hi"}]);
+        assert!(chat(&obj(json!({"messages": m, "ignore_eos": true}))).unwrap().params.ignore_eos);
+        assert!(!chat(&obj(json!({"messages": m}))).unwrap().params.ignore_eos);
+        assert!(completion(&obj(json!({"prompt": "x", "ignore_eos": true}))).unwrap().params.ignore_eos);
     }
 
     #[test]
