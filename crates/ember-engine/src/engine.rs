@@ -8,6 +8,7 @@
 //! [`EventSink`]. Stop strings, detokenizing and output parsing happen on the caller's side;
 //! the caller ends a request early by closing its sink (the engine checks it every step).
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -15,7 +16,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::prefix_cache::{Checkpoint, PrefixCache};
-use crate::sampler::logprobs_of;
+use crate::sampler::{logprobs_of, masked};
 use crate::{Error, Sampler, SamplerConfig};
 
 /// One forward item: new tokens of one sequence and its state.
@@ -752,26 +753,14 @@ enum Took {
 /// to the history when the sequence goes on.
 fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats) -> Took {
     let n_prompt = s.job.req.prompt.len();
-    let masked;
-    let row = if s.job.req.ignore_eos && !s.job.req.eog.is_empty() {
-        let mut m = row.to_vec();
-        for &e in &s.job.req.eog {
-            if let Some(x) = m.get_mut(e as usize) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-        masked = m;
-        &masked[..]
-    } else {
-        row
-    };
-    let id = s.sampler.sample(row, &s.history);
+    let row = if s.job.req.ignore_eos { masked(row, &s.job.req.eog) } else { Cow::Borrowed(row) };
+    let id = s.sampler.sample(&row, &s.history);
     s.n_generated += 1;
     stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
     if s.job.req.eog.contains(&id) {
         return Took::Ends(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
     }
-    let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(row, id, k));
+    let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(&row, id, k));
     if !s.job.sink.send(Event::Token { id, logprobs }) {
         stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
         return Took::Gone;

@@ -316,6 +316,21 @@ impl Xoshiro256 {
     }
 }
 
+/// `row` with the logits of `ids` at −∞ (never sampled): a copy, or `row` itself when `ids` is
+/// empty.
+pub fn masked<'a>(row: &'a [f32], ids: &[u32]) -> std::borrow::Cow<'a, [f32]> {
+    if ids.is_empty() {
+        return std::borrow::Cow::Borrowed(row);
+    }
+    let mut m = row.to_vec();
+    for &e in ids {
+        if let Some(x) = m.get_mut(e as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    std::borrow::Cow::Owned(m)
+}
+
 /// Log-softmax of `row` at `id`, plus the `k` largest entries (most likely first, ties to the
 /// lower id).
 pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> crate::engine::TokenLogprobs {
