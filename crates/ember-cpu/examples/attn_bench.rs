@@ -1,9 +1,10 @@
 //! Times one attention call of a prompt batch at depth (the CPU fast path), e.g.
 //! `cargo run --release -p ember-cpu --example attn_bench -- 512 4096 2 f16`:
 //! tokens, depth, threads, KV type (f16, q8_0, f32); the 35B-A3B head shape (16 query heads,
-//! 2 KV heads, 256). One token is a decode step. After one untimed call it repeats the call
-//! for at least a second (at least 3 times) and prints each time, then the fastest and the
-//! median (the machine is shared: the fastest is the kernel, the median what it got).
+//! 2 KV heads, 256; `KVH=n` makes it n KV heads of 8 query heads each). One token is a decode
+//! step. After one untimed call it repeats the call for at least a second (at least 3 times)
+//! and prints each time, then the fastest and the median (the machine is shared: the fastest
+//! is the kernel, the median what it got).
 
 use ember_cpu::{CpuOps, Precision};
 use ember_ops::{AttnShape, KvRows, KvType, Mat, PagePool};
@@ -16,7 +17,8 @@ fn main() {
     let arg = |i: usize, d: usize| a.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
     let (n_tok, depth, threads) = (arg(1, 512), arg(2, 4096), arg(3, 2));
     let ty = a.get(4).and_then(|s| KvType::parse(s)).unwrap_or(KvType::F16);
-    let (n_head, n_head_kv, hd) = (16, 2, 256);
+    let kvh: usize = std::env::var("KVH").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let (n_head, n_head_kv, hd) = (8 * kvh, kvh, 256);
     let mut seed = 1u64;
     let mut rnd = |n: usize, d: usize| {
         Mat::from_vec(

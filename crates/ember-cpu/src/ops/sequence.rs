@@ -111,33 +111,34 @@ impl CpuOps {
 
     /// Attention with each K and V row of a KV head converted to f32 once per query token and
     /// used by all the query heads that share it (GQA); softmax with a vectorised exp. Work
-    /// items are (KV head, token, range of positions), split across workers by their number of
-    /// positions. With fewer (KV head, token) pairs than workers (decode), each pair's
-    /// positions are cut into ranges of at least [`SPLIT_MIN`] so that every worker reads a
-    /// share of the cache; the ranges' results merge by their score maxima and sums
-    /// (flash-decoding). With one range per pair the arithmetic is as it was without ranges.
-    /// With a q8_0 key cache the scores are integer dots (`Kernels::dot_q`, as a Q8_0 weight
-    /// row's) with the scaled query heads quantised to 8 bits per 32 values, as in the tiled
-    /// prompt kernel (`attention.rs`).
+    /// items are (token, range of positions) over all KV heads, split across workers by their
+    /// number of positions. With fewer tokens than workers (decode), each token's positions
+    /// are cut into ranges of at least [`SPLIT_MIN`] so that every worker reads a share of the
+    /// cache; the ranges' results merge by their score maxima and sums (flash-decoding). With
+    /// one range per token the arithmetic is as it was without ranges. f16 and q8_0 caches go
+    /// to the kernels of `Kernels::attn_f16` / `attn_q8` where the instruction set has them
+    /// (all KV heads in one call: a row's heads are read together). Otherwise, KV head by KV
+    /// head: with a q8_0 key cache the scores are integer dots (`Kernels::dot_q`, as a Q8_0
+    /// weight row's) with the scaled query heads quantised to 8 bits per 32 values, as in the
+    /// tiled prompt kernel (`attention.rs`).
     pub(super) fn attention_fast<K: Kernels>(&self, kn: K, s: AttnShape, q: &Mat, kc: &KvRows, vc: &KvRows) -> Mat {
         let hd = s.head_dim;
         let g = s.n_head / s.n_head_kv;
         let gw = g * hd;
-        let n_pairs = s.n_head_kv * s.n_tok;
         let max_pos = s.pos0 + s.n_tok;
         let threads = self.n_threads();
         // Batch-invariant precision computes a token the same way in a prompt and alone: no split.
-        let split = n_pairs < threads && self.precision == Precision::Fast;
-        let n_split = if split { threads.div_ceil(n_pairs).min(max_pos / SPLIT_MIN).max(1) } else { 1 };
-        let n_items = n_pairs * n_split;
-        // Per item: its g·hd outputs, then (largest score, Σ exp(score − largest)) per head.
-        let slot = gw + 2 * g;
-        let mut ob = vec![0f32; n_items * slot]; // [kv head][token][range][slot]
-        // Positions p0..p1 of item i: range c of its pair's 0..=pos, in whole KV pages (the f16
-        // kernel reads a range through the pages from p0 / KV_PAGE on).
+        let split = s.n_tok < threads && self.precision == Precision::Fast;
+        let n_split = if split { threads.div_ceil(s.n_tok).min(max_pos / SPLIT_MIN).max(1) } else { 1 };
+        let n_items = s.n_tok * n_split;
+        // Per item: every head's hd outputs, then (largest score, Σ exp(score − largest)) per head.
+        let slot = s.n_head * (hd + 2);
+        let mut ob = vec![0f32; n_items * slot]; // [token][range][slot]
+        // Positions p0..p1 of item i: range c of its token's 0..=pos, in whole KV pages (the
+        // kernels read a range through the pages from p0 / KV_PAGE on).
         let range = |i: usize| {
-            let (pair, c) = (i / n_split, i % n_split);
-            let npos = s.pos0 + pair % s.n_tok + 1;
+            let (t, c) = (i / n_split, i % n_split);
+            let npos = s.pos0 + t + 1;
             let len = npos.div_ceil(n_split).next_multiple_of(KV_PAGE);
             ((c * len).min(npos), ((c + 1) * len).min(npos))
         };
@@ -147,6 +148,7 @@ impl CpuOps {
             p1 - p0 + 16
         };
         let total: usize = (0..n_items).map(cost).sum();
+        let longest = (0..n_items).map(|i| range(i).1 - range(i).0).max().unwrap_or(0);
         let parts = parts_for(threads).min(n_items);
         let mut b = [0usize; MAX_PARTS + 1];
         let (mut acc, mut p) = (0usize, 1usize);
@@ -163,129 +165,46 @@ impl CpuOps {
         b[parts] = n_items;
         let ib = b;
         b.iter_mut().for_each(|e| *e *= slot);
-        let int_k = kc.ty == KvType::Q8_0 && hd.is_multiple_of(32);
-        let hb = hd / 32 * 34; // bytes of one head's keys in a q8_0 row
-        // Shapes the SIMD `gemm_f32` tiles take whole (AVX2: 4 rows × 16 columns).
-        let pv_tiles = g.is_multiple_of(4) && hd.is_multiple_of(16);
+        let kernel = kc.ty == vc.ty && matches!(kc.ty, KvType::F16 | KvType::Q8_0);
         self.pool.split_mut(&mut ob, &b[..=parts], |pi, out| {
-            let mut scores = vec![0f32; g * max_pos];
-            let mut row = vec![0f32; hd];
-            let mut inv = vec![0f32; g];
-            let mut qa = vec![ActRow::default(); if int_k { g } else { 0 }];
-            let mut vrows = vec![0f32; if pv_tiles { PV_CHUNK * hd } else { 0 }];
+            let mut scores = vec![0f32; s.n_head * longest];
             for (j, o) in out.chunks_exact_mut(slot).enumerate() {
                 let item = ib[pi] + j;
-                let pair = item / n_split;
-                let (m, t) = (pair / s.n_tok, pair % s.n_tok);
+                let t = item / n_split;
                 let (p0, p1) = range(item);
                 let n = p1 - p0;
-                let (o, ml) = o.split_at_mut(gw);
+                let (o, ml) = o.split_at_mut(s.n_head * hd);
                 if n == 0 {
-                    // An empty range (a short pair): weight zero in the merge.
+                    // An empty range (a short token): weight zero in the merge.
                     ml.chunks_exact_mut(2).for_each(|x| x.copy_from_slice(&[f32::NEG_INFINITY, 0.0]));
                     continue;
                 }
-                let qs = &q.row(t)[m * gw..(m + 1) * gw]; // the g query heads of KV head m
-                if kc.ty == KvType::F16 && vc.ty == KvType::F16 {
+                if kernel {
                     let (k, v) = (&kc.pages()[p0 / KV_PAGE..], &vc.pages()[p0 / KV_PAGE..]);
-                    let io = AttnIo { q: qs, k, v, rb: kc.row_bytes(), off: m * hd, npos: n, hd, scale: s.scale };
-                    if kn.attn_f16(&io, &mut scores, o, ml) {
+                    let io = AttnIo { q: q.row(t), k, v, rb: kc.row_bytes(), off: 0, npos: n, hd, scale: s.scale, n_kv: s.n_head_kv };
+                    let done =
+                        if kc.ty == KvType::F16 { kn.attn_f16(&io, &mut scores, o, ml) } else { kn.attn_q8(&io, &mut scores, o, ml) };
+                    if done {
                         continue;
                     }
                 }
-                if int_k {
-                    for (h, a) in qa.iter_mut().enumerate() {
-                        row.iter_mut().zip(&qs[h * hd..(h + 1) * hd]).for_each(|(d, x)| *d = x * s.scale);
-                        kn.quantize(&row, a);
-                    }
-                    for p in p0..p1 {
-                        let kr = &kc.row(p)[m * hb..(m + 1) * hb];
-                        if p + KV_PF_ROWS < p1
-                            && let Some(b) = kv_bytes(kc, p + KV_PF_ROWS, m * hd, hd)
-                        {
-                            simd::prefetch(b);
-                        }
-                        let at = |h: usize| h * max_pos + p - p0;
-                        let mut h = 0;
-                        // Eight heads (or four, or one) per pass over the key row.
-                        while h < g {
-                            match g - h {
-                                8.. => {
-                                    let d = kn.dot_q::<8>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
-                                    d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
-                                    h += 8;
-                                }
-                                4.. => {
-                                    let d = kn.dot_q::<4>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
-                                    d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
-                                    h += 4;
-                                }
-                                _ => {
-                                    scores[at(h)] = kn.dot_q::<1>(GgmlType::Q8_0, kr, [&qa[h]])[0];
-                                    h += 1;
-                                }
-                            }
-                        }
-                    }
-                } else {
-                    for p in p0..p1 {
-                        kv_row(kn, kc, p, m * hd, &mut row);
-                        for h in 0..g {
-                            scores[h * max_pos + p - p0] = kn.dot_f32(&qs[h * hd..(h + 1) * hd], &row) * s.scale;
-                        }
-                    }
-                }
-                for h in 0..g {
-                    let sc = &mut scores[h * max_pos..h * max_pos + n];
-                    let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let sum = kn.exp_sum(sc, mx);
-                    (ml[2 * h], ml[2 * h + 1]) = (mx, sum);
-                    inv[h] = 1.0 / sum;
-                }
-                o.fill(0.0);
-                if pv_tiles {
-                    // P·V as register-tiled products over chunks of converted rows: the axpy per
-                    // (position, head) loaded and stored all of o[h] for each position.
-                    let mut c0 = p0;
-                    while c0 < p1 {
-                        let n = PV_CHUNK.min(p1 - c0);
-                        for (j, r) in vrows.chunks_exact_mut(hd).take(n).enumerate() {
-                            kv_row(kn, vc, c0 + j, m * hd, r);
-                            // The next chunk's row j, while this chunk converts and multiplies.
-                            if c0 + n + j < p1
-                                && let Some(b) = kv_bytes(vc, c0 + n + j, m * hd, hd)
-                            {
-                                simd::prefetch(b);
-                            }
-                        }
-                        let a = &scores[c0 - p0..];
-                        kn.gemm_f32(&Gemm { a, lda: max_pos, b: &vrows, ldb: hd, ldc: hd, m: g, n: hd, kd: n, acc: true }, o);
-                        c0 += n;
-                    }
-                } else {
-                    for p in p0..p1 {
-                        kv_row(kn, vc, p, m * hd, &mut row);
-                        for h in 0..g {
-                            kn.axpy(scores[h * max_pos + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
-                        }
-                    }
-                }
-                for h in 0..g {
-                    o[h * hd..(h + 1) * hd].iter_mut().for_each(|x| *x *= inv[h]);
+                for m in 0..s.n_head_kv {
+                    let (om, mm) = (&mut o[m * gw..(m + 1) * gw], &mut ml[2 * m * g..2 * (m + 1) * g]);
+                    self.attention_kv_head(kn, (&s, kc, vc), (q.row(t), m), (p0, p1), &mut scores, om, mm);
                 }
             }
         });
         let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
-        for (pair, items) in ob.chunks_exact(n_split * slot).enumerate() {
-            let (m, t) = (pair / s.n_tok, pair % s.n_tok);
-            let dst = &mut out.row_mut(t)[m * gw..(m + 1) * gw];
+        for (t, items) in ob.chunks_exact(n_split * slot).enumerate() {
+            let dst = out.row_mut(t);
             if n_split == 1 {
-                dst.copy_from_slice(&items[..gw]);
+                dst.copy_from_slice(&items[..s.n_head * hd]);
                 continue;
             }
             // Each range's normalised output weighted by its share of the softmax mass.
-            for h in 0..g {
-                let ml = |c: usize| (items[c * slot + gw + 2 * h], items[c * slot + gw + 2 * h + 1]);
+            let ohd = s.n_head * hd;
+            for h in 0..s.n_head {
+                let ml = |c: usize| (items[c * slot + ohd + 2 * h], items[c * slot + ohd + 2 * h + 1]);
                 let mx = (0..n_split).map(|c| ml(c).0).fold(f32::NEG_INFINITY, f32::max);
                 let d = &mut dst[h * hd..(h + 1) * hd];
                 let mut mass = 0f32;
@@ -302,6 +221,115 @@ impl CpuOps {
             }
         }
         out
+    }
+
+    /// The generic form of one KV head `m` of [`CpuOps::attention_fast`] over positions p0..p1
+    /// of token row `qt`: its g heads' outputs into `o`, (largest score, sum) per head into `ml`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_kv_head<K: Kernels>(
+        &self,
+        kn: K,
+        (s, kc, vc): (&AttnShape, &KvRows, &KvRows),
+        (qt, m): (&[f32], usize),
+        (p0, p1): (usize, usize),
+        scores: &mut [f32],
+        o: &mut [f32],
+        ml: &mut [f32],
+    ) {
+        let hd = s.head_dim;
+        let g = s.n_head / s.n_head_kv;
+        let gw = g * hd;
+        let n = p1 - p0;
+        let int_k = kc.ty == KvType::Q8_0 && hd.is_multiple_of(32);
+        let hb = hd / 32 * 34; // bytes of one head's keys in a q8_0 row
+        // Shapes the SIMD `gemm_f32` tiles take whole (AVX2: 4 rows × 16 columns).
+        let pv_tiles = g.is_multiple_of(4) && hd.is_multiple_of(16);
+        let mut row = vec![0f32; hd];
+        let mut inv = vec![0f32; g];
+        let mut qa = vec![ActRow::default(); if int_k { g } else { 0 }];
+        let mut vrows = vec![0f32; if pv_tiles { PV_CHUNK * hd } else { 0 }];
+        let qs = &qt[m * gw..(m + 1) * gw]; // the g query heads of KV head m
+        // Head h's scores at scores[h·n + p − p0].
+        if int_k {
+            for (h, a) in qa.iter_mut().enumerate() {
+                row.iter_mut().zip(&qs[h * hd..(h + 1) * hd]).for_each(|(d, x)| *d = x * s.scale);
+                kn.quantize(&row, a);
+            }
+            for p in p0..p1 {
+                let kr = &kc.row(p)[m * hb..(m + 1) * hb];
+                if p + KV_PF_ROWS < p1
+                    && let Some(b) = kv_bytes(kc, p + KV_PF_ROWS, m * hd, hd)
+                {
+                    simd::prefetch(b);
+                }
+                let at = |h: usize| h * n + p - p0;
+                let mut h = 0;
+                // Eight heads (or four, or one) per pass over the key row.
+                while h < g {
+                    match g - h {
+                        8.. => {
+                            let d = kn.dot_q::<8>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
+                            d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
+                            h += 8;
+                        }
+                        4.. => {
+                            let d = kn.dot_q::<4>(GgmlType::Q8_0, kr, std::array::from_fn(|i| &qa[h + i]));
+                            d.iter().enumerate().for_each(|(i, x)| scores[at(h + i)] = *x);
+                            h += 4;
+                        }
+                        _ => {
+                            scores[at(h)] = kn.dot_q::<1>(GgmlType::Q8_0, kr, [&qa[h]])[0];
+                            h += 1;
+                        }
+                    }
+                }
+            }
+        } else {
+            for p in p0..p1 {
+                kv_row(kn, kc, p, m * hd, &mut row);
+                for h in 0..g {
+                    scores[h * n + p - p0] = kn.dot_f32(&qs[h * hd..(h + 1) * hd], &row) * s.scale;
+                }
+            }
+        }
+        for h in 0..g {
+            let sc = &mut scores[h * n..(h + 1) * n];
+            let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum = kn.exp_sum(sc, mx);
+            (ml[2 * h], ml[2 * h + 1]) = (mx, sum);
+            inv[h] = 1.0 / sum;
+        }
+        o.fill(0.0);
+        if pv_tiles {
+            // P·V as register-tiled products over chunks of converted rows: the axpy per
+            // (position, head) loaded and stored all of o[h] for each position.
+            let mut c0 = p0;
+            while c0 < p1 {
+                let nc = PV_CHUNK.min(p1 - c0);
+                for (j, r) in vrows.chunks_exact_mut(hd).take(nc).enumerate() {
+                    kv_row(kn, vc, c0 + j, m * hd, r);
+                    // The next chunk's row j, while this chunk converts and multiplies.
+                    if c0 + nc + j < p1
+                        && let Some(b) = kv_bytes(vc, c0 + nc + j, m * hd, hd)
+                    {
+                        simd::prefetch(b);
+                    }
+                }
+                let a = &scores[c0 - p0..];
+                kn.gemm_f32(&Gemm { a, lda: n, b: &vrows, ldb: hd, ldc: hd, m: g, n: hd, kd: nc, acc: true }, o);
+                c0 += nc;
+            }
+        } else {
+            for p in p0..p1 {
+                kv_row(kn, vc, p, m * hd, &mut row);
+                for h in 0..g {
+                    kn.axpy(scores[h * n + p - p0], &row, &mut o[h * hd..(h + 1) * hd]);
+                }
+            }
+        }
+        for h in 0..g {
+            o[h * hd..(h + 1) * hd].iter_mut().for_each(|x| *x *= inv[h]);
+        }
     }
 }
 

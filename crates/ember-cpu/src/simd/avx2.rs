@@ -45,8 +45,8 @@ x86_kernels!(Avx2, "avx2,fma,f16c", {
     }
 
     fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
-        super::attn_f16_groups(io, scores, out, ml, |nh, io, sg, og, mg| {
-            // SAFETY: the CPU has the features (token); attn_f16_groups checked the bounds.
+        super::attn_groups(io, false, scores, out, ml, |nh, io, sg, og, mg| {
+            // SAFETY: the CPU has the features (token); attn_groups checked the bounds.
             unsafe {
                 match nh {
                     8 => attn_group::<8>(io, sg, og, mg),

@@ -7,7 +7,9 @@ use std::arch::x86_64::*;
 use super::Kernels;
 use super::x86::x86_kernels;
 
+mod decode;
 mod prompt;
+use decode::*;
 use prompt::*;
 
 /// The AVX-512 VNNI kernel token: exists only on CPUs with AVX2, FMA, F16C, AVX-512 F/BW/VL
@@ -55,21 +57,23 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
     }
 
     fn attn_f16(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
-        super::attn_f16_groups(io, scores, out, ml, |nh, io, sg, og, mg| {
-            // SAFETY: the CPU has the features (token); attn_f16_groups checked the bounds.
-            unsafe {
-                match nh {
-                    8 => attn_group::<8>(io, sg, og, mg),
-                    7 => attn_group::<7>(io, sg, og, mg),
-                    6 => attn_group::<6>(io, sg, og, mg),
-                    5 => attn_group::<5>(io, sg, og, mg),
-                    4 => attn_group::<4>(io, sg, og, mg),
-                    3 => attn_group::<3>(io, sg, og, mg),
-                    2 => attn_group::<2>(io, sg, og, mg),
-                    _ => attn_group::<1>(io, sg, og, mg),
-                }
-            }
-        })
+        if !super::attn_check(io, false, scores, out, ml) {
+            return false;
+        }
+        // SAFETY: the CPU has the features (token) and, with `bf16()`, AVX-512 BF16;
+        // attn_check checked the bounds.
+        unsafe { attn_blocked(io, Cache::F16, bf16(), scores, out, ml) };
+        true
+    }
+
+    fn attn_q8(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
+        if !io.hd.is_multiple_of(64) || io.hd > Q8_MAX_HD || !super::attn_check(io, true, scores, out, ml) {
+            return false;
+        }
+        // SAFETY: the CPU has the features (token) and, with `bf16()`, AVX-512 BF16;
+        // attn_check checked the bounds; hd is a multiple of 64, at most Q8_MAX_HD.
+        unsafe { attn_blocked(io, Cache::Q8, bf16(), scores, out, ml) };
+        true
     }
 
     fn gemm_f32(self, g: &super::Gemm<'_>, c: &mut [f32]) {

@@ -205,6 +205,14 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         false
     }
 
+    /// [`Kernels::attn_f16`] over q8_0 caches (`io.off` a whole number of blocks). Where the
+    /// kernel runs P·V in bf16 (`has_bf16`), the probabilities times each value block's d are
+    /// rounded to bf16 (the int8 values are exact). The default has none.
+    fn attn_q8(self, io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) -> bool {
+        let _ = (io, scores, out, ml);
+        false
+    }
+
     /// `C ← A·B`, or `C ← C + A·B` when `g.acc`, for the f32 matrices of `g` (see [`Gemm`]):
     /// the tiled prompt attention's two products, scores = Q·Kᵀ and O += P·V, and decode's
     /// O += P·V over chunks of converted value rows. Each product is
@@ -410,10 +418,12 @@ pub fn gemm_f32_scalar(g: &Gemm<'_>, c: &mut [f32]) {
     }
 }
 
-/// The inputs of [`Kernels::attn_f16`]: the `q.len() / hd` query heads `q` (`[head][hd]`) that
-/// share one KV head, and positions 0..npos of the f16 caches `k`, `v` (page tables of
-/// [`KV_PAGE`] rows of `rb` bytes), where position p's values for this KV head start at byte
-/// `(p % KV_PAGE)·rb + 2·off` of page `p / KV_PAGE`.
+/// The inputs of [`Kernels::attn_f16`] and [`Kernels::attn_q8`]: the `q.len() / hd` query
+/// heads `q` (`[head][hd]`) of `n_kv` KV heads (an equal run of query heads each), and
+/// positions 0..npos of the caches `k`, `v` (page tables of [`KV_PAGE`] rows of `rb` bytes),
+/// where position p's values for the first KV head start at value `off` of row `p % KV_PAGE`
+/// of page `p / KV_PAGE` (byte `2·off` of the row in f16, `off / 32 · 34` in q8_0), the next
+/// KV head's `hd` values later.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnIo<'a> {
     pub q: &'a [f32],
@@ -424,10 +434,17 @@ pub struct AttnIo<'a> {
     pub npos: usize,
     pub hd: usize,
     pub scale: f32,
+    pub n_kv: usize,
 }
 
 impl AttnIo<'_> {
-    /// The `hd` f16 values of position `p` for this KV head in the K cache.
+    /// KV head m's part: its query heads, its values' offset, one KV head.
+    pub fn kv_head(&self, m: usize) -> AttnIo<'_> {
+        let g = self.q.len() / self.hd / self.n_kv;
+        AttnIo { q: &self.q[m * g * self.hd..(m + 1) * g * self.hd], off: self.off + m * self.hd, n_kv: 1, ..*self }
+    }
+
+    /// The `hd` f16 values of position `p` for the (first) KV head in the K cache.
     #[inline]
     pub fn k_row(&self, p: usize) -> &[u8] {
         let at = (p % KV_PAGE) * self.rb + 2 * self.off;
@@ -440,35 +457,72 @@ impl AttnIo<'_> {
         let at = (p % KV_PAGE) * self.rb + 2 * self.off;
         &self.v[p / KV_PAGE][at..at + 2 * self.hd]
     }
+
+    /// The `hd / 32` q8_0 blocks (34 bytes each) of position `p` for this KV head in the K
+    /// cache.
+    #[inline]
+    pub fn k_q8(&self, p: usize) -> &[u8] {
+        let at = (p % KV_PAGE) * self.rb + self.off / 32 * 34;
+        &self.k[p / KV_PAGE][at..at + self.hd / 32 * 34]
+    }
+
+    /// As [`AttnIo::k_q8`], in the V cache.
+    #[inline]
+    pub fn v_q8(&self, p: usize) -> &[u8] {
+        let at = (p % KV_PAGE) * self.rb + self.off / 32 * 34;
+        &self.v[p / KV_PAGE][at..at + self.hd / 32 * 34]
+    }
 }
 
-/// The checks and head grouping shared by the [`Kernels::attn_f16`] kernels: after checking
-/// every slice they read, calls `group(nh, io, scores, out, ml)` for each run of at most 8 query
-/// heads (`io.q`, `scores`, `out` and `ml` narrowed to them). False, calling nothing, when the
-/// shape has no kernel (head size not a multiple of 32) or nothing to do.
-pub(crate) fn attn_f16_groups(
+/// The checks shared by the [`Kernels::attn_f16`] kernels (and with `q8` the
+/// [`Kernels::attn_q8`] ones): every slice they read lies inside `io`'s caches and the
+/// buffers. False when the shape has no kernel (head size not a multiple of 32, `off` not of
+/// whole q8_0 blocks, query heads not an equal run per KV head) or nothing to do.
+pub(crate) fn attn_check(io: &AttnIo<'_>, q8: bool, scores: &[f32], out: &[f32], ml: &[f32]) -> bool {
+    let AttnIo { q, k, v, rb, off, npos, hd, n_kv, .. } = *io;
+    let heads = q.len() / hd.max(1);
+    if hd == 0 || !hd.is_multiple_of(32) || (q8 && !off.is_multiple_of(32)) || heads == 0 || npos == 0 || n_kv == 0 {
+        return false;
+    }
+    if !heads.is_multiple_of(n_kv) {
+        return false;
+    }
+    assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos && ml.len() >= 2 * heads);
+    // Every position's head slices lie inside both caches (the row accessors also check).
+    let n_pages = npos.div_ceil(KV_PAGE);
+    let whole = |pages: &[KvPage]| pages.len() >= n_pages && pages[..n_pages].iter().all(|pg| pg.len() >= KV_PAGE * rb);
+    let last = off + n_kv * hd;
+    let end = if q8 { last / 32 * 34 } else { 2 * last };
+    assert!(whole(k) && whole(v) && end <= rb, "attention kernel: cache rows out of bounds");
+    true
+}
+
+/// [`attn_check`], then `group(nh, io, scores, out, ml)` for each run of at most 8 query heads
+/// of one KV head (`io` that KV head's, `io.q`, `scores`, `out` and `ml` narrowed to the run),
+/// KV head by KV head. False, calling nothing, where [`attn_check`] is.
+pub(crate) fn attn_groups(
     io: &AttnIo<'_>,
+    q8: bool,
     scores: &mut [f32],
     out: &mut [f32],
     ml: &mut [f32],
     mut group: impl FnMut(usize, &AttnIo<'_>, &mut [f32], &mut [f32], &mut [f32]),
 ) -> bool {
-    let AttnIo { q, k, v, rb, off, npos, hd, .. } = *io;
-    let heads = q.len() / hd.max(1);
-    if hd == 0 || !hd.is_multiple_of(32) || heads == 0 || npos == 0 {
+    if !attn_check(io, q8, scores, out, ml) {
         return false;
     }
-    assert!(q.len() == heads * hd && out.len() >= heads * hd && scores.len() >= heads * npos && ml.len() >= 2 * heads);
-    // Every position's head slice lies inside both caches (k_row / v_row also check).
-    let n_pages = npos.div_ceil(KV_PAGE);
-    let whole = |pages: &[KvPage]| pages.len() >= n_pages && pages[..n_pages].iter().all(|pg| pg.len() >= KV_PAGE * rb);
-    assert!(whole(k) && whole(v) && 2 * (off + hd) <= rb, "attn_f16: cache rows out of bounds");
-    let mut h0 = 0;
-    while h0 < heads {
-        let nh = (heads - h0).min(8);
-        let (qg, og) = (&q[h0 * hd..(h0 + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
-        group(nh, &AttnIo { q: qg, ..*io }, &mut scores[h0 * npos..(h0 + nh) * npos], og, &mut ml[2 * h0..2 * (h0 + nh)]);
-        h0 += nh;
+    let (hd, npos) = (io.hd, io.npos);
+    let g = io.q.len() / hd / io.n_kv;
+    for m in 0..io.n_kv {
+        let km = io.kv_head(m);
+        let mut h = 0;
+        while h < g {
+            let nh = (g - h).min(8);
+            let h0 = m * g + h;
+            let (qg, og) = (&km.q[h * hd..(h + nh) * hd], &mut out[h0 * hd..(h0 + nh) * hd]);
+            group(nh, &AttnIo { q: qg, ..km }, &mut scores[h0 * npos..(h0 + nh) * npos], og, &mut ml[2 * h0..2 * (h0 + nh)]);
+            h += nh;
+        }
     }
     true
 }

@@ -54,12 +54,12 @@ pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
 /// Positions per block of the P·V pass: their V rows stay in L2 while every 8-value column
 /// strip of the output is accumulated over them.
 const ATTN_BLOCK: usize = 512;
-/// Key rows asked for ahead of the one being scored (as the AVX-512 kernel's `ATTN_PF_ROWS`).
+/// Key rows asked for ahead of the one being scored (as the AVX-512 decode kernels' `PF_ROWS`).
 const ATTN_PF_ROWS: usize = 16;
 
-/// [`Kernels::attn_f16`] for NH (≤ 8) heads, the AVX2 form of the AVX-512 `attn_group`: each
-/// K row converted once and dotted with all NH queries; softmax per head; the output in strips
-/// of 8 values × NH heads held in registers across a block of positions.
+/// [`Kernels::attn_f16`] for NH (≤ 8) heads of one KV head, as the AVX-512 decode kernel's
+/// f32 form: each K row converted once and dotted with all NH queries; softmax per head; the
+/// output in strips of 8 values × NH heads held in registers across a block of positions.
 /// SAFETY (caller): bounds as checked in `attn_f16`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {

@@ -1,6 +1,7 @@
-//! The AVX-512 prompt and attention kernels: `Kernels::gemm_f32`'s register tiles and grouped
-//! attention over the f16 KV cache. The `Kernels` methods that call them are in the parent
-//! module (as `avx2/prompt.rs` is to `avx2.rs`).
+//! The AVX-512 prompt kernels: the register tiles of `Kernels::gemm_f32` and `gemm_bf16`
+//! (the tiled prompt attention's products) and `f32_to_bf16`. The `Kernels` methods that call
+//! them are in the parent module (as `avx2/prompt.rs` is to `avx2.rs`); decode attention is in
+//! `decode.rs`.
 
 use super::*;
 
@@ -179,7 +180,7 @@ unsafe fn bf16_tile<const R: usize, const NV: usize>(g: &super::super::GemmBf16<
 /// 32 bf16 values from their bits.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bf16")]
-fn bh(x: __m512i) -> __m512bh {
+pub(super) fn bh(x: __m512i) -> __m512bh {
     // SAFETY: both are 64 bytes of plain bits; every bit pattern is a valid value of either.
     unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
 }
@@ -201,99 +202,5 @@ pub(super) unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
     }
     for (d, x) in dst[n..src.len()].iter_mut().zip(&src[n..]) {
         *d = super::super::bf16_of(*x);
-    }
-}
-
-/// Positions per block of the P·V pass: their V rows (`hd` f16 each) stay in L2 while every
-/// 32-value column strip of the output is accumulated over them.
-const ATTN_BLOCK: usize = 512;
-/// Key rows the decode kernel asks for ahead of the one it scores (the rows are 1 KiB apart
-/// in the cache: the hardware prefetchers left each row's first lines waiting on DRAM).
-const ATTN_PF_ROWS: usize = 16;
-
-/// [`Kernels::attn_f16`] for NH (≤ 8) heads: each K row converted once and dotted with all NH
-/// queries (NH accumulators, one reduction each per position); softmax per head; then the
-/// output in strips of 32 values × NH heads held in registers across a block of positions.
-/// SAFETY (caller): bounds as checked in `attn_f16`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn attn_group<const NH: usize>(io: &AttnIo<'_>, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
-    let AttnIo { q, npos, hd, scale, .. } = *io;
-    let f16x16 = |b: &[u8], at: usize| -> __m512 {
-        debug_assert!(at + 32 <= b.len());
-        // SAFETY: `b` is a k_row / v_row slice of exactly 2·hd bytes (its slicing is checked),
-        // and `at` is 32c for c < hd/16, or 64c (+ 32) for c < hd/32: inside it.
-        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) })
-    };
-    // The loops below index q and scores through pointers, as the AVX2 kernel does (a bounds
-    // check per 16-float load was ~7 instructions, more than the FMA it guards): q holds NH·hd
-    // values, scores NH·npos.
-    assert!(q.len() >= NH * hd && scores.len() >= NH * npos);
-    let (qp, sp) = (q.as_ptr(), scores.as_mut_ptr());
-    for p in 0..npos {
-        let kr = io.k_row(p); // hd f16
-        if p + ATTN_PF_ROWS < npos {
-            crate::simd::prefetch(io.k_row(p + ATTN_PF_ROWS));
-        }
-        let mut acc = [_mm512_setzero_ps(); NH];
-        for c in 0..hd / 16 {
-            let kc = f16x16(kr, 32 * c);
-            for (n, a) in acc.iter_mut().enumerate() {
-                // SAFETY: n·hd + 16c + 16 ≤ NH·hd ≤ q.len() (asserted above).
-                *a = _mm512_fmadd_ps(kc, unsafe { _mm512_loadu_ps(qp.add(n * hd + 16 * c)) }, *a);
-            }
-        }
-        for (n, a) in acc.iter().enumerate() {
-            // SAFETY: n·npos + p < NH·npos ≤ scores.len().
-            unsafe { *sp.add(n * npos + p) = _mm512_reduce_add_ps(*a) * scale };
-        }
-    }
-    let mut inv = [0f32; NH];
-    for (n, iv) in inv.iter_mut().enumerate() {
-        let sc = &mut scores[n * npos..(n + 1) * npos];
-        let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum = exp_sum(sc, mx);
-        (ml[2 * n], ml[2 * n + 1]) = (mx, sum);
-        *iv = 1.0 / sum;
-    }
-    out[..NH * hd].fill(0.0);
-    // Re-derived after the softmax's borrows of `scores`.
-    let sp = scores.as_ptr();
-    for b0 in (0..npos).step_by(ATTN_BLOCK) {
-        let b1 = (b0 + ATTN_BLOCK).min(npos);
-        // The block's V rows, looked up in the page table once.
-        let mut vrows: [&[u8]; ATTN_BLOCK] = [&[]; ATTN_BLOCK];
-        for p in b0..b1 {
-            vrows[p - b0] = io.v_row(p);
-        }
-        let b2 = (b1 + ATTN_BLOCK).min(npos);
-        for c in 0..hd / 32 {
-            let mut acc = [[_mm512_setzero_ps(); 2]; NH];
-            for p in b0..b1 {
-                let vr = vrows[p - b0];
-                // Line c of the next block's row p (each line of it once, as this one streams).
-                if p + ATTN_BLOCK < b2 {
-                    crate::simd::prefetch(&io.v_row(p + ATTN_BLOCK)[64 * c..64 * c + 64]);
-                }
-                let (v0, v1) = (f16x16(vr, 64 * c), f16x16(vr, 64 * c + 32));
-                for (n, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: n·npos + p < NH·npos ≤ scores.len() (asserted above).
-                    let s = _mm512_set1_ps(unsafe { *sp.add(n * npos + p) });
-                    a[0] = _mm512_fmadd_ps(s, v0, a[0]);
-                    a[1] = _mm512_fmadd_ps(s, v1, a[1]);
-                }
-            }
-            for (n, a) in acc.iter().enumerate() {
-                let o = &mut out[n * hd + 32 * c..n * hd + 32 * c + 32];
-                let (o0, o1) = (_mm512_add_ps(ld512ps(o, 0), a[0]), _mm512_add_ps(ld512ps(o, 16), a[1]));
-                // SAFETY: `o` is 32 writable f32.
-                unsafe {
-                    _mm512_storeu_ps(o.as_mut_ptr(), o0);
-                    _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
-                }
-            }
-        }
-    }
-    for (n, iv) in inv.iter().enumerate() {
-        out[n * hd..(n + 1) * hd].iter_mut().for_each(|x| *x *= iv);
     }
 }

@@ -1,0 +1,533 @@
+//! Decode attention over f16 and q8_0 KV caches: [`Kernels::attn_f16`] and
+//! [`Kernels::attn_q8`], all the KV heads of one token and one range of positions in a call.
+//!
+//! Both passes walk the positions in blocks of [`BLOCK`] and take every KV head's query heads
+//! in a block before the next, so each cache row (every KV head's values side by side) is read
+//! from memory once and whole: per KV head in turn, the rows' halves 512 bytes apart left the
+//! f16 kernel ~40 % slower per head than with one KV head (`attn_bench`, `KVH=1`).
+//!
+//! Q·Kᵀ: the heads against each key row as it is read, their sums for two rows reduced at
+//! once ([`hsum16`]). f16 keys in f32 FMAs; q8_0 keys in integers, 64 products a `vpdpbusd`
+//! (two key blocks at once) with the queries quantised to 8 bits per 32 values.
+//! P·V: with AVX-512 BF16 in `vdpbf16ps`, pairs of positions interleaved, the probabilities
+//! rounded to bf16 (f16 values too; q8_0 values are exact, their blocks' d folded into the
+//! probabilities); without it in f32 FMAs.
+
+use super::*;
+use crate::simd::AttnIo;
+
+/// Largest head size of the q8_0 kernel (a row's block scales are read as one vector of 8).
+pub(super) const Q8_MAX_HD: usize = 256;
+
+/// Positions per block of both passes (a block's rows, 64 KiB at 2 KV heads of 256 in f16,
+/// stay in L2 from one KV head to the next).
+const BLOCK: usize = 64;
+
+/// Cache rows asked for ahead of the one read (the hardware prefetchers left each row's first
+/// lines waiting on DRAM).
+const PF_ROWS: usize = 16;
+
+/// The cache type the kernel reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cache {
+    F16,
+    Q8,
+}
+
+/// Calls `$f::<NH>(args)` for the run's head count `$nh` (1..=8).
+macro_rules! by_heads {
+    ($nh:expr, $f:ident($($a:expr),*)) => {
+        match $nh {
+            8 => $f::<8>($($a),*),
+            7 => $f::<7>($($a),*),
+            6 => $f::<6>($($a),*),
+            5 => $f::<5>($($a),*),
+            4 => $f::<4>($($a),*),
+            3 => $f::<3>($($a),*),
+            2 => $f::<2>($($a),*),
+            _ => $f::<1>($($a),*),
+        }
+    };
+}
+
+/// A run of at most 8 query heads of one KV head: its first head, head count, and inputs.
+struct Run<'a> {
+    h0: usize,
+    nh: usize,
+    io: AttnIo<'a>,
+    /// The scaled queries quantised (q8_0 keys).
+    qq: Option<Box<Quantised>>,
+    /// The queries in chunks of 16 values, head after head in each: `[c][head][16]` (f16
+    /// keys: a chunk's NH loads at fixed offsets from one pointer).
+    qi: Vec<f32>,
+}
+
+/// Queries quantised for [`q8_scores`]: values + 128 (`[head][hd]`), and per head and pair of
+/// blocks the two blocks' d, 8 lanes each.
+struct Quantised {
+    qu: [[u8; Q8_MAX_HD]; 8],
+    dq: [[[f32; 16]; Q8_MAX_HD / 64]; 8],
+}
+
+/// The kernel: `out[h] = softmax(scale·q_h·Kᵀ)·V` for every query head of `io`, `ml` as in
+/// [`Kernels::attn_f16`]. `bf`: P·V in bf16.
+/// SAFETY (caller): `attn_check(io, cache == Q8, ..)` passed; for q8_0 the head size is a
+/// multiple of 64, at most [`Q8_MAX_HD`]; with `bf` the CPU has AVX-512 BF16.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
+    let AttnIo { q, npos, hd, n_kv, .. } = *io;
+    let heads = q.len() / hd;
+    let g = heads / n_kv;
+    let mut runs = Vec::new();
+    for m in 0..n_kv {
+        let km = io.kv_head(m);
+        for h in (0..g).step_by(8) {
+            let nh = (g - h).min(8);
+            let rio = AttnIo { q: &km.q[h * hd..(h + nh) * hd], ..km };
+            let qq = (cache == Cache::Q8).then(|| quantise(&rio));
+            let mut qi = vec![0f32; if cache == Cache::F16 { nh * hd } else { 0 }];
+            for (i, x) in qi.iter_mut().enumerate() {
+                let (c, n, l) = (i / (16 * nh), i / 16 % nh, i % 16);
+                *x = rio.q[n * hd + 16 * c + l];
+            }
+            runs.push(Run { h0: m * g + h, nh, io: rio, qq, qi });
+        }
+    }
+    for p0 in (0..npos).step_by(BLOCK) {
+        let p1 = (p0 + BLOCK).min(npos);
+        for r in &runs {
+            let sr = &mut scores[r.h0 * npos..(r.h0 + r.nh) * npos];
+            // SAFETY: as this function's (caller); the run's slices as `attn_check` checked.
+            unsafe {
+                match &r.qq {
+                    None => by_heads!(r.nh, f16_scores(&r.io, &r.qi, p0, p1, sr)),
+                    Some(qq) => by_heads!(r.nh, q8_scores(&r.io, qq, p0, p1, sr)),
+                }
+            }
+        }
+    }
+    let mut inv = vec![0f32; heads];
+    for (h, iv) in inv.iter_mut().enumerate() {
+        let sc = &mut scores[h * npos..(h + 1) * npos];
+        let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum = exp_sum(sc, mx);
+        (ml[2 * h], ml[2 * h + 1]) = (mx, sum);
+        *iv = 1.0 / sum;
+    }
+    out[..heads * hd].fill(0.0);
+    // Per block and run: the probabilities ([head][i] for f16; [value block c][head][i] times
+    // block c's d for q8_0) in f32 and bf16, zero past the block's end; q8_0 d's ([c][i]).
+    let strips = if cache == Cache::Q8 { hd / 32 } else { 1 };
+    let mut pf = vec![0f32; strips * 8 * BLOCK];
+    let mut pb = vec![0u16; if bf { pf.len() } else { 0 }];
+    let mut dv = vec![0f32; strips * BLOCK];
+    for b0 in (0..npos).step_by(BLOCK) {
+        let len = BLOCK.min(npos - b0);
+        for r in &runs {
+            let (nh, n) = (r.nh, strips * r.nh * BLOCK);
+            if cache == Cache::Q8 {
+                for i in 0..len {
+                    let d = block_scales(r.io.v_q8(b0 + i), strips);
+                    for (c, x) in d.iter().take(strips).enumerate() {
+                        dv[c * BLOCK + i] = *x;
+                    }
+                }
+            }
+            for c in 0..strips {
+                for h in 0..nh {
+                    let p = &scores[(r.h0 + h) * npos + b0..(r.h0 + h) * npos + b0 + len];
+                    let dst = &mut pf[(c * nh + h) * BLOCK..(c * nh + h + 1) * BLOCK];
+                    if cache == Cache::Q8 {
+                        dst.iter_mut().zip(p.iter().zip(&dv[c * BLOCK..])).for_each(|(o, (x, d))| *o = x * d);
+                    } else {
+                        dst[..len].copy_from_slice(p);
+                    }
+                    dst[len..].fill(0.0);
+                }
+            }
+            let or = &mut out[r.h0 * hd..(r.h0 + nh) * hd];
+            // SAFETY: as this function's (caller); with `bf` the CPU has AVX-512 BF16.
+            unsafe {
+                if bf {
+                    f32_to_bf16(&pf[..n], &mut pb[..n]);
+                }
+                match (cache, bf) {
+                    (Cache::Q8, true) => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb, or)),
+                    (Cache::Q8, false) => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf, or)),
+                    (Cache::F16, true) => by_heads!(nh, f16_pv_bf16(&r.io, b0, len, &pb, or)),
+                    (Cache::F16, false) => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf, or)),
+                }
+            }
+        }
+    }
+    for (h, iv) in inv.iter().enumerate() {
+        out[h * hd..(h + 1) * hd].iter_mut().for_each(|x| *x *= iv);
+    }
+}
+
+/// The run's queries times the scale, quantised to 8 bits per 32 values (d = largest / 127,
+/// rounded half away from zero, as q8_0), offset by 128 to be `vpdpbusd`'s unsigned operand.
+fn quantise(io: &AttnIo<'_>) -> Box<Quantised> {
+    let (hd, nh) = (io.hd, io.q.len() / io.hd);
+    let mut qq = Box::new(Quantised { qu: [[0; Q8_MAX_HD]; 8], dq: [[[0.0; 16]; Q8_MAX_HD / 64]; 8] });
+    let mut x = [0f32; 32];
+    for n in 0..nh {
+        for b in 0..hd / 32 {
+            x.iter_mut().zip(&io.q[n * hd + 32 * b..n * hd + 32 * b + 32]).for_each(|(d, v)| *d = v * io.scale);
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (u, v) in qq.qu[n][32 * b..32 * b + 32].iter_mut().zip(&x) {
+                *u = ((v * id).round() as i32 + 128) as u8;
+            }
+            qq.dq[n][b / 2][8 * (b % 2)..8 * (b % 2) + 8].fill(d);
+        }
+    }
+    qq
+}
+
+/// Eight f32 as a vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn ld256ps(x: &[f32; 8]) -> __m256 {
+    // SAFETY: `x` is 8 readable f32.
+    unsafe { _mm256_loadu_ps(x.as_ptr()) }
+}
+
+/// The d's of the first `nb` (1..=8) blocks of a q8_0 row as f32, then the last one's again
+/// up to 8 (read without a branch per block).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn block_scales(row: &[u8], nb: usize) -> [f32; 8] {
+    assert!(nb >= 1 && row.len() >= 34 * nb);
+    let last = nb - 1;
+    let h: [u16; 8] = std::array::from_fn(|i| {
+        let at = 34 * i.min(last);
+        // SAFETY: at + 2 ≤ 34·nb ≤ row.len() (asserted).
+        unsafe { row.as_ptr().add(at).cast::<u16>().read_unaligned() }
+    });
+    let mut d = [0f32; 8];
+    // SAFETY: `h` is 16 readable bytes, `d` 32 writable ones.
+    unsafe { _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast()))) };
+    d
+}
+
+/// Stores the NH sums of rows p and p + 1 (`a0`, `a1`; p + 1 only below `p1`) times `scale`
+/// into `scores[n·npos + p]`, reduced in one [`hsum16`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn store_pair<const NH: usize>(a: (&[__m512; NH], &[__m512; NH]), scale: f32, (p, p1, npos): (usize, usize, usize), scores: &mut [f32]) {
+    let (a0, a1) = a;
+    let zf = _mm512_setzero_ps();
+    let v: [__m512; 16] = std::array::from_fn(|i| {
+        if i < NH {
+            a0[i]
+        } else if i < 2 * NH {
+            a1[i - NH]
+        } else {
+            zf
+        }
+    });
+    let mut sums = [0f32; 16];
+    // SAFETY: `sums` is 16 writable f32.
+    unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_mul_ps(hsum16(&v), _mm512_set1_ps(scale))) };
+    for n in 0..NH {
+        scores[n * npos + p] = sums[n];
+        if p + 1 < p1 {
+            scores[n * npos + p + 1] = sums[NH + n];
+        }
+    }
+}
+
+/// Scores `scale·q_n·k_p` of the run's NH heads at positions p0..p1 into `scores[n·npos + p]`
+/// (f16 keys): each key row converted once and dotted with all NH queries (`qi`, as
+/// [`Run::qi`]).
+/// SAFETY (caller): as [`attn_blocked`]; `scores` holds NH·npos values.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn f16_scores<const NH: usize>(io: &AttnIo<'_>, qi: &[f32], p0: usize, p1: usize, scores: &mut [f32]) {
+    let AttnIo { npos, hd, scale, .. } = *io;
+    // The queries are indexed through a pointer (a bounds check per 16-float load was ~7
+    // instructions, more than the FMA it guards): qi holds NH·hd values.
+    assert!(qi.len() >= NH * hd && scores.len() >= NH * npos && p1 <= npos);
+    let qp = qi.as_ptr();
+    let row = |p: usize| -> [__m512; NH] {
+        let kr = io.k_row(p); // hd f16
+        if p + PF_ROWS < npos {
+            crate::simd::prefetch(io.k_row(p + PF_ROWS));
+        }
+        let mut acc = [_mm512_setzero_ps(); NH];
+        for c in 0..hd / 16 {
+            // SAFETY: bytes 32c..32c + 32 of the row's 2·hd.
+            let kc = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(kr.as_ptr().add(32 * c).cast()) });
+            // SAFETY: chunk c's NH·16 values end at 16·NH·(c + 1) ≤ NH·hd ≤ qi.len().
+            let qc = unsafe { qp.add(16 * NH * c) };
+            for (n, a) in acc.iter_mut().enumerate() {
+                // SAFETY: as above, 16n + 16 ≤ 16·NH.
+                *a = _mm512_fmadd_ps(kc, unsafe { _mm512_loadu_ps(qc.add(16 * n)) }, *a);
+            }
+        }
+        acc
+    };
+    // Two rows a step (a last odd row is paired with itself, its sums dropped).
+    for p in (p0..p1).step_by(2) {
+        store_pair::<NH>((&row(p), &row((p + 1).min(p1 - 1))), scale, (p, p1, npos), scores);
+    }
+}
+
+/// [`f16_scores`] over q8_0 keys: the queries as [`quantise`]d; each pair of key blocks
+/// starts its sum at −128·Σk, so the lanes hold Σ q·k exactly, then times (d_k·d_q) per block
+/// into an f32 accumulator per head.
+/// SAFETY (caller): as [`attn_blocked`]; `scores` holds NH·npos values.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_scores<const NH: usize>(io: &AttnIo<'_>, qq: &Quantised, p0: usize, p1: usize, scores: &mut [f32]) {
+    let AttnIo { npos, hd, .. } = *io;
+    assert!(scores.len() >= NH * npos && p1 <= npos);
+    let (nb, np) = (hd / 32, hd / 64);
+    let lanes = |j: i32| _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1);
+    let pick: [__m512i; Q8_MAX_HD / 64] = std::array::from_fn(|j| lanes(2 * j as i32));
+    let m128 = _mm512_set1_epi8(-128); // 128 as vpdpbusd's unsigned bytes
+    let zero = _mm512_setzero_si512();
+    let row = |r: usize| -> [__m512; NH] {
+        let kr = io.k_q8(r); // nb blocks of 34 bytes
+        if r + PF_ROWS < npos {
+            crate::simd::prefetch(io.k_q8(r + PF_ROWS));
+        }
+        let dk = _mm512_zextps256_ps512(ld256ps(&block_scales(kr, nb)));
+        let mut acc = [_mm512_setzero_ps(); NH];
+        for j in 0..np {
+            let kb = &kr[68 * j..68 * j + 68];
+            // SAFETY: bytes 2..34 and 36..68 of the pair's 68 are inside `kb`.
+            let kv = unsafe { cat(_mm256_loadu_si256(kb.as_ptr().add(2).cast()), _mm256_loadu_si256(kb.as_ptr().add(36).cast())) };
+            let neg = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, m128, kv));
+            let dkv = _mm512_permutexvar_ps(pick[j], dk);
+            for (a, (qn, dn)) in acc.iter_mut().zip(qq.qu.iter().zip(&qq.dq)) {
+                // SAFETY: bytes 64j..64j + 64 of a row of Q8_MAX_HD ≥ hd = 64·np.
+                let qv = unsafe { _mm512_loadu_si512(qn.as_ptr().add(64 * j).cast()) };
+                let t = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, qv, kv));
+                *a = _mm512_fmadd_ps(t, _mm512_mul_ps(dkv, ld512ps(&dn[j], 0)), *a);
+            }
+        }
+        acc
+    };
+    for p in (p0..p1).step_by(2) {
+        store_pair::<NH>((&row(p), &row((p + 1).min(p1 - 1))), 1.0, (p, p1, npos), scores);
+    }
+}
+
+/// Lane i of the result is the sum of the 16 lanes of `v[i]` (a transposing tree: 45
+/// shuffles and adds for 16 sums, where one `_mm512_reduce_add_ps` is ~8 for one).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) fn hsum16(v: &[__m512; 16]) -> __m512 {
+    // The tree leaves sum(w[L + 4e]) in lane 4L + e: feed w[L + 4e] = v[4L + e].
+    let w: [__m512; 16] = std::array::from_fn(|s| v[4 * (s % 4) + s / 4]);
+    // 16 → 8: the 256-bit halves of each pair added (128-bit lanes 0, 1 of a's sum, 2, 3 b's).
+    let t: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (w[2 * i], w[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
+    });
+    // 8 → 4: 128-bit lane L of u[j] holds w[4j + L]'s four partial sums.
+    let u: [__m512; 4] = std::array::from_fn(|j| {
+        let (x, y) = (t[2 * j], t[2 * j + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y))
+    });
+    // 4 → 2: lane L of z[k] holds two partials of w[8k + L], then two of w[8k + 4 + L].
+    let z: [__m512; 2] = std::array::from_fn(|k| {
+        let (x, y) = (u[2 * k], u[2 * k + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
+    });
+    _mm512_add_ps(_mm512_shuffle_ps::<0x88>(z[0], z[1]), _mm512_shuffle_ps::<0xDD>(z[0], z[1]))
+}
+
+/// Value block c (32 int8) of a q8_0 row as two vectors of 16 exact f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn q8_vals(row: &[u8], c: usize) -> (__m512, __m512) {
+    let b = &row[34 * c + 2..34 * c + 34];
+    // SAFETY: `b` is 32 readable bytes.
+    let (lo, hi) = unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm_loadu_si128(b.as_ptr().add(16).cast())) };
+    (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))
+}
+
+/// Values 32c..32c + 32 of an f16 row as two vectors of 16 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn f16_vals(row: &[u8], c: usize) -> (__m512, __m512) {
+    let b = &row[64 * c..64 * c + 64];
+    // SAFETY: `b` is 64 readable bytes.
+    let (lo, hi) = unsafe { (_mm256_loadu_si256(b.as_ptr().cast()), _mm256_loadu_si256(b.as_ptr().add(32).cast())) };
+    (_mm512_cvtph_ps(lo), _mm512_cvtph_ps(hi))
+}
+
+/// The next block's rows r and r + 1 of the run's KV head (the value rows' lines, each once).
+#[inline]
+fn prefetch_next(io: &AttnIo<'_>, r: usize, q8: bool) {
+    for x in [r, r + 1] {
+        if x + BLOCK < io.npos {
+            crate::simd::prefetch(if q8 { io.v_q8(x + BLOCK) } else { io.v_row(x + BLOCK) });
+        }
+    }
+}
+
+/// The P·V of one block in bf16, shared by the two caches: per 32 output columns c, each pair
+/// of rows (r, r + 1) as `vals(row, c)`, interleaved by `pair` into `vdpbf16ps` operands, times
+/// the pair of probabilities `pb[(c·NH + n)·BLOCK + 2t..]` (`cs` = 1 strip of them for f16,
+/// `hd / 32` for q8_0).
+/// SAFETY (caller): the CPU has AVX-512 BF16; `pb` holds [`BLOCK`] values per strip and head.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn pv_bf16<const NH: usize>(
+    io: &AttnIo<'_>,
+    (b0, len, q8): (usize, usize, bool),
+    pb: &[u16],
+    out: &mut [f32],
+    vals: impl Fn(&[u8], usize) -> (__m512, __m512),
+    pair: impl Fn(__m512, __m512) -> __m512bh,
+) {
+    let hd = io.hd;
+    let zero = _mm512_setzero_ps();
+    let row = |r: usize| if q8 { io.v_q8(r) } else { io.v_row(r) };
+    for c in 0..hd / 32 {
+        let at0 = if q8 { c * NH * BLOCK } else { 0 };
+        assert!(at0 + NH * BLOCK <= pb.len());
+        let mut acc = [[zero; 2]; NH];
+        for t in 0..len.div_ceil(2) {
+            let r = b0 + 2 * t;
+            if c == 0 {
+                prefetch_next(io, r, q8);
+            }
+            let (a0, a1) = vals(row(r), c);
+            let (b0v, b1v) = if 2 * t + 1 < len { vals(row(r + 1), c) } else { (zero, zero) };
+            let (w0, w1) = (pair(a0, b0v), pair(a1, b1v));
+            for (n, a) in acc.iter_mut().enumerate() {
+                // SAFETY: at0 + n·BLOCK + 2t + 2 ≤ at0 + NH·BLOCK ≤ pb.len() (asserted): one
+                // unaligned word.
+                let w = unsafe { pb.as_ptr().add(at0 + n * BLOCK + 2 * t).cast::<i32>().read_unaligned() };
+                let sv = bh(_mm512_set1_epi32(w));
+                a[0] = _mm512_dpbf16_ps(a[0], sv, w0);
+                a[1] = _mm512_dpbf16_ps(a[1], sv, w1);
+            }
+        }
+        add_strip::<NH>(&acc, out, hd, c);
+    }
+}
+
+/// P·V of positions b0..b0 + len over q8_0 values in bf16 (`pb`: the probabilities times each
+/// value block's d, `[c][head][i]`), added to `out`. An int8 value has at most 8 significant
+/// bits: its f32's top half is its exact bf16.
+/// SAFETY (caller): as [`attn_blocked`] with `bf`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn q8_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
+    // The top half of each 32-bit lane of `hi`, the bottom (shifted down) of `lo`'s.
+    let pair = |lo: __m512, hi: __m512| {
+        bh(_mm512_mask_blend_epi16(0x5555_5555, _mm512_castps_si512(hi), _mm512_srli_epi32::<16>(_mm512_castps_si512(lo))))
+    };
+    // SAFETY: as this function's.
+    unsafe { pv_bf16::<NH>(io, (b0, len, true), pb, out, |r, c| q8_vals(r, c), pair) }
+}
+
+/// P·V of positions b0..b0 + len over f16 values in bf16 (`pb`: the probabilities, `[head][i]`),
+/// added to `out`: values converted f16 → f32 → bf16 (to nearest even) and interleaved.
+/// SAFETY (caller): as [`attn_blocked`] with `bf`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
+unsafe fn f16_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
+    // (a_i, b_i) for i < 16 from [a_0..a_15, b_0..b_15].
+    let ilv = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
+    );
+    let pair = |a: __m512, b: __m512| bh(_mm512_permutexvar_epi16(ilv, mbh(_mm512_cvtne2ps_pbh(b, a))));
+    // SAFETY: as this function's.
+    unsafe { pv_bf16::<NH>(io, (b0, len, false), pb, out, |r, c| f16_vals(r, c), pair) }
+}
+
+/// The P·V of one block in f32 FMAs (`pf` laid out as `pb` in [`pv_bf16`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn pv_f32<const NH: usize>(
+    io: &AttnIo<'_>,
+    (b0, len, q8): (usize, usize, bool),
+    pf: &[f32],
+    out: &mut [f32],
+    vals: impl Fn(&[u8], usize) -> (__m512, __m512),
+) {
+    let hd = io.hd;
+    for c in 0..hd / 32 {
+        let at0 = if q8 { c * NH * BLOCK } else { 0 };
+        assert!(at0 + NH * BLOCK <= pf.len());
+        let mut acc = [[_mm512_setzero_ps(); 2]; NH];
+        for i in 0..len {
+            let r = b0 + i;
+            if c == 0 && i % 2 == 0 {
+                prefetch_next(io, r, q8);
+            }
+            let (v0, v1) = vals(if q8 { io.v_q8(r) } else { io.v_row(r) }, c);
+            for (n, a) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(pf[at0 + n * BLOCK + i]);
+                a[0] = _mm512_fmadd_ps(s, v0, a[0]);
+                a[1] = _mm512_fmadd_ps(s, v1, a[1]);
+            }
+        }
+        add_strip::<NH>(&acc, out, hd, c);
+    }
+}
+
+/// [`q8_pv_bf16`] in f32 FMAs (`pf` in f32).
+/// SAFETY (caller): as [`attn_blocked`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf: &[f32], out: &mut [f32]) {
+    pv_f32::<NH>(io, (b0, len, true), pf, out, |r, c| q8_vals(r, c))
+}
+
+/// [`f16_pv_bf16`] in f32 FMAs (`pf` in f32).
+/// SAFETY (caller): as [`attn_blocked`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn f16_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf: &[f32], out: &mut [f32]) {
+    pv_f32::<NH>(io, (b0, len, false), pf, out, |r, c| f16_vals(r, c))
+}
+
+/// Adds the accumulators of columns 32c..32c + 32 of each head to `out`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn add_strip<const NH: usize>(acc: &[[__m512; 2]; NH], out: &mut [f32], hd: usize, c: usize) {
+    for (n, a) in acc.iter().enumerate() {
+        let o = &mut out[n * hd + 32 * c..n * hd + 32 * c + 32];
+        let (o0, o1) = (_mm512_add_ps(ld512ps(o, 0), a[0]), _mm512_add_ps(ld512ps(o, 16), a[1]));
+        // SAFETY: `o` is 32 writable f32.
+        unsafe {
+            _mm512_storeu_ps(o.as_mut_ptr(), o0);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
+        }
+    }
+}
+
+/// The bits of 32 bf16 values.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn mbh(x: __m512bh) -> __m512i {
+    // SAFETY: both are 64 bytes of plain bits; every bit pattern is a valid value of either.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(x) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reduction tree against plain sums, lane by lane.
+    #[test]
+    fn hsum16_sums_each_vector() {
+        if super::super::Avx512::new().is_none() {
+            return;
+        }
+        let x: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
+        // SAFETY: the CPU has the features (checked above); x holds 16 vectors of 16.
+        let got = unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(x.as_ptr().add(16 * i)));
+            let mut o = [0f32; 16];
+            _mm512_storeu_ps(o.as_mut_ptr(), hsum16(&v));
+            o
+        };
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(*g, x[16 * i..16 * i + 16].iter().sum::<f32>(), "lane {i}");
+        }
+    }
+}
