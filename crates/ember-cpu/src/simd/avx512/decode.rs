@@ -6,9 +6,10 @@
 //! from memory once and whole: per KV head in turn, the rows' halves 512 bytes apart left the
 //! f16 kernel ~40 % slower per head than with one KV head (`attn_bench`, `KVH=1`).
 //!
-//! Q·Kᵀ: the heads against each key row as it is read, their sums for two rows reduced at
-//! once ([`hsum16`]). f16 keys in f32 FMAs; q8_0 keys in integers, 64 products a `vpdpbusd`
-//! (two key blocks at once) with the queries quantised to 8 bits per 32 values.
+//! Q·Kᵀ: the heads against each key row as it is read. f16 keys in f32 FMAs, the sums of two
+//! rows reduced at once ([`hsum16`]); q8_0 keys in integers, 64 products a `vpdpbusd` with
+//! the queries quantised to 8 bits per 32 values, in lanes of (key block, head) that each sum
+//! a whole block: no reduction across lanes.
 //! P·V: with AVX-512 BF16 in `vdpbf16ps`, pairs of positions interleaved, the probabilities
 //! rounded to bf16 (f16 values too; q8_0 values are exact, their blocks' d folded into the
 //! probabilities); without it in f32 FMAs.
@@ -62,11 +63,14 @@ struct Run<'a> {
     qi: Vec<f32>,
 }
 
-/// Queries quantised for [`q8_scores`]: values + 128 (`[head][hd]`), and per head and pair of
-/// blocks the two blocks' d, 8 lanes each.
+/// Queries quantised for [`q8_scores`], laid out for lanes that are (block parity, head): per
+/// pair of blocks j (blocks 2j, 2j + 1) and word i (values 4i..4i + 4 of a block), lane e·8 + n
+/// holds head n's 4 values of block 2j + e (zero for heads past the run's); the −128·Σq that
+/// cancels the keys' +128, and d, in the same lanes.
 struct Quantised {
-    qu: [[u8; Q8_MAX_HD]; 8],
-    dq: [[[f32; 16]; Q8_MAX_HD / 64]; 8],
+    qw: [[[i32; 16]; 8]; Q8_MAX_HD / 64],
+    corr: [[i32; 16]; Q8_MAX_HD / 64],
+    dq: [[f32; 16]; Q8_MAX_HD / 64],
 }
 
 /// The kernel: `out[h] = softmax(scale·q_h·Kᵀ)·V` for every query head of `io`, `ml` as in
@@ -166,10 +170,11 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
 }
 
 /// The run's queries times the scale, quantised to 8 bits per 32 values (d = largest / 127,
-/// rounded half away from zero, as q8_0), offset by 128 to be `vpdpbusd`'s unsigned operand.
+/// rounded half away from zero, as q8_0), in the lanes of [`Quantised`].
 fn quantise(io: &AttnIo<'_>) -> Box<Quantised> {
     let (hd, nh) = (io.hd, io.q.len() / io.hd);
-    let mut qq = Box::new(Quantised { qu: [[0; Q8_MAX_HD]; 8], dq: [[[0.0; 16]; Q8_MAX_HD / 64]; 8] });
+    const NP: usize = Q8_MAX_HD / 64;
+    let mut qq = Box::new(Quantised { qw: [[[0; 16]; 8]; NP], corr: [[0; 16]; NP], dq: [[0.0; 16]; NP] });
     let mut x = [0f32; 32];
     for n in 0..nh {
         for b in 0..hd / 32 {
@@ -177,10 +182,13 @@ fn quantise(io: &AttnIo<'_>) -> Box<Quantised> {
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (u, v) in qq.qu[n][32 * b..32 * b + 32].iter_mut().zip(&x) {
-                *u = ((v * id).round() as i32 + 128) as u8;
+            let q: [i8; 32] = std::array::from_fn(|i| (x[i] * id).round() as i8);
+            let (j, lane) = (b / 2, 8 * (b % 2) + n);
+            for i in 0..8 {
+                qq.qw[j][i][lane] = i32::from_le_bytes([q[4 * i] as u8, q[4 * i + 1] as u8, q[4 * i + 2] as u8, q[4 * i + 3] as u8]);
             }
-            qq.dq[n][b / 2][8 * (b % 2)..8 * (b % 2) + 8].fill(d);
+            qq.corr[j][lane] = -128 * q.iter().map(|&v| i32::from(v)).sum::<i32>();
+            qq.dq[j][lane] = d;
         }
     }
     qq
@@ -274,43 +282,56 @@ unsafe fn f16_scores<const NH: usize>(io: &AttnIo<'_>, qi: &[f32], p0: usize, p1
     }
 }
 
-/// [`f16_scores`] over q8_0 keys: the queries as [`quantise`]d; each pair of key blocks
-/// starts its sum at −128·Σk, so the lanes hold Σ q·k exactly, then times (d_k·d_q) per block
-/// into an f32 accumulator per head.
+/// [`f16_scores`] over q8_0 keys, with the queries as [`quantise`]d: lanes are (block parity,
+/// head), so a lane sums one head's whole block and nothing is reduced across lanes. Per pair
+/// of key blocks, the keys + 128 (`vpdpbusd`'s unsigned operand; the queries' −128·Σq starts
+/// each sum) and each of their 8 words broadcast to its block's 8 lanes, then times
+/// (d_k·d_q) per lane into one f32 accumulator; its halves added give the 8 heads' scores.
 /// SAFETY (caller): as [`attn_blocked`]; `scores` holds NH·npos values.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q8_scores<const NH: usize>(io: &AttnIo<'_>, qq: &Quantised, p0: usize, p1: usize, scores: &mut [f32]) {
     let AttnIo { npos, hd, .. } = *io;
     assert!(scores.len() >= NH * npos && p1 <= npos);
     let (nb, np) = (hd / 32, hd / 64);
-    let lanes = |j: i32| _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1);
-    let pick: [__m512i; Q8_MAX_HD / 64] = std::array::from_fn(|j| lanes(2 * j as i32));
-    let m128 = _mm512_set1_epi8(-128); // 128 as vpdpbusd's unsigned bytes
-    let zero = _mm512_setzero_si512();
-    let row = |r: usize| -> [__m512; NH] {
-        let kr = io.k_q8(r); // nb blocks of 34 bytes
-        if r + PF_ROWS < npos {
-            crate::simd::prefetch(io.k_q8(r + PF_ROWS));
+    let lanes = |j: i32| _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 8, j + 8, j + 8, j + 8, j + 8, j + 8, j + 8, j + 8);
+    // Word i of each block of a pair; the pair's two d's.
+    let word: [__m512i; 8] = std::array::from_fn(|i| lanes(i as i32));
+    let pick: [__m512i; Q8_MAX_HD / 64] = std::array::from_fn(|j| {
+        let j = 2 * j as i32;
+        _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1)
+    });
+    let flip = _mm512_set1_epi8(-128);
+    let ld = |x: &[i32; 16]| {
+        // SAFETY: `x` is 16 readable i32.
+        unsafe { _mm512_loadu_si512(x.as_ptr().cast()) }
+    };
+    let mut s8 = [0f32; 8];
+    for p in p0..p1 {
+        let kr = io.k_q8(p); // nb blocks of 34 bytes
+        if p + PF_ROWS < npos {
+            crate::simd::prefetch(io.k_q8(p + PF_ROWS));
         }
         let dk = _mm512_zextps256_ps512(ld256ps(&block_scales(kr, nb)));
-        let mut acc = [_mm512_setzero_ps(); NH];
+        let mut acc = _mm512_setzero_ps();
         for j in 0..np {
             let kb = &kr[68 * j..68 * j + 68];
             // SAFETY: bytes 2..34 and 36..68 of the pair's 68 are inside `kb`.
             let kv = unsafe { cat(_mm256_loadu_si256(kb.as_ptr().add(2).cast()), _mm256_loadu_si256(kb.as_ptr().add(36).cast())) };
-            let neg = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, m128, kv));
-            let dkv = _mm512_permutexvar_ps(pick[j], dk);
-            for (a, (qn, dn)) in acc.iter_mut().zip(qq.qu.iter().zip(&qq.dq)) {
-                // SAFETY: bytes 64j..64j + 64 of a row of Q8_MAX_HD ≥ hd = 64·np.
-                let qv = unsafe { _mm512_loadu_si512(qn.as_ptr().add(64 * j).cast()) };
-                let t = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg, qv, kv));
-                *a = _mm512_fmadd_ps(t, _mm512_mul_ps(dkv, ld512ps(&dn[j], 0)), *a);
+            let ku = _mm512_xor_si512(kv, flip);
+            let mut t = ld(&qq.corr[j]);
+            for (i, w) in word.iter().enumerate() {
+                t = _mm512_dpbusd_epi32(t, _mm512_permutexvar_epi32(*w, ku), ld(&qq.qw[j][i]));
             }
+            let sc = _mm512_mul_ps(_mm512_permutexvar_ps(pick[j], dk), ld512ps(&qq.dq[j], 0));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc);
         }
-        acc
-    };
-    for p in (p0..p1).step_by(2) {
-        store_pair::<NH>((&row(p), &row((p + 1).min(p1 - 1))), 1.0, (p, p1, npos), scores);
+        let lo = _mm512_castps512_ps256(acc);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+        // SAFETY: `s8` is 8 writable f32.
+        unsafe { _mm256_storeu_ps(s8.as_mut_ptr(), _mm256_add_ps(lo, hi)) };
+        for (n, x) in s8.iter().take(NH).enumerate() {
+            scores[n * npos + p] = *x;
+        }
     }
 }
 
