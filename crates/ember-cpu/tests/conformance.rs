@@ -34,11 +34,11 @@ fn conform(precision: Precision, tol: Tolerances, own: &[(&str, f32)]) {
 /// below; prompts and decode); bound 1e-2, ~2.6x.
 const ATTN_Q8_0: (&str, f32) = ("attention Q8_0", 1e-2);
 
-/// Attention over an f16 cache on a CPU with AVX-512 BF16 sums P·V in bf16 (values and
-/// probabilities rounded to 8 significant bits, pairs of products summed in f32), in prompts
-/// and decode: measured max relative error 2.94e-3, fast and batch-invariant (every token
-/// through the decode kernel), 1 and 2 threads; bound 1e-2 as for q8_0. Without AVX-512 BF16
-/// the f16 cases stay within the 2e-5 of every float op.
+/// Prompt attention over an f16 cache on a CPU with AVX-512 BF16 sums P·V in bf16 (values and
+/// probabilities rounded to 8 significant bits, pairs of products summed in f32; decode and
+/// the other instruction sets stay in f32): measured max relative error 2.94e-3 (1 and 2
+/// threads); bound 1e-2 as for q8_0. Without AVX-512 BF16 the f16 cases stay within the 2e-5
+/// of every float op.
 const ATTN_F16: (&str, f32) = ("attention F16", 1e-2);
 
 #[test]
@@ -57,9 +57,9 @@ fn exact_conforms() {
 
 /// Batch-invariant precision: the fast numerics through the single-token kernels; measured as
 /// the fast precision (NMSE up to 1.6e-5, MoE 1.1e-4; 2.0e-6 relative; attention Q8_0 2.30e-3
-/// on every instruction set: every token takes the decode kernel's integer scores; attention
-/// F16 as [`ATTN_F16`] says).
+/// on every instruction set: every token takes the decode kernel's integer scores; 3.88e-3
+/// with its P·V in bf16 on AVX-512 BF16).
 #[test]
 fn batch_invariant_conforms() {
-    conform(Precision::BatchInvariant, Tolerances { rel: 2e-5, quant_nmse: 1e-3 }, &[ATTN_Q8_0, ATTN_F16]);
+    conform(Precision::BatchInvariant, Tolerances { rel: 2e-5, quant_nmse: 1e-3 }, &[ATTN_Q8_0]);
 }

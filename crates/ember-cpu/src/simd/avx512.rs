@@ -60,9 +60,8 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         if !super::attn_check(io, false, scores, out, ml) {
             return false;
         }
-        // SAFETY: the CPU has the features (token) and, with `bf16()`, AVX-512 BF16;
-        // attn_check checked the bounds.
-        unsafe { attn_blocked(io, Cache::F16, bf16(), scores, out, ml) };
+        // SAFETY: the CPU has the features (token); attn_check checked the bounds.
+        unsafe { attn_blocked(io, Cache::F16, false, scores, out, ml) };
         true
     }
 

@@ -10,9 +10,10 @@
 //! rows reduced at once ([`hsum16`]); q8_0 keys in integers, 64 products a `vpdpbusd` with
 //! the queries quantised to 8 bits per 32 values, in lanes of (key block, head) that each sum
 //! a whole block: no reduction across lanes.
-//! P·V: with AVX-512 BF16 in `vdpbf16ps`, pairs of positions interleaved, the probabilities
-//! rounded to bf16 (f16 values too; q8_0 values are exact, their blocks' d folded into the
-//! probabilities); without it in f32 FMAs.
+//! P·V: over q8_0 values with AVX-512 BF16 in `vdpbf16ps`, pairs of positions interleaved,
+//! the values exact and their blocks' d folded into the probabilities, rounded to bf16; over
+//! f16 values (and q8_0 without it) in f32 FMAs. (bf16 for f16 values measured 4-10 % faster
+//! on the op, nothing end to end, for ~1e3 times the error: not kept.)
 
 use super::*;
 use crate::simd::AttnIo;
@@ -35,20 +36,24 @@ pub(super) enum Cache {
     Q8,
 }
 
-/// Calls `$f::<NH>(args)` for the run's head count `$nh` (1..=8).
+/// Calls `$f::<NH>(args)` for the run's head count `$nh` (1..=8), through a pointer the
+/// optimiser cannot see through: inlined into [`attn_blocked`] (`#[inline(never)]` did not
+/// keep them out) the f16 kernels' f32 P·V ran ~30 % slower (attn_bench, 2 threads, depth
+/// 32768: 7.1–8.1 against 5.3–5.5 ms). One indirect call per block and run.
 macro_rules! by_heads {
-    ($nh:expr, $f:ident($($a:expr),*)) => {
-        match $nh {
-            8 => $f::<8>($($a),*),
-            7 => $f::<7>($($a),*),
-            6 => $f::<6>($($a),*),
-            5 => $f::<5>($($a),*),
-            4 => $f::<4>($($a),*),
-            3 => $f::<3>($($a),*),
-            2 => $f::<2>($($a),*),
-            _ => $f::<1>($($a),*),
-        }
-    };
+    ($nh:expr, $f:ident($($a:expr),*)) => {{
+        let f = match $nh {
+            8 => $f::<8> as unsafe fn(_, _, _, _, _),
+            7 => $f::<7> as unsafe fn(_, _, _, _, _),
+            6 => $f::<6> as unsafe fn(_, _, _, _, _),
+            5 => $f::<5> as unsafe fn(_, _, _, _, _),
+            4 => $f::<4> as unsafe fn(_, _, _, _, _),
+            3 => $f::<3> as unsafe fn(_, _, _, _, _),
+            2 => $f::<2> as unsafe fn(_, _, _, _, _),
+            _ => $f::<1> as unsafe fn(_, _, _, _, _),
+        };
+        std::hint::black_box(f)($($a),*)
+    }};
 }
 
 /// A run of at most 8 query heads of one KV head: its first head, head count, and inputs.
@@ -74,7 +79,7 @@ struct Quantised {
 }
 
 /// The kernel: `out[h] = softmax(scale·q_h·Kᵀ)·V` for every query head of `io`, `ml` as in
-/// [`Kernels::attn_f16`]. `bf`: P·V in bf16.
+/// [`Kernels::attn_f16`]. `bf`: P·V of a q8_0 cache in bf16 (false for f16).
 /// SAFETY (caller): `attn_check(io, cache == Q8, ..)` passed; for q8_0 the head size is a
 /// multiple of 64, at most [`Q8_MAX_HD`]; with `bf` the CPU has AVX-512 BF16.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -104,8 +109,8 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
             // SAFETY: as this function's (caller); the run's slices as `attn_check` checked.
             unsafe {
                 match &r.qq {
-                    None => by_heads!(r.nh, f16_scores(&r.io, &r.qi, p0, p1, sr)),
-                    Some(qq) => by_heads!(r.nh, q8_scores(&r.io, qq, p0, p1, sr)),
+                    None => by_heads!(r.nh, f16_scores(&r.io, &r.qi[..], p0, p1, sr)),
+                    Some(qq) => by_heads!(r.nh, q8_scores(&r.io, &**qq, p0, p1, sr)),
                 }
             }
         }
@@ -156,10 +161,9 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
                     f32_to_bf16(&pf[..n], &mut pb[..n]);
                 }
                 match (cache, bf) {
-                    (Cache::Q8, true) => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb, or)),
-                    (Cache::Q8, false) => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf, or)),
-                    (Cache::F16, true) => by_heads!(nh, f16_pv_bf16(&r.io, b0, len, &pb, or)),
-                    (Cache::F16, false) => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf, or)),
+                    (Cache::Q8, true) => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb[..], or)),
+                    (Cache::Q8, false) => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf[..], or)),
+                    (Cache::F16, _) => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf[..], or)),
                 }
             }
         }
@@ -390,35 +394,30 @@ fn prefetch_next(io: &AttnIo<'_>, r: usize, q8: bool) {
     }
 }
 
-/// The P·V of one block in bf16, shared by the two caches: per 32 output columns c, each pair
-/// of rows (r, r + 1) as `vals(row, c)`, interleaved by `pair` into `vdpbf16ps` operands, times
-/// the pair of probabilities `pb[(c·NH + n)·BLOCK + 2t..]` (`cs` = 1 strip of them for f16,
-/// `hd / 32` for q8_0).
-/// SAFETY (caller): the CPU has AVX-512 BF16; `pb` holds [`BLOCK`] values per strip and head.
-#[inline]
+/// P·V of positions b0..b0 + len over q8_0 values in bf16 (`pb`: the probabilities times each
+/// value block's d, `[c][head][i]`), added to `out`: per value block c, each pair of rows
+/// (r, r + 1) interleaved into `vdpbf16ps` operands, times the pair of scaled probabilities.
+/// An int8 value has at most 8 significant bits: its f32's top half is its exact bf16.
+/// SAFETY (caller): as [`attn_blocked`] with `bf`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn pv_bf16<const NH: usize>(
-    io: &AttnIo<'_>,
-    (b0, len, q8): (usize, usize, bool),
-    pb: &[u16],
-    out: &mut [f32],
-    vals: impl Fn(&[u8], usize) -> (__m512, __m512),
-    pair: impl Fn(__m512, __m512) -> __m512bh,
-) {
+unsafe fn q8_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
     let hd = io.hd;
     let zero = _mm512_setzero_ps();
-    let row = |r: usize| if q8 { io.v_q8(r) } else { io.v_row(r) };
+    // The top half of each 32-bit lane of `hi`, the bottom (shifted down) of `lo`'s.
+    let pair = |lo: __m512, hi: __m512| {
+        bh(_mm512_mask_blend_epi16(0x5555_5555, _mm512_castps_si512(hi), _mm512_srli_epi32::<16>(_mm512_castps_si512(lo))))
+    };
     for c in 0..hd / 32 {
-        let at0 = if q8 { c * NH * BLOCK } else { 0 };
+        let at0 = c * NH * BLOCK;
         assert!(at0 + NH * BLOCK <= pb.len());
         let mut acc = [[zero; 2]; NH];
         for t in 0..len.div_ceil(2) {
             let r = b0 + 2 * t;
             if c == 0 {
-                prefetch_next(io, r, q8);
+                prefetch_next(io, r, true);
             }
-            let (a0, a1) = vals(row(r), c);
-            let (b0v, b1v) = if 2 * t + 1 < len { vals(row(r + 1), c) } else { (zero, zero) };
+            let (a0, a1) = q8_vals(io.v_q8(r), c);
+            let (b0v, b1v) = if 2 * t + 1 < len { q8_vals(io.v_q8(r + 1), c) } else { (zero, zero) };
             let (w0, w1) = (pair(a0, b0v), pair(a1, b1v));
             for (n, a) in acc.iter_mut().enumerate() {
                 // SAFETY: at0 + n·BLOCK + 2t + 2 ≤ at0 + NH·BLOCK ≤ pb.len() (asserted): one
@@ -433,35 +432,7 @@ unsafe fn pv_bf16<const NH: usize>(
     }
 }
 
-/// P·V of positions b0..b0 + len over q8_0 values in bf16 (`pb`: the probabilities times each
-/// value block's d, `[c][head][i]`), added to `out`. An int8 value has at most 8 significant
-/// bits: its f32's top half is its exact bf16.
-/// SAFETY (caller): as [`attn_blocked`] with `bf`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn q8_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
-    // The top half of each 32-bit lane of `hi`, the bottom (shifted down) of `lo`'s.
-    let pair = |lo: __m512, hi: __m512| {
-        bh(_mm512_mask_blend_epi16(0x5555_5555, _mm512_castps_si512(hi), _mm512_srli_epi32::<16>(_mm512_castps_si512(lo))))
-    };
-    // SAFETY: as this function's.
-    unsafe { pv_bf16::<NH>(io, (b0, len, true), pb, out, |r, c| q8_vals(r, c), pair) }
-}
-
-/// P·V of positions b0..b0 + len over f16 values in bf16 (`pb`: the probabilities, `[head][i]`),
-/// added to `out`: values converted f16 → f32 → bf16 (to nearest even) and interleaved.
-/// SAFETY (caller): as [`attn_blocked`] with `bf`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn f16_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
-    // (a_i, b_i) for i < 16 from [a_0..a_15, b_0..b_15].
-    let ilv = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
-    );
-    let pair = |a: __m512, b: __m512| bh(_mm512_permutexvar_epi16(ilv, mbh(_mm512_cvtne2ps_pbh(b, a))));
-    // SAFETY: as this function's.
-    unsafe { pv_bf16::<NH>(io, (b0, len, false), pb, out, |r, c| f16_vals(r, c), pair) }
-}
-
-/// The P·V of one block in f32 FMAs (`pf` laid out as `pb` in [`pv_bf16`]).
+/// The P·V of one block in f32 FMAs (`pf` as [`attn_blocked`] lays it out).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn pv_f32<const NH: usize>(
@@ -499,7 +470,8 @@ unsafe fn q8_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf:
     pv_f32::<NH>(io, (b0, len, true), pf, out, |r, c| q8_vals(r, c))
 }
 
-/// [`f16_pv_bf16`] in f32 FMAs (`pf` in f32).
+/// P·V of positions b0..b0 + len over f16 values in f32 FMAs (`pf`: the probabilities,
+/// `[head][i]`), added to `out`.
 /// SAFETY (caller): as [`attn_blocked`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn f16_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf: &[f32], out: &mut [f32]) {
@@ -519,14 +491,6 @@ fn add_strip<const NH: usize>(acc: &[[__m512; 2]; NH], out: &mut [f32], hd: usiz
             _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
         }
     }
-}
-
-/// The bits of 32 bf16 values.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bf16")]
-fn mbh(x: __m512bh) -> __m512i {
-    // SAFETY: both are 64 bytes of plain bits; every bit pattern is a valid value of either.
-    unsafe { std::mem::transmute::<__m512bh, __m512i>(x) }
 }
 
 #[cfg(test)]
