@@ -57,11 +57,11 @@ pub struct Placement<'a> {
 /// the hottest routed experts there with the rest on the CPU ([`ember_plan::hybrid::Hybrid`])
 /// when it does not, the CPU when there is no usable GPU (auto). Logs the choice.
 pub fn backend(device: Device, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
+    let weight_bytes: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
     let cpu = || -> Box<dyn Ops> {
-        say(host_memory(threads, place));
+        say(host_memory(threads, place, weight_bytes));
         Box::new(ember_cpu::backend(precision, threads))
     };
-    let weight_bytes: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
     let budget_of = |g: &ember_cuda::DeviceInfo| -> Result<u64> {
         match &place.args.gpu_mem {
             Some(s) => {
@@ -74,10 +74,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
                     None => Ok(0),
                 }
             }
-            None => {
-                let reserve = ember_plan::parse_bytes(&place.args.reserve).with_context(|| format!("--reserve {}", place.args.reserve))?;
-                Ok((g.bytes_free as u64).saturating_sub(reserve))
-            }
+            None => Ok((g.bytes_free as u64).saturating_sub(reserve(place)?)),
         }
     };
     match device {
@@ -206,11 +203,11 @@ fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place
     Ok(Box::new(h))
 }
 
-/// What a model on the CPU takes of host memory: the weights (mapped from the file), the KV cache
-/// at the full context and the DeltaNet state, against the memory available now. The KV pages
-/// come as the context fills, so a long context that cannot fit is a warning, not an error.
-fn host_memory(threads: usize, place: &Placement) -> String {
-    let weights: u64 = place.file.tensors().iter().map(|t| t.n_bytes).sum();
+/// What a model on the CPU takes of host memory: the weights (`weights` bytes, mapped from the
+/// file), the KV cache at the full context and the DeltaNet state, against the memory available
+/// now. The KV pages come as the context fills, so a long context that cannot fit is a
+/// warning, not an error.
+fn host_memory(threads: usize, place: &Placement, weights: u64) -> String {
     let seqs = place.parallel.max(1);
     let sizes = match ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, seqs) {
         Ok(s) => s,

@@ -13,10 +13,43 @@ pub(super) const GEMM_ROWS: usize = 2;
 /// in L1 while every row tile reads it.
 const GEMM_KC: usize = 64;
 
+/// Walks an m×n product in register tiles: strips of 64 (or 32, 16) columns, each in tiles of
+/// 6 (or 4, 2) rows (m even, n a multiple of 16), calling `$tile::<R, NV>($g, $c, i, j, ..)` for
+/// the tile of rows i..i + R and columns j..j + 16·NV. Used inside `unsafe`: the caller
+/// answers for every tile lying inside the product.
+macro_rules! tile_walk {
+    ($m:expr, $n:expr, $tile:ident($g:expr, $c:expr $(; $($a:expr),*)?)) => {{
+        let (m, n) = ($m, $n);
+        let mut j = 0;
+        while j < n {
+            let nv = ((n - j) / 16).min(4);
+            let nv = if nv == 3 { 2 } else { nv };
+            let mut i = 0;
+            while i < m {
+                let r = (m - i).min(6);
+                let r = if r == 5 { 4 } else { r };
+                match (r, nv) {
+                    (6, 4) => $tile::<6, 4>($g, $c, i, j $($(, $a)*)?),
+                    (6, 2) => $tile::<6, 2>($g, $c, i, j $($(, $a)*)?),
+                    (6, _) => $tile::<6, 1>($g, $c, i, j $($(, $a)*)?),
+                    (4, 4) => $tile::<4, 4>($g, $c, i, j $($(, $a)*)?),
+                    (4, 2) => $tile::<4, 2>($g, $c, i, j $($(, $a)*)?),
+                    (4, _) => $tile::<4, 1>($g, $c, i, j $($(, $a)*)?),
+                    (_, 4) => $tile::<2, 4>($g, $c, i, j $($(, $a)*)?),
+                    (_, 2) => $tile::<2, 2>($g, $c, i, j $($(, $a)*)?),
+                    _ => $tile::<2, 1>($g, $c, i, j $($(, $a)*)?),
+                }
+                i += r;
+            }
+            j += 16 * nv;
+        }
+    }};
+}
+
 /// [`Kernels::gemm_f32`] in register tiles of up to 6 rows × 64 columns of C (24 accumulators):
 /// per step along kd, four 16-float loads of B's row and 6 broadcasts of A's column feed 24
 /// FMAs. kd is cut into passes of [`GEMM_KC`] (C accumulates across them in memory), each pass
-/// into strips of 64 (or 32, 16) columns, each strip into row tiles.
+/// into strips of 64 (or 32, 16) columns, each strip into row tiles (`tile_walk!`).
 /// SAFETY (caller): `g.check(c)` passed; `g.m` is a multiple of [`GEMM_ROWS`], `g.n` of 16.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
@@ -24,33 +57,9 @@ pub(super) unsafe fn gemm_f32(g: &super::super::Gemm<'_>, c: &mut [f32]) {
     while k0 < g.kd {
         let k1 = (k0 + GEMM_KC).min(g.kd);
         let acc = g.acc || k0 > 0;
-        let mut j = 0;
-        while j < g.n {
-            let nv = ((g.n - j) / 16).min(4);
-            let nv = if nv == 3 { 2 } else { nv };
-            let mut i = 0;
-            while i < g.m {
-                let r = (g.m - i).min(6);
-                let r = if r == 5 { 4 } else { r };
-                // SAFETY: rows i..i + r, columns j..j + 16·nv and kd k0..k1 lie inside the
-                // product (caller); r is 6, 4 or 2 (m is even), nv 4, 2 or 1 (n a multiple of 16).
-                unsafe {
-                    match (r, nv) {
-                        (6, 4) => gemm_tile::<6, 4>(g, c, i, j, k0, k1, acc),
-                        (6, 2) => gemm_tile::<6, 2>(g, c, i, j, k0, k1, acc),
-                        (6, _) => gemm_tile::<6, 1>(g, c, i, j, k0, k1, acc),
-                        (4, 4) => gemm_tile::<4, 4>(g, c, i, j, k0, k1, acc),
-                        (4, 2) => gemm_tile::<4, 2>(g, c, i, j, k0, k1, acc),
-                        (4, _) => gemm_tile::<4, 1>(g, c, i, j, k0, k1, acc),
-                        (_, 4) => gemm_tile::<2, 4>(g, c, i, j, k0, k1, acc),
-                        (_, 2) => gemm_tile::<2, 2>(g, c, i, j, k0, k1, acc),
-                        _ => gemm_tile::<2, 1>(g, c, i, j, k0, k1, acc),
-                    }
-                }
-                i += r;
-            }
-            j += 16 * nv;
-        }
+        // SAFETY: every tile's rows, columns and kd k0..k1 lie inside the product (caller):
+        // r is 6, 4 or 2 (m is even), nv 4, 2 or 1 (n a multiple of 16).
+        unsafe { tile_walk!(g.m, g.n, gemm_tile(g, c; k0, k1, acc)) };
         k0 = k1;
     }
 }
@@ -103,39 +112,16 @@ unsafe fn gemm_tile<const R: usize, const NV: usize>(
 }
 
 /// [`Kernels::gemm_bf16`] in register tiles of up to 6 rows × 64 columns of C (24
-/// accumulators), as [`gemm_f32`]: per pair of kd, four 32-value loads of B's pair row and 6
-/// broadcasts of A's pair feed 24 `vdpbf16ps` (32 multiply-adds each, twice an f32 FMA's).
+/// accumulators, `tile_walk!`), as [`gemm_f32`]: per pair of kd, four 32-value loads of B's
+/// pair row and 6 broadcasts of A's pair feed 24 `vdpbf16ps` (32 multiply-adds each, twice an
+/// f32 FMA's).
 /// SAFETY (caller): `g.check(c)` passed; the CPU has AVX-512 BF16; `g.m` is a multiple of
 /// [`GEMM_ROWS`], `g.n` of 16.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 pub(super) unsafe fn gemm_bf16(g: &super::super::GemmBf16<'_>, c: &mut [f32]) {
-    let mut j = 0;
-    while j < g.n {
-        let nv = ((g.n - j) / 16).min(4);
-        let nv = if nv == 3 { 2 } else { nv };
-        let mut i = 0;
-        while i < g.m {
-            let r = (g.m - i).min(6);
-            let r = if r == 5 { 4 } else { r };
-            // SAFETY: rows i..i + r and columns j..j + 16·nv lie inside the product (caller);
-            // r is 6, 4 or 2 (m is even), nv 4, 2 or 1 (n a multiple of 16).
-            unsafe {
-                match (r, nv) {
-                    (6, 4) => bf16_tile::<6, 4>(g, c, i, j),
-                    (6, 2) => bf16_tile::<6, 2>(g, c, i, j),
-                    (6, _) => bf16_tile::<6, 1>(g, c, i, j),
-                    (4, 4) => bf16_tile::<4, 4>(g, c, i, j),
-                    (4, 2) => bf16_tile::<4, 2>(g, c, i, j),
-                    (4, _) => bf16_tile::<4, 1>(g, c, i, j),
-                    (_, 4) => bf16_tile::<2, 4>(g, c, i, j),
-                    (_, 2) => bf16_tile::<2, 2>(g, c, i, j),
-                    _ => bf16_tile::<2, 1>(g, c, i, j),
-                }
-            }
-            i += r;
-        }
-        j += 16 * nv;
-    }
+    // SAFETY: every tile's rows and columns lie inside the product (caller): r is 6, 4 or 2
+    // (m is even), nv 4, 2 or 1 (n a multiple of 16).
+    unsafe { tile_walk!(g.m, g.n, bf16_tile(g, c)) };
 }
 
 /// One register tile of [`gemm_bf16`]: rows i0..i0 + R, columns j0..j0 + 16·NV of C, every
