@@ -166,6 +166,26 @@ fn f16_bound(n_tok: usize) -> f32 {
     if n_tok >= 4 && bf16_pv() { BF16_ATTN_BOUND } else { 1e-5 }
 }
 
+/// Max relative error of fast-precision attention against the reference for one random case:
+/// `[n_head_kv, g, hd, n_tok, pos0, threads]`, K and V rows of `pos0 + n_tok` positions and the
+/// queries drawn from `seed` in that order, the queries ×4 (norm ~4·sqrt(hd): scores of a few
+/// units, as after the model's q/k norms).
+fn attention_error(ty: ember_ops::KvType, [n_head_kv, g, hd, n_tok, pos0, threads]: [usize; 6], seed: &mut u64) -> f32 {
+    use ember_ops::{AttnShape, KvRows};
+    let ops = CpuOps::new(Precision::Fast, threads);
+    let pool = ember_ops::PagePool::unbounded();
+    let mut kc = KvRows::new(ty, n_head_kv * hd);
+    let mut vc = KvRows::new(ty, n_head_kv * hd);
+    kc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, seed), &pool).unwrap();
+    vc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, seed), &pool).unwrap();
+    let mut q = random_mat(n_tok, g * n_head_kv * hd, seed);
+    q.data.iter_mut().for_each(|x| *x *= 4.0);
+    let s = AttnShape { n_tok, n_head: g * n_head_kv, n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
+    let got = ops.attention_rows(s, &q, &kc, &vc);
+    let want = reference::attention(s, &q, &kc, &vc);
+    max_rel(&got.data, &want.data)
+}
+
 /// The tiled prompt attention (`attention.rs`: blocks of 64 keys, tiles of 64 query vectors,
 /// key ranges merged when tiles are fewer than workers) against the reference, over random
 /// shapes: 1–3 KV heads, 1–8 query heads each, head sizes 32–256, 4–150 prompt tokens (odd
@@ -177,7 +197,7 @@ fn f16_bound(n_tok: usize) -> f32 {
 /// on CPUs whose P·V runs in bf16.
 #[test]
 fn tiled_prompt_attention_matches_reference() {
-    use ember_ops::{AttnShape, KvRows, KvType};
+    use ember_ops::KvType;
     let mut seed = 11;
     let mut worst = 0f32;
     for case in 0..24u64 {
@@ -189,19 +209,7 @@ fn tiled_prompt_attention_matches_reference() {
         let n_tok = 4 + pick(147);
         let pos0 = if case % 4 == 0 { 0 } else { pick(3001) };
         let threads = [1, 2, 8][pick(3)];
-        let ops = CpuOps::new(Precision::Fast, threads);
-        let pool = ember_ops::PagePool::unbounded();
-        let mut kc = KvRows::new(ty, n_head_kv * hd);
-        let mut vc = KvRows::new(ty, n_head_kv * hd);
-        kc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
-        vc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
-        // Queries of norm ~4·sqrt(hd) (scores of a few units, as after the model's q/k norms).
-        let mut q = random_mat(n_tok, g * n_head_kv * hd, &mut seed);
-        q.data.iter_mut().for_each(|x| *x *= 4.0);
-        let s = AttnShape { n_tok, n_head: g * n_head_kv, n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
-        let got = ops.attention_rows(s, &q, &kc, &vc);
-        let want = reference::attention(s, &q, &kc, &vc);
-        let e = max_rel(&got.data, &want.data);
+        let e = attention_error(ty, [n_head_kv, g, hd, n_tok, pos0, threads], &mut seed);
         eprintln!("tiled attention {ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: max rel {e:.1e}");
         let bound = match ty {
             KvType::Q8_0 => Q8_0_ATTN_BOUND,
@@ -223,7 +231,7 @@ fn tiled_prompt_attention_matches_reference() {
 /// f32); bounds 1e-5 and [`Q8_0_ATTN_BOUND`] as above.
 #[test]
 fn decode_attention_matches_reference() {
-    use ember_ops::{AttnShape, KvRows, KvType};
+    use ember_ops::KvType;
     let mut seed = 17;
     let mut worst = [0f32; 3];
     for case in 0..40u64 {
@@ -236,18 +244,7 @@ fn decode_attention_matches_reference() {
         let n_tok = 1 + pick(3);
         let pos0 = 1 + pick(5000);
         let threads = 1 + pick(3);
-        let ops = CpuOps::new(Precision::Fast, threads);
-        let pool = ember_ops::PagePool::unbounded();
-        let mut kc = KvRows::new(ty, n_head_kv * hd);
-        let mut vc = KvRows::new(ty, n_head_kv * hd);
-        kc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
-        vc.push(&random_mat(pos0 + n_tok, n_head_kv * hd, &mut seed), &pool).unwrap();
-        let mut q = random_mat(n_tok, g * n_head_kv * hd, &mut seed);
-        q.data.iter_mut().for_each(|x| *x *= 4.0);
-        let s = AttnShape { n_tok, n_head: g * n_head_kv, n_head_kv, head_dim: hd, pos0, scale: 1.0 / (hd as f32).sqrt() };
-        let got = ops.attention_rows(s, &q, &kc, &vc);
-        let want = reference::attention(s, &q, &kc, &vc);
-        let e = max_rel(&got.data, &want.data);
+        let e = attention_error(ty, [n_head_kv, g, hd, n_tok, pos0, threads], &mut seed);
         eprintln!("decode attention {ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: max rel {e:.1e}");
         let bound = if ty == KvType::Q8_0 { Q8_0_ATTN_BOUND } else { 1e-5 };
         assert!(e < bound, "{ty:?} kv={n_head_kv} g={g} hd={hd} n={n_tok} pos0={pos0} threads={threads}: {e}");
