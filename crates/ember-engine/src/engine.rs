@@ -702,7 +702,11 @@ impl<B: Backend> Scheduler<B> {
         self.active = kept;
         self.stats.n_active.store(self.active.len(), Ordering::Relaxed);
         for (mut sink, ev) in sinks {
-            sink.send(ev);
+            // A client that left after the last token took no finish: its sequence was freed
+            // because it left.
+            if !sink.send(ev) {
+                self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

@@ -114,6 +114,42 @@ fn full_queue_is_refused_and_closed_sinks_free_their_slot() {
     assert_eq!(h.stats().n_cancelled.load(Ordering::SeqCst), 1);
 }
 
+/// A client that leaves between its last token and the finish: every token is taken, the
+/// finish is refused.
+struct LeavesBeforeFinish(mpsc::Sender<Event>);
+
+impl EventSink for LeavesBeforeFinish {
+    fn send(&mut self, ev: Event) -> bool {
+        !matches!(ev, Event::Finished { .. }) && self.0.send(ev).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// A finish that cannot be delivered counts the sequence as cancelled, so every request is
+/// accounted for once (the server counts the finishes its clients receive).
+#[test]
+fn an_undelivered_finish_counts_as_cancelled() {
+    let cfg = EngineConfig { n_parallel: 1, n_queue: 1, n_ctx: 64, n_batch: 8, ..Default::default() };
+    let (h, _t) = ember_engine::start(script(&[5, 6]), cfg).unwrap();
+    let (tx, rx) = mpsc::channel();
+    h.submit(req(vec![1; 3], 2, 1), Box::new(LeavesBeforeFinish(tx))).unwrap();
+    let ids: Vec<u32> = (0..3)
+        .filter_map(|_| match rx.recv_timeout(Duration::from_secs(60)).expect("engine event") {
+            Event::Token { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, [5, 6]);
+    let t0 = std::time::Instant::now();
+    while h.stats().n_cancelled.load(Ordering::SeqCst) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the refused finish was not counted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(h.stats().n_cancelled.load(Ordering::SeqCst), 1);
+}
+
 #[test]
 fn seeded_tokens_do_not_depend_on_batching() {
     let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());

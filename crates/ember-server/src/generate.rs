@@ -87,6 +87,27 @@ struct Run {
     id: String,
 }
 
+/// A response dropped before its finish (the client left): a finish the engine had already
+/// sent is counted here, so each request ends in the metrics once, as finished or as
+/// cancelled (the engine counts a finish it could not deliver as cancelled).
+impl Drop for Run {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.rx.close();
+        while let Ok(ev) = self.rx.try_recv() {
+            if let Event::Finished { reason, .. } = ev {
+                let reason = match reason {
+                    FinishReason::Eog => "stop",
+                    FinishReason::MaxTokens | FinishReason::ContextFull => "length",
+                };
+                self.st.metrics.count_finish(reason);
+            }
+        }
+    }
+}
+
 impl Run {
     /// Validates the prompt against the context, then queues it.
     fn start(st: &Arc<AppState>, ids: Vec<u32>, params: &GenParams, parser: Option<ParserOptions>, id: String) -> Result<Run, ApiError> {
