@@ -178,12 +178,12 @@ pub fn main(a: Args) -> Result<()> {
             match chat.command(cmd.trim()) {
                 Ok(true) => break,
                 Ok(false) => {}
-                Err(e) => eprintln!("error: {e:#}"),
+                Err(e) => eprintln!("error: {}", crate::report(&e)),
             }
             continue;
         }
         if let Err(e) = chat.turn(input) {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", crate::report(&e));
         }
     }
     Ok(())

@@ -123,7 +123,7 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
                 match hybrid(&gpus[i], budgets[i], precision, threads, place) {
                     Ok(ops) => Ok(ops),
                     Err(e) => {
-                        say(format!("device auto: {e:#}; running on the CPU"));
+                        say(format!("device auto: {}; running on the CPU", crate::report(&e)));
                         Ok(cpu())
                     }
                 }

@@ -94,6 +94,15 @@ pub fn tokenizer(file: &GgufFile) -> Result<ember_tokenizer::Tokenizer> {
     ember_tokenizer::Tokenizer::from_gguf(file).context("reading the tokenizer from the GGUF metadata")
 }
 
+/// A count that must be at least 1 (sequences, tokens per pass).
+pub fn parse_at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}' is not a count: {e}")),
+    }
+}
+
 pub fn parse_kv_type(s: &str) -> Result<ember_ops::KvType, String> {
     ember_ops::KvType::parse(s).ok_or_else(|| format!("unknown KV cache type '{s}' (use f16, q8_0 or f32)"))
 }

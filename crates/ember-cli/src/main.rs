@@ -62,11 +62,29 @@ enum Cmd {
     Plan(plan::Args),
 }
 
+/// An error and its causes on one line, "a: b: c", each cause once: many of our error types
+/// print their inner error in their own message (so `to_string()` alone says everything), and
+/// anyhow's `{:#}` would then print that cause a second time.
+pub(crate) fn report(e: &anyhow::Error) -> String {
+    let mut msg = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if msg.ends_with(&c) {
+            continue;
+        }
+        if !msg.is_empty() {
+            msg.push_str(": ");
+        }
+        msg.push_str(&c);
+    }
+    msg
+}
+
 fn main() {
     let args = match models::expand_hf_args(std::env::args_os().collect()) {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", report(&e));
             std::process::exit(1);
         }
     };
@@ -87,7 +105,7 @@ fn main() {
         Cmd::Models(a) => models::main(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", report(&e));
         std::process::exit(1);
     }
 }

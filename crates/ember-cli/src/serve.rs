@@ -30,14 +30,14 @@ pub struct Args {
     #[arg(short = 'c', long)]
     ctx: Option<usize>,
     /// Sequences generated at the same time (their decode steps share one forward pass).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = load::parse_at_least_one)]
     parallel: usize,
     /// Requests that may wait for a free sequence; beyond that, 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     queue: usize,
     /// Tokens per forward pass, all sequences together (llama-server's -b): decoding sequences
     /// get their token first, prompts share the rest, a long prompt goes in chunks.
-    #[arg(short = 'b', long, default_value_t = 512)]
+    #[arg(short = 'b', long, default_value_t = 512, value_parser = load::parse_at_least_one)]
     batch: usize,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health.
     #[arg(long, env = "EMBER_API_KEY", hide_env_values = true)]

@@ -148,6 +148,11 @@ fn bad_inputs_are_clear_errors() {
     std::fs::write(&junk, b"not a model at all").unwrap();
     fails(&["run", "-m", junk.to_str().unwrap(), "-p", "x"], "bad magic");
     fails(&["run", "-m", "/nonexistent/model.gguf", "-p", "x"], "cannot open");
+    // Each cause once, though the open error's own message already names the OS error.
+    let err = String::from_utf8_lossy(&ember(&["run", "-m", "/nonexistent/model.gguf", "-p", "x"]).stderr).into_owned();
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    fails(&["serve", "--parallel", "0"], "--parallel <PARALLEL>': must be at least 1");
+    fails(&["serve", "-b", "0"], "must be at least 1");
     let vocab = path("qwen36-vocab/ggml-vocab-qwen36.gguf");
     fails(&["run", "-m", &vocab, "-p", "x"], "is missing");
     fails(&["run", "-p", "a b c d e f g h", "-n", "4", "-c", "3"], "more than the context size");
