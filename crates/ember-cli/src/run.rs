@@ -19,7 +19,7 @@ pub struct Args {
     #[arg(short, long)]
     prompt: String,
     /// Tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 128)]
+    #[arg(short = 'n', long, default_value_t = 128, value_parser = load::parse_at_least_one)]
     n_predict: usize,
     /// Never sample the end-of-generation tokens: generate all -n tokens.
     #[arg(long)]

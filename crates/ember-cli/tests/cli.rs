@@ -153,6 +153,7 @@ fn bad_inputs_are_clear_errors() {
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
     fails(&["serve", "--parallel", "0"], "--parallel <PARALLEL>': must be at least 1");
     fails(&["serve", "-b", "0"], "must be at least 1");
+    fails(&["run", "-p", "x", "-n", "0"], "--n-predict <N_PREDICT>': must be at least 1");
     let vocab = path("qwen36-vocab/ggml-vocab-qwen36.gguf");
     fails(&["run", "-m", &vocab, "-p", "x"], "is missing");
     fails(&["run", "-p", "a b c d e f g h", "-n", "4", "-c", "3"], "more than the context size");
