@@ -98,13 +98,17 @@ impl Drop for Run {
         self.rx.close();
         while let Ok(ev) = self.rx.try_recv() {
             if let Event::Finished { reason, .. } = ev {
-                let reason = match reason {
-                    FinishReason::Eog => "stop",
-                    FinishReason::MaxTokens | FinishReason::ContextFull => "length",
-                };
-                self.st.metrics.count_finish(reason);
+                self.st.metrics.count_finish(finish_name(reason));
             }
         }
+    }
+}
+
+/// The API's finish reason of an engine finish (a stop string matched is "stop" too).
+fn finish_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Eog => "stop",
+        FinishReason::MaxTokens | FinishReason::ContextFull => "length",
     }
 }
 
@@ -226,11 +230,7 @@ impl Run {
                     self.usage.prompt = n_prompt;
                     self.usage.completion = n_generated;
                     let events = self.text.finish();
-                    let reason = match reason {
-                        FinishReason::Eog => "stop",
-                        _ if self.text.stopped() => "stop",
-                        FinishReason::MaxTokens | FinishReason::ContextFull => "length",
-                    };
+                    let reason = if self.text.stopped() { "stop" } else { finish_name(reason) };
                     return Some(Ok(self.finish(events, reason)));
                 }
                 Event::Failed(msg) => {
