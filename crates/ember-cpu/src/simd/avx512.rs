@@ -61,7 +61,7 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
             return false;
         }
         // SAFETY: the CPU has the features (token); attn_check checked the bounds.
-        unsafe { attn_blocked(io, Cache::F16, false, scores, out, ml) };
+        unsafe { attn_blocked(io, Cache::F16, scores, out, ml) };
         true
     }
 
@@ -71,7 +71,7 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         }
         // SAFETY: the CPU has the features (token) and, with `bf16()`, AVX-512 BF16;
         // attn_check checked the bounds; hd is a multiple of 64, at most Q8_MAX_HD.
-        unsafe { attn_blocked(io, Cache::Q8, bf16(), scores, out, ml) };
+        unsafe { attn_blocked(io, Cache::Q8 { bf16: bf16() }, scores, out, ml) };
         true
     }
 

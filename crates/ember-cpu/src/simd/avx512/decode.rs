@@ -29,11 +29,11 @@ const BLOCK: usize = 64;
 /// lines waiting on DRAM).
 const PF_ROWS: usize = 16;
 
-/// The cache type the kernel reads.
+/// The cache type the kernel reads; for q8_0, whether P·V runs in bf16 (`vdpbf16ps`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Cache {
     F16,
-    Q8,
+    Q8 { bf16: bool },
 }
 
 /// Calls `$f::<NH>(args)` for the run's head count `$nh` (1..=8), through a pointer the
@@ -79,11 +79,15 @@ struct Quantised {
 }
 
 /// The kernel: `out[h] = softmax(scale·q_h·Kᵀ)·V` for every query head of `io`, `ml` as in
-/// [`Kernels::attn_f16`]. `bf`: P·V of a q8_0 cache in bf16 (false for f16).
-/// SAFETY (caller): `attn_check(io, cache == Q8, ..)` passed; for q8_0 the head size is a
-/// multiple of 64, at most [`Q8_MAX_HD`]; with `bf` the CPU has AVX-512 BF16.
+/// [`Kernels::attn_f16`].
+/// SAFETY (caller): `attn_check(io, cache is Q8, ..)` passed; for q8_0 the head size is a
+/// multiple of 64, at most [`Q8_MAX_HD`]; with `Q8 { bf16: true }` the CPU has AVX-512 BF16.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
+pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
+    let (q8, bf) = match cache {
+        Cache::F16 => (false, false),
+        Cache::Q8 { bf16 } => (true, bf16),
+    };
     let AttnIo { q, npos, hd, n_kv, .. } = *io;
     let heads = q.len() / hd;
     let g = heads / n_kv;
@@ -93,8 +97,8 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
         for h in (0..g).step_by(8) {
             let nh = (g - h).min(8);
             let rio = AttnIo { q: &km.q[h * hd..(h + nh) * hd], ..km };
-            let qq = (cache == Cache::Q8).then(|| quantise(&rio));
-            let mut qi = vec![0f32; if cache == Cache::F16 { nh * hd } else { 0 }];
+            let qq = q8.then(|| quantise(&rio));
+            let mut qi = vec![0f32; if q8 { 0 } else { nh * hd }];
             for (i, x) in qi.iter_mut().enumerate() {
                 let (c, n, l) = (i / (16 * nh), i / 16 % nh, i % 16);
                 *x = rio.q[n * hd + 16 * c + l];
@@ -126,7 +130,7 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
     out[..heads * hd].fill(0.0);
     // Per block and run: the probabilities ([head][i] for f16; [value block c][head][i] times
     // block c's d for q8_0) in f32 and bf16, zero past the block's end; q8_0 d's ([c][i]).
-    let strips = if cache == Cache::Q8 { hd / 32 } else { 1 };
+    let strips = if q8 { hd / 32 } else { 1 };
     let mut pf = vec![0f32; strips * 8 * BLOCK];
     let mut pb = vec![0u16; if bf { pf.len() } else { 0 }];
     let mut dv = vec![0f32; strips * BLOCK];
@@ -134,7 +138,7 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
         let len = BLOCK.min(npos - b0);
         for r in &runs {
             let (nh, n) = (r.nh, strips * r.nh * BLOCK);
-            if cache == Cache::Q8 {
+            if q8 {
                 for i in 0..len {
                     let d = block_scales(r.io.v_q8(b0 + i), strips);
                     for (c, x) in d.iter().take(strips).enumerate() {
@@ -146,7 +150,7 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
                 for h in 0..nh {
                     let p = &scores[(r.h0 + h) * npos + b0..(r.h0 + h) * npos + b0 + len];
                     let dst = &mut pf[(c * nh + h) * BLOCK..(c * nh + h + 1) * BLOCK];
-                    if cache == Cache::Q8 {
+                    if q8 {
                         dst.iter_mut().zip(p.iter().zip(&dv[c * BLOCK..])).for_each(|(o, (x, d))| *o = x * d);
                     } else {
                         dst[..len].copy_from_slice(p);
@@ -160,10 +164,10 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, bf: bool, score
                 if bf {
                     f32_to_bf16(&pf[..n], &mut pb[..n]);
                 }
-                match (cache, bf) {
-                    (Cache::Q8, true) => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb[..], or)),
-                    (Cache::Q8, false) => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf[..], or)),
-                    (Cache::F16, _) => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf[..], or)),
+                match cache {
+                    Cache::Q8 { bf16: true } => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb[..], or)),
+                    Cache::Q8 { bf16: false } => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf[..], or)),
+                    Cache::F16 => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf[..], or)),
                 }
             }
         }
@@ -398,7 +402,7 @@ fn prefetch_next(io: &AttnIo<'_>, r: usize, q8: bool) {
 /// value block's d, `[c][head][i]`), added to `out`: per value block c, each pair of rows
 /// (r, r + 1) interleaved into `vdpbf16ps` operands, times the pair of scaled probabilities.
 /// An int8 value has at most 8 significant bits: its f32's top half is its exact bf16.
-/// SAFETY (caller): as [`attn_blocked`] with `bf`.
+/// SAFETY (caller): as [`attn_blocked`] with `Q8 { bf16: true }`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
 unsafe fn q8_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
     let hd = io.hd;
