@@ -3,6 +3,7 @@
 //! Writes the model with ember-synth first if the file does not exist.
 //!
 //! `cargo run --release -p ember-cpu --example model_bench -- FILE [preset quant] [pp] [tg] [depth] [threads]`
+//! (`EMBER_KV=q8_0` for a q8_0 KV cache; f16 by default).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -154,7 +155,9 @@ fn main() {
         ((seed >> 33) % n_vocab.min(150_000)) as u32
     };
     let ctx = depth + pp.max(1) + tg + 16;
-    model.configure_store(&mut ops, KvType::F16, 3, ctx, 0).unwrap();
+    // The KV cache type: f16, or `EMBER_KV` (q8_0, f32).
+    let kv = std::env::var("EMBER_KV").ok().and_then(|s| KvType::parse(&s)).unwrap_or(KvType::F16);
+    model.configure_store(&mut ops, kv, 3, ctx, 0).unwrap();
     // Warm-up: one short prompt and a few steps (page in the weights).
     {
         let mut st = model.new_state(&mut ops, 64).unwrap();

@@ -69,9 +69,9 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
         if !io.hd.is_multiple_of(64) || io.hd > Q8_MAX_HD || !super::attn_check(io, true, scores, out, ml) {
             return false;
         }
-        // SAFETY: the CPU has the features (token) and, with `bf16()`, AVX-512 BF16;
-        // attn_check checked the bounds; hd is a multiple of 64, at most Q8_MAX_HD.
-        unsafe { attn_blocked(io, Cache::Q8 { bf16: bf16() }, scores, out, ml) };
+        // SAFETY: the CPU has the features (token); attn_check checked the bounds; hd is a
+        // multiple of 64, at most Q8_MAX_HD.
+        unsafe { attn_blocked(io, Cache::Q8, scores, out, ml) };
         true
     }
 

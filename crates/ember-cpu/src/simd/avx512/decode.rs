@@ -10,13 +10,17 @@
 //! rows reduced at once ([`hsum16`]); q8_0 keys in integers, 64 products a `vpdpbusd` with
 //! the queries quantised to 8 bits per 32 values, in lanes of (key block, head) that each sum
 //! a whole block: no reduction across lanes.
-//! P·V: over q8_0 values with AVX-512 BF16 in `vdpbf16ps`, pairs of positions interleaved,
-//! the values exact and their blocks' d folded into the probabilities, rounded to bf16; over
-//! f16 values (and q8_0 without it) in f32 FMAs. (bf16 for f16 values measured 4-10 % faster
-//! on the op, nothing end to end, for ~1e3 times the error: not kept.)
+//! P·V: over q8_0 values in 16-bit integers (`vpdpwssd`), pairs of positions interleaved, the
+//! values sign-extended and their blocks' d folded into the probabilities, which are rounded
+//! to 16 bits against each block's largest (bf16 `vdpbf16ps` before: as many products an
+//! instruction on Zen 4, half as many a cycle on the Xeon the dev VM has now, the values
+//! converted and 8 bits of each product kept); over f16 values in f32 FMAs. (bf16 for f16
+//! values measured 4-10 % faster on the op, nothing end to end, for ~1e3 times the error: not
+//! kept.) Softmax in 16 lanes ([`exp16`]).
 
 use super::*;
 use crate::simd::AttnIo;
+use ember_ops::KV_PAGE;
 
 /// Largest head size of the q8_0 kernel (a row's block scales are read as one vector of 8).
 pub(super) const Q8_MAX_HD: usize = 256;
@@ -29,11 +33,11 @@ const BLOCK: usize = 64;
 /// lines waiting on DRAM).
 const PF_ROWS: usize = 16;
 
-/// The cache type the kernel reads; for q8_0, whether P·V runs in bf16 (`vdpbf16ps`).
+/// The cache type the kernel reads.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Cache {
     F16,
-    Q8 { bf16: bool },
+    Q8,
 }
 
 /// Calls `$f::<NH>(args)` for the run's head count `$nh` (1..=8), through a pointer the
@@ -81,13 +85,10 @@ struct Quantised {
 /// The kernel: `out[h] = softmax(scale·q_h·Kᵀ)·V` for every query head of `io`, `ml` as in
 /// [`Kernels::attn_f16`].
 /// SAFETY (caller): `attn_check(io, cache is Q8, ..)` passed; for q8_0 the head size is a
-/// multiple of 64, at most [`Q8_MAX_HD`]; with `Q8 { bf16: true }` the CPU has AVX-512 BF16.
+/// multiple of 64, at most [`Q8_MAX_HD`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, scores: &mut [f32], out: &mut [f32], ml: &mut [f32]) {
-    let (q8, bf) = match cache {
-        Cache::F16 => (false, false),
-        Cache::Q8 { bf16 } => (true, bf16),
-    };
+    let q8 = cache == Cache::Q8;
     let AttnIo { q, npos, hd, n_kv, .. } = *io;
     let heads = q.len() / hd;
     let g = heads / n_kv;
@@ -122,53 +123,48 @@ pub(super) unsafe fn attn_blocked(io: &AttnIo<'_>, cache: Cache, scores: &mut [f
     let mut inv = vec![0f32; heads];
     for (h, iv) in inv.iter_mut().enumerate() {
         let sc = &mut scores[h * npos..(h + 1) * npos];
-        let mx = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum = exp_sum(sc, mx);
+        let mx = max16(sc);
+        let sum = exp_sum16(sc, mx);
         (ml[2 * h], ml[2 * h + 1]) = (mx, sum);
         *iv = 1.0 / sum;
     }
     out[..heads * hd].fill(0.0);
-    // Per block and run: the probabilities ([head][i] for f16; [value block c][head][i] times
-    // block c's d for q8_0) in f32 and bf16, zero past the block's end; q8_0 d's ([c][i]).
+    // Per block and run, f16: the probabilities `[head][i]`, zero past the block's end. q8_0:
+    // the value blocks' d's over their largest (`dv`, `[c][i]`), a head's probabilities over
+    // theirs times 32767 (`pn`), their products rounded to 16 bits (`pw`, `[c][head][i]`,
+    // pairs of positions in one word) and the scale that undoes both (`ps`, `[c][head]`).
     let strips = if q8 { hd / 32 } else { 1 };
-    let mut pf = vec![0f32; strips * 8 * BLOCK];
-    let mut pb = vec![0u16; if bf { pf.len() } else { 0 }];
+    let mut pf = vec![0f32; if q8 { 0 } else { 8 * BLOCK }];
+    let mut pw = vec![0i16; if q8 { strips * 8 * BLOCK } else { 0 }];
+    let mut ps = vec![0f32; strips * 8];
     let mut dv = vec![0f32; strips * BLOCK];
+    let mut pn = [0f32; BLOCK];
     for b0 in (0..npos).step_by(BLOCK) {
         let len = BLOCK.min(npos - b0);
         for r in &runs {
-            let (nh, n) = (r.nh, strips * r.nh * BLOCK);
+            let nh = r.nh;
+            let prob = |h: usize| &scores[(r.h0 + h) * npos + b0..(r.h0 + h) * npos + b0 + len];
+            let or = &mut out[r.h0 * hd..(r.h0 + nh) * hd];
             if q8 {
-                for i in 0..len {
-                    let d = block_scales(r.io.v_q8(b0 + i), strips);
-                    for (c, x) in d.iter().take(strips).enumerate() {
-                        dv[c * BLOCK + i] = *x;
+                let dmax = value_scales(&r.io, b0, len, strips, &mut dv);
+                for h in 0..nh {
+                    let pmax = scale_probs(prob(h), &mut pn);
+                    for (c, dm) in dmax.iter().take(strips).enumerate() {
+                        let at = (c * nh + h) * BLOCK;
+                        quantise_probs(&pn, &dv[c * BLOCK..(c + 1) * BLOCK], &mut pw[at..at + BLOCK]);
+                        ps[c * nh + h] = pmax * dm / 32767.0;
                     }
                 }
-            }
-            for c in 0..strips {
+                // SAFETY: as this function's (caller); `pw` and `ps` as `q8_pv` reads them.
+                unsafe { by_heads!(nh, q8_pv(&r.io, b0, len, (&pw[..], &ps[..]), or)) };
+            } else {
                 for h in 0..nh {
-                    let p = &scores[(r.h0 + h) * npos + b0..(r.h0 + h) * npos + b0 + len];
-                    let dst = &mut pf[(c * nh + h) * BLOCK..(c * nh + h + 1) * BLOCK];
-                    if q8 {
-                        dst.iter_mut().zip(p.iter().zip(&dv[c * BLOCK..])).for_each(|(o, (x, d))| *o = x * d);
-                    } else {
-                        dst[..len].copy_from_slice(p);
-                    }
+                    let dst = &mut pf[h * BLOCK..(h + 1) * BLOCK];
+                    dst[..len].copy_from_slice(prob(h));
                     dst[len..].fill(0.0);
                 }
-            }
-            let or = &mut out[r.h0 * hd..(r.h0 + nh) * hd];
-            // SAFETY: as this function's (caller); with `bf` the CPU has AVX-512 BF16.
-            unsafe {
-                if bf {
-                    f32_to_bf16(&pf[..n], &mut pb[..n]);
-                }
-                match cache {
-                    Cache::Q8 { bf16: true } => by_heads!(nh, q8_pv_bf16(&r.io, b0, len, &pb[..], or)),
-                    Cache::Q8 { bf16: false } => by_heads!(nh, q8_pv_f32(&r.io, b0, len, &pf[..], or)),
-                    Cache::F16 => by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf[..], or)),
-                }
+                // SAFETY: as this function's (caller).
+                unsafe { by_heads!(nh, f16_pv_f32(&r.io, b0, len, &pf[..], or)) };
             }
         }
     }
@@ -200,6 +196,143 @@ fn quantise(io: &AttnIo<'_>) -> Box<Quantised> {
         }
     }
     qq
+}
+
+/// Fills `dv[c·BLOCK + i]` with value block c's d at position b0 + i over the largest of
+/// them (zero past `len`) and returns the largest |d| per block c (zero when all are). The
+/// d's are gathered 16 positions at a time: the block's rows lie in one KV page ([`BLOCK`] is
+/// [`KV_PAGE`] and b0 a multiple of it), `rb` bytes apart.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn value_scales(io: &AttnIo<'_>, b0: usize, len: usize, strips: usize, dv: &mut [f32]) -> [f32; 8] {
+    const { assert!(BLOCK == KV_PAGE) };
+    assert!(b0.is_multiple_of(KV_PAGE) && (1..=BLOCK).contains(&len) && strips <= 8 && dv.len() >= strips * BLOCK);
+    let base = page_rows(io, true, b0, len);
+    let rb = i32::try_from(io.rb).expect("KV row bytes fit i32");
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut dmax = [0f32; 8];
+    for (c, dm) in dmax.iter_mut().enumerate().take(strips) {
+        let mut m = _mm512_setzero_ps();
+        let mut d = [_mm512_setzero_ps(); BLOCK / 16];
+        for (k, dk) in d.iter_mut().enumerate() {
+            let lanes = len.saturating_sub(16 * k).min(16);
+            let mask = ((1u32 << lanes) - 1) as __mmask16;
+            let at = _mm512_add_epi32(
+                _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * k as i32), iota), _mm512_set1_epi32(rb)),
+                _mm512_set1_epi32(34 * c as i32),
+            );
+            // SAFETY: lane i < len reads 4 bytes at base + (16k + i)·rb + 34c, bytes 34c..34c + 4
+            // of row b0 + 16k + i's q8_0 blocks (34·strips bytes, `page_rows`); masked lanes
+            // read nothing.
+            let w = unsafe { _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, at, base.cast()) };
+            *dk = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+            m = _mm512_max_ps(m, _mm512_abs_ps(*dk));
+        }
+        *dm = _mm512_reduce_max_ps(m);
+        let inv = _mm512_set1_ps(if *dm > 0.0 { 1.0 / *dm } else { 0.0 });
+        for (k, dk) in d.iter().enumerate() {
+            // SAFETY: 16 f32 of dv at c·BLOCK + 16k, inside its strips·BLOCK (asserted).
+            unsafe { _mm512_storeu_ps(dv.as_mut_ptr().add(c * BLOCK + 16 * k), _mm512_mul_ps(*dk, inv)) };
+        }
+    }
+    dmax
+}
+
+/// The first byte of position b0's q8_0 blocks (this KV head's; values with `v`, else keys),
+/// after checking that positions b0..b0 + len lie in one KV page, `rb` bytes apart: row
+/// b0 + i's blocks are the `hd / 32 · 34` bytes at `base + i·rb` for i < len.
+#[inline]
+fn page_rows(io: &AttnIo<'_>, v: bool, b0: usize, len: usize) -> *const u8 {
+    assert!(len >= 1 && b0 % KV_PAGE + len <= KV_PAGE);
+    let row = |p: usize| if v { io.v_q8(p) } else { io.k_q8(p) };
+    let base = row(b0).as_ptr();
+    // The last row's slice (bounds-checked) is where the stride puts it.
+    assert_eq!(row(b0 + len - 1).as_ptr() as usize, base as usize + (len - 1) * io.rb);
+    base
+}
+
+/// Writes the probabilities `p` (at most [`BLOCK`], all ≥ 0) times 32767 over their largest
+/// into `pn`, zero past `p`'s end, and returns the largest (zero when all are).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn scale_probs(p: &[f32], pn: &mut [f32; BLOCK]) -> f32 {
+    assert!(p.len() <= BLOCK);
+    pn[..p.len()].copy_from_slice(p);
+    pn[p.len()..].fill(0.0);
+    let mut m = _mm512_setzero_ps();
+    for k in 0..BLOCK / 16 {
+        m = _mm512_max_ps(m, ld512ps(pn, 16 * k));
+    }
+    let top = _mm512_reduce_max_ps(m);
+    let inv = _mm512_set1_ps(if top > 0.0 { 32767.0 / top } else { 0.0 });
+    for k in 0..BLOCK / 16 {
+        let x = _mm512_mul_ps(ld512ps(pn, 16 * k), inv);
+        // SAFETY: 16 f32 of pn's BLOCK at 16k.
+        unsafe { _mm512_storeu_ps(pn.as_mut_ptr().add(16 * k), x) };
+    }
+    top
+}
+
+/// `dst[i] = round(pn[i]·dn[i])`: with both as [`scale_probs`] and [`value_scales`] made them,
+/// |product| ≤ 32767 (rounding aside; the narrowing saturates), so each keeps ~15 bits
+/// relative to the block's largest (bf16 kept 8 of each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn quantise_probs(pn: &[f32; BLOCK], dn: &[f32], dst: &mut [i16]) {
+    assert!(dn.len() >= BLOCK && dst.len() >= BLOCK);
+    for k in 0..BLOCK / 16 {
+        let q = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(ld512ps(pn, 16 * k), ld512ps(dn, 16 * k))));
+        // SAFETY: dst holds BLOCK i16, 16k + 16 ≤ BLOCK.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(16 * k).cast(), q) };
+    }
+}
+
+/// The largest of `x` (−∞ when empty; NaN lanes are skipped, as `f32::max` skips them).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn max16(x: &[f32]) -> f32 {
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut c = x.chunks_exact(16);
+    for v in &mut c {
+        m = _mm512_max_ps(m, ld512ps(v, 0));
+    }
+    c.remainder().iter().copied().fold(_mm512_reduce_max_ps(m), f32::max)
+}
+
+/// `x[i] = e^(x[i] − sub)` and their sum: the AVX2 kernels' `exp_sum` 16 lanes at a time, the
+/// same polynomial (so the same values: each lane's operations are those of `exp8`).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn exp_sum16(x: &mut [f32], sub: f32) -> f32 {
+    let sv = _mm512_set1_ps(sub);
+    let mut acc = _mm512_setzero_ps();
+    let n16 = x.len() / 16 * 16;
+    for v in x[..n16].chunks_exact_mut(16) {
+        let e = exp16(_mm512_sub_ps(ld512ps(v, 0), sv));
+        // SAFETY: `v` is 16 writable f32.
+        unsafe { _mm512_storeu_ps(v.as_mut_ptr(), e) };
+        acc = _mm512_add_ps(acc, e);
+    }
+    _mm512_reduce_add_ps(acc) + exp_sum(&mut x[n16..], sub)
+}
+
+/// e^x as the AVX2 `exp8` computes it (Cephes expf), 16 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(x, _mm512_set1_ps(88.3));
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.3));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+    let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_2e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let r2 = _mm512_mul_ps(r, r);
+    let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+    let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127))));
+    _mm512_maskz_mul_ps(!under, y, pow2)
 }
 
 /// Eight f32 as a vector.
@@ -319,6 +452,7 @@ unsafe fn q8_scores<const NH: usize>(io: &AttnIo<'_>, qq: &Quantised, p0: usize,
         if p + PF_ROWS < npos {
             crate::simd::prefetch(io.k_q8(p + PF_ROWS));
         }
+        // (Each pair's two d's broadcast to their lanes instead were ~3 % slower on the op.)
         let dk = _mm512_zextps256_ps512(ld256ps(&block_scales(kr, nb)));
         let mut acc = _mm512_setzero_ps();
         for j in 0..np {
@@ -326,10 +460,13 @@ unsafe fn q8_scores<const NH: usize>(io: &AttnIo<'_>, qq: &Quantised, p0: usize,
             // SAFETY: bytes 2..34 and 36..68 of the pair's 68 are inside `kb`.
             let kv = unsafe { cat(_mm256_loadu_si256(kb.as_ptr().add(2).cast()), _mm256_loadu_si256(kb.as_ptr().add(36).cast())) };
             let ku = _mm512_xor_si512(kv, flip);
-            let mut t = ld(&qq.corr[j]);
-            for (i, w) in word.iter().enumerate() {
-                t = _mm512_dpbusd_epi32(t, _mm512_permutexvar_epi32(*w, ku), ld(&qq.qw[j][i]));
+            // Two chains of four (one of eight waited on each `vpdpbusd`'s latency).
+            let (mut t, mut u) = (ld(&qq.corr[j]), _mm512_setzero_si512());
+            for i in 0..4 {
+                t = _mm512_dpbusd_epi32(t, _mm512_permutexvar_epi32(word[i], ku), ld(&qq.qw[j][i]));
+                u = _mm512_dpbusd_epi32(u, _mm512_permutexvar_epi32(word[i + 4], ku), ld(&qq.qw[j][i + 4]));
             }
+            let t = _mm512_add_epi32(t, u);
             let sc = _mm512_mul_ps(_mm512_permutexvar_ps(pick[j], dk), ld512ps(&qq.dq[j], 0));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc);
         }
@@ -368,16 +505,6 @@ pub(super) fn hsum16(v: &[__m512; 16]) -> __m512 {
     _mm512_add_ps(_mm512_shuffle_ps::<0x88>(z[0], z[1]), _mm512_shuffle_ps::<0xDD>(z[0], z[1]))
 }
 
-/// Value block c (32 int8) of a q8_0 row as two vectors of 16 exact f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn q8_vals(row: &[u8], c: usize) -> (__m512, __m512) {
-    let b = &row[34 * c + 2..34 * c + 34];
-    // SAFETY: `b` is 32 readable bytes.
-    let (lo, hi) = unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm_loadu_si128(b.as_ptr().add(16).cast())) };
-    (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))
-}
-
 /// Values 32c..32c + 32 of an f16 row as two vectors of 16 f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -398,80 +525,51 @@ fn prefetch_next(io: &AttnIo<'_>, r: usize, q8: bool) {
     }
 }
 
-/// P·V of positions b0..b0 + len over q8_0 values in bf16 (`pb`: the probabilities times each
-/// value block's d, `[c][head][i]`), added to `out`: per value block c, each pair of rows
-/// (r, r + 1) interleaved into `vdpbf16ps` operands, times the pair of scaled probabilities.
-/// An int8 value has at most 8 significant bits: its f32's top half is its exact bf16.
-/// SAFETY (caller): as [`attn_blocked`] with `Q8 { bf16: true }`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")]
-unsafe fn q8_pv_bf16<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pb: &[u16], out: &mut [f32]) {
-    let hd = io.hd;
-    let zero = _mm512_setzero_ps();
-    // The top half of each 32-bit lane of `hi`, the bottom (shifted down) of `lo`'s.
-    let pair = |lo: __m512, hi: __m512| {
-        bh(_mm512_mask_blend_epi16(0x5555_5555, _mm512_castps_si512(hi), _mm512_srli_epi32::<16>(_mm512_castps_si512(lo))))
-    };
-    for c in 0..hd / 32 {
-        let at0 = c * NH * BLOCK;
-        assert!(at0 + NH * BLOCK <= pb.len());
-        let mut acc = [[zero; 2]; NH];
-        for t in 0..len.div_ceil(2) {
-            let r = b0 + 2 * t;
-            if c == 0 {
-                prefetch_next(io, r, true);
-            }
-            let (a0, a1) = q8_vals(io.v_q8(r), c);
-            let (b0v, b1v) = if 2 * t + 1 < len { q8_vals(io.v_q8(r + 1), c) } else { (zero, zero) };
-            let (w0, w1) = (pair(a0, b0v), pair(a1, b1v));
-            for (n, a) in acc.iter_mut().enumerate() {
-                // SAFETY: at0 + n·BLOCK + 2t + 2 ≤ at0 + NH·BLOCK ≤ pb.len() (asserted): one
-                // unaligned word.
-                let w = unsafe { pb.as_ptr().add(at0 + n * BLOCK + 2 * t).cast::<i32>().read_unaligned() };
-                let sv = bh(_mm512_set1_epi32(w));
-                a[0] = _mm512_dpbf16_ps(a[0], sv, w0);
-                a[1] = _mm512_dpbf16_ps(a[1], sv, w1);
-            }
-        }
-        add_strip::<NH>(&acc, out, hd, c);
-    }
-}
-
-/// The P·V of one block in f32 FMAs (`pf` as [`attn_blocked`] lays it out).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn pv_f32<const NH: usize>(
-    io: &AttnIo<'_>,
-    (b0, len, q8): (usize, usize, bool),
-    pf: &[f32],
-    out: &mut [f32],
-    vals: impl Fn(&[u8], usize) -> (__m512, __m512),
-) {
-    let hd = io.hd;
-    for c in 0..hd / 32 {
-        let at0 = if q8 { c * NH * BLOCK } else { 0 };
-        assert!(at0 + NH * BLOCK <= pf.len());
-        let mut acc = [[_mm512_setzero_ps(); 2]; NH];
-        for i in 0..len {
-            let r = b0 + i;
-            if c == 0 && i % 2 == 0 {
-                prefetch_next(io, r, q8);
-            }
-            let (v0, v1) = vals(if q8 { io.v_q8(r) } else { io.v_row(r) }, c);
-            for (n, a) in acc.iter_mut().enumerate() {
-                let s = _mm512_set1_ps(pf[at0 + n * BLOCK + i]);
-                a[0] = _mm512_fmadd_ps(s, v0, a[0]);
-                a[1] = _mm512_fmadd_ps(s, v1, a[1]);
-            }
-        }
-        add_strip::<NH>(&acc, out, hd, c);
-    }
-}
-
-/// [`q8_pv_bf16`] in f32 FMAs (`pf` in f32).
+/// P·V of positions b0..b0 + len over q8_0 values in 16-bit integers, added to `out`: per
+/// value block c, rows r and r + 1 sign-extended to 16 bits and interleaved (`vpunpck*wd`),
+/// times the pair of quantised probabilities (`pw` `[c][head][i]`, scales `ps` `[c][head]` as
+/// [`quantise_probs`] made them) in `vpdpwssd`, 32 products an instruction as `vdpbf16ps` but
+/// with the values sign-extended instead of converted. A lane sums at most 64 products of
+/// |q| ≤ 32767 and |v| ≤ 128: below 2^28, no overflow.
 /// SAFETY (caller): as [`attn_blocked`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf: &[f32], out: &mut [f32]) {
-    pv_f32::<NH>(io, (b0, len, true), pf, out, |r, c| q8_vals(r, c))
+unsafe fn q8_pv<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, (pw, ps): (&[i16], &[f32]), out: &mut [f32]) {
+    let hd = io.hd;
+    // The interleave leaves values 8L..8L + 4 of each 128-bit lane L in `lo`, 8L + 4..8L + 8
+    // in `hi`: these put them back in order (values 0..16, then 16..32).
+    let ord0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    let ord1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    let base = page_rows(io, true, b0, len);
+    // SAFETY (of each call): i < len, c < hd / 32: bytes 34c + 2..34c + 34 of row b0 + i's
+    // q8_0 blocks (`page_rows`).
+    let vals = |i: usize, c: usize| _mm512_cvtepi8_epi16(unsafe { _mm256_loadu_si256(base.add(i * io.rb + 34 * c + 2).cast()) });
+    for c in 0..hd / 32 {
+        let at0 = c * NH * BLOCK;
+        assert!(at0 + NH * BLOCK <= pw.len() && c * NH + NH <= ps.len());
+        let mut acc = [[_mm512_setzero_si512(); 2]; NH];
+        for t in 0..len.div_ceil(2) {
+            if c == 0 {
+                prefetch_next(io, b0 + 2 * t, true);
+            }
+            let a = vals(2 * t, c);
+            let b = if 2 * t + 1 < len { vals(2 * t + 1, c) } else { _mm512_setzero_si512() };
+            let (lo, hi) = (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b));
+            for (n, x) in acc.iter_mut().enumerate() {
+                // SAFETY: at0 + n·BLOCK + 2t + 2 ≤ at0 + NH·BLOCK ≤ pw.len() (asserted): one
+                // unaligned word, the probabilities of positions 2t and 2t + 1.
+                let w = unsafe { pw.as_ptr().add(at0 + n * BLOCK + 2 * t).cast::<i32>().read_unaligned() };
+                let w = _mm512_set1_epi32(w);
+                x[0] = _mm512_dpwssd_epi32(x[0], lo, w);
+                x[1] = _mm512_dpwssd_epi32(x[1], hi, w);
+            }
+        }
+        let f: [[__m512; 2]; NH] = std::array::from_fn(|n| {
+            let s = _mm512_set1_ps(ps[c * NH + n]);
+            let (l, h) = (_mm512_cvtepi32_ps(acc[n][0]), _mm512_cvtepi32_ps(acc[n][1]));
+            [_mm512_mul_ps(_mm512_permutex2var_ps(l, ord0, h), s), _mm512_mul_ps(_mm512_permutex2var_ps(l, ord1, h), s)]
+        });
+        add_strip::<NH>(&f, out, hd, c);
+    }
 }
 
 /// P·V of positions b0..b0 + len over f16 values in f32 FMAs (`pf`: the probabilities,
@@ -479,7 +577,24 @@ unsafe fn q8_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf:
 /// SAFETY (caller): as [`attn_blocked`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn f16_pv_f32<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, pf: &[f32], out: &mut [f32]) {
-    pv_f32::<NH>(io, (b0, len, false), pf, out, |r, c| f16_vals(r, c))
+    let hd = io.hd;
+    assert!(NH * BLOCK <= pf.len());
+    for c in 0..hd / 32 {
+        let mut acc = [[_mm512_setzero_ps(); 2]; NH];
+        for i in 0..len {
+            let r = b0 + i;
+            if c == 0 && i % 2 == 0 {
+                prefetch_next(io, r, false);
+            }
+            let (v0, v1) = f16_vals(io.v_row(r), c);
+            for (n, a) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(pf[n * BLOCK + i]);
+                a[0] = _mm512_fmadd_ps(s, v0, a[0]);
+                a[1] = _mm512_fmadd_ps(s, v1, a[1]);
+            }
+        }
+        add_strip::<NH>(&acc, out, hd, c);
+    }
 }
 
 /// Adds the accumulators of columns 32c..32c + 32 of each head to `out`.
