@@ -1,7 +1,8 @@
 //! Times one attention call of a prompt batch at depth (the CPU fast path), e.g.
 //! `cargo run --release -p ember-cpu --example attn_bench -- 512 4096 2 f16`:
 //! tokens, depth, threads, KV type (f16, q8_0, f32); the 35B-A3B head shape (16 query heads,
-//! 2 KV heads, 256; `KVH=n` makes it n KV heads of 8 query heads each). One token is a decode
+//! 2 KV heads, 256; `KVH=n` makes it n KV heads of 8 query heads each; `LAYERS=n` n caches
+//! read in turn, to time them from memory rather than L3). One token is a decode
 //! step. After one untimed call it repeats the call for at least a second (at least 3 times)
 //! and prints each time, then the fastest and the median (the machine is shared: the fastest
 //! is the kernel, the median what it got).
@@ -33,9 +34,22 @@ fn main() {
         )
     };
     let pool = PagePool::unbounded();
-    let (mut kc, mut vc) = (KvRows::new(ty, n_head_kv * hd), KvRows::new(ty, n_head_kv * hd));
-    kc.push(&rnd(depth + n_tok, n_head_kv * hd), &pool).unwrap();
-    vc.push(&rnd(depth + n_tok, n_head_kv * hd), &pool).unwrap();
+    // `LAYERS=n` makes n caches, a call each in turn (n large enough to leave the L3 cache
+    // behind, as a model's layers do).
+    let layers: usize = std::env::var("LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let caches: Vec<(KvRows, KvRows)> = (0..layers)
+        .map(|_| {
+            let (mut kc, mut vc) = (KvRows::new(ty, n_head_kv * hd), KvRows::new(ty, n_head_kv * hd));
+            kc.push(&rnd(depth + n_tok, n_head_kv * hd), &pool).unwrap();
+            vc.push(&rnd(depth + n_tok, n_head_kv * hd), &pool).unwrap();
+            (kc, vc)
+        })
+        .collect();
+    let mut layer = 0;
+    let mut next = || {
+        layer = (layer + 1) % layers;
+        &caches[layer]
+    };
     let q = rnd(n_tok, n_head * hd);
     let s = AttnShape { n_tok, n_head, n_head_kv, head_dim: hd, pos0: depth, scale: 1.0 / (hd as f32).sqrt() };
     let ops = CpuOps::new(Precision::Fast, threads);
@@ -46,12 +60,16 @@ fn main() {
         let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
         s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0.0)
     };
-    std::hint::black_box(ops.attention_rows(s, &q, &kc, &vc));
+    for _ in 0..layers {
+        let (kc, vc) = next();
+        std::hint::black_box(ops.attention_rows(s, &q, kc, vc));
+    }
     let (mut walls, mut cpus) = (Vec::new(), Vec::new());
     let start = std::time::Instant::now();
     while walls.len() < 3 || (start.elapsed().as_secs_f64() < 1.0 && walls.len() < 1000) {
+        let (kc, vc) = next();
         let (t, c) = (std::time::Instant::now(), cpu_ns());
-        std::hint::black_box(ops.attention_rows(s, &q, &kc, &vc));
+        std::hint::black_box(ops.attention_rows(s, &q, kc, vc));
         let (dt, dc) = (t.elapsed().as_secs_f64(), (cpu_ns() - c) / 1e9);
         if walls.len() < 8 {
             println!(
