@@ -213,7 +213,8 @@ if has cpu; then
     done
     python3 bench/gpu/ratios.py "$O" 'cpu-(?P<eng>ember|llama)-t(?P<t>[0-9]+)-[0-9]+\.json'
     # CPU_BF16_AB=1: prompts at depth with P·V in bf16 and in f32 (EMBER_BF16=0), alternating
-    # (where the host has AVX-512 BF16; measured on Zen 4 only so far).
+    # (where the host has AVX-512 BF16; without EMBER_BF16 ember times vdpbf16ps against FMAs
+    # once and takes bf16 only at 1.5x: see docs/perf.md v15).
     if [[ ${CPU_BF16_AB:-0} == 1 ]] && grep -q avx512_bf16 /proc/cpuinfo; then
         for r in $(seq 1 "$ROUNDS"); do
             for bf in 1 0; do

@@ -32,10 +32,65 @@ impl Avx512 {
     }
 }
 
-/// Whether the CPU has AVX-512 BF16 (and `EMBER_BF16` is not `0`). Detected once.
-fn bf16() -> bool {
+/// Whether the CPU has AVX-512 BF16 (and `EMBER_BF16` is not `0`): the bf16 kernels run.
+fn bf16_cpu() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| is_x86_feature_detected!("avx512bf16") && std::env::var("EMBER_BF16").as_deref() != Ok("0"))
+}
+
+/// Whether the prompt attention's P·V runs in bf16 ([`Kernels::has_bf16`]): the CPU has
+/// AVX-512 BF16 and its `vdpbf16ps` clearly outruns f32 FMAs ([`bf16_pays`]); `EMBER_BF16=0`
+/// or `1` decides instead. Decided once.
+fn bf16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| bf16_cpu() && (std::env::var("EMBER_BF16").as_deref() == Ok("1") || bf16_pays()))
+}
+
+/// Whether `vdpbf16ps` makes at least 1.5x the multiply-adds per second of `vfmadd231ps` on
+/// this core (the bf16 path also converts the values and probabilities), timed once: best of 5
+/// runs of 2^14 instructions each, well under a millisecond. Zen 4 makes ~2x (prompt attention
+/// at depth 1.28-1.45x faster in bf16); the Xeon the dev VM had on 2026-12-05 made 1.18-1.20x
+/// (5 processes), and its prompt attention ran 1.16-1.28x slower in bf16.
+fn bf16_pays() -> bool {
+    const N: usize = 1 << 11;
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn dot_rate() -> f64 {
+        let mut a = [_mm512_set1_ps(0.0); 8];
+        let b = bh(_mm512_set1_epi16(0x3f80)); // 1.0 in every lane
+        let t = std::time::Instant::now();
+        for _ in 0..N {
+            for x in a.iter_mut() {
+                *x = _mm512_dpbf16_ps(*x, b, b);
+            }
+            a = std::hint::black_box(a);
+        }
+        (32 * 8 * N) as f64 / t.elapsed().as_secs_f64()
+    }
+    #[target_feature(enable = "avx512f")]
+    fn fma_rate() -> f64 {
+        let mut a = [_mm512_set1_ps(0.0); 8];
+        let b = _mm512_set1_ps(1.0);
+        let t = std::time::Instant::now();
+        for _ in 0..N {
+            for x in a.iter_mut() {
+                *x = _mm512_fmadd_ps(b, b, *x);
+            }
+            a = std::hint::black_box(a);
+        }
+        (16 * 8 * N) as f64 / t.elapsed().as_secs_f64()
+    }
+    if !is_x86_feature_detected!("avx512bf16") || !is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    let (mut dot, mut fma) = (0f64, 0f64);
+    for _ in 0..5 {
+        // SAFETY: the CPU has AVX-512 F and BF16 (checked above).
+        unsafe {
+            dot = dot.max(dot_rate());
+            fma = fma.max(fma_rate());
+        }
+    }
+    dot >= 1.5 * fma
 }
 
 /// Σ of four neighbouring u8·i8 products into each i32 lane.
@@ -92,10 +147,10 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
 
     fn gemm_bf16(self, g: &super::GemmBf16<'_>, c: &mut [f32]) {
         g.check(c);
-        if !bf16() || !g.m.is_multiple_of(GEMM_ROWS) || !g.n.is_multiple_of(16) {
+        if !bf16_cpu() || !g.m.is_multiple_of(GEMM_ROWS) || !g.n.is_multiple_of(16) {
             return super::gemm_bf16_scalar(g, c);
         }
-        // SAFETY: the CPU has the token's features and AVX-512 BF16 (`bf16`); `check` bounded
+        // SAFETY: the CPU has the token's features and AVX-512 BF16 (`bf16_cpu`); `check` bounded
         // every element the tiles touch; m, n are multiples of the tile's rows and of 16
         // columns.
         unsafe { gemm_bf16(g, c) }
@@ -103,10 +158,10 @@ x86_kernels!(Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", {
 
     fn f32_to_bf16(self, src: &[f32], dst: &mut [u16]) {
         assert!(dst.len() >= src.len(), "f32_to_bf16: {} values into {}", src.len(), dst.len());
-        if !bf16() {
+        if !bf16_cpu() {
             return dst.iter_mut().zip(src).for_each(|(d, x)| *d = super::bf16_of(*x));
         }
-        // SAFETY: the CPU has AVX-512 BF16 (`bf16`); dst holds at least src.len() values.
+        // SAFETY: the CPU has AVX-512 BF16 (`bf16_cpu`); dst holds at least src.len() values.
         unsafe { f32_to_bf16(src, dst) }
     }
 

@@ -230,9 +230,9 @@ pub trait Kernels: Copy + Send + Sync + 'static {
         gemm_bf16_scalar(g, c)
     }
 
-    /// Whether [`Kernels::gemm_bf16`] is a fast kernel on this CPU (AVX-512 BF16: twice the
-    /// multiply-adds of an f32 FMA per instruction), worth converting a prompt's values and
-    /// probabilities to bf16 for. `EMBER_BF16=0` turns it off (for measurements).
+    /// Whether [`Kernels::gemm_bf16`] is a fast kernel on this CPU (AVX-512 BF16 whose
+    /// `vdpbf16ps` outruns f32 FMAs, timed once), worth converting a prompt's values and
+    /// probabilities to bf16 for. `EMBER_BF16=0` or `1` decides instead (for measurements).
     fn has_bf16(self) -> bool {
         false
     }
