@@ -4,6 +4,14 @@
 //! the activation quantisers and the integer K-quant dots in `x86_int.rs`, the prompt kernels
 //! in `avx2/prompt.rs` and `avx512.rs`.
 
+/// e^x as the kernels' `exp8` (and the AVX-512 decode's `exp16`) compute it, Cephes expf: the
+/// input clamped to [EXP_LO, EXP_HI] (below EXP_LO gives 0), x = n·ln2 + r with ln2 split in
+/// two for precision, then this degree-6 polynomial in r (highest power first).
+pub(crate) const EXP_HI: f32 = 88.3;
+pub(crate) const EXP_LO: f32 = -87.3;
+pub(crate) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+pub(crate) const EXP_POLY: [f32; 6] = [1.987_569_2e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+
 /// The kernel bodies for one x86 instruction set: `$feat` is its target-feature list and the
 /// invoking module provides `fn dp(u8 x32, i8 x32) -> i32 x8` with the same features.
 macro_rules! x86_kernels {
@@ -152,18 +160,19 @@ macro_rules! x86_kernels {
         #[inline]
         #[target_feature(enable = $feat)]
         fn exp8(x: __m256) -> __m256 {
-            let x = _mm256_min_ps(x, _mm256_set1_ps(88.3));
-            let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
-            let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+            use crate::simd::x86::{EXP_HI, EXP_LN2, EXP_LO, EXP_POLY};
+            let x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+            let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+            let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
             let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
                 x,
                 _mm256_set1_ps(std::f32::consts::LOG2_E),
             ));
-            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-            let mut p = _mm256_set1_ps(1.987_569_2e-4);
-            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[0]), x);
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[1]), r);
+            let mut p = _mm256_set1_ps(EXP_POLY[0]);
+            for c in &EXP_POLY[1..] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
             }
             let r2 = _mm256_mul_ps(r, r);
             let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));

@@ -206,7 +206,7 @@ fn quantise(io: &AttnIo<'_>) -> Box<Quantised> {
 fn value_scales(io: &AttnIo<'_>, b0: usize, len: usize, strips: usize, dv: &mut [f32]) -> [f32; 8] {
     const { assert!(BLOCK == KV_PAGE) };
     assert!(b0.is_multiple_of(KV_PAGE) && (1..=BLOCK).contains(&len) && strips <= 8 && dv.len() >= strips * BLOCK);
-    let base = page_rows(io, true, b0, len);
+    let base = page_rows(io, b0, len);
     let rb = i32::try_from(io.rb).expect("KV row bytes fit i32");
     let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let mut dmax = [0f32; 8];
@@ -237,16 +237,15 @@ fn value_scales(io: &AttnIo<'_>, b0: usize, len: usize, strips: usize, dv: &mut 
     dmax
 }
 
-/// The first byte of position b0's q8_0 blocks (this KV head's; values with `v`, else keys),
-/// after checking that positions b0..b0 + len lie in one KV page, `rb` bytes apart: row
-/// b0 + i's blocks are the `hd / 32 · 34` bytes at `base + i·rb` for i < len.
+/// The first byte of position b0's q8_0 value blocks (this KV head's), after checking that
+/// positions b0..b0 + len lie in one KV page, `rb` bytes apart: row b0 + i's blocks are the
+/// `hd / 32 · 34` bytes at `base + i·rb` for i < len.
 #[inline]
-fn page_rows(io: &AttnIo<'_>, v: bool, b0: usize, len: usize) -> *const u8 {
+fn page_rows(io: &AttnIo<'_>, b0: usize, len: usize) -> *const u8 {
     assert!(len >= 1 && b0 % KV_PAGE + len <= KV_PAGE);
-    let row = |p: usize| if v { io.v_q8(p) } else { io.k_q8(p) };
-    let base = row(b0).as_ptr();
+    let base = io.v_q8(b0).as_ptr();
     // The last row's slice (bounds-checked) is where the stride puts it.
-    assert_eq!(row(b0 + len - 1).as_ptr() as usize, base as usize + (len - 1) * io.rb);
+    assert_eq!(io.v_q8(b0 + len - 1).as_ptr() as usize, base as usize + (len - 1) * io.rb);
     base
 }
 
@@ -312,22 +311,23 @@ fn exp_sum16(x: &mut [f32], sub: f32) -> f32 {
     _mm512_reduce_add_ps(acc) + exp_sum(&mut x[n16..], sub)
 }
 
-/// e^x as the AVX2 `exp8` computes it (Cephes expf), 16 lanes.
+/// e^x as the AVX2 `exp8` computes it (Cephes expf, the constants `x86::EXP_*`), 16 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 fn exp16(x: __m512) -> __m512 {
-    let x = _mm512_min_ps(x, _mm512_set1_ps(88.3));
-    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.3));
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+    use crate::simd::x86::{EXP_HI, EXP_LN2, EXP_LO, EXP_POLY};
+    let x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_LO));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
     let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,
         _mm512_set1_ps(std::f32::consts::LOG2_E),
     ));
-    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_2e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[0]), x);
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[1]), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
     let r2 = _mm512_mul_ps(r, r);
     let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
@@ -539,7 +539,7 @@ unsafe fn q8_pv<const NH: usize>(io: &AttnIo<'_>, b0: usize, len: usize, (pw, ps
     // in `hi`: these put them back in order (values 0..16, then 16..32).
     let ord0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     let ord1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    let base = page_rows(io, true, b0, len);
+    let base = page_rows(io, b0, len);
     // SAFETY (of each call): i < len, c < hd / 32: bytes 34c + 2..34c + 34 of row b0 + i's
     // q8_0 blocks (`page_rows`).
     let vals = |i: usize, c: usize| _mm512_cvtepi8_epi16(unsafe { _mm256_loadu_si256(base.add(i * io.rb + 34 * c + 2).cast()) });
