@@ -261,20 +261,25 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_MERGE_WARPS) attention_mer
 
 // ---------------------------------------------------------------------------------------------
 // attention_decode: a block of AD_WARPS warps takes one row, HB query heads that share a KV
-// head (HB: the largest power of two dividing the GQA ratio, at most 8) and one range of the
-// row's keys. Lane l holds dims 8l .. 8l + 8 of every head (head_dim <= 256, a multiple of 8),
-// so a K or V row is one 16-byte load per lane (F16) serving all HB heads. Each warp walks
-// groups of AD_KG consecutive keys (every AD_WARPS-th group of the range) with its own online
-// softmax: the AD_KG x HB partial dot products of a lane are summed over the warp by a
-// transposing reduction (each halving step sends half of the values, so after it lane l holds
-// the whole sum of pair l >> SH), the softmax of each head runs on the lanes holding its
-// scores, and the weights come back to every lane by shuffles for the P·V update. The warps
-// are merged through shared memory, pairwise, in a fixed order (deterministic).
+// head (HB: a power of two dividing the GQA ratio, at most 8, chosen by the launcher to fill
+// the GPU) and one range of the row's keys. Lane l holds dims 8l .. 8l + 8 of every head
+// (head_dim <= 256, a multiple of 8), so a K or V row is one 16-byte load per lane (F16)
+// serving all HB heads. Each warp walks groups of AD_KG consecutive keys (every AD_WARPS-th
+// group of the range) with its own online softmax: the AD_KG x HB partial dot products of a
+// lane are summed over the warp by a transposing reduction (each halving step sends half of
+// the values, so after it lane l holds the whole sum of pair l >> SH), the softmax of each
+// head runs on the lanes holding its scores, and the weights come back to every lane by
+// shuffles for the P·V update. The warps are merged through shared memory, pairwise, in a
+// fixed order (deterministic).
 // Key ranges: a row of n keys is split into ceil(n / kps) ranges of kps = 64 · ceil(pages /
 // splits) keys (splits: p.keys_per_split, the target ranges per row), a function of the row's
 // own keys, so its result does not depend on the other rows of the call. With n_split > 1 the
 // block writes its partial (max, sum, unnormalised values) for attention_merge; blocks past
 // the row's ranges write an empty partial (sum 0) that the merge skips.
+// Every head gets the same bits whatever HB is: its dot products are summed over the lanes in
+// one butterfly order (offsets 16, 8, 4, 2, 1, whether by halving steps or plain sums), its
+// softmax over a group's keys in one order, and every a·b + c that a compiler could contract
+// differently in another instance is an explicit fmaf. So HB may follow the call's size.
 // grid (n_head / HB, n_rows, n_split), blockDim 32 · AD_WARPS.
 
 #define AD_WARPS 4
@@ -452,7 +457,7 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
         float es = e;
 #pragma unroll
         for (int o = HB << SH; o < 32; o <<= 1) es += __shfl_xor_sync(0xffffffffu, es, o);
-        l_mine = l_mine * corr + es;
+        l_mine = fmaf(l_mine, corr, es);
         m_mine = m_new;
 #pragma unroll
         for (int h = 0; h < HB; ++h) {
@@ -501,8 +506,8 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
                 // A side that saw no key (sum 0, max -inf) contributes nothing.
                 const float fa = l[h] > 0.0f ? expf(m[h] - mx) : 0.0f, fb = lo > 0.0f ? expf(mo - mx) : 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[h][i] = acc[h][i] * fa + sm_acc[warp][h][lane * 8 + i] * fb;
-                l[h] = l[h] * fa + lo * fb;
+                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(acc[h][i], fa, sm_acc[warp][h][lane * 8 + i] * fb);
+                l[h] = fmaf(l[h], fa, lo * fb);
                 m[h] = mx;
             }
         }

@@ -9,10 +9,12 @@
 //! `decode_matches_the_reference`: decode rows (1-3 per sequence) deep into caches filled by
 //! prompt chunks, every KV type, GQA ratios 1, 2, 3, 8, 16, head_dims 40..256, against the
 //! reference. `decode_ranges_agree`: the decode kernel over 1..128 key ranges per row against
-//! the rows path, and a row's result bit for bit the same alone or beside other rows.
+//! the rows path, a row's result bit for bit the same alone or beside other rows and on 1, 2,
+//! 4 or 8 query heads a block.
 //! `bench_attention_tiles` (`--ignored --nocapture bench`): the 35B model's shape (16 query
 //! heads, 2 KV heads, head_dim 256, F16 cache) at depths up to 32768 on the three paths, their
-//! agreement, and GPU times.
+//! agreement, and GPU times. `bench_attention_decode_heads`: the decode kernel at that shape on
+//! 1, 2, 4 and 8 query heads a block and the launcher's choice, depths 16..32768.
 //!
 //! With no NVIDIA driver every test prints why and passes (CI has no GPU).
 
@@ -195,7 +197,8 @@ fn decode_matches_the_reference() {
 
 /// The decode kernel at 1, 2, 3, 7, 40 and 128 key ranges per row against the rows path on one
 /// cache (the 35B shape, F16, 3,000 keys), and each row's result bit for bit the same when it
-/// runs alone as beside rows of other depths (a row's ranges depend on its own keys only).
+/// runs alone as beside rows of other depths (a row's ranges depend on its own keys only) and
+/// on any number of query heads a block (which the launcher picks by the call's size).
 #[test]
 fn decode_ranges_agree() {
     let Ok(g) = Gpu::new(0) else {
@@ -220,12 +223,15 @@ fn decode_ranges_agree() {
     // Rows at positions 0, 63, 64, 700, 2999: each its own sequence.
     let positions = [0u32, 63, 64, 700, 2999];
     let q = g.upload(&rng.mat(positions.len(), nh * hd, 2.0).data).unwrap();
-    let run = |rows: &[usize], path: AttentionPath, splits: usize| -> Vec<f32> {
+    // Query heads a block: 0 lets the call's size choose (a row alone may get fewer heads a
+    // block than beside others), else 8, 4, 2 or 1.
+    let run = |rows: &[usize], path: AttentionPath, splits: usize, heads: usize| -> Vec<f32> {
         let n = rows.len();
         let max_keys = rows.iter().map(|&i| positions[i] as usize + 1).max().unwrap();
         let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &vec![1; n], max_keys);
         s.path = path;
         s.decode_splits = splits;
+        s.decode_heads = heads;
         assert_eq!(g.attention_path(&s), path);
         // The rows' queries, gathered.
         let qd = g.download(&q).unwrap();
@@ -241,16 +247,21 @@ fn decode_ranges_agree() {
         g.download(&out).unwrap()
     };
     let all: Vec<usize> = (0..positions.len()).collect();
-    let rows_ref = run(&all, AttentionPath::Rows, 1);
+    let rows_ref = run(&all, AttentionPath::Rows, 1, 0);
     let per = nh * hd;
     for splits in [1, 2, 3, 7, 40, 128] {
-        let y = run(&all, AttentionPath::Decode, splits);
+        let y = run(&all, AttentionPath::Decode, splits, 0);
         let e = conformance::max_rel(&y, &rows_ref);
         println!("decode, {splits:>3} ranges per row: rel {e:.2e} to the rows path");
         assert!(e <= REL, "{splits} ranges: rel {e:e}");
+        for heads in [8, 4, 2, 1] {
+            assert!(run(&all, AttentionPath::Decode, splits, heads) == y, "{splits} ranges, {heads} heads a block: other bits");
+        }
         for (j, &i) in all.iter().enumerate() {
-            let alone = run(&[i], AttentionPath::Decode, splits);
-            assert!(alone == y[j * per..(j + 1) * per], "{splits} ranges: row at {} alone differs", positions[i]);
+            for heads in [0, 8, 1] {
+                let alone = run(&[i], AttentionPath::Decode, splits, heads);
+                assert!(alone == y[j * per..(j + 1) * per], "{splits} ranges, heads {heads}: row at {} alone differs", positions[i]);
+            }
         }
     }
 }
@@ -391,6 +402,64 @@ fn bench_attention_tiles() {
             println!(
                 "crossover depth {depth:>5} {n:>2} rows: rows {ms_rows:8.3} ms  tiles {ms_tiles:8.3} ms  tensor-core tiles {ms_mma:8.3} ms  decode {ms_dec:8.3} ms"
             );
+        }
+    }
+}
+
+/// The decode kernel's heads per block at the 35B model's shape (16 query heads, 2 KV heads,
+/// head_dim 256), F16 and q8_0 caches: GPU us per call (kernel and merge) for 1 and 16 rows at
+/// depths 16..32768 on 8, 4, 2 and 1 heads a block and on the launcher's choice, every one the
+/// same bits.
+#[test]
+#[ignore]
+fn bench_attention_decode_heads() {
+    let Ok(g) = Gpu::new(0) else { return };
+    let (nh, nkv, hd) = (16usize, 2usize, 256usize);
+    let width = nkv * hd;
+    let max_pos: usize = 32768 + 16;
+    let n_pages = max_pos.div_ceil(KV_PAGE);
+    let mut rng = Rng::new(36);
+    for ty in [GgmlType::F16, GgmlType::Q8_0] {
+        let rb = ty.row_bytes(width).unwrap();
+        let table: Vec<u32> = (0..2 * n_pages as u32).collect();
+        let pool = g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap();
+        let table = g.upload(&table).unwrap();
+        let pages = KvPages { pool: &pool, table: &table, ty, width, n_pages: 2 * n_pages, stride: n_pages, n_kv: 1, n_slots: 1, layer: 0 };
+        for p0 in (0..max_pos).step_by(4096) {
+            let n = 4096.min(max_pos - p0);
+            let (k, v) = (g.upload(&rng.mat(n, width, 1.0).data).unwrap(), g.upload(&rng.mat(n, width, 1.0).data).unwrap());
+            let pos: Vec<u32> = (p0 as u32..(p0 + n) as u32).collect();
+            let (slot, pos) = (g.zeros::<u32>(n).unwrap(), g.upload(&pos).unwrap());
+            g.kv_append(&pages, &k, &v, n, &slot, &pos).unwrap();
+        }
+        let q_all = g.upload(&rng.mat(16, nh * hd, 1.0).data).unwrap();
+        let mut out = g.zeros::<f32>(16 * nh * hd).unwrap();
+        for depth in [16usize, 256, 1024, 4096, 8192, 16384, 32768] {
+            for n in [1usize, 16] {
+                // n sequences of one row each, all in slot 0 at the same depth.
+                let row0 = g.upload(&(0..n as u32).collect::<Vec<_>>()).unwrap();
+                let (seq_n, slot) = (g.upload(&vec![1u32; n]).unwrap(), g.zeros::<u32>(n).unwrap());
+                let seqs = SeqRows { row0: &row0, n: &seq_n, slot: &slot, n_seq: n };
+                let pos = g.upload(&vec![depth as u32 - 1; n]).unwrap();
+                let mut line = format!("decode heads {ty:?} {n:>2} rows at depth {depth:>5}:");
+                let mut base: Option<Vec<f32>> = None;
+                for heads in [8usize, 4, 2, 1, 0] {
+                    let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &vec![1; n], depth);
+                    s.path = AttentionPath::Decode;
+                    s.decode_heads = heads;
+                    let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+                    let ms = gpu_ms(&g, 20, || g.attention(&pages, s, &q_all, &seqs, &slot, &pos, &mut out, &mut scratch));
+                    let y = g.download_range(&out, 0, n * nh * hd).unwrap();
+                    // The heads a block change no bits.
+                    assert!(base.as_ref().is_none_or(|b| *b == y), "{ty:?} {n} rows at {depth}, {heads} heads: other bits than 8");
+                    base.get_or_insert(y);
+                    line += &match heads {
+                        0 => format!("  auto ({}): {:7.1} us", g.attention_decode_heads(&s), ms * 1e3),
+                        _ => format!("  {heads}: {:7.1} us", ms * 1e3),
+                    };
+                }
+                println!("{line}");
+            }
         }
     }
 }

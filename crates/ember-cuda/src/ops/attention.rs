@@ -34,6 +34,21 @@ pub const ATTENTION_DECODE_SCRATCH_MAX: usize = 32 << 20;
 const DECODE_WARPS: u32 = 4;
 /// Query heads of an `attention_decode` block at most (the kernel's instances: 1, 2, 4, 8).
 const DECODE_MAX_HEADS: usize = 8;
+/// The decode kernel takes the most query heads a block (K/V rows read once for more heads)
+/// that still gives at least this many blocks per SM, in quarters (6: 1.5), else one head a
+/// block. Measured on the H100 (35B shape, F16 cache, 2026-12-05, us per call for 8 / 4 / 2 / 1
+/// heads): 1 row at depth 32768 (64 ranges) 67.2 / 53.7 / 78.8 / 125.0, at 4096 21.5 / 16.6 /
+/// 19.3 / 25.1, at 1024 (16 ranges) 18.3 / 12.0 / 10.5 / 10.1, at 16 keys 10.7 / 6.4 / 5.0 /
+/// 4.5; 16 rows at 1024 31.9 / 33.8 / 44.7 / 66.3, at 256 18.0 / 13.0 / 15.8 / 21.0. The
+/// heads a block do not change a result's bits (kernels/attention.cu), so the choice may
+/// follow the call's size.
+const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
+
+/// `EMBER_ATTN_HEADS`: query heads of every decode block (an A/B switch; read once).
+fn decode_heads_from_env() -> usize {
+    static SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
 
 /// Keys per range: [`ATTENTION_SPLIT_KEYS`], more when that would need over 65,535 ranges.
 fn split_keys(s: &AttentionShape) -> usize {
@@ -103,6 +118,9 @@ pub struct AttentionShape {
     pub path: AttentionPath,
     /// Key ranges per row the decode path aims at ([`ATTENTION_DECODE_SPLITS`]).
     pub decode_splits: usize,
+    /// Query heads of a decode block (0: as many as fill the GPU, see
+    /// [`AttentionShape::decode_heads_for`]; `EMBER_ATTN_HEADS` sets it).
+    pub decode_heads: usize,
     /// Precision::Fast: the tiles run on tensor cores (`attention_mma`: Q, K, V and the
     /// softmax weights rounded to f16, f32 sums) where the GPU has them (sm_80+) and head_dim
     /// is a multiple of 16.
@@ -124,6 +142,7 @@ impl AttentionShape {
             n_tiles: 0,
             path: AttentionPath::Auto,
             decode_splits: ATTENTION_DECODE_SPLITS,
+            decode_heads: decode_heads_from_env(),
             fast: false,
         };
         let tr = s.tile_rows();
@@ -146,6 +165,22 @@ impl AttentionShape {
     /// ratio, at most 8.
     pub fn heads_per_decode_block(&self) -> usize {
         self.heads_per_tile().min(DECODE_MAX_HEADS)
+    }
+
+    /// Query heads of a decode block over `n_split` key ranges a row on `n_sm` SMs: a power of
+    /// two dividing [`AttentionShape::heads_per_decode_block`]; `decode_heads` when set, else the
+    /// most that still give [`DECODE_MIN_BLOCKS_PER_SM_X4`] / 4 blocks per SM, else 1.
+    pub fn decode_heads_for(&self, n_split: usize, n_sm: usize) -> usize {
+        let most = self.heads_per_decode_block();
+        if self.decode_heads > 0 {
+            return (1 << self.decode_heads.ilog2()).min(most);
+        }
+        let blocks = |hb: usize| self.n_rows * (self.n_head / hb) * n_split;
+        let mut hb = most;
+        while hb > 1 && 4 * blocks(hb) < DECODE_MIN_BLOCKS_PER_SM_X4 * n_sm {
+            hb /= 2;
+        }
+        hb
     }
 
     /// Floats of partial results the decode kernel needs for this shape (0: one range a row).
@@ -237,6 +272,8 @@ struct Plan {
     kind: AttentionPath,
     n_split: usize,
     keys_per_split: usize,
+    /// Query heads of a decode block.
+    decode_heads: usize,
 }
 
 impl Gpu {
@@ -248,7 +285,7 @@ impl Gpu {
             // page; a row with fewer ranges leaves the rest empty.
             let splits = s.decode_splits.min(65535);
             let n_split = s.max_keys.div_ceil(KV_PAGE).clamp(1, splits);
-            return Plan { kind, n_split, keys_per_split: splits };
+            return Plan { kind, n_split, keys_per_split: splits, decode_heads: s.decode_heads_for(n_split, n_sm) };
         }
         if kind == AttentionPath::Tiles {
             // Enough blocks for the SMs (2 resident each): the key range count that minimises
@@ -259,10 +296,10 @@ impl Gpu {
             let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
             let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
             let keys_per_split = s.max_keys.div_ceil(n_split).next_multiple_of(KV_PAGE).max(KV_PAGE);
-            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split };
+            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split, decode_heads: 0 };
         }
         let n_split = if s.n_rows * s.n_head >= 2 * n_sm { 1 } else { s.max_keys.div_ceil(split_keys(s)).max(1) };
-        Plan { kind, n_split, keys_per_split: split_keys(s) }
+        Plan { kind, n_split, keys_per_split: split_keys(s), decode_heads: 0 }
     }
 
     /// Key ranges [`Gpu::attention`] splits each row's keys into. The rows path: one pass when
@@ -274,6 +311,12 @@ impl Gpu {
     /// the most ranges of a row ([`decode_keys_per_split`]).
     pub fn attention_splits(&self, s: &AttentionShape) -> usize {
         self.attention_plan(s).n_split
+    }
+
+    /// Query heads of a decode block for `s` ([`AttentionShape::decode_heads_for`]; 0 off the
+    /// decode path).
+    pub fn attention_decode_heads(&self, s: &AttentionShape) -> usize {
+        self.attention_plan(s).decode_heads
     }
 
     /// `attention_mma` with its shared memory allowed, when the tiles of `s` take it: Fast, sm_80+
@@ -386,7 +429,7 @@ impl Gpu {
             n_split: plan.n_split as u32,
             keys_per_split: u32_of(OP, "keys per split", plan.keys_per_split)?,
             n_seq: seqs.n_seq as u32,
-            heads_per_block: if plan.kind == AttentionPath::Decode { s.heads_per_decode_block() } else { s.heads_per_tile() } as u32,
+            heads_per_block: if plan.kind == AttentionPath::Decode { plan.decode_heads } else { s.heads_per_tile() } as u32,
             scale: s.scale,
         };
         let merge = |gpu: &Gpu| -> Result<()> {
@@ -404,7 +447,7 @@ impl Gpu {
         unsafe {
             if plan.kind == AttentionPath::Decode {
                 let f = self.function(&ATTENTION, "attention_decode")?;
-                let groups = u32_of(OP, "head groups", nh / s.heads_per_decode_block())?;
+                let groups = u32_of(OP, "head groups", nh / plan.decode_heads)?;
                 self.launch(&f, (groups, p.n_rows, p.n_split), 32 * DECODE_WARPS, 0, &p)?;
                 return if plan.n_split > 1 { merge(self) } else { Ok(()) };
             }
@@ -444,6 +487,27 @@ mod tests {
     /// deepest row seeing `keys` keys.
     fn shape(hd: usize, rows: &[usize], keys: usize) -> AttentionShape {
         AttentionShape::new(16, 2, hd, 0.0625, rows, keys)
+    }
+
+    /// The decode kernel's heads a block on 132 SMs (the H100's and H200's count): the most
+    /// that give 1.5 blocks an SM, the measured best of each case in
+    /// [`DECODE_MIN_BLOCKS_PER_SM_X4`]'s table; `decode_heads` overrides.
+    #[test]
+    fn decode_heads_fill_the_sms() {
+        // (rows, ranges a row, heads a block)
+        for (rows, split, want) in [(1, 64, 4), (1, 16, 1), (1, 1, 1), (16, 16, 8), (16, 4, 4), (16, 1, 1), (64, 64, 8)] {
+            let mut s = shape(256, &vec![1; rows], 64 * split);
+            s.decode_heads = 0;
+            assert_eq!(s.decode_heads_for(split, 132), want, "{rows} rows, {split} ranges");
+            s.decode_heads = 3;
+            assert_eq!(s.decode_heads_for(split, 132), 2);
+            s.decode_heads = 64;
+            assert_eq!(s.decode_heads_for(split, 132), 8);
+        }
+        // GQA 3: one head a block whatever is asked.
+        let mut s = AttentionShape::new(6, 2, 64, 0.125, &[1], 100);
+        s.decode_heads = 8;
+        assert_eq!(s.decode_heads_for(1, 132), 1);
     }
 
     /// Auto's choice, with the decode kernel and tensor cores (Fast) or without (Exact).
