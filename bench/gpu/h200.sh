@@ -32,7 +32,8 @@
 #   cpu    issue 18 on this host's CPU, the GPU hidden (CUDA_VISIBLE_DEVICES=): the `bandwidth`
 #          example, then on the q4_k_m 35B at each of CPU_THREADS (default 16,8), alternating,
 #          ROUNDS rounds: `ember bench --device cpu -t T -p 512 -n 128 -d 0,CPU_DEPTHS` (default
-#          4096) against `llama-bench -ngl 0 -fa 1` with the same arguments; then (CPU_HTTP=1,
+#          4096) against `llama-bench -ngl 0 -fa 1` with the same arguments (-r CPU_REPS, default
+#          2, for both); then (CPU_HTTP=1,
 #          default) `ember serve --device cpu -t 16` + `ember bench-http --depths 512` against
 #          `ember bench -d 0,512` (the HTTP path, item 4); before it (CPU_PROFILE=1, default)
 #          decode's per-op profile at 16 threads at depths 0 and CPU_DEPTHS' first (model_bench)
@@ -201,17 +202,19 @@ if has cpu; then
     ensure_model; [[ ${LLAMA:-1} == 1 ]] && wait_llama_build
     export CUDA_VISIBLE_DEVICES=
     [[ -x /tmp/bin/bandwidth ]] && /tmp/bin/bandwidth 2048 16 > "$O/cpu-bandwidth.txt" 2>&1 && cat "$O/cpu-bandwidth.txt"
-    for t in $(echo "${CPU_THREADS:-16,8}" | tr ',' ' '); do
+    # CPU_PAIRS=0: no engine pairs (a later call's profile or HTTP part alone).
+    [[ ${CPU_PAIRS:-1} == 1 ]] || CPU_THREADS=none
+    for t in $(echo "${CPU_THREADS:-16,8}" | tr ',' ' ' | sed 's/none//'); do
         for r in $(seq 1 "$ROUNDS"); do
-            $E bench -m $F --device cpu -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r 2 -o json > "$O/cpu-ember-t$t-$r.json" 2> "$O/cpu-ember-t$t-$r.log"
+            $E bench -m $F --device cpu -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r ${CPU_REPS:-2} -o json > "$O/cpu-ember-t$t-$r.json" 2> "$O/cpu-ember-t$t-$r.log"
             echo "cpu t=$t round $r ember: exit $?"
             if [[ -x $LB ]]; then
-                $LB -m $F -ngl 0 -fa 1 -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r 2 -o json > "$O/cpu-llama-t$t-$r.json" 2> "$O/cpu-llama-t$t-$r.log"
+                $LB -m $F -ngl 0 -fa 1 -t $t -p 512 -n 128 -d 0,${CPU_DEPTHS:-4096} -r ${CPU_REPS:-2} -o json > "$O/cpu-llama-t$t-$r.json" 2> "$O/cpu-llama-t$t-$r.log"
                 echo "cpu t=$t round $r llama.cpp: exit $?"
             fi
         done
     done
-    python3 bench/gpu/ratios.py "$O" 'cpu-(?P<eng>ember|llama)-t(?P<t>[0-9]+)-[0-9]+\.json'
+    [[ ${CPU_PAIRS:-1} == 1 ]] && python3 bench/gpu/ratios.py "$O" 'cpu-(?P<eng>ember|llama)-t(?P<t>[0-9]+)-[0-9]+\.json'
     # CPU_BF16_AB=1: prompts at depth with P·V in bf16 and in f32 (EMBER_BF16=0), alternating
     # (where the host has AVX-512 BF16; without EMBER_BF16 ember times vdpbf16ps against FMAs
     # once and takes bf16 only at 1.5x: see docs/perf.md v15).
