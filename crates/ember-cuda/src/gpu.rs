@@ -189,6 +189,8 @@ pub struct Gpu {
     attn_decode: bool,
     /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
     attn_mma: bool,
+    /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
+    attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
     /// (`EMBER_MOE_SHARED=0`: no, its own GEMVs, gate and add, for measuring it).
     moe_shared: bool,
@@ -314,6 +316,7 @@ impl Gpu {
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
+            attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
             q8_gen: Default::default(),
@@ -335,6 +338,12 @@ impl Gpu {
     /// it off).
     pub(crate) fn attn_mma_on(&self) -> bool {
         self.attn_mma
+    }
+
+    /// Query heads of every decode attention block that `EMBER_ATTN_HEADS` asks for (0: none,
+    /// the launcher chooses; an A/B switch).
+    pub(crate) fn attn_heads(&self) -> usize {
+        self.attn_heads
     }
 
     /// Whether a one-token int8 MoE may run the shared expert in its kernels

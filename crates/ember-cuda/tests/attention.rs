@@ -212,7 +212,13 @@ fn decode_ranges_agree() {
     let rb = GgmlType::F16.row_bytes(width).unwrap();
     // K pages then V pages, in reverse order (the table is followed, not assumed).
     let table: Vec<u32> = (0..2 * n_pages as u32).rev().collect();
-    let cache = Cache { pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(), table: g.upload(&table).unwrap(), n_pages, width };
+    let cache = Cache {
+        pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(),
+        table: g.upload(&table).unwrap(),
+        n_pages,
+        width,
+        ty: GgmlType::F16,
+    };
     let mut rng = Rng::new(3);
     {
         let (k, v) = (g.upload(&rng.mat(n_keys, width, 1.0).data).unwrap(), g.upload(&rng.mat(n_keys, width, 1.0).data).unwrap());
@@ -267,12 +273,13 @@ fn decode_ranges_agree() {
 }
 
 /// A one-sequence, one-layer paged cache on the device: `n_pages` pages for K then as many for
-/// V, in order.
+/// V, in the table's order.
 struct Cache {
     pool: Buf<u8>,
     table: Buf<u32>,
     n_pages: usize,
     width: usize,
+    ty: GgmlType,
 }
 
 impl Cache {
@@ -280,7 +287,7 @@ impl Cache {
         KvPages {
             pool: &self.pool,
             table: &self.table,
-            ty: GgmlType::F16,
+            ty: self.ty,
             width: self.width,
             n_pages: 2 * self.n_pages,
             stride: self.n_pages,
@@ -288,6 +295,24 @@ impl Cache {
             n_slots: 1,
             layer: 0,
         }
+    }
+
+    /// A cache of `ty` rows of `width` values whose positions 0..max_pos hold random K/V rows
+    /// (kv_append converts them), pages in order, written 4096 at a time.
+    fn filled(g: &Gpu, ty: GgmlType, width: usize, max_pos: usize, rng: &mut Rng) -> Cache {
+        let n_pages = max_pos.div_ceil(KV_PAGE);
+        let rb = ty.row_bytes(width).unwrap();
+        let table: Vec<u32> = (0..2 * n_pages as u32).collect();
+        let cache =
+            Cache { pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(), table: g.upload(&table).unwrap(), n_pages, width, ty };
+        for p0 in (0..max_pos).step_by(4096) {
+            let n = 4096.min(max_pos - p0);
+            let (k, v) = (g.upload(&rng.mat(n, width, 1.0).data).unwrap(), g.upload(&rng.mat(n, width, 1.0).data).unwrap());
+            let pos: Vec<u32> = (p0 as u32..(p0 + n) as u32).collect();
+            let (slot, pos) = (g.zeros::<u32>(n).unwrap(), g.upload(&pos).unwrap());
+            g.kv_append(&cache.pages(), &k, &v, n, &slot, &pos).unwrap();
+        }
+        cache
     }
 }
 
@@ -317,19 +342,9 @@ fn bench_attention_tiles() {
     let (nh, nkv, hd) = (16usize, 2usize, 256usize);
     let width = nkv * hd;
     let max_pos: usize = 32768 + 512;
-    let n_pages = max_pos.div_ceil(KV_PAGE);
-    let rb = GgmlType::F16.row_bytes(width).unwrap();
-    let table: Vec<u32> = (0..2 * n_pages as u32).collect();
-    let cache = Cache { pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(), table: g.upload(&table).unwrap(), n_pages, width };
     let mut rng = Rng::new(35);
-    // Fill every position with random K/V rows (kv_append converts to F16), 4096 at a time.
-    for p0 in (0..max_pos).step_by(4096) {
-        let n = 4096.min(max_pos - p0);
-        let (k, v) = (g.upload(&rng.mat(n, width, 1.0).data).unwrap(), g.upload(&rng.mat(n, width, 1.0).data).unwrap());
-        let pos: Vec<u32> = (p0 as u32..(p0 + n) as u32).collect();
-        let (slot, pos) = (g.zeros::<u32>(n).unwrap(), g.upload(&pos).unwrap());
-        g.kv_append(&cache.pages(), &k, &v, n, &slot, &pos).unwrap();
-    }
+    let cache = Cache::filled(&g, GgmlType::F16, width, max_pos, &mut rng);
+    let rb = GgmlType::F16.row_bytes(width).unwrap();
     let q_all = g.upload(&rng.mat(512, nh * hd, 1.0).data).unwrap();
     let seq_row0 = g.zeros::<u32>(1).unwrap();
     let slot0 = g.zeros::<u32>(1).unwrap();
@@ -417,21 +432,10 @@ fn bench_attention_decode_heads() {
     let (nh, nkv, hd) = (16usize, 2usize, 256usize);
     let width = nkv * hd;
     let max_pos: usize = 32768 + 16;
-    let n_pages = max_pos.div_ceil(KV_PAGE);
     let mut rng = Rng::new(36);
     for ty in [GgmlType::F16, GgmlType::Q8_0] {
-        let rb = ty.row_bytes(width).unwrap();
-        let table: Vec<u32> = (0..2 * n_pages as u32).collect();
-        let pool = g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap();
-        let table = g.upload(&table).unwrap();
-        let pages = KvPages { pool: &pool, table: &table, ty, width, n_pages: 2 * n_pages, stride: n_pages, n_kv: 1, n_slots: 1, layer: 0 };
-        for p0 in (0..max_pos).step_by(4096) {
-            let n = 4096.min(max_pos - p0);
-            let (k, v) = (g.upload(&rng.mat(n, width, 1.0).data).unwrap(), g.upload(&rng.mat(n, width, 1.0).data).unwrap());
-            let pos: Vec<u32> = (p0 as u32..(p0 + n) as u32).collect();
-            let (slot, pos) = (g.zeros::<u32>(n).unwrap(), g.upload(&pos).unwrap());
-            g.kv_append(&pages, &k, &v, n, &slot, &pos).unwrap();
-        }
+        let cache = Cache::filled(&g, ty, width, max_pos, &mut rng);
+        let pages = cache.pages();
         let q_all = g.upload(&rng.mat(16, nh * hd, 1.0).data).unwrap();
         let mut out = g.zeros::<f32>(16 * nh * hd).unwrap();
         for depth in [16usize, 256, 1024, 4096, 8192, 16384, 32768] {

@@ -44,12 +44,6 @@ const DECODE_MAX_HEADS: usize = 8;
 /// follow the call's size.
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
 
-/// `EMBER_ATTN_HEADS`: query heads of every decode block (an A/B switch; read once).
-fn decode_heads_from_env() -> usize {
-    static SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *SET.get_or_init(|| std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
-}
-
 /// Keys per range: [`ATTENTION_SPLIT_KEYS`], more when that would need over 65,535 ranges.
 fn split_keys(s: &AttentionShape) -> usize {
     ATTENTION_SPLIT_KEYS.max(s.max_keys.div_ceil(65535))
@@ -118,8 +112,8 @@ pub struct AttentionShape {
     pub path: AttentionPath,
     /// Key ranges per row the decode path aims at ([`ATTENTION_DECODE_SPLITS`]).
     pub decode_splits: usize,
-    /// Query heads of a decode block (0: as many as fill the GPU, see
-    /// [`AttentionShape::decode_heads_for`]; `EMBER_ATTN_HEADS` sets it).
+    /// Query heads of a decode block (0: `EMBER_ATTN_HEADS` when set, else as many as fill
+    /// the GPU, see [`AttentionShape::decode_heads_for`]).
     pub decode_heads: usize,
     /// Precision::Fast: the tiles run on tensor cores (`attention_mma`: Q, K, V and the
     /// softmax weights rounded to f16, f32 sums) where the GPU has them (sm_80+) and head_dim
@@ -142,7 +136,7 @@ impl AttentionShape {
             n_tiles: 0,
             path: AttentionPath::Auto,
             decode_splits: ATTENTION_DECODE_SPLITS,
-            decode_heads: decode_heads_from_env(),
+            decode_heads: 0,
             fast: false,
         };
         let tr = s.tile_rows();
@@ -285,6 +279,8 @@ impl Gpu {
             // page; a row with fewer ranges leaves the rest empty.
             let splits = s.decode_splits.min(65535);
             let n_split = s.max_keys.div_ceil(KV_PAGE).clamp(1, splits);
+            // The shape's own heads a block, else EMBER_ATTN_HEADS's, else the launcher's choice.
+            let s = AttentionShape { decode_heads: if s.decode_heads > 0 { s.decode_heads } else { self.attn_heads() }, ..*s };
             return Plan { kind, n_split, keys_per_split: splits, decode_heads: s.decode_heads_for(n_split, n_sm) };
         }
         if kind == AttentionPath::Tiles {
