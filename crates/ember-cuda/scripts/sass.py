@@ -24,7 +24,6 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CRATE = os.path.dirname(HERE)
-PARTS = {"DEQUANT": "dequant.cuh", "MMA": "mma.cuh", "Q8": "q8.cuh"}
 OPTIONS = [b"-std=c++17", b"--fmad=true"]  # kernels.rs OPTIONS
 
 
@@ -74,7 +73,9 @@ def source(name):
     m = re.search(r'kernel!\(\w+, "' + re.escape(name) + r'"((?:, \w+)*)\);', rs)
     if not m:
         sys.exit(f"no kernel!(.., \"{name}\", ..) in src/kernels.rs")
-    parts = ["prelude.cuh"] + [PARTS[p.strip()] for p in m.group(1).split(",") if p.strip()] + [name + ".cu"]
+    # The shared parts: `const NAME: &str = include_str!("../kernels/FILE");`
+    files = dict(re.findall(r'const (\w+): &str = include_str!\("\.\./kernels/([\w.]+)"\);', rs))
+    parts = ["prelude.cuh"] + [files[p.strip()] for p in m.group(1).split(",") if p.strip()] + [name + ".cu"]
     return "\n".join(open(os.path.join(CRATE, "kernels", p)).read() for p in parts)
 
 

@@ -17,23 +17,22 @@
 //! [`crate::ops::DELTA_AUTO_CHUNKED_FROM`] tokens on (where it was measured faster).
 
 mod arena;
+mod delta;
 mod experts;
+mod routing;
 mod store;
 mod weights;
 
 use std::sync::Arc;
 
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, ExpertId, Gate, KvRows, LayerIdx,
-    Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind, StateLayout, StoreStats,
-    Tensor, WeightId, WeightInfo, WeightSet, check,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvRows, LayerIdx, Mat, OpError,
+    OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind, StateLayout, StoreStats, Tensor, WeightId,
+    WeightInfo, WeightSet, check,
 };
 
-use crate::ops::{
-    Act, AttentionShape, AttnPrepIn, AttnPrepShape, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GEMV_MULTI, GEMV_Q8_MULTI,
-    KvPages, Precision, SeqRows, StateAt,
-};
-use crate::{Buf, Download, Gpu};
+use crate::ops::{Act, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, KvPages, Precision, SeqRows, StateAt};
+use crate::{Buf, Gpu};
 
 use arena::{Arena, Routes};
 use experts::StreamScratch;
@@ -214,14 +213,6 @@ impl CudaOps {
         self.gpu.mem_info()
     }
 
-    /// [`Ops::read_routing`] and [`Ops::read`] of `x` with one wait for the stream instead of
-    /// two: what an expert tier needs on the host for a decode step's misses (the routing to
-    /// find them, `x` to compute them).
-    pub fn read_routing_with(&mut self, r: Routing, x: Tensor) -> OpResult<(RouteTable, Mat)> {
-        let (table, data) = self.download_routing("read_routing_with", r, Some(x))?;
-        Ok((table, Mat { n: x.n, d: x.d, data }))
-    }
-
     /// Whether [`Ops::kv_append`] on `layer` in this step writes to the device and waits for
     /// the stream (a page table write, or positions for caches not at the step's): a caller
     /// whose host work the stream may be waiting on (a posted mailbox) serves it first. True
@@ -238,23 +229,6 @@ impl CudaOps {
     /// Whether every sequence's K cache of layer ordinal `a` ends at the step's first position.
     fn kv_at_pos0(&self, a: usize) -> bool {
         self.slots.iter().zip(&self.spans).all(|(s, sp)| self.store.cache(*s, a, 0).len == sp.pos0)
-    }
-
-    /// A routing's ids and weights, and `x`'s values when asked for (else none), in one
-    /// [`Gpu::download_ranges`].
-    fn download_routing(&self, op: &'static str, r: Routing, x: Option<Tensor>) -> OpResult<(RouteTable, Vec<f32>)> {
-        let (b, _) = self.routes.get(op, r)?;
-        let n = r.n_tok * r.k;
-        let (mut ids, mut weights, mut data) = (Vec::new(), Vec::new(), Vec::new());
-        let xb = x.map(|x| self.arena.buf(op, x)).transpose()?;
-        let mut parts = vec![Download::new(&b.ids, 0, n, &mut ids), Download::new(&b.weights, 0, n, &mut weights)];
-        if let (Some(x), Some(xb)) = (x, xb) {
-            parts.push(Download::new(xb, 0, x.n * x.d, &mut data));
-        }
-        self.gpu.download_ranges(&mut parts).map_err(cuda(op, self.dev))?;
-        drop(parts);
-        let table = RouteTable { n_tok: r.n_tok, k: r.k, ids: ids.into_iter().map(|e| ExpertId(e as u16)).collect(), weights };
-        Ok((table, data))
     }
 
     fn rows_check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
@@ -709,94 +683,15 @@ impl Ops for CudaOps {
     }
 
     fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
-        const OP: &str = "conv1d_silu";
-        let dev = self.dev;
-        self.rows_check(OP, x)?;
-        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
-        self.arena.check(OP, x)?;
-        self.live_slots(OP)?;
-        let wv = self.weights.vector(OP, w)?;
-        check::spans(OP, dev, &self.spans, x.n, self.spans.len())?;
-        let conv = self.store.layout.conv;
-        for sp in &self.spans {
-            check::conv(OP, dev, &Mat { n: sp.n, d: x.d, data: Vec::new() }, wv.len(), conv)?;
-        }
-        let kernel = wv.len().checked_div(x.d).unwrap_or(0);
-        let (at, _) = self.delta_at(d);
-        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
-        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
-        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
-        let (ins, outs) = self.arena.split(y.id);
-        self.gpu.conv1d_silu_seqs(&ins[x.id as usize], x.n, x.d, wv, kernel, seqs, state, at, &mut outs[0]).map_err(cuda(OP, dev))?;
-        Ok(y)
+        self.conv_op(layer, x, w)
     }
 
     fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
-        const OP: &str = "delta_prep";
-        for t in [cu, b, alpha] {
-            self.arena.check(OP, t)?;
-        }
-        let (av, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
-        check::delta_prep(OP, self.dev, &s, (av.len(), dt.len()), &shape_of(cu), &shape_of(b), &shape_of(alpha))?;
-        let (n, nk, dk, nv, dv) = (cu.n, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
-        let q = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
-        let k = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
-        let v = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
-        let g = self.arena.alloc(&self.gpu, OP, n, nv)?;
-        let beta = self.arena.alloc(&self.gpu, OP, n, nv)?;
-        let (ins, outs) = self.arena.split(q.id);
-        let [qb, kb, vb, gb, bb, ..] = outs else { unreachable!("five outputs were just allocated") };
-        let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
-        let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
-        self.gpu.delta_prep(shape, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, self.dev))?;
-        Ok(DeltaIn { q, k, v, g, beta })
+        self.prep_op(s, cu, b, alpha)
     }
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
-        const OP: &str = "gated_delta_rule";
-        let dev = self.dev;
-        self.rows_check(OP, x.q)?;
-        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
-        for t in [x.q, x.k, x.v, x.g, x.beta] {
-            self.arena.check(OP, t)?;
-        }
-        self.live_slots(OP)?;
-        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
-        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
-        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
-        let (_, at) = self.delta_at(d);
-        let n = x.q.n;
-        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
-        // Sequences of at least `from` tokens take the chunked form, the others the scan
-        // (always one token: decode).
-        let from = match mode {
-            _ if !shape.chunkable() => usize::MAX,
-            DeltaMode::Recurrent => usize::MAX,
-            DeltaMode::Chunked => 2,
-            DeltaMode::Auto => crate::ops::DELTA_AUTO_CHUNKED_FROM,
-        };
-        let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
-        let chunked = lens.iter().any(|&l| l >= from);
-        // The output, then the chunked form's scratch (always allocated, so the handles that
-        // follow do not depend on the mode).
-        let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
-        let (sn, sd) = if chunked { (n, shape.chunk_scratch() / n) } else { (1, 1) };
-        self.arena.alloc(&self.gpu, OP, sn, sd)?;
-        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
-        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
-        let (ins, outs) = self.arena.split(y.id);
-        let (out, scratch) = outs.split_at_mut(1);
-        let input = crate::ops::DeltaIn {
-            q: &ins[x.q.id as usize],
-            k: &ins[x.k.id as usize],
-            v: &ins[x.v.id as usize],
-            g: &ins[x.g.id as usize],
-            beta: &ins[x.beta.id as usize],
-        };
-        self.gpu
-            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, &mut out[0], &mut scratch[0], from)
-            .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
-        Ok(y)
+        self.rule_op(layer, h, x, mode)
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
@@ -833,12 +728,7 @@ impl Ops for CudaOps {
     }
 
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
-        const OP: &str = "route";
-        let lb = self.arena.buf(OP, logits)?;
-        check::route(OP, self.dev, &shape_of(logits), k)?;
-        let (r, rb) = self.routes.alloc(&self.gpu, OP, logits.n, k, logits.d)?;
-        self.gpu.route(lb, logits.n, logits.d, k, &mut rb.ids, &mut rb.weights).map_err(cuda(OP, self.dev))?;
-        Ok(r)
+        self.route_op(logits, k)
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {

@@ -1,0 +1,104 @@
+//! The DeltaNet ops on the device: the conv, prep and the delta rule.
+
+use ember_ops::{
+    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
+};
+
+use super::{CudaOps, cuda, shape_of};
+use crate::ops::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
+
+impl CudaOps {
+    /// [`ember_ops::Ops::conv1d_silu`]: every sequence's rows in one launch, its conv state carried.
+    pub(super) fn conv_op(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
+        const OP: &str = "conv1d_silu";
+        let dev = self.dev;
+        self.rows_check(OP, x)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        self.arena.check(OP, x)?;
+        self.live_slots(OP)?;
+        let wv = self.weights.vector(OP, w)?;
+        check::spans(OP, dev, &self.spans, x.n, self.spans.len())?;
+        let conv = self.store.layout.conv;
+        for sp in &self.spans {
+            check::conv(OP, dev, &Mat { n: sp.n, d: x.d, data: Vec::new() }, wv.len(), conv)?;
+        }
+        let kernel = wv.len().checked_div(x.d).unwrap_or(0);
+        let (at, _) = self.delta_at(d);
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, outs) = self.arena.split(y.id);
+        self.gpu.conv1d_silu_seqs(&ins[x.id as usize], x.n, x.d, wv, kernel, seqs, state, at, &mut outs[0]).map_err(cuda(OP, dev))?;
+        Ok(y)
+    }
+
+    /// [`ember_ops::Ops::delta_prep`].
+    pub(super) fn prep_op(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        const OP: &str = "delta_prep";
+        for t in [cu, b, alpha] {
+            self.arena.check(OP, t)?;
+        }
+        let (av, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, self.dev, &s, (av.len(), dt.len()), &shape_of(cu), &shape_of(b), &shape_of(alpha))?;
+        let (n, nk, dk, nv, dv) = (cu.n, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+        let q = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let k = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let v = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
+        let g = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let beta = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let (ins, outs) = self.arena.split(q.id);
+        let [qb, kb, vb, gb, bb, ..] = outs else { unreachable!("five outputs were just allocated") };
+        let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
+        let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
+        self.gpu.delta_prep(shape, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, self.dev))?;
+        Ok(DeltaIn { q, k, v, g, beta })
+    }
+
+    /// [`ember_ops::Ops::gated_delta_rule`]: the scan, the chunked form, or both split by length.
+    pub(super) fn rule_op(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
+        const OP: &str = "gated_delta_rule";
+        let dev = self.dev;
+        self.rows_check(OP, x.q)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        for t in [x.q, x.k, x.v, x.g, x.beta] {
+            self.arena.check(OP, t)?;
+        }
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
+        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
+        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
+        let (_, at) = self.delta_at(d);
+        let n = x.q.n;
+        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
+        // Sequences of at least `from` tokens take the chunked form, the others the scan
+        // (always one token: decode).
+        let from = match mode {
+            _ if !shape.chunkable() => usize::MAX,
+            DeltaMode::Recurrent => usize::MAX,
+            DeltaMode::Chunked => 2,
+            DeltaMode::Auto => crate::ops::DELTA_AUTO_CHUNKED_FROM,
+        };
+        let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let chunked = lens.iter().any(|&l| l >= from);
+        // The output, then the chunked form's scratch (always allocated, so the handles that
+        // follow do not depend on the mode).
+        let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
+        let (sn, sd) = if chunked { (n, shape.chunk_scratch() / n) } else { (1, 1) };
+        self.arena.alloc(&self.gpu, OP, sn, sd)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, outs) = self.arena.split(y.id);
+        let (out, scratch) = outs.split_at_mut(1);
+        let input = crate::ops::DeltaIn {
+            q: &ins[x.q.id as usize],
+            k: &ins[x.k.id as usize],
+            v: &ins[x.v.id as usize],
+            g: &ins[x.g.id as usize],
+            beta: &ins[x.beta.id as usize],
+        };
+        self.gpu
+            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, &mut out[0], &mut scratch[0], from)
+            .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
+        Ok(y)
+    }
+}
