@@ -128,7 +128,10 @@ fi
 if has ab; then
     ensure_model
     for r in $(seq 1 "$ROUNDS"); do
-        for v in on off; do
+        # Odd rounds run the switch's default first, even rounds second (the first of a pair
+        # measured ~1.5 % slower where the switch could not matter).
+        order="on off"; (( r % 2 == 0 )) && order="off on"
+        for v in $order; do
             if [[ $v == on ]]; then envs=(); else envs=("$AB"); fi
             env "${envs[@]}" $E bench -m $F --device cuda ${AB_ARGS:--p 512 -n 128} -r 2 -o json > "$O/ab-$v-$r.json" 2> "$O/ab-$v-$r.log"
             echo "ab round $r $v ($AB): $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/ab-$v-$r.json")"

@@ -9,6 +9,8 @@
 //   other float weights go tiled).
 // * matmul_tiled: any shape. 64x64 output tiles, k in steps of 32, weights decoded into shared
 //   memory by deq8. Plain f32 FMA: the exact path for many tokens, and the fallback below sm_80.
+// * matmul_mmv_<type>_<8 NT>: 2 to MMA_MIN_TOKENS tokens under Precision::Fast, sm_80+: the
+//   GEMV's shape (32 rows a block, k split over its warps) on tensor cores, f16 operands.
 // * matmul_mma_<type>_<BM>: prompt-sized batches under Precision::Fast, sm_80+ (mma.cuh): f16
 //   operands on tensor cores, f32 sums; BM tokens x 128 rows per block.
 
@@ -108,16 +110,19 @@ struct MatmulMultiParams {
     u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
 };
 
-template <int TY>
-__device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
+// The weight of a multi launch that block blockIdx.x belongs to, as one weight's parameters;
+// `*bx` gets the block's index among that weight's blocks. `rows_per_block` (0: the GEMV's, from
+// ksplit) sizes the L2 prefetch of the block's rows when mp.prefetch asks for it (before
+// pdl_enter: weights only).
+__device__ __forceinline__ MatmulParams multi_pick(const MatmulMultiParams& mp, u32 rows_per_block, u32* bx) {
     u32 i = 0;
     while (i + 1 < mp.n && blockIdx.x >= mp.block0[i + 1]) ++i;
+    *bx = blockIdx.x - mp.block0[i];
     if (mp.prefetch && threadIdx.x == 0 && blockIdx.y == 0) {
-        const u32 per = (blockDim.x / 32) / max(1u, mp.ksplit[i]), r0 = (blockIdx.x - mp.block0[i]) * per;
+        const u32 per = rows_per_block ? rows_per_block : (blockDim.x / 32) / max(1u, mp.ksplit[i]), r0 = *bx * per;
         if (r0 < mp.n_rows[i])
             prefetch_l2((const u8*)mp.w[i] + (u64)r0 * mp.row_bytes[i], (u64)min(per, mp.n_rows[i] - r0) * mp.row_bytes[i]);
     }
-    pdl_enter();
     MatmulParams p;
     p.w = mp.w[i];
     p.x = mp.x;
@@ -128,7 +133,15 @@ __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     p.n_tok = mp.n_tok;
     p.row_bytes = mp.row_bytes[i];
     p.ksplit = mp.ksplit[i];
-    gemv<TY>(p, blockIdx.x - mp.block0[i]);
+    return p;
+}
+
+template <int TY>
+__device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
+    u32 bx;
+    const MatmulParams p = multi_pick(mp, 0, &bx);
+    pdl_enter();
+    gemv<TY>(p, bx);
 }
 
 // (gemv_multi prefetches, then calls pdl_enter.)
@@ -140,6 +153,139 @@ extern "C" __global__ void matmul_gemv_multi_q4_k(const MatmulMultiParams p) { g
 extern "C" __global__ void matmul_gemv_multi_q5_k(const MatmulMultiParams p) { gemv_multi<TY_Q5_K>(p); }
 extern "C" __global__ void matmul_gemv_multi_q6_k(const MatmulMultiParams p) { gemv_multi<TY_Q6_K>(p); }
 extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) { gemv_multi<TY_IQ4_XS>(p); }
+
+// matmul_mmv_<type>_<8 NT>: the GEMV's job for 2 to a few dozen tokens on tensor cores (Fast
+// only, sm_80+), where the f32 GEMV is bound by its FMAs (16 tokens: ~10 multiply-adds per
+// weight byte). Block bx owns weight rows 32·bx .. +32 (two m16 tiles of the mma's A operand);
+// its MMV_WARPS warps split k in steps of 64 weights (warp w takes steps w, w + MMV_WARPS, ..)
+// and their sums are added in warp order through shared memory, so the bits depend only on k
+// and the tokens' values, not on the grid. Weights go from the file's blocks straight into A
+// fragments (tile_deq8, rounded to f16; no shared memory), activations from f32 into B
+// fragments (8 tokens an n-tile, NT tiles a pass, passes over blockIdx.y), sums in f32.
+//
+// In a step of 64 weights lane (g, t) = (lane / 4, lane % 4) decodes weights 8t .. 8t + 7 and
+// 32 + 8t .. 32 + 8t + 7 of rows g, g + 8, g + 16, g + 24. The mma's k positions {2t, 2t + 1}
+// and {2t + 8, 2t + 9} of lane t stand for four consecutive weights of those, in A and in B
+// alike: the k order inside a step is permuted, each product is summed once.
+#define MMV_ROWS 32
+#define MMV_WARPS 8
+#define MMV_STEP 64
+
+template <int TY, int NT>
+__device__ __forceinline__ void mmv(const MatmulParams& p, u32 bx) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ float iq4[16];
+    __shared__ float part[MMV_WARPS][MMV_ROWS][8 * NT + 1];
+    load_iq4_table(iq4);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int k = p.k, n_rows = p.n_rows, r0 = bx * MMV_ROWS;
+    const int t0 = blockIdx.y * 8 * NT;
+    // Rows past the end read the last row (their sums are dropped); tokens past the end read
+    // zeros.
+    const u8* wr[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wr[i] = (const u8*)p.w + (u64)min(r0 + g + 8 * i, n_rows - 1) * p.row_bytes;
+    const float* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int tok = t0 + 8 * j + g;
+        xr[j] = tok < (int)p.n_tok ? (const float*)p.x + (u64)tok * k : nullptr;
+    }
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[m][j][c] = 0.0f;
+    const int n_step = k / MMV_STEP;
+#pragma unroll 2
+    for (int s = warp; s < n_step; s += MMV_WARPS) {
+        const int e0 = s * MMV_STEP + 8 * t;
+        u32 a[2][4][4];  // [m tile][mma of the step][fragment register]
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v[8];
+                tile_deq8<TY>(wr[i], e0 + 32 * h, k, true, iq4, v);
+                const int m = i / 2, hi = i & 1;  // rows g + 8i: m tile i / 2, its row g or g + 8
+                a[m][2 * h][hi] = pack_f16x2(v[0], v[1]);
+                a[m][2 * h][2 + hi] = pack_f16x2(v[2], v[3]);
+                a[m][2 * h + 1][hi] = pack_f16x2(v[4], v[5]);
+                a[m][2 * h + 1][2 + hi] = pack_f16x2(v[6], v[7]);
+            }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            u32 b[4][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+                if (xr[j] != nullptr) {
+                    x0 = *(const float4*)(xr[j] + e0 + 32 * h);
+                    x1 = *(const float4*)(xr[j] + e0 + 32 * h + 4);
+                }
+                b[2 * h][0] = pack_f16x2(x0.x, x0.y);
+                b[2 * h][1] = pack_f16x2(x0.z, x0.w);
+                b[2 * h + 1][0] = pack_f16x2(x1.x, x1.y);
+                b[2 * h + 1][1] = pack_f16x2(x1.z, x1.w);
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) mma_16816(acc[m][j], a[m][q], b[q]);
+        }
+    }
+    // acc[m][j][c]: row 16m + g (+8 for c >= 2), token 8j + 2t + (c & 1).
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[warp][16 * m + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[m][j][c];
+    __syncthreads();
+    const int nt = min(8 * NT, (int)p.n_tok - t0);
+    for (int u = threadIdx.x; u < MMV_ROWS * nt; u += blockDim.x) {
+        const int row = u % MMV_ROWS, tok = u / MMV_ROWS;
+        if (r0 + row >= n_rows) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MMV_WARPS; ++w) sum += part[w][row][tok];
+        ((float*)p.y)[(u64)(t0 + tok) * n_rows + r0 + row] = sum;
+    }
+#endif
+}
+
+#define MMV_ENTRIES(SUFFIX, TY)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_##SUFFIX##_8(const MatmulParams p) {       \
+        pdl_enter();                                                                                                     \
+        mmv<TY, 1>(p, blockIdx.x);                                                                                       \
+    }                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_##SUFFIX##_16(const MatmulParams p) {      \
+        pdl_enter();                                                                                                     \
+        mmv<TY, 2>(p, blockIdx.x);                                                                                       \
+    }                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_multi_##SUFFIX##_8(const MatmulMultiParams mp) { \
+        u32 bx;                                                                                                          \
+        const MatmulParams p = multi_pick(mp, MMV_ROWS, &bx);                                                            \
+        pdl_enter();                                                                                                     \
+        mmv<TY, 1>(p, bx);                                                                                               \
+    }                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_multi_##SUFFIX##_16(const MatmulMultiParams mp) { \
+        u32 bx;                                                                                                          \
+        const MatmulParams p = multi_pick(mp, MMV_ROWS, &bx);                                                            \
+        pdl_enter();                                                                                                     \
+        mmv<TY, 2>(p, bx);                                                                                               \
+    }
+
+MMV_ENTRIES(f32, TY_F32)
+MMV_ENTRIES(f16, TY_F16)
+MMV_ENTRIES(bf16, TY_BF16)
+MMV_ENTRIES(q8_0, TY_Q8_0)
+MMV_ENTRIES(q4_k, TY_Q4_K)
+MMV_ENTRIES(q5_k, TY_Q5_K)
+MMV_ENTRIES(q6_k, TY_Q6_K)
+MMV_ENTRIES(iq4_xs, TY_IQ4_XS)
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
 // tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.

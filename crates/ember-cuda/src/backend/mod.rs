@@ -515,7 +515,7 @@ impl Ops for CudaOps {
             let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
             let mut ys_g: Vec<&mut Buf<f32>> =
                 outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
-            self.gpu.matmul_multi(&refs, xb, x.n, &mut ys_g).map_err(cuda(OP, self.dev))?;
+            self.gpu.matmul_multi_prec(&refs, xb, x.n, &mut ys_g, self.precision).map_err(cuda(OP, self.dev))?;
             for &i in &group {
                 done[i] = true;
             }

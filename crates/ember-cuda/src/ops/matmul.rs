@@ -149,6 +149,9 @@ pub enum MatmulKernel {
     Tiled,
     /// Tensor cores: `tile_tokens` (32, 64 or 128) tokens x 128 rows per block, f16 operands.
     Mma { tile_tokens: usize },
+    /// Tensor cores in the GEMV's shape: 32 rows a block, k split over its 8 warps, 8 or 16
+    /// tokens a pass, f16 operands (k % 64 == 0, sm_80+).
+    Mmv,
 }
 
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
@@ -158,6 +161,13 @@ pub const GEMV_MAX_TOKENS: usize = 16;
 /// at 17 / 32 / 48 / 64 tokens, tensor cores 89 / 92 / 98 / 100 us (a few row blocks of one
 /// token tile leave most SMs idle), so the switch is at ~40 tokens.
 pub const MMA_MIN_TOKENS: usize = 40;
+/// Weight rows per `matmul_mmv` block (`MMV_ROWS` in kernels/matmul.cu) and the weights of its
+/// k steps (`MMV_STEP`: k must be a multiple).
+const MMV_ROWS: usize = 32;
+const MMV_STEP: usize = 64;
+/// Threads per `matmul_mmv` block (`MMV_WARPS` warps).
+const MMV_THREADS: u32 = 256;
+
 /// Weight rows per tensor-core block (`MMA_BN` in kernels/mma.cuh).
 const MMA_ROWS: usize = 128;
 /// Threads per tensor-core block (`MMA_THREADS`).
@@ -260,7 +270,9 @@ impl Gpu {
         }
         let fast = precision == Precision::Fast && self.has_mma();
         let gemv_max = if fast { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
-        let kernel = if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
+        let kernel = if self.uses_mmv(w.w.k, n_tok, precision) {
+            MatmulKernel::Mmv
+        } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
         } else if fast && n_tok > GEMV_MAX_TOKENS {
             MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
@@ -277,10 +289,34 @@ impl Gpu {
         n_tok <= gemv_max && k.is_multiple_of(8)
     }
 
+    /// Whether [`Gpu::matmul_prec`] takes [`MatmulKernel::Mmv`]: Fast, 2 to [`MMA_MIN_TOKENS`]
+    /// tokens, k a multiple of 64, sm_80+ (`EMBER_MMV=0` turns it off).
+    pub fn uses_mmv(&self, k: usize, n_tok: usize, precision: Precision) -> bool {
+        precision == Precision::Fast
+            && (2..=MMA_MIN_TOKENS).contains(&n_tok)
+            && k.is_multiple_of(MMV_STEP)
+            && k > 0
+            && self.has_mma()
+            && mmv_on()
+    }
+
     /// `ys[i] = x · ws[i]ᵀ` for 1 to [`GEMV_MULTI`] weights of one type and k in one GEMV
     /// launch (f32 activations and sums, as [`MatmulKernel::Gemv`]): a layer's several
     /// projections of the same input cost one launch.
     pub fn matmul_multi(&self, ws: &[WeightRef<'_>], x: &Buf<f32>, n_tok: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
+        self.matmul_multi_prec(ws, x, n_tok, ys, Precision::Exact)
+    }
+
+    /// [`Gpu::matmul_multi`] at `precision`: where [`Gpu::uses_mmv`], the weights share one
+    /// [`MatmulKernel::Mmv`] launch (each weight's rows exactly as that kernel alone gives them).
+    pub fn matmul_multi_prec(
+        &self,
+        ws: &[WeightRef<'_>],
+        x: &Buf<f32>,
+        n_tok: usize,
+        ys: &mut [&mut Buf<f32>],
+        precision: Precision,
+    ) -> Result<()> {
         let n = ws.len();
         if n == 0 || n > GEMV_MULTI || ys.len() != n {
             return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_MULTI})", ys.len())));
@@ -293,6 +329,7 @@ impl Gpu {
             return Err(shape(OP, format!("the GEMV needs k % 8 == 0, k = {k}")));
         }
         need(OP, "x", x, n_tok * k)?;
+        let mmv = self.uses_mmv(k, n_tok, precision);
         let mut p = MatmulMultiParams {
             w: [0; GEMV_MULTI],
             y: [0; GEMV_MULTI],
@@ -319,7 +356,7 @@ impl Gpu {
             p.row_bytes[i] = u32_of(OP, "row_bytes", w.w.row_bytes)?;
             p.block0[i] = blocks_so_far;
             p.ksplit[i] = gemv_ksplit(w.n_rows, k) as u32;
-            blocks_so_far += gemv_blocks(w.n_rows, k);
+            blocks_so_far += if mmv { u32_of(OP, "row blocks", w.n_rows.div_ceil(MMV_ROWS))? } else { gemv_blocks(w.n_rows, k) };
         }
         for b in &mut p.block0[n..] {
             *b = blocks_so_far;
@@ -328,11 +365,17 @@ impl Gpu {
             return Ok(());
         }
         let suffix = type_suffix(ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", ty.name())))?;
+        // SAFETY (both launches): `p` is the kernel's parameter struct; every weight pointer
+        // addresses its rows (WeightRef's range was checked), x holds n_tok·k values and each y
+        // n_tok·n_rows (checked above); matmul_mmv's 16-byte activation loads need k % 64 == 0
+        // (uses_mmv).
+        if mmv {
+            let (name, grid) = mmv_launch(n_tok, blocks_so_far);
+            let f = self.function(&MATMUL, &format!("matmul_mmv_multi_{suffix}_{name}"))?;
+            return unsafe { self.launch(&f, grid, MMV_THREADS, 0, &p) };
+        }
         let f = self.function(&MATMUL, &format!("matmul_gemv_multi_{suffix}"))?;
         let grid = (blocks_so_far, blocks(n_tok, GEMV_NT), 1);
-        // SAFETY: `p` is the kernel's parameter struct; every weight pointer addresses its rows
-        // (WeightRef's range was checked), x holds n_tok·k values and each y n_tok·n_rows
-        // (checked above).
         unsafe { self.launch(&f, grid, 32 * GEMV_WARPS as u32, 0, &p) }
     }
 
@@ -373,6 +416,16 @@ impl Gpu {
                 (f, (gemv_blocks(w.n_rows, dw.k), blocks(n_tok, GEMV_NT), 1), 32 * GEMV_WARPS as u32)
             }
             MatmulKernel::Tiled => (self.function(&MATMUL, "matmul_tiled")?, (blocks(w.n_rows, 64), blocks(n_tok, 64), 1), 256),
+            MatmulKernel::Mmv => {
+                if !self.has_mma() {
+                    return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
+                }
+                if !dw.k.is_multiple_of(MMV_STEP) {
+                    return Err(shape(OP, format!("matmul_mmv needs k % {MMV_STEP} == 0, k = {}", dw.k)));
+                }
+                let (name, grid) = mmv_launch(n_tok, u32_of(OP, "row blocks", w.n_rows.div_ceil(MMV_ROWS))?);
+                (self.function(&MATMUL, &format!("matmul_mmv_{suffix}_{name}"))?, grid, MMV_THREADS)
+            }
             MatmulKernel::Mma { tile_tokens } => {
                 if !self.has_mma() {
                     return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
@@ -394,9 +447,22 @@ impl Gpu {
         // loads for f32/f16/bf16, which k % 8 == 0 makes aligned; 4-byte loads for
         // Q4_K/Q5_K/IQ4_XS, whose block sizes are multiples of 4; Q8_0/Q6_K read 2 bytes at a
         // time. The tensor-core tiles: 8-byte loads for Q4_K/Q5_K/IQ4_XS, multiples of 8; float
-        // rows use 16-byte loads only when k % 8 == 0, activations when k % 4 == 0).
+        // rows use 16-byte loads only when k % 8 == 0, activations when k % 4 == 0; matmul_mmv
+        // reads weights as the tiles do and activations 16 bytes at a time, k % 64 == 0).
         unsafe { self.launch(&f, grid, threads, 0, &p) }
     }
+}
+
+/// `matmul_mmv`'s entry suffix (tokens a pass: 8 for up to 8 tokens, else 16) and grid for
+/// `n_tok` tokens over `row_blocks` blocks of 32 rows.
+fn mmv_launch(n_tok: usize, row_blocks: u32) -> (&'static str, (u32, u32, u32)) {
+    if n_tok <= 8 { ("8", (row_blocks, 1, 1)) } else { ("16", (row_blocks, blocks(n_tok, 16), 1)) }
+}
+
+/// Whether the small-batch tensor-core kernel may be picked (`EMBER_MMV=0` turns it off).
+fn mmv_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV").as_deref(), Ok("0" | "off" | "false")))
 }
 
 /// Tokens per tensor-core tile for a matmul of `n_tok` tokens and `n_rows` rows: 128 (the
