@@ -95,20 +95,6 @@ struct GemvQ8RowsParams {
 
 #define GEMV_Q8_ROWS_WARPS 4
 
-__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem));
-#else
-    *(uint4*)smem = *(const uint4*)gmem;
-#endif
-}
-
-__device__ __forceinline__ void copy_async_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // grid ceil(n_rows / (GEMV_Q8_ROWS_WARPS · R)), 32 · GEMV_Q8_ROWS_WARPS threads, shared memory
 // GEMV_Q8_ROWS_WARPS · R · row_bytes.
 template <int TY, int R>

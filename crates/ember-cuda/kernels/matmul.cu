@@ -156,35 +156,124 @@ extern "C" __global__ void matmul_gemv_multi_iq4_xs(const MatmulMultiParams p) {
 
 // matmul_mmv_<type>_<8 NT>: the GEMV's job for 2 to a few dozen tokens on tensor cores (Fast
 // only, sm_80+), where the f32 GEMV is bound by its FMAs (16 tokens: ~10 multiply-adds per
-// weight byte). Block bx owns weight rows 32·bx .. +32 (two m16 tiles of the mma's A operand);
-// its MMV_WARPS warps split k in steps of 64 weights (warp w takes steps w, w + MMV_WARPS, ..)
-// and their sums are added in warp order through shared memory, so the bits depend only on k
-// and the tokens' values, not on the grid. Weights go from the file's blocks straight into A
-// fragments (tile_deq8, rounded to f16; no shared memory), activations from f32 into B
+// weight byte). Block bx owns weight rows 32·bx .. +32 (two m16 tiles of the mma's A operand)
+// and its MMV_WARPS warps split k; their sums are added in warp order through shared memory, so
+// the bits depend only on k and the tokens' values, not on the grid. Weights are decoded from
+// the file's blocks into A fragments (tile_deq8, rounded to f16), activations from f32 into B
 // fragments (8 tokens an n-tile, NT tiles a pass, passes over blockIdx.y), sums in f32.
 //
 // In a step of 64 weights lane (g, t) = (lane / 4, lane % 4) decodes weights 8t .. 8t + 7 and
 // 32 + 8t .. 32 + 8t + 7 of rows g, g + 8, g + 16, g + 24. The mma's k positions {2t, 2t + 1}
 // and {2t + 8, 2t + 9} of lane t stand for four consecutive weights of those, in A and in B
 // alike: the k order inside a step is permuted, each product is summed once.
+//
+// Two ways to the weights (the launcher picks): read by each lane from global memory (warp w
+// takes steps w, w + MMV_WARPS, ..; any k % 64 == 0), or staged (block types whose rows are
+// whole 16-byte chunks): the block copies its 32 rows' next MMV_WARPS super-blocks (256
+// weights each) into shared memory with 16-byte asynchronous copies, then warp w decodes
+// super-block w of them. A lane's own loads touch 8 rows a load (8 cache lines for ~32 bytes);
+// the copies read whole lines.
 #define MMV_ROWS 32
 #define MMV_WARPS 8
 #define MMV_STEP 64
 
+__device__ __forceinline__ void mmv_zero(float* acc, int n) {
+    for (int i = 0; i < n; ++i) acc[i] = 0.0f;
+}
+
+// One 64-weight step: weights wi .. wi + 64 of rows wr[0..4] (tile_deq8's indexing from each
+// row pointer), activations xi .. xi + 64 of the tokens' rows xr (null: a token past the end).
 template <int TY, int NT>
+__device__ __forceinline__ void mmv_step(const u8* const* wr, int wi, const float* const* xr, int xi, int k, const float* iq4,
+                                         float (&acc)[2][NT][4]) {
+    const int t = threadIdx.x % 4;
+    u32 a[2][4][4];  // [m tile][mma of the step][fragment register]
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float v[8];
+            tile_deq8<TY>(wr[i], wi + 8 * t + 32 * h, k, true, iq4, v);
+            const int m = i / 2, hi = i & 1;  // rows g + 8i: m tile i / 2, its row g or g + 8
+            a[m][2 * h][hi] = pack_f16x2(v[0], v[1]);
+            a[m][2 * h][2 + hi] = pack_f16x2(v[2], v[3]);
+            a[m][2 * h + 1][hi] = pack_f16x2(v[4], v[5]);
+            a[m][2 * h + 1][2 + hi] = pack_f16x2(v[6], v[7]);
+        }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        u32 b[4][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+            if (xr[j] != nullptr) {
+                x0 = *(const float4*)(xr[j] + xi + 8 * t + 32 * h);
+                x1 = *(const float4*)(xr[j] + xi + 8 * t + 32 * h + 4);
+            }
+            b[2 * h][0] = pack_f16x2(x0.x, x0.y);
+            b[2 * h][1] = pack_f16x2(x0.z, x0.w);
+            b[2 * h + 1][0] = pack_f16x2(x1.x, x1.y);
+            b[2 * h + 1][1] = pack_f16x2(x1.z, x1.w);
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) mma_16816(acc[m][j], a[m][q], b[q]);
+    }
+}
+
+// Bytes of 256 weights of a block type (the staged path's super-block).
+template <int TY>
+__device__ constexpr int mmv_sb_bytes() {
+    return TY == TY_Q4_K ? 144 : TY == TY_Q5_K ? 176 : TY == TY_Q6_K ? 210 : TY == TY_IQ4_XS ? 136 : TY == TY_Q8_0 ? 272 : 0;
+}
+
+// Shared-memory bytes per staged row: MMV_WARPS super-blocks and the 16 bytes an unaligned start
+// may add.
+template <int TY>
+__device__ constexpr int mmv_pitch() {
+    return MMV_WARPS * mmv_sb_bytes<TY>() + 16;
+}
+
+// The block's sums, `part` [MMV_WARPS][MMV_ROWS][8 NT + 1] floats of shared memory, added in
+// warp order into y.
+template <int NT>
+__device__ __forceinline__ void mmv_finish(const MatmulParams& p, int r0, int t0, float* part, const float (&acc)[2][NT][4]) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    constexpr int LD = 8 * NT + 1;
+    // acc[m][j][c]: row 16m + g (+8 for c >= 2), token 8j + 2t + (c & 1).
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                part[(warp * MMV_ROWS + 16 * m + g + (c >= 2 ? 8 : 0)) * LD + 8 * j + 2 * t + (c & 1)] = acc[m][j][c];
+    __syncthreads();
+    const int nt = min(8 * NT, (int)p.n_tok - t0);
+    for (int u = threadIdx.x; u < MMV_ROWS * nt; u += blockDim.x) {
+        const int row = u % MMV_ROWS, tok = u / MMV_ROWS;
+        if (r0 + row >= (int)p.n_rows) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MMV_WARPS; ++w) sum += part[(w * MMV_ROWS + row) * LD + tok];
+        ((float*)p.y)[(u64)(t0 + tok) * p.n_rows + r0 + row] = sum;
+    }
+}
+
+// STAGED: the shared-memory path (dynamic shared memory MMV_ROWS · mmv_pitch<TY>() bytes, which
+// also holds `part` at the end; rows of whole 16-byte chunks, 16-byte aligned).
+template <int TY, int NT, bool STAGED>
 __device__ __forceinline__ void mmv(const MatmulParams& p, u32 bx) {
 #if __CUDA_ARCH__ >= 800
     __shared__ float iq4[16];
-    __shared__ float part[MMV_WARPS][MMV_ROWS][8 * NT + 1];
+    extern __shared__ uint4 mmv_smem[];
     load_iq4_table(iq4);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
     const int k = p.k, n_rows = p.n_rows, r0 = bx * MMV_ROWS;
     const int t0 = blockIdx.y * 8 * NT;
-    // Rows past the end read the last row (their sums are dropped); tokens past the end read
-    // zeros.
-    const u8* wr[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) wr[i] = (const u8*)p.w + (u64)min(r0 + g + 8 * i, n_rows - 1) * p.row_bytes;
+    // Tokens past the end read zeros; rows past the end read the last row (their sums are
+    // dropped).
     const float* xr[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -192,91 +281,64 @@ __device__ __forceinline__ void mmv(const MatmulParams& p, u32 bx) {
         xr[j] = tok < (int)p.n_tok ? (const float*)p.x + (u64)tok * k : nullptr;
     }
     float acc[2][NT][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[m][j][c] = 0.0f;
-    const int n_step = k / MMV_STEP;
-#pragma unroll 2
-    for (int s = warp; s < n_step; s += MMV_WARPS) {
-        const int e0 = s * MMV_STEP + 8 * t;
-        u32 a[2][4][4];  // [m tile][mma of the step][fragment register]
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float v[8];
-                tile_deq8<TY>(wr[i], e0 + 32 * h, k, true, iq4, v);
-                const int m = i / 2, hi = i & 1;  // rows g + 8i: m tile i / 2, its row g or g + 8
-                a[m][2 * h][hi] = pack_f16x2(v[0], v[1]);
-                a[m][2 * h][2 + hi] = pack_f16x2(v[2], v[3]);
-                a[m][2 * h + 1][hi] = pack_f16x2(v[4], v[5]);
-                a[m][2 * h + 1][2 + hi] = pack_f16x2(v[6], v[7]);
+    mmv_zero(&acc[0][0][0], 2 * NT * 4);
+    const u8* w = (const u8*)p.w;
+    if constexpr (STAGED) {
+        constexpr int S = mmv_sb_bytes<TY>(), PITCH = mmv_pitch<TY>();
+        u8* stage = (u8*)mmv_smem;
+        const int n_sb = k / 256;
+        for (int sb0 = 0; sb0 < n_sb; sb0 += MMV_WARPS) {
+            const int nsb = min(MMV_WARPS, n_sb - sb0);
+            // Row r's bytes [a, e) hold super-blocks sb0 .. sb0 + nsb (row_bytes % 16 == 0 keeps
+            // e inside the row).
+            const int a = (sb0 * S) & ~15, n_chunk = ((((sb0 + nsb) * S + 15) & ~15) - a) / 16;
+            for (int i = threadIdx.x; i < MMV_ROWS * n_chunk; i += blockDim.x) {
+                const int r = i / n_chunk, c = i % n_chunk;
+                copy16_async(stage + r * PITCH + 16 * c, w + (u64)min(r0 + r, n_rows - 1) * p.row_bytes + a + 16 * c);
             }
+            copy_async_wait();
+            __syncthreads();
+            if (warp < nsb) {
+                const u8* wr[4];
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            u32 b[4][2];
+                for (int i = 0; i < 4; ++i) wr[i] = stage + (g + 8 * i) * PITCH + (sb0 * S - a);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
-                if (xr[j] != nullptr) {
-                    x0 = *(const float4*)(xr[j] + e0 + 32 * h);
-                    x1 = *(const float4*)(xr[j] + e0 + 32 * h + 4);
-                }
-                b[2 * h][0] = pack_f16x2(x0.x, x0.y);
-                b[2 * h][1] = pack_f16x2(x0.z, x0.w);
-                b[2 * h + 1][0] = pack_f16x2(x1.x, x1.y);
-                b[2 * h + 1][1] = pack_f16x2(x1.z, x1.w);
+                for (int q = 0; q < 4; ++q) mmv_step<TY, NT>(wr, warp * 256 + q * MMV_STEP, xr, (sb0 + warp) * 256 + q * MMV_STEP, k, iq4, acc);
             }
-#pragma unroll
-            for (int m = 0; m < 2; ++m)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) mma_16816(acc[m][j], a[m][q], b[q]);
+            __syncthreads();  // before the next copies (or `part`) overwrite the stage
         }
-    }
-    // acc[m][j][c]: row 16m + g (+8 for c >= 2), token 8j + 2t + (c & 1).
+        mmv_finish<NT>(p, r0, t0, (float*)mmv_smem, acc);
+    } else {
+        const u8* wr[4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) part[warp][16 * m + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[m][j][c];
-    __syncthreads();
-    const int nt = min(8 * NT, (int)p.n_tok - t0);
-    for (int u = threadIdx.x; u < MMV_ROWS * nt; u += blockDim.x) {
-        const int row = u % MMV_ROWS, tok = u / MMV_ROWS;
-        if (r0 + row >= n_rows) continue;
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MMV_WARPS; ++w) sum += part[w][row][tok];
-        ((float*)p.y)[(u64)(t0 + tok) * n_rows + r0 + row] = sum;
+        for (int i = 0; i < 4; ++i) wr[i] = w + (u64)min(r0 + g + 8 * i, n_rows - 1) * p.row_bytes;
+        const int n_step = k / MMV_STEP;
+#pragma unroll 2
+        for (int s = warp; s < n_step; s += MMV_WARPS) mmv_step<TY, NT>(wr, s * MMV_STEP, xr, s * MMV_STEP, k, iq4, acc);
+        mmv_finish<NT>(p, r0, t0, (float*)mmv_smem, acc);
     }
 #endif
 }
 
-#define MMV_ENTRIES(SUFFIX, TY)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_##SUFFIX##_8(const MatmulParams p) {       \
-        pdl_enter();                                                                                                     \
-        mmv<TY, 1>(p, blockIdx.x);                                                                                       \
-    }                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_##SUFFIX##_16(const MatmulParams p) {      \
-        pdl_enter();                                                                                                     \
-        mmv<TY, 2>(p, blockIdx.x);                                                                                       \
-    }                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_multi_##SUFFIX##_8(const MatmulMultiParams mp) { \
-        u32 bx;                                                                                                          \
-        const MatmulParams p = multi_pick(mp, MMV_ROWS, &bx);                                                            \
-        pdl_enter();                                                                                                     \
-        mmv<TY, 1>(p, bx);                                                                                               \
-    }                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_multi_##SUFFIX##_16(const MatmulMultiParams mp) { \
-        u32 bx;                                                                                                          \
-        const MatmulParams p = multi_pick(mp, MMV_ROWS, &bx);                                                            \
-        pdl_enter();                                                                                                     \
-        mmv<TY, 2>(p, bx);                                                                                               \
+#define MMV_ENTRY(NAME, TY, NT, STAGED)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_##NAME(const MatmulParams p) {     \
+        pdl_enter();                                                                                            \
+        mmv<TY, NT, STAGED>(p, blockIdx.x);                                                                     \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MMV_WARPS * 32) matmul_mmv_multi_##NAME(const MatmulMultiParams mp) { \
+        u32 bx;                                                                                                 \
+        const MatmulParams p = multi_pick(mp, MMV_ROWS, &bx);                                                   \
+        pdl_enter();                                                                                            \
+        mmv<TY, NT, STAGED>(p, bx);                                                                             \
     }
+
+// matmul_mmv[_multi]_<type>_<8|16> (lanes' loads) and, for block types, _<type>_<8|16>_staged.
+#define MMV_ENTRIES(SUFFIX, TY)            \
+    MMV_ENTRY(SUFFIX##_8, TY, 1, false)    \
+    MMV_ENTRY(SUFFIX##_16, TY, 2, false)
+#define MMV_STAGED_ENTRIES(SUFFIX, TY)           \
+    MMV_ENTRY(SUFFIX##_8_staged, TY, 1, true)    \
+    MMV_ENTRY(SUFFIX##_16_staged, TY, 2, true)
 
 MMV_ENTRIES(f32, TY_F32)
 MMV_ENTRIES(f16, TY_F16)
@@ -286,6 +348,11 @@ MMV_ENTRIES(q4_k, TY_Q4_K)
 MMV_ENTRIES(q5_k, TY_Q5_K)
 MMV_ENTRIES(q6_k, TY_Q6_K)
 MMV_ENTRIES(iq4_xs, TY_IQ4_XS)
+MMV_STAGED_ENTRIES(q8_0, TY_Q8_0)
+MMV_STAGED_ENTRIES(q4_k, TY_Q4_K)
+MMV_STAGED_ENTRIES(q5_k, TY_Q5_K)
+MMV_STAGED_ENTRIES(q6_k, TY_Q6_K)
+MMV_STAGED_ENTRIES(iq4_xs, TY_IQ4_XS)
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,
 // tid % 16) owns rows tr + 16i and tokens tt + 16j, i, j < 4.

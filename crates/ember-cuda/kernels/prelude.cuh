@@ -111,3 +111,19 @@ __device__ __forceinline__ void warp_q8(float v, u8* q, u64 n, u64 idx) {
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// 16 bytes from global to shared memory without a register round trip (sm_80+: cp.async, to be
+// waited for with copy_async_wait; before sm_80 a plain copy). Both addresses 16-byte aligned.
+__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem));
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}

@@ -61,7 +61,10 @@ const MMV_RTOL: f32 = 1e-3;
 
 // Every type; k a multiple of 64 and of the block (one step per warp, fewer steps than warps,
 // many steps); row counts that leave the last block of 32 partial (1, 31, 33, 257); token
-// counts on both sides of each pass size (8 and 16) up to MMA_MIN_TOKENS.
+// counts on both sides of each pass size (8 and 16) up to MMA_MIN_TOKENS. Both ways to the
+// weights: the staged one where k % 256 == 0 and rows are whole 16-byte chunks (Q4_K, Q5_K
+// always here; Q6_K, IQ4_XS and Q8_0 at some k; k = 3072 and 4608 stage in two and three
+// rounds, the last partial), the lanes' loads elsewhere (float types, Q6_K at k = 256, ..).
 #[test]
 fn matmul_mmv_matches_reference() {
     let Some(g) = gpu() else { return };
@@ -71,7 +74,7 @@ fn matmul_mmv_matches_reference() {
         let mut worst = 0f32;
         for (case, n_tok) in [2, 7, 8, 9, 16, 17, 33, MMA_MIN_TOKENS].into_iter().enumerate() {
             let k =
-                if ty.block_size() == 1 || ty == GgmlType::Q8_0 { [64, 192, 2048, 512][case % 4] } else { unit * [1, 3, 8, 2][case % 4] };
+                if ty.block_size() == 1 || ty == GgmlType::Q8_0 { [64, 192, 2048, 4608][case % 4] } else { unit * [1, 3, 12, 2][case % 4] };
             let n_rows = [1, 31, 33, 257][case % 4];
             let bytes = quantised(ty, &mut rng, k, n_rows);
             let view = WeightView { ty, k, n_rows, data: &bytes };
@@ -158,7 +161,8 @@ fn multi_weight_mmv_equals_one_launch_per_weight() {
 
 /// The 35B-A3B's decode weights at batch sizes 2 to 40: the f32 GEMV (what ran before), this
 /// kernel and the 32-token tensor-core tiles, us a call and GB/s of weight bytes. Copies of the
-/// weight are rotated so that each call reads from memory, not from a warm L2.
+/// weight are rotated so that each call reads from memory, not from a warm L2. Run it again
+/// with `EMBER_MMV_STAGED=0` for the lanes' own loads where the staged path applies.
 #[test]
 #[ignore]
 fn bench_mmv() {

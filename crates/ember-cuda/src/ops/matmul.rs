@@ -1,4 +1,5 @@
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, DeviceRepr};
 use ember_gguf::GgmlType;
 
 use super::{blocks, need, u32_of};
@@ -165,8 +166,9 @@ pub const MMA_MIN_TOKENS: usize = 40;
 /// k steps (`MMV_STEP`: k must be a multiple).
 const MMV_ROWS: usize = 32;
 const MMV_STEP: usize = 64;
-/// Threads per `matmul_mmv` block (`MMV_WARPS` warps).
-const MMV_THREADS: u32 = 256;
+/// Warps and threads per `matmul_mmv` block (`MMV_WARPS`).
+const MMV_WARPS: usize = 8;
+const MMV_THREADS: u32 = 32 * MMV_WARPS as u32;
 
 /// Weight rows per tensor-core block (`MMA_BN` in kernels/mma.cuh).
 const MMA_ROWS: usize = 128;
@@ -370,9 +372,9 @@ impl Gpu {
         // n_tok·n_rows (checked above); matmul_mmv's 16-byte activation loads need k % 64 == 0
         // (uses_mmv).
         if mmv {
-            let (name, grid) = mmv_launch(n_tok, blocks_so_far);
-            let f = self.function(&MATMUL, &format!("matmul_mmv_multi_{suffix}_{name}"))?;
-            return unsafe { self.launch(&f, grid, MMV_THREADS, 0, &p) };
+            let aligned = ws.iter().all(|w| w.ptr().is_multiple_of(16));
+            let (f, grid, smem) = self.mmv_function("matmul_mmv_multi", ty, k, ws[0].w.row_bytes, aligned, n_tok, blocks_so_far)?;
+            return unsafe { self.launch(&f, grid, MMV_THREADS, smem, &p) };
         }
         let f = self.function(&MATMUL, &format!("matmul_gemv_multi_{suffix}"))?;
         let grid = (blocks_so_far, blocks(n_tok, GEMV_NT), 1);
@@ -423,8 +425,11 @@ impl Gpu {
                 if !dw.k.is_multiple_of(MMV_STEP) {
                     return Err(shape(OP, format!("matmul_mmv needs k % {MMV_STEP} == 0, k = {}", dw.k)));
                 }
-                let (name, grid) = mmv_launch(n_tok, u32_of(OP, "row blocks", w.n_rows.div_ceil(MMV_ROWS))?);
-                (self.function(&MATMUL, &format!("matmul_mmv_{suffix}_{name}"))?, grid, MMV_THREADS)
+                let row_blocks = u32_of(OP, "row blocks", w.n_rows.div_ceil(MMV_ROWS))?;
+                let (f, grid, smem) =
+                    self.mmv_function("matmul_mmv", dw.ty, dw.k, dw.row_bytes, w.ptr().is_multiple_of(16), n_tok, row_blocks)?;
+                // SAFETY: as below; matmul_mmv's dynamic shared memory is what mmv_function sized.
+                return unsafe { self.launch(&f, grid, MMV_THREADS, smem, &p) };
             }
             MatmulKernel::Mma { tile_tokens } => {
                 if !self.has_mma() {
@@ -453,10 +458,57 @@ impl Gpu {
     }
 }
 
-/// `matmul_mmv`'s entry suffix (tokens a pass: 8 for up to 8 tokens, else 16) and grid for
-/// `n_tok` tokens over `row_blocks` blocks of 32 rows.
-fn mmv_launch(n_tok: usize, row_blocks: u32) -> (&'static str, (u32, u32, u32)) {
-    if n_tok <= 8 { ("8", (row_blocks, 1, 1)) } else { ("16", (row_blocks, blocks(n_tok, 16), 1)) }
+impl Gpu {
+    /// `matmul_mmv`'s function (`base`: the one-weight or the multi entry), grid and dynamic
+    /// shared memory for `n_tok` tokens over `row_blocks` blocks of 32 rows: 8 tokens a pass up
+    /// to 8, else 16; the staged entry where the weight's blocks come in 256-weight super-blocks
+    /// (k % 256 == 0) and its rows are whole 16-byte chunks from a 16-byte aligned start
+    /// (`aligned`), unless `EMBER_MMV_STAGED=0`.
+    #[allow(clippy::too_many_arguments)]
+    fn mmv_function(
+        &self,
+        base: &str,
+        ty: GgmlType,
+        k: usize,
+        row_bytes: usize,
+        aligned: bool,
+        n_tok: usize,
+        row_blocks: u32,
+    ) -> Result<(CudaFunction, (u32, u32, u32), u32)> {
+        let suffix = type_suffix(ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", ty.name())))?;
+        let (pass, grid) = if n_tok <= 8 { (8, (row_blocks, 1, 1)) } else { (16, (row_blocks, blocks(n_tok, 16), 1)) };
+        let staged = mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on());
+        let Some(sb) = staged else {
+            let f = self.function(&MATMUL, &format!("{base}_{suffix}_{pass}"))?;
+            return Ok((f, grid, (MMV_WARPS * MMV_ROWS * (pass + 1) * 4) as u32));
+        };
+        let smem = MMV_ROWS * (MMV_WARPS * sb + 16);
+        let f = self.function(&MATMUL, &format!("{base}_{suffix}_{pass}_staged"))?;
+        if smem > 48 << 10 {
+            let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, smem as i32).map_err(|e| shape(OP, format!("matmul_mmv's {smem} bytes of shared memory: {e:?}")))?;
+        }
+        Ok((f, grid, smem as u32))
+    }
+}
+
+/// Bytes of 256 weights of the block types `matmul_mmv` stages (`mmv_sb_bytes` in
+/// kernels/matmul.cu).
+fn mmv_sb_bytes(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q4K => Some(144),
+        GgmlType::Q5K => Some(176),
+        GgmlType::Q6K => Some(210),
+        GgmlType::IQ4XS => Some(136),
+        GgmlType::Q8_0 => Some(272),
+        _ => None,
+    }
+}
+
+/// Whether `matmul_mmv` may stage its rows in shared memory (`EMBER_MMV_STAGED=0` turns it off).
+fn mmv_staged_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV_STAGED").as_deref(), Ok("0" | "off" | "false")))
 }
 
 /// Whether the small-batch tensor-core kernel may be picked (`EMBER_MMV=0` turns it off).
