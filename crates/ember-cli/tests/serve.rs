@@ -167,7 +167,9 @@ fn every_error_class_has_openai_shape() {
 fn full_queue_gets_503_with_retry_after() {
     let s = Server::start(&["--parallel", "1", "--queue", "1"]);
     // One request generating (4000 tokens: it outlives the test), one waiting, the third is refused.
-    let slow = json!({ "prompt": "a", "max_tokens": 100000, "stream": true });
+    // ignore_eos: the tiny model's random weights may sample the end of text early, and a first
+    // request that ends lets the second take the slot and the third wait (seen once in CI).
+    let slow = json!({ "prompt": "a", "max_tokens": 100000, "stream": true, "ignore_eos": true });
     let r1 = agent().post(&s.url("/v1/completions")).send(slow.to_string()).unwrap();
     let mut rd1 = BufReader::new(r1.into_body().into_reader());
     let mut line = String::new();
