@@ -16,6 +16,11 @@
 #          per budget, from the issue), `ember bench --gpu-mem 0=B` (tg128, pp2048, 128k context
 #          budgeted with q8_0 KV, --prompts real, THREADS threads) twice (the second starts from
 #          the heat file the first saved) against `llama-bench -ncmoe N -ctk q8_0 -ctv q8_0`
+#   micro  the ignored microbenchmarks of ember-cuda's test binaries, MICRO (default
+#          mmv:bench_mmv,mmv:bench_mmv_prompt,gpu:bench_moe_prompt: binary:filter pairs), each
+#          under 150 s, logs micro-<binary>-<filter>.log (a filter no test matches runs nothing)
+#   kprofile  EMBER_CUDA_PROFILE=1 (every kernel timed, no graphs) on the 35B: 16 sequences'
+#          decode (`-p 0 -n 32 --n-seq 16`) and a 512-token prompt, logs kprofile-*.txt
 #   profile  per-kernel GPU time of a decode step (ncu, durations only) on the 35B shape cut to 8
 #          layers: `ember run -n 1` and `-n 9` profiled, differenced by bench/gpu/ncu-diff.py
 #          (profile.md), then `ember bench` on that file
@@ -105,6 +110,20 @@ if has load; then
     done
     $E run -m $F --device cuda -p Hello -n 1 --temp 0 > "$O/ember-run.log" 2>&1
     [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
+fi
+if has micro; then
+    for m in $(echo "${MICRO:-mmv:bench_mmv,mmv:bench_mmv_prompt,gpu:bench_moe_prompt}" | tr , ' '); do
+        b=${m%%:*}; f=${m#*:}
+        [[ -x /tmp/bin/$b ]] || { echo "micro $m: no binary"; continue; }
+        timeout 150 /tmp/bin/$b --ignored --nocapture --test-threads=1 --exact "$f" > "$O/micro-$b-$f.log" 2>&1
+        echo "micro $m: exit $?"; grep -E "^bench" "$O/micro-$b-$f.log" | head -60
+    done
+fi
+if has kprofile; then
+    ensure_model
+    EMBER_CUDA_PROFILE=1 timeout 120 $E bench -m $F --device cuda -p 0 -n 32 -d 0 --n-seq 16 -r 1 > "$O/kprofile-16seq.txt" 2>&1
+    EMBER_CUDA_PROFILE=1 timeout 60 $E bench -m $F --device cuda -p 512 -n 0 -r 1 > "$O/kprofile-pp512.txt" 2>&1
+    for f in "$O"/kprofile-16seq.txt "$O"/kprofile-pp512.txt; do echo "$f:"; grep -A16 "GPU time per kernel" "$f"; done
 fi
 if has profile; then
     FC=$M/cut8.gguf
