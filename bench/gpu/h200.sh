@@ -17,7 +17,7 @@
 #          budgeted with q8_0 KV, --prompts real, THREADS threads) twice (the second starts from
 #          the heat file the first saved) against `llama-bench -ncmoe N -ctk q8_0 -ctv q8_0`
 #   micro  the ignored microbenchmarks of ember-cuda's test binaries, MICRO (default
-#          mmv:bench_mmv,mmv:bench_mmv_prompt,gpu:bench_moe_prompt: binary:filter pairs), each
+#          matmul:bench_mmv,matmul:bench_mmv_prompt,gpu:bench_moe_prompt: binary:filter pairs), each
 #          under 150 s, logs micro-<binary>-<filter>.log (a filter no test matches runs nothing)
 #   kprofile  EMBER_CUDA_PROFILE=1 (every kernel timed, no graphs) on the 35B: 16 sequences'
 #          decode (`-p 0 -n 32 --n-seq 16`) and a 512-token prompt, logs kprofile-*.txt
@@ -112,7 +112,7 @@ if has load; then
     [[ -x $LC ]] && $LC -m $F -ngl 99 -fa on -no-cnv -p Hello -n 1 --temp 0 < /dev/null > "$O/llama-completion.log" 2>&1
 fi
 if has micro; then
-    for m in $(echo "${MICRO:-mmv:bench_mmv,mmv:bench_mmv_prompt,gpu:bench_moe_prompt}" | tr , ' '); do
+    for m in $(echo "${MICRO:-matmul:bench_mmv,matmul:bench_mmv_prompt,gpu:bench_moe_prompt}" | tr , ' '); do
         b=${m%%:*}; f=${m#*:}
         [[ -x /tmp/bin/$b ]] || { echo "micro $m: no binary"; continue; }
         timeout 150 /tmp/bin/$b --ignored --nocapture --test-threads=1 --exact "$f" > "$O/micro-$b-$f.log" 2>&1

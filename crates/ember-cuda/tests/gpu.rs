@@ -1,5 +1,6 @@
 //! Every kernel against ember_ops::reference on random shapes (odd sizes, one token and many),
-//! fresh random data (never zeros), outputs poisoned with NaN before the run.
+//! fresh random data (never zeros), outputs poisoned with NaN before the run; the matmuls in
+//! tests/matmul.rs.
 //!
 //! With no NVIDIA driver every test prints why and passes (CI has no GPU). On a GPU:
 //! `cargo test -p ember-cuda --release --test gpu -- --test-threads=1`; the timings:
@@ -9,210 +10,23 @@
 //! Σ_j |w_j·x_j| for dot products (an f32 sum of k terms is off by ~√k·ε·Σ|terms|, whatever the
 //! cancellation in the result). Each states the largest error measured on the H200.
 
-use std::sync::OnceLock;
-
+use ember_cuda::Error;
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MatmulKernel, MoeExperts, MoeRouting,
-    Precision,
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MoeExperts, MoeRouting,
 };
-use ember_cuda::{Buf, Error, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
 use ember_testkit::Rng;
 
-fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
-    let g = GPU.get_or_init(|| match Gpu::new(0) {
-        Ok(g) => {
-            let i = g.info();
-            println!("GPU 0: {} sm_{} driver {} NVRTC {:?}", i.name, i.sm(), g.driver_version(), g.nvrtc().map(|n| n.version()));
-            Some(g)
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            None
-        }
-    });
-    g.as_ref()
-}
-
-fn poisoned(g: &Gpu, n: usize) -> Buf<f32> {
-    g.upload(&vec![f32::NAN; n]).unwrap()
-}
-
-/// Checks `|got − want| <= atol + rtol·scale[i]` everywhere; returns the largest
-/// |got − want| / scale[i] (the "relative error" quoted in the tolerance comments).
-fn check(what: &str, got: &[f32], want: &[f32], scale: &[f32], atol: f32, rtol: f32) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut worst = 0f32;
-    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
-        let err = (g - w).abs();
-        assert!(err <= atol + rtol * s.abs(), "{what}: [{i}] got {g}, want {w} (err {err:e}, scale {s}, atol {atol:e}, rtol {rtol:e})");
-        worst = worst.max(err / s.abs().max(1e-30));
-    }
-    worst
-}
+mod common;
+use common::{check, gpu, poisoned, quantised};
 
 fn check_rel(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
     check(what, got, want, want, atol, rtol)
 }
 
-fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
-    let w = rng.vec(k * n_rows, -1.0, 1.0);
-    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
-    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
-    bytes
-}
-
 const MATMUL_TYPES: [GgmlType; 8] =
     [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
-
-/// A random weight, activations, the reference output and each output's Σ_j |w_j·x_j|.
-struct MatmulData {
-    bytes: Vec<u8>,
-    x: Mat,
-    want: Vec<f32>,
-    scale: Vec<f32>,
-}
-
-fn matmul_data(rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> MatmulData {
-    let bytes = quantised(ty, rng, k, n_rows);
-    let view = WeightView { ty, k, n_rows, data: &bytes };
-    let x = Mat::from_vec(n_tok, k, rng.vec(n_tok * k, -2.0, 2.0));
-    let want = reference::matmul(&view, &x).data;
-    // scale[t][r] = Σ_j |W[r][j]·x[t][j]|
-    let mut wr = vec![0f32; k];
-    let mut scale = vec![0f32; n_tok * n_rows];
-    for r in 0..n_rows {
-        ember_gguf::quant::dequantize(ty, view.row(r), &mut wr).unwrap();
-        for t in 0..n_tok {
-            scale[t * n_rows + r] = wr.iter().zip(x.row(t)).map(|(a, b)| (a * b).abs()).sum();
-        }
-    }
-    MatmulData { bytes, x, want, scale }
-}
-
-/// One matmul against the reference; returns max |err| / Σ_j |w_j·x_j|.
-fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
-    let MatmulData { bytes, x, want, scale } = matmul_data(rng, ty, k, n_rows, n_tok);
-    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
-    let xb = g.upload(&x.data).unwrap();
-    let mut y = poisoned(g, n_tok * n_rows);
-    g.matmul(dw.all(), &xb, n_tok, &mut y).unwrap();
-    let got = g.download(&y).unwrap();
-    let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
-    let worst = check(&what, &got, &want, &scale, 0.0, 1e-5);
-
-    // A row range of the same weight (an expert of a stacked tensor).
-    if n_rows > 2 {
-        let (r0, nr) = (1, n_rows - 2);
-        let mut y2 = poisoned(g, n_tok * nr);
-        g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
-        let got2 = g.download(&y2).unwrap();
-        for t in 0..n_tok {
-            assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-        }
-    }
-    worst
-}
-
-/// The tensor-core matmul (every tile size, and the Fast pick) against the reference; returns
-/// max |err| / Σ_j |w_j·x_j|. A row range (rows 1..) must equal the same rows of the whole.
-fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_tok: usize) -> f32 {
-    let MatmulData { bytes, x, want, scale } = matmul_data(rng, ty, k, n_rows, n_tok);
-    let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
-    let xb = g.upload(&x.data).unwrap();
-    let mut worst = 0f32;
-    for tile_tokens in [32, 64, 128] {
-        let kernel = MatmulKernel::Mma { tile_tokens };
-        let mut y = poisoned(g, n_tok * n_rows);
-        g.matmul_kernel(dw.all(), &xb, n_tok, &mut y, kernel).unwrap();
-        let got = g.download(&y).unwrap();
-        let what = format!("matmul mma/{tile_tokens} {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
-        worst = worst.max(check(&what, &got, &want, &scale, 1e-6, MMA_RTOL));
-        if n_rows > 2 {
-            let (r0, nr) = (1, n_rows - 2);
-            let mut y2 = poisoned(g, n_tok * nr);
-            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, kernel).unwrap();
-            let got2 = g.download(&y2).unwrap();
-            for t in 0..n_tok {
-                assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-            }
-        }
-    }
-    let mut y = poisoned(g, n_tok * n_rows);
-    g.matmul_prec(dw.all(), &xb, n_tok, &mut y, Precision::Fast).unwrap();
-    let what = format!("matmul Fast {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
-    worst.max(check(&what, &g.download(&y).unwrap(), &want, &scale, 1e-6, MMA_RTOL))
-}
-
-/// The tensor-core path rounds weights and activations to f16 (relative error at most
-/// u = 2^-11 each) and sums in f32, so |err| <= (2u + u²)·Σ|w·x| + the f32 sum's error:
-/// 1e-3 of Σ|w·x| bounds it for any data (atol 1e-6 for f16 subnormals near zero).
-/// Measured on the H200 (2026-12-03): F32 7.4e-4 (uniform weights: many lose their low bits),
-/// F16/BF16 4.2e-4, Q8_0 5.9e-5, Q4_K 8.0e-5, Q5_K 6.5e-5, Q6_K 9.0e-5, IQ4_XS 5.2e-5.
-const MMA_RTOL: f32 = 1e-3;
-
-// Ragged shapes: n_tok not a multiple of any tile (17 .. 300), odd row counts (a partial
-// 128-row tile), k any multiple of the block (float types: k odd, k % 8 != 0, and k % 4 != 0).
-#[test]
-fn matmul_mma_matches_reference() {
-    let Some(g) = gpu() else { return };
-    if !g.has_mma() {
-        println!("skipped: sm_{} has no tensor-core matmul", g.info().sm());
-        return;
-    }
-    let mut rng = Rng::new();
-    for ty in MATMUL_TYPES {
-        let block = ty.block_size();
-        let mut worst = 0f32;
-        for case in 0..5 {
-            let k = if block == 1 { [37, 544, 1282, 3, 2048][case] } else { block * (1 + rng.below(2048 / block)) };
-            let n_rows = 1 + 2 * rng.below(200);
-            let n_tok = [17, 33, 100, 129, 300][case];
-            worst = worst.max(matmul_mma_case(g, &mut rng, ty, k, n_rows, n_tok));
-        }
-        println!("MATMUL_MMA_MEASURED {}: max err / Σ|w·x| = {worst:.2e} (bound {MMA_RTOL:e})", ty.name());
-    }
-}
-
-// Dot products: rtol 1e-5 of Σ|w·x| (f32 sums of up to 16,384 terms against the f64
-// reference). Measured on the H200 (2026-12-03, 3 runs): at most 2.6e-7 over the 8 types.
-#[test]
-fn matmul_matches_reference() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    for ty in MATMUL_TYPES {
-        let block = ty.block_size();
-        let mut worst = 0f32;
-        for case in 0..8 {
-            // k: a whole number of blocks; float types also get k not a multiple of 8 (tiled path).
-            let k = if block == 1 { [37, 544, 1280, 3][case % 4] } else { block * (1 + rng.below(1280 / block)) };
-            let n_rows = 1 + 2 * rng.below(150);
-            let n_tok = [1, 3, 8, 9, 16, 17, 67, 1][case];
-            worst = worst.max(matmul_case(g, &mut rng, ty, k, n_rows, n_tok));
-        }
-        println!("MATMUL_MEASURED {}: max err / Σ|w·x| = {worst:.2e}", ty.name());
-    }
-}
-
-// Measured: at most 6.7e-8 of Σ|w·x|. The GEMV's block shapes: many rows per warp (n_rows over 4 blocks per SM), several token
-// blocks (k = 4096 stages 3 tokens), one token per block (k = 12288), none (k = 16384: tiled).
-#[test]
-fn matmul_block_shapes_match_reference() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    for (ty, k, n_rows, n_tok) in [
-        (GgmlType::Q4K, 256, 20_001, 3),
-        (GgmlType::Q6K, 4096, 37, 7),
-        (GgmlType::F16, 12_288, 5, 2),
-        (GgmlType::F32, 16_384, 3, 1),
-        (GgmlType::Q8_0, 96, 70_001, 1),
-    ] {
-        let worst = matmul_case(g, &mut rng, ty, k, n_rows, n_tok);
-        println!("MATMUL_MEASURED {} k={k} n_rows={n_rows} n_tok={n_tok}: max err / Σ|w·x| = {worst:.2e}", ty.name());
-    }
-}
 
 // Dequantisation alone: the reference is bit-exact ggml order without FMA; the kernel may fuse
 // d·q − m, so allow 1e-6 relative (measured: bit-exact, 0, for all 8 types).
@@ -716,59 +530,6 @@ fn bench_moe() {
     }
 }
 
-/// GB/s of the matmul kernel on 35B-A3B-sized weights (weight bytes per call / time).
-#[test]
-#[ignore]
-fn bench_matmul() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    let cases: &[(&str, GgmlType, usize, usize)] = &[
-        ("expert gate/up, one expert", GgmlType::Q4K, 2048, 512),
-        ("expert gate/up, 256 experts stacked", GgmlType::Q4K, 2048, 512 * 256),
-        ("expert down, 256 experts stacked", GgmlType::Q4K, 512, 2048 * 256),
-        ("output head", GgmlType::Q6K, 2048, 248_320),
-        ("2048 x 65536", GgmlType::Q5K, 2048, 65_536),
-        ("2048 x 65536", GgmlType::Q8_0, 2048, 65_536),
-        ("2048 x 65536", GgmlType::IQ4XS, 2048, 65_536),
-        ("2048 x 65536", GgmlType::F16, 2048, 65_536),
-        ("2048 x 65536", GgmlType::BF16, 2048, 65_536),
-        ("2048 x 65536", GgmlType::F32, 2048, 65_536),
-    ];
-    for &(what, ty, k, n_rows) in cases {
-        // Random bytes quantise slowly on the host for 500 MB; tile one quantised block of rows.
-        let tile_rows = 256.min(n_rows);
-        let tile = quantised(ty, &mut rng, k, tile_rows);
-        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
-        let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
-        for n_tok in [1, 8, 512] {
-            if n_tok == 512 && n_rows > 65_536 {
-                continue;
-            }
-            let x = g.upload(&rng.vec(n_tok * k, -1.0, 1.0)).unwrap();
-            let mut y = g.alloc::<f32>(n_tok * n_rows).unwrap();
-            g.matmul(dw.all(), &x, n_tok, &mut y).unwrap(); // warm-up (and compile)
-            let iters = if bytes.len() < 10 << 20 { 200 } else { 20 };
-            let ms = g
-                .time_ms(|| {
-                    for _ in 0..iters {
-                        g.matmul(dw.all(), &x, n_tok, &mut y)?;
-                    }
-                    Ok(())
-                })
-                .unwrap()
-                / iters as f32;
-            let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
-            let tflops = 2.0 * (k * n_rows * n_tok) as f64 / (ms as f64 * 1e-3) / 1e12;
-            println!(
-                "bench matmul {:6} {what:38} k={k:5} rows={n_rows:6} tok={n_tok:3}: {:8.4} ms  {gbs:7.0} GB/s ({:4.1}% of 4300)  {tflops:6.2} TFLOP/s",
-                ty.name(),
-                ms,
-                gbs / 43.0
-            );
-        }
-    }
-}
-
 /// Per-call time of the small ops at the 35B model's decode shapes (one token), launches
 /// included (200 back-to-back calls, no graph). delta_rule also as GB/s of state read + written.
 #[test]
@@ -830,86 +591,6 @@ fn bench_ops() {
     );
 }
 
-/// Prompt-sized matmuls at the 35B-A3B model's shapes: the f32 FMA tiles against the
-/// tensor-core tiles (each tile size, and what Precision::Fast picks), 512 tokens; then the
-/// GEMV against the tensor cores around the switch-over (MMA_MIN_TOKENS). TFLOP/s = 2·k·rows·tok
-/// over GPU time (events around 10-50 back-to-back calls).
-#[test]
-#[ignore]
-fn bench_matmul_prompt() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    let weight = |rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize| {
-        let tile_rows = 256.min(n_rows);
-        let tile = quantised(ty, rng, k, tile_rows);
-        let bytes: Vec<u8> = tile.iter().copied().cycle().take(tile.len() * n_rows / tile_rows).collect();
-        g.upload_weight(ty, k, n_rows, &bytes).unwrap()
-    };
-    let time = |dw: &ember_cuda::ops::DeviceWeight, n_tok: usize, kernel: Option<MatmulKernel>| -> (f32, f64) {
-        let x = g.upload(&vec![0.5f32; n_tok * dw.k]).unwrap();
-        let mut y = g.alloc::<f32>(n_tok * dw.n_rows).unwrap();
-        let mut call = || match kernel {
-            Some(kr) => g.matmul_kernel(dw.all(), &x, n_tok, &mut y, kr),
-            None => g.matmul_prec(dw.all(), &x, n_tok, &mut y, Precision::Fast),
-        };
-        call().unwrap(); // warm-up (and compile)
-        let flop = 2.0 * (dw.k * dw.n_rows * n_tok) as f64;
-        let iters = if flop > 1e11 { 5 } else { 30 };
-        let ms = g
-            .time_ms(|| {
-                for _ in 0..iters {
-                    call()?;
-                }
-                Ok(())
-            })
-            .unwrap()
-            / iters as f32;
-        (ms, flop / (ms as f64 * 1e-3) / 1e12)
-    };
-    let cases: &[(&str, GgmlType, usize, usize)] = &[
-        ("attn_qkv (DeltaNet)", GgmlType::Q4K, 2048, 8192),
-        ("attn_gate", GgmlType::Q4K, 2048, 4096),
-        ("ssm_out", GgmlType::Q4K, 4096, 2048),
-        ("ssm_out", GgmlType::Q6K, 4096, 2048),
-        ("shared expert gate", GgmlType::Q8_0, 2048, 512),
-        ("2048 x 4096", GgmlType::Q5K, 2048, 4096),
-        ("2048 x 4096", GgmlType::IQ4XS, 2048, 4096),
-        ("2048 x 4096", GgmlType::F16, 2048, 4096),
-        ("2048 x 4096", GgmlType::BF16, 2048, 4096),
-        ("2048 x 4096", GgmlType::F32, 2048, 4096),
-        ("output head", GgmlType::Q6K, 2048, 248_320),
-    ];
-    let n_tok = 512;
-    for &(what, ty, k, n_rows) in cases {
-        let dw = weight(&mut rng, ty, k, n_rows);
-        let mut line = format!("bench prompt matmul {:6} {what:20} k={k:5} rows={n_rows:6} tok={n_tok}:", ty.name());
-        let kernels = [
-            ("tiled", Some(MatmulKernel::Tiled)),
-            ("mma32", Some(MatmulKernel::Mma { tile_tokens: 32 })),
-            ("mma64", Some(MatmulKernel::Mma { tile_tokens: 64 })),
-            ("mma128", Some(MatmulKernel::Mma { tile_tokens: 128 })),
-            ("fast", None),
-        ];
-        for (name, kr) in kernels {
-            if name == "tiled" && n_rows > 65_536 {
-                continue; // ~1 s a call
-            }
-            let (ms, tf) = time(&dw, n_tok, kr);
-            line += &format!("  {name} {ms:.3} ms {tf:.1} TF");
-        }
-        println!("{line}");
-    }
-    let dw = weight(&mut rng, GgmlType::Q4K, 2048, 4096);
-    for n_tok in [8, 16, 17, 24, 32, 48, 64, 128] {
-        let mut line = format!("bench switch-over Q4_K k=2048 rows=4096 tok={n_tok:3}:");
-        for (name, kr) in [("gemv", Some(MatmulKernel::Gemv)), ("tiled", Some(MatmulKernel::Tiled)), ("fast", None)] {
-            let (ms, tf) = time(&dw, n_tok, kr);
-            line += &format!("  {name} {:.1} us {tf:.2} TF", ms * 1e3);
-        }
-        println!("{line}");
-    }
-}
-
 /// One MoE layer of the 35B model at prompt sizes (256 experts, top-8, d 2048, n_ff 512, Q4_K
 /// gate/up, Q6_K down): the per-pair kernels (`moe`, what Exact and small batches run) against
 /// the grouped tensor-core path (`moe_mma`). TFLOP/s over the routed work, 2·n_tok·k·3·d·n_ff.
@@ -961,41 +642,4 @@ fn bench_moe_prompt() {
         }
         println!("{line}");
     }
-}
-
-/// Several weights of one type in one GEMV launch (`Gpu::matmul_multi`, what `matmul_many`
-/// uses for a layer's projections) give exactly what one launch per weight gives: the same
-/// kernel code per row, so bit for bit. 1 to 4 weights of different row counts, 1 to 17 tokens,
-/// every type; a mixed-type or empty call is an error.
-#[test]
-fn multi_weight_gemv_equals_one_launch_per_weight() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    for ty in MATMUL_TYPES {
-        let k = 512;
-        for (n_w, n_tok) in [(1, 1), (2, 1), (3, 5), (4, 17)] {
-            let rows = [96usize, 33, 257, 8];
-            let ws: Vec<_> = (0..n_w).map(|i| g.upload_weight(ty, k, rows[i], &quantised(ty, &mut rng, k, rows[i])).unwrap()).collect();
-            let xb = g.upload(&rng.vec(n_tok * k, -2.0, 2.0)).unwrap();
-            let mut one: Vec<Vec<f32>> = Vec::new();
-            for w in &ws {
-                let mut y = poisoned(g, n_tok * w.n_rows);
-                g.matmul_kernel(w.all(), &xb, n_tok, &mut y, ember_cuda::ops::MatmulKernel::Gemv).unwrap();
-                one.push(g.download(&y).unwrap());
-            }
-            let mut ys: Vec<Buf<f32>> = ws.iter().map(|w| poisoned(g, n_tok * w.n_rows)).collect();
-            let refs: Vec<_> = ws.iter().map(|w| w.all()).collect();
-            let mut ys_mut: Vec<&mut Buf<f32>> = ys.iter_mut().collect();
-            g.matmul_multi(&refs, &xb, n_tok, &mut ys_mut).unwrap();
-            for (i, y) in ys.iter().enumerate() {
-                assert_eq!(g.download(y).unwrap(), one[i], "{} weight {i} of {n_w}, {n_tok} tokens", ty.name());
-            }
-        }
-    }
-    let a = g.upload_weight(GgmlType::F32, 64, 4, &quantised(GgmlType::F32, &mut rng, 64, 4)).unwrap();
-    let b = g.upload_weight(GgmlType::Q8_0, 64, 4, &quantised(GgmlType::Q8_0, &mut rng, 64, 4)).unwrap();
-    let xb = g.upload(&rng.vec(64, -1.0, 1.0)).unwrap();
-    let (mut y0, mut y1) = (poisoned(g, 4), poisoned(g, 4));
-    assert!(g.matmul_multi(&[a.all(), b.all()], &xb, 1, &mut [&mut y0, &mut y1]).is_err(), "mixed types");
-    assert!(g.matmul_multi(&[], &xb, 1, &mut []).is_err(), "no weights");
 }

@@ -1,0 +1,52 @@
+//! What the GPU test binaries share: the GPU (or why there is none), NaN-poisoned outputs, the
+//! tolerance check and random quantised weights. Each test binary uses part of it.
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use ember_cuda::{Buf, Gpu};
+use ember_gguf::GgmlType;
+use ember_testkit::Rng;
+
+/// GPU 0, opened once per test binary; None (after saying why) without a driver, so every test
+/// passes on a machine with no GPU (CI).
+pub fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
+    let g = GPU.get_or_init(|| match Gpu::new(0) {
+        Ok(g) => {
+            let i = g.info();
+            println!("GPU 0: {} sm_{} driver {} NVRTC {:?}", i.name, i.sm(), g.driver_version(), g.nvrtc().map(|n| n.version()));
+            Some(g)
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    });
+    g.as_ref()
+}
+
+pub fn poisoned(g: &Gpu, n: usize) -> Buf<f32> {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+/// Checks `|got − want| <= atol + rtol·scale[i]` everywhere; returns the largest
+/// |got − want| / scale[i] (the "relative error" quoted in the tolerance comments).
+pub fn check(what: &str, got: &[f32], want: &[f32], scale: &[f32], atol: f32, rtol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let err = (g - w).abs();
+        assert!(err <= atol + rtol * s.abs(), "{what}: [{i}] got {g}, want {w} (err {err:e}, scale {s}, atol {atol:e}, rtol {rtol:e})");
+        worst = worst.max(err / s.abs().max(1e-30));
+    }
+    worst
+}
+
+/// Rows of uniform random weights in [-1, 1), quantised to `ty` as the file would hold them.
+pub fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
+    let w = rng.vec(k * n_rows, -1.0, 1.0);
+    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
+    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
+    bytes
+}
