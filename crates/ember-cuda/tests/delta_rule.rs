@@ -1,7 +1,8 @@
 //! The step's delta rule (`Gpu::delta_rule_seqs_split`): the chunked form (kernels/
 //! delta_chunked.cu) and the scan (kernels/delta_rule.cu) against `reference::delta_rule_chunked`
 //! and `reference::delta_rule_recurrent`, several sequences of a step in one call, states carried
-//! across two calls; and the timings of both forms at the 35B model's shape.
+//! across two calls; and the timings of both forms at the 35B model's shape. Also the step's
+//! conv before it (`Gpu::conv1d_silu_seqs`) against `reference::conv1d_silu`.
 //!
 //! With no NVIDIA driver every test prints why and passes. On a GPU:
 //! `cargo test -p ember-cuda --release --test delta_rule -- --nocapture` (timings: `--ignored`).
@@ -243,6 +244,68 @@ fn delta_rule_chunked_bad_slot_gives_nan_rows() {
 
 /// ms per call of the scan and the chunked form at the 35B model's shape (16 key heads, 32
 /// value heads, head dim 128), random inputs, the state in slots.
+/// Several sequences of a step in one `conv1d_silu_seqs` call, each continuing its own history
+/// slot (slots out of order, one slot left untouched), two calls in a row: spans of 1 token to
+/// several chunks of 16 (a thread's tokens) with ragged ends, fewer rows than the history, kernel
+/// lengths 4, 2 and 1, and a slot out of range (NaN rows, no state written). The same f32 sums
+/// in the same order as the reference (FMA contraction aside) and expf in SiLU: rtol 1e-5, atol
+/// 1e-6 (as tests/gpu.rs conv1d_silu); the history is copied, exact.
+#[test]
+fn conv1d_silu_seqs_matches_reference() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (c, kernel) in [(300usize, 4usize), (129, 2), (64, 1)] {
+        let hist = kernel - 1;
+        let n_slots = 5;
+        let (offset, stride) = (7, 7 + hist * c + 3);
+        let at = StateAt { slot_stride: stride, offset, len: hist * c, n_slots };
+        let w = rng.vec(c * kernel, -1.0, 1.0);
+        let wb = g.upload(&w).unwrap();
+        let mut states: Vec<Vec<f32>> = (0..n_slots).map(|_| rng.vec(hist * c, -2.0, 2.0)).collect();
+        let mut all = vec![0f32; n_slots * stride];
+        for (s, st) in states.iter().enumerate() {
+            all[s * stride + offset..s * stride + offset + hist * c].copy_from_slice(st);
+        }
+        let mut sb = g.upload(&all).unwrap();
+        for lens in [[1usize, 40, 2, 16, 17], [33, 1, 1, 70, 3]] {
+            let slots = [3u32, 0, 4, 1, 9]; // slot 2 untouched, 9 out of range
+            let n: usize = lens.iter().sum();
+            let x = rng.vec(n * c, -2.0, 2.0);
+            let row0: Vec<u32> = lens.iter().scan(0u32, |r, &l| Some(std::mem::replace(r, *r + l as u32))).collect();
+            let (r0b, nb, slb) = (
+                g.upload(&row0).unwrap(),
+                g.upload(&lens.iter().map(|&l| l as u32).collect::<Vec<_>>()).unwrap(),
+                g.upload(&slots).unwrap(),
+            );
+            let seqs = SeqRows { row0: &r0b, n: &nb, slot: &slb, n_seq: lens.len() };
+            let mut out = g.upload(&vec![f32::NAN; n * c]).unwrap();
+            g.conv1d_silu_seqs(&g.upload(&x).unwrap(), n, c, &wb, kernel, seqs, &mut sb, at, &mut out).unwrap();
+            let got = g.download(&out).unwrap();
+            for (i, (&l, &slot)) in lens.iter().zip(&slots).enumerate() {
+                let r = row0[i] as usize;
+                let rows = &got[r * c..(r + l) * c];
+                if slot as usize >= n_slots {
+                    assert!(rows.iter().all(|v| v.is_nan()), "c={c} k={kernel}: the bad slot's rows are NaN");
+                    continue;
+                }
+                let xm = Mat::from_vec(l, c, x[r * c..(r + l) * c].to_vec());
+                let want = reference::conv1d_silu(&xm, &w, &mut states[slot as usize]);
+                for (j, (gv, wv)) in rows.iter().zip(&want.data).enumerate() {
+                    assert!((gv - wv).abs() <= 1e-6 + 1e-5 * wv.abs(), "c={c} k={kernel} lens={lens:?} seq {i} [{j}]: got {gv}, want {wv}");
+                }
+            }
+            let state_now = g.download(&sb).unwrap();
+            for (s, st) in states.iter().enumerate() {
+                assert_eq!(
+                    &state_now[s * stride + offset..s * stride + offset + hist * c],
+                    &st[..],
+                    "c={c} k={kernel}: slot {s}'s history"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore]
 fn bench_delta_rule() {

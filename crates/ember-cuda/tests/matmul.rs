@@ -12,7 +12,7 @@
 //! ~√k·ε·Σ|terms|, whatever the cancellation in the result). Each states the largest error
 //! measured.
 
-use ember_cuda::ops::{DeviceWeight, MMA_MIN_TOKENS, MatmulKernel, Precision};
+use ember_cuda::ops::{DeviceWeight, MMA_MIN_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision};
 use ember_cuda::{Buf, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::{Mat, WeightView, reference};
@@ -188,6 +188,30 @@ fn run(g: &Gpu, w: &DeviceWeight, x: &Buf<f32>, n_tok: usize, kernel: Option<Mat
         None => g.matmul_prec(w.all(), x, n_tok, &mut y, Precision::Fast).unwrap(),
     }
     g.download(&y).unwrap()
+}
+
+/// Prompt-sized batches of small weights (the router, the shared expert's gate, alpha and beta)
+/// take this kernel under Fast, passes of 16 tokens side by side: within MMV_RTOL of the
+/// reference and the same bits as asking for the kernel; larger weights keep the tiles.
+#[test]
+fn mmv_takes_prompts_of_small_weights() {
+    let Some(g) = mma_gpu() else { return };
+    let mut rng = Rng::new();
+    let k = 512;
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K] {
+        for (n_rows, n_tok) in [(1, 41), (32, 300), (256, 97), (MMV_PROMPT_MAX_ROWS, 64)] {
+            let MatmulData { bytes, x, want, scale } = matmul_data(&mut rng, ty, k, n_rows, n_tok);
+            let dw = g.upload_weight(ty, k, n_rows, &bytes).unwrap();
+            let xb = g.upload(&x.data).unwrap();
+            let what = format!("mmv prompt {} n_rows={n_rows} n_tok={n_tok}", ty.name());
+            assert!(g.uses_mmv_prompt(k, n_rows, n_tok, Precision::Fast), "{what}: not picked");
+            let got = run(g, &dw, &xb, n_tok, None);
+            assert_eq!(got, run(g, &dw, &xb, n_tok, Some(MatmulKernel::Mmv)), "{what}: Fast pick");
+            check(&what, &got, &want, &scale, 1e-6, MMV_RTOL);
+        }
+    }
+    assert!(!g.uses_mmv_prompt(2048, MMV_PROMPT_MAX_ROWS + 1, 512, Precision::Fast));
+    assert!(!g.uses_mmv_prompt(2048, 256, 512, Precision::Exact));
 }
 
 /// Several weights of one type in one launch (`matmul_multi_prec`, what `matmul_many` runs for
@@ -476,6 +500,52 @@ fn bench_mmv() {
                     .unwrap()
                     / iters as f32;
                 line += &format!("  {name} {:7.1} us {:5.0} GB/s", ms * 1e3, bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9);
+            }
+            println!("{line}");
+        }
+    }
+}
+
+/// Prompt-sized batches (512 tokens) of the 35B's small weights: this kernel against the
+/// tensor-core tiles (32 and 64 tokens x 128 rows a block), us a call (weights stay in L2).
+#[test]
+#[ignore]
+fn bench_mmv_prompt() {
+    let Some(g) = mma_gpu() else { return };
+    let mut rng = Rng::new();
+    let cases: &[(&str, GgmlType, usize, usize)] = &[
+        ("router", GgmlType::F32, 2048, 256),
+        ("alpha / beta", GgmlType::F32, 2048, 32),
+        ("shared expert gate", GgmlType::F32, 2048, 1),
+        ("shared expert gate/up", GgmlType::Q4K, 2048, 512),
+        ("shared expert down", GgmlType::Q8_0, 512, 2048),
+    ];
+    for &(what, ty, k, n_rows) in cases {
+        let dw = g.upload_weight(ty, k, n_rows, &quantised(ty, &mut rng, k, n_rows)).unwrap();
+        for n_tok in [64, 512, 2048] {
+            let x = g.upload(&rng.vec(n_tok * k, -1.0, 1.0)).unwrap();
+            let mut y = g.alloc::<f32>(n_tok * n_rows).unwrap();
+            let mut line = format!("bench mmv prompt {:6} {what:22} k={k:5} rows={n_rows:5} tok={n_tok:4}:", ty.name());
+            for (name, kr) in [
+                ("mmv", MatmulKernel::Mmv),
+                ("mma32", MatmulKernel::Mma { tile_tokens: 32 }),
+                ("mma64", MatmulKernel::Mma { tile_tokens: 64 }),
+            ] {
+                if kr == MatmulKernel::Mmv && !k.is_multiple_of(64) {
+                    continue;
+                }
+                let mut call = || g.matmul_kernel(dw.all(), &x, n_tok, &mut y, kr);
+                call().unwrap();
+                let ms = g
+                    .time_ms(|| {
+                        for _ in 0..50 {
+                            call()?;
+                        }
+                        Ok(())
+                    })
+                    .unwrap()
+                    / 50.0;
+                line += &format!("  {name} {:7.1} us", ms * 1e3);
             }
             println!("{line}");
         }

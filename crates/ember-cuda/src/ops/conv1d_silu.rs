@@ -127,9 +127,20 @@ impl Gpu {
             pad: 0,
         };
         let f = self.function(&CONV1D_SILU, "conv1d_silu_seqs")?;
+        let chunks = n_rows.div_ceil(CONV_CHUNK).max(1);
+        if chunks > 65_535 {
+            return Err(shape(OP, format!("{n_rows} rows (at most {} per call)", 65_535 * CONV_CHUNK)));
+        }
         // SAFETY: x and out hold n_rows·c floats, w c·kernel, the state n_slots slots with the
         // layer's history inside each (checked above); the spans lie inside the rows (the
-        // caller's contract); the kernel skips slots >= n_slots.
-        unsafe { self.launch(&f, (blocks(c, 128), seqs.n_seq as u32, 1), 128, 0, &p) }
+        // caller's contract); the kernel skips slots >= n_slots and chunks past a sequence's
+        // rows.
+        unsafe { self.launch(&f, (blocks(c, 128), seqs.n_seq as u32, chunks as u32), 128, 0, &p) }
     }
 }
+
+/// Tokens a thread of `conv1d_silu_seqs` walks (`CONV_CHUNK` in kernels/conv1d_silu.cu): a
+/// 512-token prompt of 8,192 channels is 64 blocks with one thread a channel walking every
+/// token, 2,048 in chunks of 16. Each sequence of a call has at most `n_rows` rows, so
+/// `n_rows / CONV_CHUNK` chunks cover every one of them (blocks past a sequence's rows leave).
+const CONV_CHUNK: usize = 16;

@@ -166,6 +166,8 @@ pub const MMA_MIN_TOKENS: usize = 40;
 /// k steps (`MMV_STEP`: k must be a multiple).
 const MMV_ROWS: usize = 32;
 const MMV_STEP: usize = 64;
+/// Rows up to which a prompt-sized batch takes `matmul_mmv` ([`Gpu::uses_mmv_prompt`]).
+pub const MMV_PROMPT_MAX_ROWS: usize = 512;
 /// Warps and threads per `matmul_mmv` block (`MMV_WARPS`).
 const MMV_WARPS: usize = 8;
 const MMV_THREADS: u32 = 32 * MMV_WARPS as u32;
@@ -272,7 +274,7 @@ impl Gpu {
         }
         let fast = precision == Precision::Fast && self.has_mma();
         let gemv_max = if fast { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
-        let kernel = if self.uses_mmv(w.w.k, n_tok, precision) {
+        let kernel = if self.uses_mmv(w.w.k, n_tok, precision) || self.uses_mmv_prompt(w.w.k, w.n_rows, n_tok, precision) {
             MatmulKernel::Mmv
         } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
@@ -300,6 +302,22 @@ impl Gpu {
             && k > 0
             && self.has_mma()
             && mmv_on()
+    }
+
+    /// Whether [`Gpu::matmul_prec`] takes [`MatmulKernel::Mmv`] for a prompt-sized batch: a
+    /// weight of at most [`MMV_PROMPT_MAX_ROWS`] rows (the router, the shared expert's gate, the
+    /// DeltaNet's alpha and beta), where the tensor-core tiles (128 rows a block) leave most SMs
+    /// idle, each block walking all of k (F32 router, 512 tokens: ~94 us a call on the H100);
+    /// `EMBER_MMV_PROMPT=0` turns it off.
+    pub fn uses_mmv_prompt(&self, k: usize, n_rows: usize, n_tok: usize, precision: Precision) -> bool {
+        precision == Precision::Fast
+            && n_tok > MMA_MIN_TOKENS
+            && n_rows <= MMV_PROMPT_MAX_ROWS
+            && k.is_multiple_of(MMV_STEP)
+            && k > 0
+            && self.has_mma()
+            && mmv_on()
+            && mmv_prompt_on()
     }
 
     /// `ys[i] = x · ws[i]ᵀ` for 1 to [`GEMV_MULTI`] weights of one type and k in one GEMV
@@ -476,6 +494,9 @@ impl Gpu {
         row_blocks: u32,
     ) -> Result<(CudaFunction, (u32, u32, u32), u32)> {
         let suffix = type_suffix(ty).ok_or_else(|| shape(OP, format!("weight type {} has no CUDA kernel", ty.name())))?;
+        if n_tok.div_ceil(16) > 65_535 {
+            return Err(shape(OP, format!("{n_tok} tokens (at most {} per matmul_mmv call)", 65_535 * 16)));
+        }
         let (pass, grid) = if n_tok <= 8 { (8, (row_blocks, 1, 1)) } else { (16, (row_blocks, blocks(n_tok, 16), 1)) };
         let staged = mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on());
         let Some(sb) = staged else {
@@ -503,6 +524,13 @@ fn mmv_sb_bytes(ty: GgmlType) -> Option<usize> {
         GgmlType::Q8_0 => Some(272),
         _ => None,
     }
+}
+
+/// Whether prompt-sized batches of small weights may take `matmul_mmv` (`EMBER_MMV_PROMPT=0`
+/// turns it off).
+fn mmv_prompt_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV_PROMPT").as_deref(), Ok("0" | "off" | "false")))
 }
 
 /// Whether `matmul_mmv` may stage its rows in shared memory (`EMBER_MMV_STAGED=0` turns it off).
