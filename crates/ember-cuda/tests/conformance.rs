@@ -97,6 +97,40 @@ fn a_repeated_step_gets_the_same_device_addresses() {
     assert_eq!(addr(&a), addr(&c), "a smaller step reuses the same buffers");
 }
 
+/// `free_since` gives the memory back to the step: eight "layers" of 1 MiB each, each freed
+/// when the next begins, hold two layers' bytes, not eight, and reuse the same two buffers.
+#[test]
+fn freed_handles_memory_is_reused() {
+    let _gpu = one_at_a_time();
+    if let Err(e) = Gpu::new(0) {
+        println!("skipped: {e}");
+        return;
+    }
+    let mut o = CudaOps::new(0).unwrap();
+    o.register(Arc::new(WeightSet::new())).unwrap();
+    o.begin_step(&Batch::default()).unwrap();
+    let h = o.upload(&Mat::from_vec(1, 64, vec![1.0; 64])).unwrap();
+    let mark = o.mark();
+    let mut addrs = Vec::new();
+    let mut last = None;
+    for l in 0..8 {
+        let x = o.upload(&Mat::from_vec(1024, 256, vec![l as f32; 1024 * 256])).unwrap();
+        addrs.push(o.device_ptr(x).unwrap());
+        if let Some(prev) = last {
+            // The layer before's output is still whole after this layer's upload.
+            assert!(o.read(prev).unwrap().data.iter().all(|&v| v == (l - 1) as f32), "layer {l}: a kept handle changed");
+        }
+        o.free_since(mark, &[x]).unwrap();
+        last = Some(x);
+    }
+    let bytes = o.arena_bytes();
+    println!("arena after 8 layers of 1 MiB: {bytes} bytes; addresses {addrs:x?}");
+    assert!(bytes <= 2 * (1 << 20) + 4096, "{bytes} bytes: freed layers must be reused");
+    assert_eq!(addrs[2], addrs[0], "layer 2 reuses layer 0's buffer");
+    assert_eq!(o.read(h).unwrap().data, vec![1.0; 64], "a handle made before the mark stays");
+    assert!(o.device_ptr(last.unwrap()).is_ok());
+}
+
 /// The KV pool sized from free device memory fits; twice that is an error naming `configure`
 /// (out of device memory is an `OpError`, never a panic), after which the store still works.
 #[test]

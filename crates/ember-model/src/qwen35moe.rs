@@ -243,6 +243,10 @@ impl Model {
 
         let h = ops.embed(self.tok_embd)?; // [ΣT, D]
         see(&mut tap, ops, "embd", 0, h)?;
+        // Everything made from here on but the residual h lives for one layer: each layer frees
+        // what it made except the next layer's input norm, so a step holds one layer's
+        // activations (a few hundred KiB a token), not all 40 layers' (~9.5 MiB a token).
+        let layer_mark = ops.mark();
         // Each residual add goes with the norm that reads h next (one pass on backends that fuse
         // them): the mixer's with the post-norm, the MoE's with the next layer's input norm.
         let mut x = match self.layers.first() {
@@ -269,6 +273,7 @@ impl Model {
                 None => ops.add(h, y)?,
             }
             see(&mut tap, ops, "layer_out", i, h)?;
+            ops.free_since(layer_mark, x.as_slice())?;
         }
 
         // Final norm and LM head on the requested rows of every sequence, in one matmul.

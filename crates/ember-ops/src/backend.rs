@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::{
     AttnHeads, AttnIn, AttnMats, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, HostKernels,
-    HostStore, KvCache, LayerIdx, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind,
-    StateLayout, StoreStats, Tensor, WeightId, WeightSet,
+    HostStore, KvCache, LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot,
+    StateKind, StateLayout, StoreStats, Tensor, WeightId, WeightSet,
 };
 
 /// A host backend: kernels `K`, an arena of [`Mat`]s, a [`HostStore`].
@@ -119,7 +119,7 @@ impl<K: HostKernels> HostBackend<K> {
 fn get<'a>(arena: &'a [Mat], dev: DeviceId, op: &'static str, t: Tensor) -> OpResult<&'a Mat> {
     match arena.get(t.id as usize) {
         Some(m) if m.n == t.n && m.d == t.d => Ok(m),
-        _ => Err(OpError::new(op, dev, format!("tensor {} {}x{}", t.id, t.n, t.d), "no such tensor in this step")),
+        _ => Err(OpError::new(op, dev, format!("tensor {} {}x{}", t.id, t.n, t.d), "no such tensor in this step (or freed)")),
     }
 }
 
@@ -192,6 +192,24 @@ impl<K: HostKernels> Ops for HostBackend<K> {
         if std::mem::take(&mut self.stepping) {
             for s in &self.batch.seqs {
                 self.store.advance(s.slot, s.n);
+            }
+        }
+        Ok(())
+    }
+
+    fn mark(&self) -> Mark {
+        Mark(self.used as u32)
+    }
+
+    /// A freed handle's matrix is dropped (its memory goes back to the allocator) and its
+    /// place holds an empty 0x0 one, which no handle's shape matches (every tensor has columns).
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        for &t in keep {
+            self.mat("free_since", t)?;
+        }
+        for id in (mark.0 as usize).min(self.used)..self.used {
+            if !keep.iter().any(|t| t.id as usize == id) {
+                self.arena[id] = Mat::default();
             }
         }
         Ok(())
@@ -393,6 +411,12 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn end_step(&mut self) -> OpResult<()> {
         (**self).end_step()
+    }
+    fn mark(&self) -> Mark {
+        (**self).mark()
+    }
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        (**self).free_since(mark, keep)
     }
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
         (**self).upload(x)

@@ -521,6 +521,7 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
 
     store(&mut *p.b, &mut rng, &layout(KvType::F16), &fx);
     arena_repeats(&mut *p.b, &fx);
+    frees(&mut *p.b, &fx);
     shape_errors(&mut *p.b, &fx);
     r
 }
@@ -614,6 +615,47 @@ fn arena_repeats(o: &mut dyn Ops, fx: &Fixture) {
     let a = run(o).unwrap_or_else(|e| panic!("arena step: {e}"));
     let b = run(o).unwrap_or_else(|e| panic!("arena step: {e}"));
     assert_eq!(a, b, "the same allocations in a new step must give the same handles");
+}
+
+/// `free_since` as the model uses it (a residual made before the mark, each "layer" freeing all
+/// it made but its output): the same values bit for bit as without freeing while later handles
+/// reuse the freed memory; a freed handle is an error in an op and as a handle to keep; two
+/// steps that free alike get the same handles.
+fn frees(o: &mut dyn Ops, fx: &Fixture) {
+    let run = |o: &mut dyn Ops, free: bool| -> OpResult<(Vec<Tensor>, Mat, Mat)> {
+        o.begin_step(&Batch::default())?;
+        let h = o.upload(&Mat::from_vec(2, 64, (0..128).map(|i| (i as f32 - 60.0) / 32.0).collect()))?;
+        let mark = o.mark();
+        let (mut handles, mut k) = (vec![h], None);
+        for l in 0..4 {
+            let x = o.upload(&Mat::from_vec(2, 64, (0..128).map(|i| ((i * 7 + l * 13) % 17) as f32 / 8.0 - 1.0).collect()))?;
+            let y = o.rms_norm(x, fx.norm64, 1e-6)?;
+            if let Some(k) = k {
+                o.add(h, k)?; // the last layer's output, read after its neighbours' memory was reused
+            }
+            o.add(h, y)?;
+            let out = o.rms_norm(h, fx.norm64, 1e-6)?;
+            if free {
+                o.free_since(mark, &[out])?;
+            }
+            handles.extend([x, y, out]);
+            k = Some(out);
+        }
+        let k = k.expect("four layers ran");
+        Ok((handles, o.read(h)?, o.read(k)?))
+    };
+    let step = |o: &mut dyn Ops, free: bool| run(o, free).unwrap_or_else(|e| panic!("free_since step (free: {free}): {e}"));
+    let (_, h0, k0) = step(o, false);
+    let (a, h1, k1) = step(o, true);
+    assert_eq!((h1.data, k1.data), (h0.data, k0.data), "freeing a layer's handles changed what the kept ones hold");
+    let (b, _, _) = step(o, true);
+    assert_eq!(a, b, "the same allocations and frees in a new step must give the same handles");
+    // In that step: the first layer's x is freed, the last layer's output is not.
+    let (x0, last) = (b[1], b[b.len() - 1]);
+    let e = o.rms_norm(x0, fx.norm64, 1e-6).expect_err("an op on a freed handle must be an error");
+    assert_eq!(e.op, "rms_norm", "the error names the op: {e}");
+    o.rms_norm(last, fx.norm64, 1e-6).unwrap_or_else(|e| panic!("a kept handle: {e}"));
+    assert!(o.free_since(o.mark(), &[x0]).is_err(), "keeping a freed handle must be an error");
 }
 
 /// Every op rejects inputs of the wrong shape (or unknown ids and handles) with an error naming

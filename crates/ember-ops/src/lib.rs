@@ -498,6 +498,10 @@ pub struct Tensor {
     pub d: usize,
 }
 
+/// A point in a step's handles ([`Ops::mark`]): [`Ops::free_since`] frees those made after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Mark(pub u32);
+
 /// A backend-owned routing of `n_tok` tokens through one MoE layer, `k` experts each (ids and
 /// weights stay where the backend computed them; [`Ops::read_routing`] downloads them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -597,6 +601,15 @@ pub trait Ops: SeqStore + Send {
 
     /// Ends the step: each sequence's slot now holds its `n` more tokens.
     fn end_step(&mut self) -> OpResult<()>;
+
+    /// Where this step's next handle will be made.
+    fn mark(&self) -> Mark;
+
+    /// Frees every handle made since `mark` except those in `keep` (live handles of this
+    /// step): their memory goes to the step's later handles, so a step holds one layer's
+    /// intermediates, not every layer's. Handles made before `mark` stay; a freed handle is an
+    /// error in every op, as a handle of an earlier step is.
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()>;
 
     /// A host matrix as a handle of this step (inputs of tests and tools; the model uses none).
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor>;

@@ -43,9 +43,9 @@ use ember_cpu::CpuOps;
 use ember_cuda::ops::MOE_MISS;
 use ember_cuda::{CudaOps, Mailbox};
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, LayerIdx, Mat,
-    MoeSlot, OpError, OpResult, Ops, Registry, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor, WeightId,
-    WeightSet,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, LayerIdx, Mark,
+    Mat, MoeSlot, OpError, OpResult, Ops, Registry, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor,
+    WeightId, WeightSet,
 };
 
 use crate::tier::HeatMap;
@@ -541,6 +541,14 @@ impl Ops for Hybrid {
             eprintln!("expert tier: could not save the heat: {e}");
         }
         Ok(())
+    }
+    fn mark(&self) -> Mark {
+        self.gpu.mark()
+    }
+    /// The host reads no handle's device buffer (misses read their own copies and post their
+    /// sums through the mailbox, which a kernel in stream order adds): nothing to drain first.
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        self.gpu.free_since(mark, keep)
     }
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
         self.drain()?;

@@ -1,77 +1,149 @@
-//! The per-step arena: handle `i` is the step's `i`-th allocation and lives in device buffer
-//! `i`, kept from step to step and reused while large enough, so a step that allocates the same
-//! shapes in the same order gets the same handles and the same device addresses (what CUDA
-//! graph replay needs). Routings have their own arena of (ids, weights) buffers.
+//! The per-step arena. Handle `i` is the step's `i`-th allocation; it holds a device buffer
+//! from the arena's spares until it is freed ([`Arena::free_since`]: the model frees a layer's
+//! intermediates when the layer is done) or the step ends, when the buffer goes back to the
+//! spares. An allocation takes the smallest spare that fits (ties: the one made first), so a
+//! step holds about one layer's activations however many layers run, and a step that allocates
+//! and frees the same shapes in the same order gets the same handles and the same device
+//! addresses (what CUDA graph replay needs): the choice depends only on the set of spares, and
+//! a buffer made for a request fits it exactly, so a step repeats the first one's choices.
+//! Routings have their own arena of (ids, weights) buffers.
 
-use ember_ops::{DeviceId, OpError, OpResult, Routing, Tensor};
+use std::ops::Index;
+
+use ember_ops::{DeviceId, Mark, OpError, OpResult, Routing, Tensor};
 
 use crate::{Buf, Gpu};
 
 pub(super) struct Arena {
-    bufs: Vec<Buf<f32>>,
+    /// Per handle of this step: its buffer (`None` once freed) and shape.
+    held: Vec<Option<Slab>>,
     shapes: Vec<(usize, usize)>,
-    used: usize,
+    /// Buffers no handle holds.
+    spares: Vec<Slab>,
+    /// Buffers made so far (each buffer's `made` is its number).
+    made: u64,
+    /// `EMBER_ARENA_FREE=0`: `free_since` checks its handles and frees nothing (every handle
+    /// lives to the step's end, as before it existed: for A/B runs).
+    keep_all: bool,
     dev: DeviceId,
 }
 
 fn no_tensor(op: &'static str, dev: DeviceId, t: Tensor) -> OpError {
-    OpError::new(op, dev, format!("tensor {} {}x{}", t.id, t.n, t.d), "no such tensor in this step")
+    OpError::new(op, dev, format!("tensor {} {}x{}", t.id, t.n, t.d), "no such tensor in this step (or freed)")
+}
+
+/// A device buffer and when it was made (the tie-break between spares of one size).
+pub(super) struct Slab {
+    buf: Buf<f32>,
+    made: u64,
+}
+
+impl Slab {
+    fn key(&self) -> (usize, u64) {
+        (self.buf.len(), self.made)
+    }
+}
+
+/// The buffers of the handles below an op's first output, indexed by handle id.
+pub(super) struct Ins<'a>(&'a [Option<Slab>]);
+
+impl Index<usize> for Ins<'_> {
+    type Output = Buf<f32>;
+    /// Panics on a freed handle: every op checks its inputs ([`Arena::check`]) first.
+    fn index(&self, i: usize) -> &Buf<f32> {
+        live(&self.0[i])
+    }
 }
 
 impl Arena {
     pub fn new(dev: DeviceId) -> Self {
-        Arena { bufs: Vec::new(), shapes: Vec::new(), used: 0, dev }
+        let keep_all = std::env::var("EMBER_ARENA_FREE").is_ok_and(|v| v == "0");
+        Arena { held: Vec::new(), shapes: Vec::new(), spares: Vec::new(), made: 0, keep_all, dev }
     }
 
-    /// Frees every handle (the buffers stay for the next step).
+    /// Frees every handle (their buffers stay, as spares for the next step).
     pub fn reset(&mut self) {
-        self.used = 0;
+        self.spares.extend(self.held.drain(..).flatten());
+        self.shapes.clear();
     }
 
-    /// The next handle, `n x d`, its buffer grown if it is too small.
+    /// Device bytes the arena holds (live handles and spares).
+    pub fn bytes(&self) -> usize {
+        self.held.iter().flatten().chain(&self.spares).map(|s| s.buf.len() * 4).sum()
+    }
+
+    /// Where the next handle will be made.
+    pub fn mark(&self) -> Mark {
+        Mark(self.held.len() as u32)
+    }
+
+    /// The next handle, `n x d`: the smallest spare that fits, else a new buffer (the largest
+    /// spare is given back first, so its memory counts as free for the new one).
     pub fn alloc(&mut self, gpu: &Gpu, op: &'static str, n: usize, d: usize) -> OpResult<Tensor> {
         let len = n.checked_mul(d).ok_or_else(|| OpError::new(op, self.dev, format!("{n}x{d}"), "too large"))?;
-        let i = self.used;
         let oom = |e: crate::Error| OpError::new(op, self.dev, format!("{n}x{d}"), e.to_string());
-        if i < self.bufs.len() {
-            if self.bufs[i].len() < len {
-                // The old buffer goes first, so its memory counts as free for the new one.
-                self.bufs[i] = gpu.alloc(0).map_err(oom)?;
-                self.bufs[i] = gpu.alloc(len).map_err(oom)?;
+        let fit = (0..self.spares.len()).filter(|&i| self.spares[i].buf.len() >= len).min_by_key(|&i| self.spares[i].key());
+        let buf = match fit {
+            Some(i) => self.spares.swap_remove(i),
+            None => {
+                if let Some(i) = (0..self.spares.len()).max_by_key(|&i| self.spares[i].key()) {
+                    drop(self.spares.swap_remove(i));
+                }
+                self.made += 1;
+                Slab { buf: gpu.alloc(len).map_err(oom)?, made: self.made }
             }
-            self.shapes[i] = (n, d);
-        } else {
-            self.bufs.push(gpu.alloc(len).map_err(oom)?);
-            self.shapes.push((n, d));
-        }
-        self.used += 1;
-        Ok(Tensor { id: i as u32, n, d })
+        };
+        let id = self.held.len() as u32;
+        self.held.push(Some(buf));
+        self.shapes.push((n, d));
+        Ok(Tensor { id, n, d })
     }
 
-    /// Checks that `t` is a handle of this step.
+    /// Frees every live handle made since `mark` except `keep` (each a live handle of this
+    /// step); their buffers become spares.
+    pub fn free_since(&mut self, op: &'static str, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        for &t in keep {
+            self.check(op, t)?;
+        }
+        if self.keep_all {
+            return Ok(());
+        }
+        for id in (mark.0 as usize).min(self.held.len())..self.held.len() {
+            if !keep.iter().any(|t| t.id as usize == id)
+                && let Some(b) = self.held[id].take()
+            {
+                self.spares.push(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that `t` is a live handle of this step.
     pub fn check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
-        match self.shapes[..self.used].get(t.id as usize) {
-            Some(&s) if s == (t.n, t.d) => Ok(()),
+        let i = t.id as usize;
+        match self.shapes.get(i) {
+            Some(&s) if s == (t.n, t.d) && self.held[i].is_some() => Ok(()),
             _ => Err(no_tensor(op, self.dev, t)),
         }
     }
 
     pub fn buf(&self, op: &'static str, t: Tensor) -> OpResult<&Buf<f32>> {
         self.check(op, t)?;
-        Ok(&self.bufs[t.id as usize])
+        Ok(live(&self.held[t.id as usize]))
     }
 
-    /// Every buffer below `at` (inputs) and from `at` on (the outputs just allocated).
-    pub fn split(&mut self, at: u32) -> (&[Buf<f32>], &mut [Buf<f32>]) {
-        let (a, b) = self.bufs.split_at_mut(at as usize);
-        (a, b)
+    /// The buffers of the handles below `at` (inputs, by id) and of those from `at` on (the
+    /// outputs just allocated, in order).
+    pub fn split(&mut self, at: u32) -> (Ins<'_>, Vec<&mut Buf<f32>>) {
+        let (lo, hi) = self.held.split_at_mut(at as usize);
+        (Ins(lo), hi.iter_mut().map(live_mut).collect())
     }
 
     /// Buffers `a` and `c` to write and buffer `b` to read (all different and live, `c` after
     /// both others: a buffer just allocated).
     pub fn trio(&mut self, a: u32, b: u32, c: u32) -> (&mut Buf<f32>, &Buf<f32>, &mut Buf<f32>) {
         assert!(a.max(b) < c, "trio: buffer {c} must come after {a} and {b}");
-        let (lo, hi) = self.bufs.split_at_mut(c as usize);
+        let (lo, hi) = self.held.split_at_mut(c as usize);
         let (a, b) = (a as usize, b as usize);
         let (wa, rb) = if a < b {
             let (l, h) = lo.split_at_mut(b);
@@ -80,20 +152,28 @@ impl Arena {
             let (l, h) = lo.split_at_mut(a);
             (&mut h[0], &l[b])
         };
-        (wa, rb, &mut hi[0])
+        (live_mut(wa), live(rb), live_mut(&mut hi[0]))
     }
 
     /// Buffer `a` to write and buffer `b` to read (`a != b`, both live).
     pub fn pair(&mut self, a: u32, b: u32) -> (&mut Buf<f32>, &Buf<f32>) {
         let (a, b) = (a as usize, b as usize);
         if a < b {
-            let (lo, hi) = self.bufs.split_at_mut(b);
-            (&mut lo[a], &hi[0])
+            let (lo, hi) = self.held.split_at_mut(b);
+            (live_mut(&mut lo[a]), live(&hi[0]))
         } else {
-            let (lo, hi) = self.bufs.split_at_mut(a);
-            (&mut hi[0], &lo[b])
+            let (lo, hi) = self.held.split_at_mut(a);
+            (live_mut(&mut hi[0]), live(&lo[b]))
         }
     }
+}
+
+fn live(s: &Option<Slab>) -> &Buf<f32> {
+    &s.as_ref().expect("a checked handle (or an op's new output) is live").buf
+}
+
+fn live_mut(s: &mut Option<Slab>) -> &mut Buf<f32> {
+    &mut s.as_mut().expect("a checked handle (or an op's new output) is live").buf
 }
 
 /// A routing's device buffers: expert ids and weights, `n_tok x k`.

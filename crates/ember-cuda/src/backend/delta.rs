@@ -27,8 +27,8 @@ impl CudaOps {
         let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
-        let (ins, outs) = self.arena.split(y.id);
-        self.gpu.conv1d_silu_seqs(&ins[x.id as usize], x.n, x.d, wv, kernel, seqs, state, at, &mut outs[0]).map_err(cuda(OP, dev))?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        self.gpu.conv1d_silu_seqs(&ins[x.id as usize], x.n, x.d, wv, kernel, seqs, state, at, outs[0]).map_err(cuda(OP, dev))?;
         Ok(y)
     }
 
@@ -46,8 +46,8 @@ impl CudaOps {
         let v = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
         let g = self.arena.alloc(&self.gpu, OP, n, nv)?;
         let beta = self.arena.alloc(&self.gpu, OP, n, nv)?;
-        let (ins, outs) = self.arena.split(q.id);
-        let [qb, kb, vb, gb, bb, ..] = outs else { unreachable!("five outputs were just allocated") };
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, kb, vb, gb, bb, ..] = &mut outs[..] else { unreachable!("five outputs were just allocated") };
         let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
         let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
         self.gpu.delta_prep(shape, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, self.dev))?;
@@ -87,7 +87,7 @@ impl CudaOps {
         self.arena.alloc(&self.gpu, OP, sn, sd)?;
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
-        let (ins, outs) = self.arena.split(y.id);
+        let (ins, mut outs) = self.arena.split(y.id);
         let (out, scratch) = outs.split_at_mut(1);
         let input = crate::ops::DeltaIn {
             q: &ins[x.q.id as usize],
@@ -97,7 +97,7 @@ impl CudaOps {
             beta: &ins[x.beta.id as usize],
         };
         self.gpu
-            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, &mut out[0], &mut scratch[0], from)
+            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, out[0], scratch[0], from)
             .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
         Ok(y)
     }

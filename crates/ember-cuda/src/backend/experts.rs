@@ -104,8 +104,8 @@ impl CudaOps {
         if self.q8_x.is_some_and(|(id, _)| id == out.id) {
             self.q8_x = None;
         }
-        let (_, outs) = self.arena.split(out.id);
-        self.gpu.moe_wait_add(&mut outs[0], out.n * out.d, &self.step.generation, mb).map_err(cuda(OP, self.dev))
+        let (_, mut outs) = self.arena.split(out.id);
+        self.gpu.moe_wait_add(outs[0], out.n * out.d, &self.step.generation, mb).map_err(cuda(OP, self.dev))
     }
 
     /// The MoE op with the layer's own experts, or (`streamed`) with the experts
@@ -170,8 +170,8 @@ impl CudaOps {
             arena.alloc(gpu, OP, rows, width)?;
         }
         let (rb, _) = self.routes.get(OP, routing)?;
-        let (ins, outs) = arena.split(out.id);
-        let [ob, hb, gb, ub, db, sb, ..] = outs else { unreachable!("six buffers were just allocated") };
+        let (ins, mut outs) = arena.split(out.id);
+        let [ob, hb, gb, ub, db, sb, ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
         let mut run = || -> crate::Result<()> {
             let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };

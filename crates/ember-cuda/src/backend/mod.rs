@@ -26,7 +26,7 @@ mod weights;
 use std::sync::Arc;
 
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvRows, LayerIdx, Mat, OpError,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvRows, LayerIdx, Mark, Mat, OpError,
     OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind, StateLayout, StoreStats, Tensor, WeightId,
     WeightInfo, WeightSet, check,
 };
@@ -206,6 +206,13 @@ impl CudaOps {
     /// does before host work meant to overlap them.
     pub fn flush(&self) -> OpResult<()> {
         self.gpu.flush().map_err(cuda("flush", self.dev))
+    }
+
+    /// Device bytes the step arena holds (every handle's buffer and the spares kept for later
+    /// handles): about one layer's activations for a step of the model, which frees each
+    /// layer's intermediates ([`Ops::free_since`]).
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.bytes()
     }
 
     /// (free, total) bytes of this GPU now.
@@ -411,6 +418,16 @@ impl Ops for CudaOps {
         Ok(())
     }
 
+    fn mark(&self) -> Mark {
+        self.arena.mark()
+    }
+
+    /// The buffers become the arena's spares: stream order keeps a later kernel's writes to a
+    /// reused buffer after every earlier kernel's reads of it.
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        self.arena.free_since("free_since", mark, keep)
+    }
+
     /// The copy is queued, not waited for ([`Gpu::write_async`]; a large matrix waits).
     fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
         const OP: &str = "upload";
@@ -418,8 +435,8 @@ impl Ops for CudaOps {
             return Err(OpError::new(OP, self.dev, format!("{}x{}", x.n, x.d), format!("{} values", x.data.len())));
         }
         let t = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
-        let (_, outs) = self.arena.split(t.id);
-        self.gpu.write_async(&mut outs[0], &x.data).map_err(cuda(OP, self.dev))?;
+        let (_, mut outs) = self.arena.split(t.id);
+        self.gpu.write_async(outs[0], &x.data).map_err(cuda(OP, self.dev))?;
         Ok(t)
     }
 
@@ -440,8 +457,8 @@ impl Ops for CudaOps {
         check::get_rows(OP, self.dev, info, &self.batch.tokens)?;
         let n = self.batch.tokens.len();
         let y = self.arena.alloc(&self.gpu, OP, n, info.k)?;
-        let (_, outs) = self.arena.split(y.id);
-        self.gpu.get_rows(dw, &self.step.tokens, n, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        let (_, mut outs) = self.arena.split(y.id);
+        self.gpu.get_rows(dw, &self.step.tokens, n, outs[0]).map_err(cuda(OP, self.dev))?;
         Ok(y)
     }
 
@@ -452,11 +469,11 @@ impl Ops for CudaOps {
         check_matmul(OP, self.dev, info, x)?;
         let held = self.q8_holds(x) && self.gpu.uses_gemv_q8(dw.ty, dw.k, x.n, self.precision);
         let y = self.arena.alloc(&self.gpu, OP, x.n, info.n_rows)?;
-        let (ins, outs) = self.arena.split(y.id);
+        let (ins, mut outs) = self.arena.split(y.id);
         if held {
             self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut outs[0]]).map_err(cuda(OP, self.dev))?;
         } else {
-            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, &mut outs[0], self.precision).map_err(cuda(OP, self.dev))?;
+            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, outs[0], self.precision).map_err(cuda(OP, self.dev))?;
         }
         Ok(y)
     }
@@ -474,7 +491,7 @@ impl Ops for CudaOps {
         }
         let Some(first) = ys.first().map(|y| y.id) else { return Ok(ys) };
         let held = self.q8_holds(x);
-        let (ins, outs) = self.arena.split(first);
+        let (ins, mut outs) = self.arena.split(first);
         let xb = &ins[x.id as usize];
         let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
         // Weights the GEMV runs go in launches of up to GEMV_MULTI of one type and k (a
@@ -495,7 +512,7 @@ impl Ops for CudaOps {
                     (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
                 let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
                 let mut ys_g: Vec<&mut Buf<f32>> =
-                    outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
+                    outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
                 if !quantized && !held {
                     self.gpu.quantize_q8(xb, k).map_err(cuda(OP, self.dev))?;
                 }
@@ -507,14 +524,14 @@ impl Ops for CudaOps {
                 continue;
             }
             if !self.gpu.uses_gemv(k, x.n, self.precision) {
-                self.gpu.matmul_prec(dws[j].all(), xb, x.n, &mut outs[j], self.precision).map_err(cuda(OP, self.dev))?;
+                self.gpu.matmul_prec(dws[j].all(), xb, x.n, outs[j], self.precision).map_err(cuda(OP, self.dev))?;
                 done[j] = true;
                 continue;
             }
             let group: Vec<usize> = (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_MULTI).collect();
             let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
             let mut ys_g: Vec<&mut Buf<f32>> =
-                outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| y).collect();
+                outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
             self.gpu.matmul_multi_prec(&refs, xb, x.n, &mut ys_g, self.precision).map_err(cuda(OP, self.dev))?;
             for &i in &group {
                 done[i] = true;
@@ -529,13 +546,13 @@ impl Ops for CudaOps {
         let wv = self.weights.vector(OP, w)?;
         check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
         let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
-        let (ins, outs) = self.arena.split(y.id);
+        let (ins, mut outs) = self.arena.split(y.id);
         // One token under Fast: the int8 copy the next GEMVs read, in the same launch.
         if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len() == x.d {
-            let generation = self.gpu.rms_norm_q8(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            let generation = self.gpu.rms_norm_q8(&ins[x.id as usize], x.n, x.d, wv, eps, outs[0]).map_err(cuda(OP, self.dev))?;
             self.q8_x = Some((y.id, generation));
         } else {
-            self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, outs[0]).map_err(cuda(OP, self.dev))?;
         }
         Ok(y)
     }
@@ -581,8 +598,8 @@ impl Ops for CudaOps {
         let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
         let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
         let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
-        let (ins, outs) = self.arena.split(q.id);
-        let [qb, gb, kb, ..] = outs else { unreachable!("three outputs were just allocated") };
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
         let shape =
             AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
         let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
@@ -674,8 +691,8 @@ impl Ops for CudaOps {
             n_slots: st.n_slots(),
             layer: a,
         };
-        let (ins, outs) = self.arena.split(y.id);
-        let [yb, sb, ..] = outs else { unreachable!("two buffers were just allocated") };
+        let (ins, mut outs) = self.arena.split(y.id);
+        let [yb, sb, ..] = &mut outs[..] else { unreachable!("two buffers were just allocated") };
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
         let (row_slot, pos) = (&self.step.row_slot, &self.step.pos);
         self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
@@ -715,14 +732,14 @@ impl Ops for CudaOps {
         check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
         let act = act_of(act);
         let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
-        let (ins, outs) = self.arena.split(y.id);
+        let (ins, mut outs) = self.arena.split(y.id);
         let (xb, gb) = (&ins[x.id as usize], &ins[g.id as usize]);
         // One token under Fast: the int8 copy the next GEMV reads, in the same launch.
         if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len().is_multiple_of(32) {
-            let generation = self.gpu.rms_norm_gate_q8(xb, x.n, x.d, wv, eps, gb, act, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            let generation = self.gpu.rms_norm_gate_q8(xb, x.n, x.d, wv, eps, gb, act, outs[0]).map_err(cuda(OP, self.dev))?;
             self.q8_x = Some((y.id, generation));
         } else {
-            self.gpu.rms_norm_gate(xb, x.n, x.d, wv, eps, gb, act, &mut outs[0]).map_err(cuda(OP, self.dev))?;
+            self.gpu.rms_norm_gate(xb, x.n, x.d, wv, eps, gb, act, outs[0]).map_err(cuda(OP, self.dev))?;
         }
         Ok(y)
     }
@@ -742,8 +759,8 @@ impl Ops for CudaOps {
         let rows: Vec<usize> = self.batch.logit_rows.iter().map(|&r| r as usize).collect();
         check::select_rows(OP, self.dev, &shape_of(x), &rows)?;
         let y = self.arena.alloc(&self.gpu, OP, rows.len(), x.d)?;
-        let (ins, outs) = self.arena.split(y.id);
-        self.gpu.select_rows(&ins[x.id as usize], x.n, x.d, &self.step.logit_rows, rows.len(), &mut outs[0]).map_err(cuda(OP, self.dev))?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        self.gpu.select_rows(&ins[x.id as usize], x.n, x.d, &self.step.logit_rows, rows.len(), outs[0]).map_err(cuda(OP, self.dev))?;
         Ok(y)
     }
 }
