@@ -132,6 +132,12 @@ impl Arena {
         Ok(live(&self.held[t.id as usize]))
     }
 
+    /// `t`'s buffer to write (a live handle of this step, made by an earlier op).
+    pub fn buf_mut(&mut self, op: &'static str, t: Tensor) -> OpResult<&mut Buf<f32>> {
+        self.check(op, t)?;
+        Ok(live_mut(&mut self.held[t.id as usize]))
+    }
+
     /// The buffers of the handles below `at` (inputs, by id) and of those from `at` on (the
     /// outputs just allocated, in order).
     pub fn split(&mut self, at: u32) -> (Ins<'_>, Vec<&mut Buf<f32>>) {

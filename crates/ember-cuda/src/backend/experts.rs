@@ -100,12 +100,11 @@ impl CudaOps {
     /// [`CudaOps::moe_post`] on `mb` found misses.
     pub fn moe_wait_add(&mut self, out: Tensor, mb: &Mailbox) -> OpResult<()> {
         const OP: &str = "moe_wait_add";
-        self.arena.check(OP, out)?;
         if self.q8_x.is_some_and(|(id, _)| id == out.id) {
             self.q8_x = None;
         }
-        let (_, mut outs) = self.arena.split(out.id);
-        self.gpu.moe_wait_add(outs[0], out.n * out.d, &self.step.generation, mb).map_err(cuda(OP, self.dev))
+        let ob = self.arena.buf_mut(OP, out)?;
+        self.gpu.moe_wait_add(ob, out.n * out.d, &self.step.generation, mb).map_err(cuda(OP, self.dev))
     }
 
     /// The MoE op with the layer's own experts, or (`streamed`) with the experts
