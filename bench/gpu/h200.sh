@@ -21,6 +21,12 @@
 #          under 150 s, logs micro-<binary>-<filter>.log (a filter no test matches runs nothing)
 #   kprofile  EMBER_CUDA_PROFILE=1 (every kernel timed, no graphs) on the 35B: 16 sequences'
 #          decode (`-p 0 -n 32 --n-seq 16`) and a 512-token prompt, logs kprofile-*.txt
+#   ncu    why the top kernels take what they take: Nsight Compute's speed-of-light, scheduler,
+#          warp-state (stall reasons), occupancy and memory sections for NCU_COUNT (default 12)
+#          launches after the first 10 of the kernels that lead each profile: a 512-token prompt's
+#          (the grouped MoE, the Q4_K tiles) and 16 sequences' decode (mmv, the per-pair int8
+#          MoE), on the 35B (EMBER_CUDA_GRAPH=0: ncu profiles launches, not graph nodes); logs
+#          ncu-pp512.txt, ncu-16seq.txt
 #   profile  per-kernel GPU time of a decode step (ncu, durations only) on the 35B shape cut to 8
 #          layers: `ember run -n 1` and `-n 9` profiled, differenced by bench/gpu/ncu-diff.py
 #          (profile.md), then `ember bench` on that file
@@ -124,6 +130,20 @@ if has kprofile; then
     EMBER_CUDA_PROFILE=1 timeout 120 $E bench -m $F --device cuda -p 0 -n 32 -d 0 --n-seq 16 -r 1 > "$O/kprofile-16seq.txt" 2>&1
     EMBER_CUDA_PROFILE=1 timeout 60 $E bench -m $F --device cuda -p 512 -n 0 -r 1 > "$O/kprofile-pp512.txt" 2>&1
     for f in "$O"/kprofile-16seq.txt "$O"/kprofile-pp512.txt; do echo "$f:"; grep -A16 "GPU time per kernel" "$f"; done
+fi
+if has ncu; then
+    ensure_model
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -n1)
+    for run in "pp512:moe_mma|matmul_mma_q4_k:-p 512 -n 0" "16seq:matmul_mmv|moe_gate_up_q8|moe_down_q8:-p 0 -n 4 --n-seq 16"; do
+        name=${run%%:*}; rest=${run#*:}; k=${rest%%:*}; args=${rest#*:}
+        t0=$(date +%s)
+        EMBER_CUDA_GRAPH=0 timeout 280 $NCU --kernel-name "regex:$k" --launch-skip 10 --launch-count ${NCU_COUNT:-12} \
+            --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
+            --section MemoryWorkloadAnalysis --section LaunchStats \
+            $E bench -m $F --device cuda $args -r 1 --no-warmup > "$O/ncu-$name.txt" 2>&1
+        echo "ncu $name: exit $? in $(( $(date +%s) - t0 )) s"
+        grep -E "^  [a-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Achieved Occupancy|No Eligible|Registers Per" "$O/ncu-$name.txt" | head -60
+    done
 fi
 if has profile; then
     FC=$M/cut8.gguf
