@@ -21,6 +21,10 @@
 #          under 150 s, logs micro-<binary>-<filter>.log (a filter no test matches runs nothing)
 #   kprofile  EMBER_CUDA_PROFILE=1 (every kernel timed, no graphs) on the 35B: 16 sequences'
 #          decode (`-p 0 -n 32 --n-seq 16`) and a 512-token prompt, logs kprofile-*.txt
+#   mem    device memory of one prompt step: peak `nvidia-smi memory.used` (100 ms samples) of
+#          `ember bench -p P -n 0 -r 1 --no-warmup` on the 35B for each P of MEM_PROMPTS (default
+#          512,8192,16384), each also with MEM_AB set (e.g. MEM_AB=EMBER_ARENA_FREE=0), against
+#          the weights' bytes; logs mem-*.log
 #   ncu    why the top kernels take what they take: Nsight Compute's speed-of-light, scheduler,
 #          warp-state (stall reasons), occupancy and memory sections for NCU_COUNT (default 12)
 #          launches after the first 10 of the kernels that lead each profile: a 512-token prompt's
@@ -130,6 +134,18 @@ if has kprofile; then
     EMBER_CUDA_PROFILE=1 timeout 120 $E bench -m $F --device cuda -p 0 -n 32 -d 0 --n-seq 16 -r 1 > "$O/kprofile-16seq.txt" 2>&1
     EMBER_CUDA_PROFILE=1 timeout 60 $E bench -m $F --device cuda -p 512 -n 0 -r 1 > "$O/kprofile-pp512.txt" 2>&1
     for f in "$O"/kprofile-16seq.txt "$O"/kprofile-pp512.txt; do echo "$f:"; grep -A16 "GPU time per kernel" "$f"; done
+fi
+if has mem; then
+    ensure_model
+    for pp in $(echo "${MEM_PROMPTS:-512,8192,16384}" | tr , ' '); do
+        for v in on ${MEM_AB:+off}; do
+            if [[ $v == on ]]; then envs=(); else envs=("$MEM_AB"); fi
+            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > /tmp/mem.txt & SMI=$!
+            env "${envs[@]}" timeout 120 $E bench -m $F --device cuda -p $pp -n 0 -r 1 --no-warmup > "$O/mem-$pp-$v.log" 2>&1; rc=$?
+            kill $SMI; wait $SMI 2>/dev/null
+            echo "mem pp$pp $v: exit $rc, peak $(sort -n /tmp/mem.txt | tail -1) MiB (weights $(( $(stat -c %s $F) >> 20 )) MiB file); $(grep -E "^\| ember" "$O/mem-$pp-$v.log" | awk -F'|' '{print $8}') $(grep -m1 error "$O/mem-$pp-$v.log")"
+        done
+    done
 fi
 if has ncu; then
     ensure_model
