@@ -13,6 +13,7 @@ const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
 const DEQUANT: &str = include_str!("../kernels/dequant.cuh");
 const MMA: &str = include_str!("../kernels/mma.cuh");
 const Q8: &str = include_str!("../kernels/q8.cuh");
+const ATTN: &str = include_str!("../kernels/attention.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -56,7 +57,9 @@ kernel!(MOE, "moe", DEQUANT, MMA, Q8);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
-kernel!(ATTENTION, "attention", DEQUANT, MMA);
+kernel!(ATTENTION, "attention", ATTN);
+kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
+kernel!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ATTN);
 
 /// Every kernel source (the NVRTC compile test walks this).
 pub static ALL: &[&Kernel] = &[
@@ -78,6 +81,8 @@ pub static ALL: &[&Kernel] = &[
     &MAILBOX,
     &KV_APPEND,
     &ATTENTION,
+    &ATTENTION_DECODE,
+    &ATTENTION_PREFILL,
 ];
 
 /// NVRTC options for every kernel. No `--use_fast_math`: the kernels are checked against the

@@ -5,10 +5,10 @@ use super::kv_append::{KV_PAGE, KvPages};
 use super::{SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::ATTENTION;
+use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_PREFILL};
 
 const OP: &str = "attention";
-/// `ATT_MAX_PER_LANE` · 32 in kernels/attention.cu.
+/// `ATT_MAX_PER_LANE` · 32 in kernels/attention.cuh.
 const MAX_HEAD_DIM: usize = 256;
 /// Warps per block (`ATT_MAX_WARPS` at most).
 const WARPS: u32 = 8;
@@ -30,7 +30,7 @@ const MERGE_WARPS: u32 = 8;
 /// rows of the 35B model at depth 32768 take 17 MB, 64 take 67 MB); a call that would need
 /// more takes the tiles or the rows path, whose scratch does not grow with the rows.
 pub const ATTENTION_DECODE_SCRATCH_MAX: usize = 32 << 20;
-/// Warps of an `attention_decode` block (`AD_WARPS` in kernels/attention.cu).
+/// Warps of an `attention_decode` block (`AD_WARPS` in kernels/attention_decode.cu).
 const DECODE_WARPS: u32 = 4;
 /// Query heads of an `attention_decode` block at most (the kernel's instances: 1, 2, 4, 8).
 const DECODE_MAX_HEADS: usize = 8;
@@ -40,7 +40,7 @@ const DECODE_MAX_HEADS: usize = 8;
 /// heads): 1 row at depth 32768 (64 ranges) 67.2 / 53.7 / 78.8 / 125.0, at 4096 21.5 / 16.6 /
 /// 19.3 / 25.1, at 1024 (16 ranges) 18.3 / 12.0 / 10.5 / 10.1, at 16 keys 10.7 / 6.4 / 5.0 /
 /// 4.5; 16 rows at 1024 31.9 / 33.8 / 44.7 / 66.3, at 256 18.0 / 13.0 / 15.8 / 21.0. The
-/// heads a block do not change a result's bits (kernels/attention.cu), so the choice may
+/// heads a block do not change a result's bits (kernels/attention_decode.cu), so the choice may
 /// follow the call's size.
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
 
@@ -49,7 +49,7 @@ fn split_keys(s: &AttentionShape) -> usize {
     ATTENTION_SPLIT_KEYS.max(s.max_keys.div_ceil(65535))
 }
 
-/// Query vectors (rows x heads) per block of `attention_tiles` (`AT_M` in kernels/attention.cu).
+/// Query vectors (rows x heads) per block of `attention_tiles` (`AT_M` in kernels/attention_prefill.cu).
 const TILE_VECTORS: usize = 64;
 /// Threads per block of `attention_tiles` (`AT_THREADS`).
 const TILE_THREADS: u32 = 256;
@@ -221,7 +221,7 @@ impl AttentionShape {
 }
 
 /// Keys per range of a row of `n_keys` keys on the decode path (`decode_keys_per_split` in
-/// kernels/attention.cu: whole pages, about `splits` ranges).
+/// kernels/attention_decode.cu: whole pages, about `splits` ranges).
 pub fn decode_keys_per_split(n_keys: usize, splits: usize) -> usize {
     KV_PAGE * n_keys.div_ceil(KV_PAGE).div_ceil(splits.max(1)).max(1)
 }
@@ -256,7 +256,7 @@ struct AttentionParams {
     scale: f32,
 }
 
-// SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cu.
+// SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cuh.
 unsafe impl DeviceRepr for AttentionParams {}
 
 /// How one call runs: which kernels and how many key ranges of how many keys (the decode path:
@@ -322,7 +322,7 @@ impl Gpu {
         if !self.mma_wanted(s) {
             return Ok(None);
         }
-        let f = self.function(&ATTENTION, "attention_mma")?;
+        let f = self.function(&ATTENTION_PREFILL, "attention_mma")?;
         // A GPU whose blocks cannot have that much shared memory keeps the f32 tiles.
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         Ok(f.set_attribute(attr, MMA_SMEM as i32).is_ok().then_some(f))
@@ -442,7 +442,7 @@ impl Gpu {
         // divides n_head / n_head_kv).
         unsafe {
             if plan.kind == AttentionPath::Decode {
-                let f = self.function(&ATTENTION, "attention_decode")?;
+                let f = self.function(&ATTENTION_DECODE, "attention_decode")?;
                 let groups = u32_of(OP, "head groups", nh / plan.decode_heads)?;
                 self.launch(&f, (groups, p.n_rows, p.n_split), 32 * DECODE_WARPS, 0, &p)?;
                 return if plan.n_split > 1 { merge(self) } else { Ok(()) };
@@ -454,7 +454,7 @@ impl Gpu {
                     self.launch(&f, (tiles, groups, p.n_split), MMA_THREADS, MMA_SMEM, &p)?;
                     return if plan.n_split > 1 { merge(self) } else { Ok(()) };
                 }
-                let f = self.function(&ATTENTION, "attention_tiles")?;
+                let f = self.function(&ATTENTION_PREFILL, "attention_tiles")?;
                 self.launch(&f, (tiles, groups, p.n_split), TILE_THREADS, 0, &p)?;
                 return if plan.n_split > 1 { merge(self) } else { Ok(()) };
             }

@@ -8,7 +8,7 @@ use crate::kernels::KV_APPEND;
 
 const OP: &str = "kv_append";
 
-/// Rows per KV page (`KV_PAGE` in kernels/kv_append.cu and attention.cu; ember_ops::KV_PAGE).
+/// Rows per KV page (`KV_PAGE` in kernels/kv_append.cu and attention.cuh; ember_ops::KV_PAGE).
 pub const KV_PAGE: usize = 64;
 
 /// The paged KV caches of a store: `n_pages` pages of [`KV_PAGE`] rows of `width` values of type

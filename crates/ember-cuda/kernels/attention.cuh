@@ -1,0 +1,106 @@
+// The attention kernels' shared part (attention.cu, attention_decode.cu, attention_prefill.cu):
+// the paged K/V cache's layout, the parameters every attention launch takes and the row loads.
+
+#define KV_PAGE 64
+#define KV_F32 0
+#define KV_F16 1
+#define KV_Q8_0 8
+#define ATT_MAX_PER_LANE 8  // head_dim <= 256
+#define ATT_MAX_WARPS 8
+#define ATT_NAN __int_as_float(0x7fffffff)
+#define ATT_NEG_INF (-__int_as_float(0x7f800000))
+
+struct AttentionParams {
+    u64 q;         // [n_rows, n_head · hd] f32
+    u64 out;       // [n_rows, n_head · hd] f32
+    u64 pool;      // n_pages pages of page_bytes
+    u64 table;     // [n_slots · n_kv · 2, stride] u32 page ids
+    u64 row_slot;  // [n_rows] u32
+    u64 pos;       // [n_rows] u32
+    u64 part_ml;   // [n_rows, n_head, n_split, 2] f32: each range's max and sum (split only)
+    u64 part_acc;  // [n_rows, n_head, n_split, hd] f32: each range's unnormalised values
+    u64 seq_row0;  // [n_seq] u32: each sequence's first row (attention_tiles only)
+    u64 seq_n;     // [n_seq] u32: each sequence's rows (attention_tiles only)
+    u32 n_rows, n_head, n_head_kv, head_dim;
+    u32 ty, row_bytes, stride, layer;
+    u32 n_kv, n_slots, n_pages, n_split;
+    u32 keys_per_split, n_seq, heads_per_block;
+    float scale;
+};
+
+// Value `e` of a cache row.
+__device__ __forceinline__ float kv_at(const u8* row, u32 ty, u32 e) {
+    if (ty == KV_F32) return ((const float*)row)[e];
+    if (ty == KV_F16) return f16_to_f32(((const u16*)row)[e]);
+    const u8* blk = row + (u64)(e / 32) * 34;
+    return (float)(i8)blk[2 + e % 32] * f16_to_f32(*(const u16*)blk);
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 f4(float x, float y, float z, float w) {
+    float4 v;
+    v.x = x;
+    v.y = y;
+    v.z = z;
+    v.w = w;
+    return v;
+}
+
+// Eight consecutive values (from element e0, a multiple of 8) of a cache row, loaded raw so a
+// step's loads are all issued before any is converted.
+template <int TY>
+struct Row8;
+template <>
+struct Row8<KV_F16> {
+    uint4 r;
+    __device__ __forceinline__ void load(const u8* row, u32 e0, bool on) {
+        if (on) {
+            r = *(const uint4*)(row + 2 * (u64)e0);
+        } else {
+            r.x = r.y = r.z = r.w = 0;
+        }
+    }
+    __device__ __forceinline__ void get(float* x) const {
+        const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+            x[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+        }
+    }
+};
+template <>
+struct Row8<KV_F32> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const u8* row, u32 e0, bool on) {
+        if (on) {
+            a = ((const float4*)(row + 4 * (u64)e0))[0];
+            b = ((const float4*)(row + 4 * (u64)e0))[1];
+        } else {
+            a = b = f4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    __device__ __forceinline__ void get(float* x) const {
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+        x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    }
+};
+template <>
+struct Row8<KV_Q8_0> {
+    u32 lo, hi;
+    float d;
+    __device__ __forceinline__ void load(const u8* row, u32 e0, bool on) {
+        // Blocks of 34 bytes (f16 scale, 32 int8): 8 values aligned to 8 stay in one block.
+        const u8* blk = row + (u64)(e0 / 32) * 34;
+        lo = on ? ld_u32_a2(blk + 2 + e0 % 32) : 0;
+        hi = on ? ld_u32_a2(blk + 6 + e0 % 32) : 0;
+        d = on ? f16_to_f32(ld_u16(blk)) : 0.0f;
+    }
+    __device__ __forceinline__ void get(float* x) const {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[i] = (float)(i8)(lo >> (8 * i)) * d;
+            x[4 + i] = (float)(i8)(hi >> (8 * i)) * d;
+        }
+    }
+};
