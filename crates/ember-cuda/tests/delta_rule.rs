@@ -15,6 +15,9 @@ use ember_ops::conformance::max_rel;
 use ember_ops::{Mat, reference};
 use ember_testkit::Rng;
 
+mod common;
+use common::ms_per_call;
+
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
     let g = GPU.get_or_init(|| match Gpu::new(0) {
@@ -356,15 +359,7 @@ fn bench_delta_rule() {
             };
             call().unwrap();
             let iters = (20_000 / n).clamp(5, 200);
-            ms[f] = g
-                .time_ms(|| {
-                    for _ in 0..iters {
-                        call()?;
-                    }
-                    Ok(())
-                })
-                .unwrap()
-                / iters as f32;
+            ms[f] = ms_per_call(g, iters, call);
         }
         println!("bench delta_rule {name:>16} ({n:5} rows): scan {:8.3} ms | chunked {:8.3} ms | auto {:8.3} ms", ms[0], ms[1], ms[2]);
     }

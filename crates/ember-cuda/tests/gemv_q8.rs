@@ -13,6 +13,9 @@ use ember_gguf::GgmlType;
 use ember_ops::{Mat, WeightView, reference};
 use ember_testkit::Rng;
 
+mod common;
+use common::ms_per_call;
+
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
     let g = GPU.get_or_init(|| match Gpu::new(0) {
@@ -404,15 +407,7 @@ fn bench_gemv_q8() {
         for prec in [Precision::Exact, Precision::Fast] {
             g.matmul_prec(dw.all(), &x, 1, &mut y, prec).unwrap();
             let iters = if bytes.len() < 10 << 20 { 500 } else { 50 };
-            let ms = g
-                .time_ms(|| {
-                    for _ in 0..iters {
-                        g.matmul_prec(dw.all(), &x, 1, &mut y, prec)?;
-                    }
-                    Ok(())
-                })
-                .unwrap()
-                / iters as f32;
+            let ms = ms_per_call(g, iters, || g.matmul_prec(dw.all(), &x, 1, &mut y, prec));
             let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
             line += &format!("  {prec:?} {:7.2} us {gbs:6.0} GB/s", ms * 1e3);
         }

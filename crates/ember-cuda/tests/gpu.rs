@@ -19,7 +19,7 @@ use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
 use ember_testkit::Rng;
 
 mod common;
-use common::{check, gpu, poisoned, quantised};
+use common::{check, gpu, ms_per_call, poisoned, quantised};
 
 fn check_rel(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> f32 {
     check(what, got, want, want, atol, rtol)
@@ -512,15 +512,7 @@ fn bench_moe() {
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         g.moe(experts, &x, n_tok, r, &mut h, &mut out).unwrap();
         let iters = 200;
-        let ms = g
-            .time_ms(|| {
-                for _ in 0..iters {
-                    g.moe(experts, &x, n_tok, r, &mut h, &mut out)?;
-                }
-                Ok(())
-            })
-            .unwrap()
-            / iters as f32;
+        let ms = ms_per_call(g, iters, || g.moe(experts, &x, n_tok, r, &mut h, &mut out));
         let bytes = (n_tok * k) as f64 * (2 * n_ff * gw.row_bytes + d * dw.row_bytes) as f64;
         println!(
             "bench moe Q4_K/Q6_K tok={n_tok} (distinct experts {}): {ms:.4} ms  {:6.0} GB/s over the routed experts' bytes",
@@ -541,15 +533,7 @@ fn bench_ops() {
     let time = |what: &str, f: &mut dyn FnMut() -> ember_cuda::Result<()>| {
         f().unwrap();
         let iters = 200;
-        let ms = g
-            .time_ms(|| {
-                for _ in 0..iters {
-                    f()?;
-                }
-                Ok(())
-            })
-            .unwrap()
-            / iters as f32;
+        let ms = ms_per_call(g, iters, &mut *f);
         println!("bench op {what:44}: {:7.2} us", ms * 1e3);
         ms
     };
@@ -629,15 +613,7 @@ fn bench_moe_prompt() {
             };
             call().unwrap();
             let iters = if !grouped && n_tok >= 512 { 2 } else { 10 };
-            let ms = g
-                .time_ms(|| {
-                    for _ in 0..iters {
-                        call()?;
-                    }
-                    Ok(())
-                })
-                .unwrap()
-                / iters as f32;
+            let ms = ms_per_call(g, iters, &mut call);
             line += &format!("  {name} {ms:.3} ms {:.1} TF", flop / (ms as f64 * 1e-3) / 1e12);
         }
         println!("{line}");

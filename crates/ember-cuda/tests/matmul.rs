@@ -19,7 +19,7 @@ use ember_ops::{Mat, WeightView, reference};
 use ember_testkit::Rng;
 
 mod common;
-use common::{check, gpu, poisoned, quantised};
+use common::{check, gpu, ms_per_call, poisoned, quantised};
 
 /// The GPU where it has the tensor-core kernels (sm_80+), else None after saying why.
 fn mma_gpu() -> Option<&'static Gpu> {
@@ -352,15 +352,7 @@ fn bench_matmul() {
             let mut y = g.alloc::<f32>(n_tok * n_rows).unwrap();
             g.matmul(dw.all(), &x, n_tok, &mut y).unwrap(); // warm-up (and compile)
             let iters = if bytes.len() < 10 << 20 { 200 } else { 20 };
-            let ms = g
-                .time_ms(|| {
-                    for _ in 0..iters {
-                        g.matmul(dw.all(), &x, n_tok, &mut y)?;
-                    }
-                    Ok(())
-                })
-                .unwrap()
-                / iters as f32;
+            let ms = ms_per_call(g, iters, || g.matmul(dw.all(), &x, n_tok, &mut y));
             let gbs = bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9;
             let tflops = 2.0 * (k * n_rows * n_tok) as f64 / (ms as f64 * 1e-3) / 1e12;
             println!(
@@ -398,15 +390,7 @@ fn bench_matmul_prompt() {
         call().unwrap(); // warm-up (and compile)
         let flop = 2.0 * (dw.k * dw.n_rows * n_tok) as f64;
         let iters = if flop > 1e11 { 5 } else { 30 };
-        let ms = g
-            .time_ms(|| {
-                for _ in 0..iters {
-                    call()?;
-                }
-                Ok(())
-            })
-            .unwrap()
-            / iters as f32;
+        let ms = ms_per_call(g, iters, call);
         (ms, flop / (ms as f64 * 1e-3) / 1e12)
     };
     let cases: &[(&str, GgmlType, usize, usize)] = &[
@@ -490,15 +474,7 @@ fn bench_mmv() {
                 };
                 call().unwrap();
                 let iters = if bytes.len() > 100 << 20 { 10 } else { 200 };
-                let ms = g
-                    .time_ms(|| {
-                        for _ in 0..iters {
-                            call()?;
-                        }
-                        Ok(())
-                    })
-                    .unwrap()
-                    / iters as f32;
+                let ms = ms_per_call(g, iters, call);
                 line += &format!("  {name} {:7.1} us {:5.0} GB/s", ms * 1e3, bytes.len() as f64 / (ms as f64 * 1e-3) / 1e9);
             }
             println!("{line}");
@@ -536,15 +512,7 @@ fn bench_mmv_prompt() {
                 }
                 let mut call = || g.matmul_kernel(dw.all(), &x, n_tok, &mut y, kr);
                 call().unwrap();
-                let ms = g
-                    .time_ms(|| {
-                        for _ in 0..50 {
-                            call()?;
-                        }
-                        Ok(())
-                    })
-                    .unwrap()
-                    / 50.0;
+                let ms = ms_per_call(g, 50, call);
                 line += &format!("  {name} {:7.1} us", ms * 1e3);
             }
             println!("{line}");

@@ -57,7 +57,7 @@ impl Index<usize> for Ins<'_> {
 
 impl Arena {
     pub fn new(dev: DeviceId) -> Self {
-        let keep_all = std::env::var("EMBER_ARENA_FREE").is_ok_and(|v| v == "0");
+        let keep_all = !crate::ops::switch_now("EMBER_ARENA_FREE");
         Arena { held: Vec::new(), shapes: Vec::new(), spares: Vec::new(), made: 0, keep_all, dev }
     }
 

@@ -54,7 +54,7 @@ const ROWS_WARPS: usize = 4;
 
 fn rows_kernel_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !matches!(std::env::var("EMBER_GEMV_ROWS").as_deref(), Ok("0" | "off" | "false")))
+    super::switch(&ON, "EMBER_GEMV_ROWS")
 }
 
 #[repr(C)]

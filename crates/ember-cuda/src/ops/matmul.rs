@@ -516,33 +516,27 @@ impl Gpu {
 /// Bytes of 256 weights of the block types `matmul_mmv` stages (`mmv_sb_bytes` in
 /// kernels/matmul.cu).
 fn mmv_sb_bytes(ty: GgmlType) -> Option<usize> {
-    match ty {
-        GgmlType::Q4K => Some(144),
-        GgmlType::Q5K => Some(176),
-        GgmlType::Q6K => Some(210),
-        GgmlType::IQ4XS => Some(136),
-        GgmlType::Q8_0 => Some(272),
-        _ => None,
-    }
+    let staged = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS | GgmlType::Q8_0);
+    staged.then(|| ty.row_bytes(256)).flatten()
 }
 
 /// Whether prompt-sized batches of small weights may take `matmul_mmv` (`EMBER_MMV_PROMPT=0`
 /// turns it off).
 fn mmv_prompt_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV_PROMPT").as_deref(), Ok("0" | "off" | "false")))
+    super::switch(&ON, "EMBER_MMV_PROMPT")
 }
 
 /// Whether `matmul_mmv` may stage its rows in shared memory (`EMBER_MMV_STAGED=0` turns it off).
 fn mmv_staged_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV_STAGED").as_deref(), Ok("0" | "off" | "false")))
+    super::switch(&ON, "EMBER_MMV_STAGED")
 }
 
 /// Whether the small-batch tensor-core kernel may be picked (`EMBER_MMV=0` turns it off).
 fn mmv_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !matches!(std::env::var("EMBER_MMV").as_deref(), Ok("0" | "off" | "false")))
+    super::switch(&ON, "EMBER_MMV")
 }
 
 /// Tokens per tensor-core tile for a matmul of `n_tok` tokens and `n_rows` rows: 128 (the

@@ -42,7 +42,18 @@ use crate::gpu::Buf;
 /// off (measurements).
 pub(crate) fn l2_prefetch() -> u32 {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    u32::from(*ON.get_or_init(|| !matches!(std::env::var("EMBER_L2_PREFETCH").as_deref(), Ok("0" | "off" | "false"))))
+    u32::from(switch(&ON, "EMBER_L2_PREFETCH"))
+}
+
+/// An `EMBER_*` switch that turns a path off for measurements: on unless the environment sets
+/// it to 0, off or false; read once, into `cell`.
+pub(crate) fn switch(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| switch_now(name))
+}
+
+/// [`switch`] read now.
+pub(crate) fn switch_now(name: &str) -> bool {
+    !matches!(std::env::var(name).as_deref(), Ok("0" | "off" | "false"))
 }
 
 /// The sequences of a step, as device buffers written once per step: sequence s has rows

@@ -50,3 +50,16 @@ pub fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8
     ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
     bytes
 }
+
+/// Milliseconds a call of `call` takes on the GPU: `iters` calls between two events (the
+/// benchmarks' timing; the caller runs a first call before, for compiling and warming).
+pub fn ms_per_call(g: &Gpu, iters: usize, mut call: impl FnMut() -> ember_cuda::Result<()>) -> f32 {
+    g.time_ms(|| {
+        for _ in 0..iters {
+            call()?;
+        }
+        Ok(())
+    })
+    .unwrap()
+        / iters as f32
+}
