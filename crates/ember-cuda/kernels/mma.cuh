@@ -177,44 +177,50 @@ struct MmaIn {
     int k;
 };
 
-// acc[i][j][c]: token 16i + g (+8 for c >= 2) of the warp's tokens, weight row 8j + 2t + (c & 1)
-// of its rows (g = lane / 4, t = lane % 4); the caller's epilogue maps these to outputs
-// (mma_out_token / mma_out_row below).
-template <int TY, int MT>
-__device__ __forceinline__ void mma_tile(const MmaIn in, const float* const* xrow, const float* iq4, u16* ws, u16* xs,
-                                         float (&acc)[MT][4][4]) {
+// acc[w][i][j][c]: for weight matrix w of the NW, token 16i + g (+8 for c >= 2) of the warp's
+// tokens, weight row 8j + 2t + (c & 1) of its rows (g = lane / 4, t = lane % 4); the caller's
+// epilogue maps these to outputs (mma_out_token / mma_out_row below). NW = 2 (the MoE's gate and
+// up): one pass over k for both, each step's activations converted and stored once for both
+// (`ws` holds 2·NW tiles).
+template <int TY, int MT, int NW>
+__device__ __forceinline__ void mma_tiles(const MmaIn (&in)[NW], const float* const* xrow, const float* iq4, u16* ws, u16* xs,
+                                          float (&acc)[NW][MT][4][4]) {
     constexpr int BM = 32 * MT;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / 4, wn = warp % 4;
-    const int k = in.k;
+    const int k = in[0].k;
     const bool vec = k % 8 == 0, xvec = k % 4 == 0;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int w = 0; w < NW; ++w)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[w][i][j][c] = 0.0f;
     const int n_step = (k + MMA_BK - 1) / MMA_BK;
     for (int step = 0; step < n_step; ++step) {
         const int k0 = step * MMA_BK;
-        u16* wb = ws + (step & 1) * (MMA_BN * MMA_LD);
+        u16* wb = ws + (step & 1) * (NW * MMA_BN * MMA_LD);
         u16* xb = xs + (step & 1) * (BM * MMA_LD);
-        // Weights: 128 rows x 4 pieces of 8.
+        // Weights: NW x 128 rows x 4 pieces of 8.
 #pragma unroll
-        for (int u = tid; u < MMA_BN * 4; u += MMA_THREADS) {
-            const int r = u / 4, piece = u % 4, i0 = k0 + 8 * piece;
-            float v[8];
-            if (r < in.n_w && i0 < k) {
-                tile_deq8<TY>(in.w + (u64)r * in.row_bytes, i0, k, vec, iq4, v);
-            } else {
+        for (int w = 0; w < NW; ++w)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+            for (int u = tid; u < MMA_BN * 4; u += MMA_THREADS) {
+                const int r = u / 4, piece = u % 4, i0 = k0 + 8 * piece;
+                float v[8];
+                if (r < in[w].n_w && i0 < k) {
+                    tile_deq8<TY>(in[w].w + (u64)r * in[w].row_bytes, i0, k, vec, iq4, v);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+                }
+                uint4 p;
+                p.x = pack_f16x2(v[0], v[1]), p.y = pack_f16x2(v[2], v[3]), p.z = pack_f16x2(v[4], v[5]), p.w = pack_f16x2(v[6], v[7]);
+                *(uint4*)(wb + (w * MMA_BN + r) * MMA_LD + 8 * piece) = p;
             }
-            uint4 p;
-            p.x = pack_f16x2(v[0], v[1]), p.y = pack_f16x2(v[2], v[3]), p.z = pack_f16x2(v[4], v[5]), p.w = pack_f16x2(v[6], v[7]);
-            *(uint4*)(wb + r * MMA_LD + 8 * piece) = p;
-        }
         // Activations: BM rows x 4 pieces of 8.
         for (int u = tid; u < BM * 4; u += MMA_THREADS) {
             const int m = u / 4, piece = u % 4, i0 = k0 + 8 * piece;
@@ -234,7 +240,7 @@ __device__ __forceinline__ void mma_tile(const MmaIn in, const float* const* xro
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < MMA_BK; kk += 16) {
-            u32 a[MT][4], b[4][2];
+            u32 a[MT][4];
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 const u16* base = xb + (wm * 16 * MT + 16 * i + g) * MMA_LD + kk + 2 * t;
@@ -244,17 +250,36 @@ __device__ __forceinline__ void mma_tile(const MmaIn in, const float* const* xro
                 a[i][3] = *(const u32*)(base + 8 * MMA_LD + 8);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u16* base = wb + (wn * 32 + 8 * j + g) * MMA_LD + kk + 2 * t;
-                b[j][0] = *(const u32*)base;
-                b[j][1] = *(const u32*)(base + 8);
+            for (int w = 0; w < NW; ++w) {
+                u32 b[4][2];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u16* base = wb + (w * MMA_BN + wn * 32 + 8 * j + g) * MMA_LD + kk + 2 * t;
+                    b[j][0] = *(const u32*)base;
+                    b[j][1] = *(const u32*)(base + 8);
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) mma_16816(acc[w][i][j], a[i], b[j]);
             }
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
         }
     }
+}
+
+// One weight matrix: `ws` holds 2 tiles (two k-steps).
+template <int TY, int MT>
+__device__ __forceinline__ void mma_tile(const MmaIn in, const float* const* xrow, const float* iq4, u16* ws, u16* xs,
+                                         float (&acc)[MT][4][4]) {
+    const MmaIn ins[1] = {in};
+    float one[1][MT][4][4];
+    mma_tiles<TY, MT, 1>(ins, xrow, iq4, ws, xs, one);
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = one[0][i][j][c];
 }
 
 // The tile token (0..BM) and weight row (0..MMA_BN) of acc[i][j][c].

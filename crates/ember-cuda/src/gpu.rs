@@ -194,6 +194,9 @@ pub struct Gpu {
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
     /// (`EMBER_MOE_SHARED=0`: no, its own GEMVs, gate and add, for measuring it).
     moe_shared: bool,
+    /// Whether a grouped prompt MoE runs gate and up in one pass over k
+    /// (`moe_mma_gate_up_fused_<type>`; `EMBER_MOE_GU_FUSED=0`: one pass each).
+    pub(crate) moe_gu_fused: bool,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -318,6 +321,7 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
+            moe_gu_fused: std::env::var_os("EMBER_MOE_GU_FUSED").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })

@@ -447,14 +447,18 @@ fn moe_mma_matches_reference() {
         let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let xb = g.upload(&x.data).unwrap();
-        g.moe_mma(experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
+        g.moe_mma_form(true, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
         let what = format!("moe mma {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
         let got = g.download(&out).unwrap();
         let worst = check(&what, &got, &want.data, &scale, 1e-6, 4e-3);
-        // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not).
+        // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not),
+        // and gate/up one pass each gives the same bits as both in one pass.
         let mut out2 = poisoned(g, n_tok * d);
-        g.moe_mma(experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out2).unwrap();
+        g.moe_mma_form(true, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out2).unwrap();
         assert_eq!(got, g.download(&out2).unwrap(), "{what}: two runs differ");
+        let mut out3 = poisoned(g, n_tok * d);
+        g.moe_mma_form(false, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out3).unwrap();
+        assert_eq!(got, g.download(&out3).unwrap(), "{what}: gate/up in one pass and in two differ");
         println!("MOE_MMA_MEASURED {what}: max err / scale {worst:.2e} (bound 4e-3)");
     }
 }
@@ -603,16 +607,14 @@ fn bench_moe_prompt() {
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let flop = 2.0 * (n_tok * k) as f64 * 3.0 * (d * n_ff) as f64;
         let mut line = format!("bench moe prompt Q4_K/Q6_K tok={n_tok:4}:");
-        for (name, grouped) in [("per-pair", false), ("grouped", true)] {
-            let mut call = || {
-                if grouped {
-                    g.moe_mma(experts, &x, n_tok, r, &mut h, &mut scratch, &mut out)
-                } else {
-                    g.moe(experts, &x, n_tok, r, &mut h, &mut out)
-                }
+        // Grouped: gate/up one pass each, then both in one pass.
+        for (name, form) in [("per-pair", None), ("grouped", Some(false)), ("grouped gate/up fused", Some(true))] {
+            let mut call = || match form {
+                Some(fused) => g.moe_mma_form(fused, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),
+                None => g.moe(experts, &x, n_tok, r, &mut h, &mut out),
             };
             call().unwrap();
-            let iters = if !grouped && n_tok >= 512 { 2 } else { 10 };
+            let iters = if form.is_none() && n_tok >= 512 { 2 } else { 10 };
             let ms = ms_per_call(g, iters, &mut call);
             line += &format!("  {name} {ms:.3} ms {:.1} TF", flop / (ms as f64 * 1e-3) / 1e12);
         }

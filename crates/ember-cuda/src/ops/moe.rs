@@ -277,6 +277,24 @@ impl Gpu {
         scratch: &mut Buf<f32>,
         out: &mut Buf<f32>,
     ) -> Result<()> {
+        self.moe_mma_form(self.moe_gu_fused, e, x, n_tok, r, h, scratch, out)
+    }
+
+    /// [`Gpu::moe_mma`] with gate and up in one pass over k (`fused`) or one pass each (what
+    /// `EMBER_MOE_GU_FUSED` picks for `moe_mma`): the same sums in the same order, so the same
+    /// bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_mma_form(
+        &self,
+        fused: bool,
+        e: MoeExperts<'_>,
+        x: &Buf<f32>,
+        n_tok: usize,
+        r: MoeRouting<'_>,
+        h: &mut Buf<f32>,
+        scratch: &mut Buf<f32>,
+        out: &mut Buf<f32>,
+    ) -> Result<()> {
         let (p, [gu, dn]) = self.moe_params(e, x, n_tok, r, h, out)?;
         let (ne, d, n_ff) = (e.n_expert, e.gate.k, e.down.k);
         if !self.has_mma() || ne > MOE_MAX_EXPERTS {
@@ -306,7 +324,7 @@ impl Gpu {
         };
         let q = MoeMmaParams { m: p, plan: plan_at, part: scratch.ptr(), max_tiles: tiles as u32, pad: 0 };
         let f_plan = self.function(&MOE, "moe_plan")?;
-        let f_gu = self.function(&MOE, &format!("moe_mma_gate_up_{gu}"))?;
+        let f_gu = self.function(&MOE, &format!("moe_mma_gate_up_{}{gu}", if fused { "fused_" } else { "" }))?;
         let f_dn = self.function(&MOE, &format!("moe_mma_down_{dn}"))?;
         let f_sum = self.function(&MOE, "moe_combine")?;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
