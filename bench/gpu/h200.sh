@@ -150,7 +150,7 @@ fi
 if has ncu; then
     ensure_model
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -n1)
-    for run in "pp512:moe_mma|matmul_mma_q4_k:-p 512 -n 0" "16seq:matmul_mmv|moe_gate_up_q8|moe_down_q8:-p 0 -n 4 --n-seq 16"; do
+    for run in "pp512:moe_mma|matmul_mma:-p 512 -n 0" "16seq:matmul_mmv|moe_gate_up_q8|moe_down_q8:-p 0 -n 4 --n-seq 16"; do
         name=${run%%:*}; rest=${run#*:}; k=${rest%%:*}; args=${rest#*:}
         t0=$(date +%s)
         EMBER_CUDA_GRAPH=0 timeout 280 $NCU --kernel-name "regex:$k" --launch-skip 10 --launch-count ${NCU_COUNT:-12} \

@@ -478,6 +478,159 @@ __device__ __forceinline__ void moe_mma_gate_up_fused(const MoeMmaParams& q) {
 #endif
 }
 
+// ---- Q4_K gate/up on int8 tensor cores (sm_80+) ----
+// The same tiles as moe_mma_gate_up_fused (the plan's tiles of up to MOE_BM pairs of one expert)
+// with x quantised by quantize_q8 (blocks of 32: int8 values, then (d, d·Σq) per block) and the
+// weights' 4-bit values fed to `mma.m16n8k32.s8` as they are: a lane's A register is one 32-bit
+// load of 8 nibbles, masked to 4 bytes, with no per-weight decode. Per sub-block of 32 weights
+// (one k-step) the integer sums are scaled: Σ_k w_k·x_k = dx·(d1·Σ q·xq) − m1·(dx·Σxq), with
+// d1 = d·sc and m1 = dmin·m of the row's sub-block. Error: the activations' rounding to int8
+// (as the per-pair int8 kernels of decode).
+//
+// Block: 64 rows of gate and the same 64 of up x 32 pairs, 8 warps: warp w takes 16 rows of
+// gate (w < 4) or up (w >= 4), all 32 pairs (4 n-tiles of 8). The up warps hand their sums to
+// the gate warps through shared memory for h = silu(g)·u.
+
+#define MOE8_ROWS 64
+#define MOE8_BIAS_BITS 0x4B400000
+#define MOE8_BIAS 12582912.0f
+
+struct MoeMma8Params {
+    MoeMmaParams q;
+    u64 xq;  // quantize_q8 of x: n_tok·d int8, then n_tok·d/32 float2 (d, d·Σq)
+};
+
+// grid (n_ff / MOE8_ROWS, max_tiles), 256 threads; d % 256 == 0, n_ff % MOE8_ROWS == 0.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_gate_up_q4_k(const MoeMma8Params p8) {
+    pdl_enter();
+#if __CUDA_ARCH__ >= 800
+    const MoeMmaParams& q = p8.q;
+    const MoeParams& p = q.m;
+    __shared__ float ups[MOE8_ROWS][MOE_BM + 1];
+    __shared__ u32 pair[MOE_BM];
+    __shared__ u32 tok[MOE_BM];
+    const u32* plan = (const u32*)q.plan;
+    const u32 tile = blockIdx.y;
+    if (tile >= plan[0]) return;  // the whole block
+    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32* list = plan + 1 + 3 * q.max_tiles;
+    for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
+        pair[m] = m < n ? list[first + m] : 0;
+        tok[m] = m < n ? list[first + m] / p.k_top : 0xffffffffu;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const bool is_up = warp >= 4;
+    const int r_w = 16 * (warp % 4);  // the warp's first row of the block's 64
+    const u32 r0 = blockIdx.x * MOE8_ROWS;
+    const u8* base = (const u8*)(is_up ? p.up : p.gate) + ((u64)e * p.n_ff + r0 + r_w + g) * p.row_bytes_gu;
+    const u8* rows[2] = {base, base + 8 * (u64)p.row_bytes_gu};
+    const i8* xq = (const i8*)p8.xq;
+    const float2* xs = (const float2*)(xq + (u64)p.n_tok * p.d);
+    // The lane's B tokens (column g of each n-tile) and C tokens (columns 2t, 2t + 1).
+    u32 bt[4];
+    bool ct_ok[4][2];
+    u32 ct[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        bt[j] = tok[8 * j + g];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            ct[j][c] = tok[8 * j + 2 * t + c];
+            ct_ok[j][c] = ct[j][c] != 0xffffffffu;
+        }
+    }
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+    const u32 n_blk = p.d / 32;  // x's blocks of 32 a token
+    u32 hd[2], hs[2][3];
+    // Two sub-blocks a round: they share their 32 bytes of 4-bit values (low and high nibbles),
+    // so a lane's A words are loaded once for both, and both rounds' x loads are in flight
+    // together.
+    for (u32 step = 0; step < n_blk; step += 2) {
+        const u32 sb = step / 8, sub = step % 8;  // sub even
+        if (sub == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const u8* b = rows[i] + 144 * sb;
+                hd[i] = *(const u32*)b;
+                hs[i][0] = *(const u32*)(b + 4), hs[i][1] = *(const u32*)(b + 8), hs[i][2] = *(const u32*)(b + 12);
+            }
+        }
+        // A: rows g and g + 8, weights 4t..4t+3 and 16+4t..16+4t+3 of each sub-block.
+        const u32 qoff = 144 * sb + 16 + 32 * (sub / 2) + 4 * t;
+        const u32 raw[4] = {*(const u32*)(rows[0] + qoff), *(const u32*)(rows[1] + qoff), *(const u32*)(rows[0] + qoff + 16),
+                            *(const u32*)(rows[1] + qoff + 16)};
+        u32 bx[2][4][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                bx[h][j][0] = bx[h][j][1] = 0;
+                if (bt[j] != 0xffffffffu) {
+                    const i8* xr = xq + (u64)bt[j] * p.d + 32 * (step + h) + 4 * t;
+                    bx[h][j][0] = *(const u32*)xr, bx[h][j][1] = *(const u32*)(xr + 16);
+                }
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 a[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = (raw[i] >> (4 * h)) & 0x0F0F0F0Fu;
+            float d1[2], m1[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                int sc, mn;
+                scale_min_k4_words(sub + h, hs[i][0], hs[i][1], hs[i][2], &sc, &mn);
+                d1[i] = f16_to_f32((u16)(hd[i] & 0xFFFF)) * sc;
+                m1[i] = f16_to_f32((u16)(hd[i] >> 16)) * mn;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                // The sums start at the bits of 1.5·2^23: the int32 result read as a float is
+                // exactly 1.5·2^23 + Σq·xq (|Σ| <= 32·15·127 < 2^22), so one float subtraction
+                // converts it (I2F runs at an eighth of the FMA rate).
+                int ci[4] = {MOE8_BIAS_BITS, MOE8_BIAS_BITS, MOE8_BIAS_BITS, MOE8_BIAS_BITS};
+                asm volatile(
+                    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                    : "+r"(ci[0]), "+r"(ci[1]), "+r"(ci[2]), "+r"(ci[3])
+                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bx[h][j][0]), "r"(bx[h][j][1]));
+                // C: ci[0], ci[1] row g, tokens 2t, 2t+1; ci[2], ci[3] row g + 8.
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (!ct_ok[j][c]) continue;
+                    const float2 xd = xs[(u64)ct[j][c] * n_blk + step + h];
+                    const float s0 = __int_as_float(ci[c]) - MOE8_BIAS, s1 = __int_as_float(ci[2 + c]) - MOE8_BIAS;
+                    acc[j][c] = fmaf(xd.x * d1[0], s0, fmaf(-m1[0], xd.y, acc[j][c]));
+                    acc[j][2 + c] = fmaf(xd.x * d1[1], s1, fmaf(-m1[1], xd.y, acc[j][2 + c]));
+                }
+            }
+        }
+    }
+    // The up warps' sums to shared memory; the gate warps write h = silu(g)·u.
+    if (is_up) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ups[r_w + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[j][c];
+    }
+    __syncthreads();
+    if (!is_up) {
+        float* h = (float*)p.h;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int m = 8 * j + 2 * t + (c & 1), r = r_w + g + (c >= 2 ? 8 : 0);
+                if (m < (int)n) h[(u64)pair[m] * p.n_ff + r0 + r] = silu_f(acc[j][c]) * ups[r][m];
+            }
+    }
+#endif
+}
+
 // grid (ceil(d / MMA_BN), max_tiles), MMA_THREADS threads: part[pair] = w_pair · down_e · h[pair].
 template <int TY>
 __device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {

@@ -14,7 +14,7 @@ use ember_ops::{Mat, WeightView, reference};
 use ember_testkit::Rng;
 
 mod common;
-use common::ms_per_call;
+use common::{ms_per_call, q8_round_trip};
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
@@ -33,18 +33,6 @@ fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
     let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
     ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
     bytes
-}
-
-/// x quantised as quantize_q8 does: per block of 32, d = max|x| / 127, q = x / d rounded to
-/// nearest even; returns the dequantised values d·q.
-fn q8_round_trip(x: &[f32]) -> Vec<f32> {
-    x.chunks(32)
-        .flat_map(|b| {
-            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            b.iter().map(move |&v| if amax > 0.0 { (v / d).round_ties_even() * d } else { 0.0 }).collect::<Vec<_>>()
-        })
-        .collect()
 }
 
 struct Case {

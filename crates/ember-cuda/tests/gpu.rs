@@ -12,7 +12,7 @@
 
 use ember_cuda::Error;
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, MoeExperts, MoeRouting,
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GateUpForm, MoeExperts, MoeRouting,
 };
 use ember_gguf::GgmlType;
 use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
@@ -406,34 +406,40 @@ fn moe_mma_matches_reference() {
                 tokens: toks,
             })
             .collect();
-        let want = reference::moe(reference::matmul, &slots, &x);
-        // |gate_e|·|x_t| and |up_e|·|x_t| per hidden row: the reference matmul of |W| and |x|.
-        let abs_view = |v: &WeightView<'_>, e: usize, rows: usize| -> Vec<f32> {
-            let mut w = vec![0f32; rows * v.k];
-            for r in 0..rows {
-                ember_gguf::quant::dequantize(v.ty, v.row(e * rows + r), &mut w[r * v.k..(r + 1) * v.k]).unwrap();
-            }
-            w.iter().map(|a| a.abs()).collect()
-        };
-        let mut scale = vec![0f32; n_tok * d];
-        for t in 0..n_tok {
-            let xa: Vec<f32> = x.row(t).iter().map(|a| a.abs()).collect();
-            for j in 0..k {
-                let e = routing.ids[t * k + j].0 as usize;
-                let (ga, ua, da) = (abs_view(&gv, e, n_ff), abs_view(&uv, e, n_ff), abs_view(&dv, e, d));
-                let gu: Vec<f32> = (0..n_ff)
-                    .map(|m| {
-                        let gs: f32 = ga[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
-                        let us: f32 = ua[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
-                        gs * us
-                    })
-                    .collect();
-                for i in 0..d {
-                    let s: f32 = da[i * n_ff..(i + 1) * n_ff].iter().zip(&gu).map(|(a, b)| a * b).sum();
-                    scale[t * d + i] += routing.weights[t * k + j].abs() * s;
+        // The reference and the error scale for activations `x` (the f32 x, or its int8 round
+        // trip for the int8 form: then only the f32 sums and the down tile's f16 h differ).
+        let reference_of = |x: &Mat| -> (Mat, Vec<f32>) {
+            let want = reference::moe(reference::matmul, &slots, x);
+            // |gate_e|·|x_t| and |up_e|·|x_t| per hidden row: the reference matmul of |W| and |x|.
+            let abs_view = |v: &WeightView<'_>, e: usize, rows: usize| -> Vec<f32> {
+                let mut w = vec![0f32; rows * v.k];
+                for r in 0..rows {
+                    ember_gguf::quant::dequantize(v.ty, v.row(e * rows + r), &mut w[r * v.k..(r + 1) * v.k]).unwrap();
+                }
+                w.iter().map(|a| a.abs()).collect()
+            };
+            let mut scale = vec![0f32; n_tok * d];
+            for t in 0..n_tok {
+                let xa: Vec<f32> = x.row(t).iter().map(|a| a.abs()).collect();
+                for j in 0..k {
+                    let e = routing.ids[t * k + j].0 as usize;
+                    let (ga, ua, da) = (abs_view(&gv, e, n_ff), abs_view(&uv, e, n_ff), abs_view(&dv, e, d));
+                    let gu: Vec<f32> = (0..n_ff)
+                        .map(|m| {
+                            let gs: f32 = ga[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
+                            let us: f32 = ua[m * d..(m + 1) * d].iter().zip(&xa).map(|(a, b)| a * b).sum();
+                            gs * us
+                        })
+                        .collect();
+                    for i in 0..d {
+                        let s: f32 = da[i * n_ff..(i + 1) * n_ff].iter().zip(&gu).map(|(a, b)| a * b).sum();
+                        scale[t * d + i] += routing.weights[t * k + j].abs() * s;
+                    }
                 }
             }
-        }
+            (want, scale)
+        };
+        let (want, scale) = reference_of(&x);
         let (gw, uw, dw) = (
             g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
             g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
@@ -443,23 +449,32 @@ fn moe_mma_matches_reference() {
         let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
         let mut h = poisoned(g, n_tok * k * n_ff);
         let mut scratch = poisoned(g, ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d));
-        let mut out = poisoned(g, n_tok * d);
         let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let xb = g.upload(&x.data).unwrap();
-        g.moe_mma_form(true, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
         let what = format!("moe mma {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
-        let got = g.download(&out).unwrap();
+        let mut run = |form: GateUpForm| {
+            let mut out = poisoned(g, n_tok * d);
+            g.moe_mma_form(form, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
+            g.download(&out).unwrap()
+        };
+        let got = run(GateUpForm::Fused);
         let worst = check(&what, &got, &want.data, &scale, 1e-6, 4e-3);
         // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not),
         // and gate/up one pass each gives the same bits as both in one pass.
-        let mut out2 = poisoned(g, n_tok * d);
-        g.moe_mma_form(true, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out2).unwrap();
-        assert_eq!(got, g.download(&out2).unwrap(), "{what}: two runs differ");
-        let mut out3 = poisoned(g, n_tok * d);
-        g.moe_mma_form(false, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out3).unwrap();
-        assert_eq!(got, g.download(&out3).unwrap(), "{what}: gate/up in one pass and in two differ");
+        assert_eq!(got, run(GateUpForm::Fused), "{what}: two runs differ");
+        assert_eq!(got, run(GateUpForm::Tiles), "{what}: gate/up in one pass and in two differ");
         println!("MOE_MMA_MEASURED {what}: max err / scale {worst:.2e} (bound 4e-3)");
+        // The int8 form (Q4_K gate/up, d % 256 == 0, n_ff % 64 == 0) against the reference on
+        // x's int8 round trip, with the same bound (the f16 h of the down tile dominates it).
+        if ty_gu == GgmlType::Q4K && d % 256 == 0 && n_ff % 64 == 0 {
+            let xq = Mat::from_vec(n_tok, d, common::q8_round_trip(&x.data));
+            let (want_q, scale_q) = reference_of(&xq);
+            let got8 = run(GateUpForm::Int8);
+            let worst8 = check(&format!("{what} int8"), &got8, &want_q.data, &scale_q, 1e-6, 4e-3);
+            assert_eq!(got8, run(GateUpForm::Int8), "{what} int8: two runs differ");
+            println!("MOE_MMA_MEASURED {what} int8 gate/up: max err / scale {worst8:.2e} (bound 4e-3)");
+        }
     }
 }
 
@@ -608,9 +623,14 @@ fn bench_moe_prompt() {
         let flop = 2.0 * (n_tok * k) as f64 * 3.0 * (d * n_ff) as f64;
         let mut line = format!("bench moe prompt Q4_K/Q6_K tok={n_tok:4}:");
         // Grouped: gate/up one pass each, then both in one pass.
-        for (name, form) in [("per-pair", None), ("grouped", Some(false)), ("grouped gate/up fused", Some(true))] {
+        for (name, form) in [
+            ("per-pair", None),
+            ("grouped", Some(GateUpForm::Tiles)),
+            ("grouped gate/up fused", Some(GateUpForm::Fused)),
+            ("grouped int8 gate/up", Some(GateUpForm::Int8)),
+        ] {
             let mut call = || match form {
-                Some(fused) => g.moe_mma_form(fused, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),
+                Some(form) => g.moe_mma_form(form, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),
                 None => g.moe(experts, &x, n_tok, r, &mut h, &mut out),
             };
             call().unwrap();

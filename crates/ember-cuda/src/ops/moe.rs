@@ -1,4 +1,5 @@
 use cudarc::driver::DeviceRepr;
+use ember_gguf::GgmlType;
 
 use super::gemv_q8::{self, q8_bytes, workers_per_row};
 use super::matmul::{Precision, type_suffix};
@@ -162,6 +163,7 @@ struct MoePlanParams {
 unsafe impl DeviceRepr for MoePlanParams {}
 
 #[repr(C)]
+#[derive(Clone, Copy)]
 struct MoeMmaParams {
     m: MoeParams,
     plan: u64,
@@ -173,6 +175,36 @@ struct MoeMmaParams {
 // SAFETY: plain #[repr(C)] data matching `MoeMmaParams` in kernels/moe.cu (MoeParams is 104
 // bytes, so `plan` needs no padding in either language).
 unsafe impl DeviceRepr for MoeMmaParams {}
+
+#[repr(C)]
+struct MoeMma8Params {
+    q: MoeMmaParams,
+    xq: u64,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MoeMma8Params` in kernels/moe.cu (MoeMmaParams is 128
+// bytes: no padding before `xq`).
+unsafe impl DeviceRepr for MoeMma8Params {}
+
+/// How a grouped prompt MoE ([`Gpu::moe_mma`]) runs its gate and up projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateUpForm {
+    /// f16 tensor-core tiles, one pass over k for gate and one for up.
+    Tiles,
+    /// The same tiles, gate and up in one pass (the same bits as `Tiles`).
+    Fused,
+    /// Q4_K weights on int8 tensor cores with x quantised to int8 (`moe_mma8_gate_up_q4_k`;
+    /// Q4_K gate/up, d % 256 == 0, n_ff % 64 == 0; else as `Fused`).
+    Int8,
+}
+
+/// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe.cu MOE8_ROWS).
+const MOE8_ROWS: usize = 64;
+/// The most (token, slot) pairs an expert on average for which [`Gpu::moe_mma`] takes the int8
+/// gate/up: above it the f16 tiles were faster (35B-A3B, 256 experts x 8 slots, H100,
+/// `bench/results/20261205-1750-h100-moe-int8/`: pp512 (16 a expert) +8 %, pp2048 (64) even,
+/// pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens 2.54 against 2.39 ms).
+const MOE8_MAX_PAIRS: usize = 32;
 
 /// Pairs per tensor-core tile of the grouped MoE (`MOE_BM` in kernels/moe.cu).
 const MOE_BM: usize = 32;
@@ -277,16 +309,22 @@ impl Gpu {
         scratch: &mut Buf<f32>,
         out: &mut Buf<f32>,
     ) -> Result<()> {
-        self.moe_mma_form(self.moe_gu_fused, e, x, n_tok, r, h, scratch, out)
+        let form = if self.moe_mma8 && n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert {
+            GateUpForm::Int8
+        } else if self.moe_gu_fused {
+            GateUpForm::Fused
+        } else {
+            GateUpForm::Tiles
+        };
+        self.moe_mma_form(form, e, x, n_tok, r, h, scratch, out)
     }
 
-    /// [`Gpu::moe_mma`] with gate and up in one pass over k (`fused`) or one pass each (what
-    /// `EMBER_MOE_GU_FUSED` picks for `moe_mma`): the same sums in the same order, so the same
-    /// bits.
+    /// [`Gpu::moe_mma`] with its gate/up in the given form (what `EMBER_MOE_MMA8` and
+    /// `EMBER_MOE_GU_FUSED` pick for `moe_mma`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_mma_form(
         &self,
-        fused: bool,
+        form: GateUpForm,
         e: MoeExperts<'_>,
         x: &Buf<f32>,
         n_tok: usize,
@@ -324,7 +362,18 @@ impl Gpu {
         };
         let q = MoeMmaParams { m: p, plan: plan_at, part: scratch.ptr(), max_tiles: tiles as u32, pad: 0 };
         let f_plan = self.function(&MOE, "moe_plan")?;
-        let f_gu = self.function(&MOE, &format!("moe_mma_gate_up_{}{gu}", if fused { "fused_" } else { "" }))?;
+        let int8 = form == GateUpForm::Int8 && e.gate.ty == GgmlType::Q4K && d.is_multiple_of(256) && n_ff.is_multiple_of(MOE8_ROWS);
+        let f_gu = match form {
+            _ if int8 => self.function(&MOE, "moe_mma8_gate_up_q4_k")?,
+            GateUpForm::Tiles => self.function(&MOE, &format!("moe_mma_gate_up_{gu}"))?,
+            _ => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
+        };
+        if int8 {
+            // x's int8 copy for the gate/up kernel (the GEMVs' scratch: later decode GEMVs see
+            // the generation change and quantise their own x again).
+            self.quantize_q8(x, n_tok * d)?;
+        }
+        let q8 = MoeMma8Params { q, xq: if int8 { self.q8_scratch(q8_bytes(n_tok * d))? } else { 0 } };
         let f_dn = self.function(&MOE, &format!("moe_mma_down_{dn}"))?;
         let f_sum = self.function(&MOE, "moe_combine")?;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
@@ -335,7 +384,14 @@ impl Gpu {
         // 2·n_expert words (n_expert <= MOE_MAX_EXPERTS: 32 KiB).
         unsafe {
             self.launch(&f_plan, (1, 1, 1), 1024, 8 * ne as u32, &plan)?;
-            self.launch(&f_gu, (n_ff.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
+            if int8 {
+                // quantize_q8 above wrote n_tok·d values and their scales into the scratch
+                // (q8_bytes); the kernel reads the gate/up rows of the plan's experts (Q4_K,
+                // whole super-blocks: d % 256 == 0) and writes h for rows r0..r0 + 64 < n_ff.
+                self.launch(&f_gu, ((n_ff / MOE8_ROWS) as u32, tiles as u32, 1), 256, 0, &q8)?;
+            } else {
+                self.launch(&f_gu, (n_ff.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
+            }
             self.launch(&f_dn, (d.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
             let grid = u32_of(OP, "n_tok · d / 256", (n_tok * d).div_ceil(256))?;
             self.launch(&f_sum, (grid, 1, 1), 256, 0, &q)

@@ -63,3 +63,15 @@ pub fn ms_per_call(g: &Gpu, iters: usize, mut call: impl FnMut() -> ember_cuda::
     .unwrap()
         / iters as f32
 }
+
+/// x quantised as quantize_q8 does: per block of 32, d = max|x| / 127, q = x / d rounded to
+/// nearest even; returns the dequantised values d·q.
+pub fn q8_round_trip(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            b.iter().map(move |&v| if amax > 0.0 { (v / d).round_ties_even() * d } else { 0.0 }).collect::<Vec<_>>()
+        })
+        .collect()
+}
