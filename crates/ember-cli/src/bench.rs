@@ -165,13 +165,17 @@ pub fn main(a: Args) -> Result<()> {
     // The largest context a depth's tests need (what the placement budgets state for).
     let longest = a.n_prompt.iter().chain(&a.n_gen).copied().max().unwrap_or(0);
     let bench_ctx = (a.n_depth.iter().copied().max().unwrap_or(0) + longest + 1).max(a.ctx.unwrap_or(0));
+    // The largest step: a prompt test runs every sequence's prompt in one forward pass, the
+    // depth fills in ubatch chunks, decode one token a sequence.
+    let max_prompt = a.n_prompt.iter().copied().max().unwrap_or(0);
+    let step_tokens = (max_prompt * max_seq).max(a.ubatch).max(max_seq);
     // One sequence's state, as llama-bench budgets (the snapshot slot the runs restore from
     // holds no KV pages of its own beyond the depth).
     let ops = device::backend(
         a.device,
         Precision::Fast,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: max_seq, kv_type: a.kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: bench_ctx, parallel: max_seq, kv_type: a.kv_type, step_tokens },
     )?;
     let n_threads = device::threads(a.threads);
     let corpus = match a.prompts {

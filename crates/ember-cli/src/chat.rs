@@ -135,7 +135,7 @@ pub fn main(a: Args) -> Result<()> {
         a.device,
         Precision::Fast,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: 1, kv_type: a.kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: 1, kv_type: a.kv_type, step_tokens: 512 },
     )?;
     let engine = ember_engine::start(ModelBackend::new(model, ops, a.kv_type)?, cfg).context("starting the engine")?.0;
     let interrupt = Arc::new(Interrupt::default());

@@ -51,6 +51,19 @@ pub struct Placement<'a> {
     pub n_ctx: usize,
     pub parallel: usize,
     pub kv_type: ember_ops::KvType,
+    /// The most tokens one forward step holds (the server's --batch, a benchmark's largest
+    /// prompt): the activation memory a partial placement keeps free on the GPU.
+    pub step_tokens: usize,
+}
+
+/// The GPU memory a partial placement keeps for a step's activations and scratch:
+/// [`ember_plan::step_bytes`] for `step_tokens` (`EMBER_COMPUTE_RESERVE=fixed`: the fixed
+/// [`ember_cuda::ACT_RESERVE`] kept before steps freed each layer's handles, for A/B runs).
+pub fn step_reserve(cfg: &ember_model::Config, step_tokens: usize) -> u64 {
+    if std::env::var("EMBER_COMPUTE_RESERVE").is_ok_and(|v| v == "fixed") {
+        return ember_cuda::ACT_RESERVE as u64;
+    }
+    ember_plan::step_bytes(cfg, step_tokens)
 }
 
 /// The backend for `device`: the whole model on the GPU when it fits the budget, the trunk and
@@ -152,21 +165,24 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
         None => None,
     };
     let budgets = [ember_plan::Budget { device: 0, name: g.name.clone(), bytes: budget }];
-    // Compute: activations, plus the scratch a prompt batch's uploaded experts go into (every
-    // expert of the largest layer).
+    // Compute: a step's activations, plus the scratch a prompt batch's uploaded experts go into
+    // (every expert of the largest layer).
     let stream = sizes.layers.iter().map(|l| l.expert).max().unwrap_or(0) * n_expert as u64;
-    let popts = ember_plan::Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 + stream };
+    let cfg = ember_model::Config::from_gguf(place.file)?;
+    let popts = ember_plan::Options { compute_bytes: step_reserve(&cfg, place.step_tokens) + stream };
     let plan = ember_plan::plan(&sizes, &budgets, heat.as_ref().map(|h| h.heat()).as_ref(), popts)?;
     let resident = resident_lists(&plan).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", g.index))?;
     let d = &plan.devices[0];
     say(format!(
-        "device: cuda:{} ({}, budget {}): the model does not fit, so the trunk and {} of {} routed experts go on the GPU ({}), the rest stay in host memory and run on the CPU ({} threads); {}",
+        "device: cuda:{} ({}, budget {}): the model does not fit, so the trunk and {} of {} routed experts go on the GPU ({}, of which {} kept for steps of up to {} tokens), the rest stay in host memory and run on the CPU ({} threads); {}",
         g.index,
         g.name,
         gib(budget),
         d.experts,
         plan.experts_total,
         gib(d.used_bytes()),
+        gib(popts.compute_bytes),
+        place.step_tokens,
         self::threads(threads),
         match &heat {
             Some(h) => format!("experts by the heat of {} earlier tokens", h.tokens()),

@@ -59,7 +59,7 @@ pub fn main(a: Args) -> Result<()> {
         a.device,
         precision,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx: ids.len(), parallel: 1, kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: ids.len(), parallel: 1, kv_type, step_tokens: ids.len() },
     )?;
     let mut backend = ModelBackend::new(model, ops, kv_type)?;
     backend.configure(1, ids.len(), 0)?;

@@ -32,6 +32,9 @@ pub struct Args {
     /// Sequences served at once (each gets its KV cache and DeltaNet state).
     #[arg(long, default_value_t = 4)]
     parallel: usize,
+    /// Tokens per forward step (`ember serve -b`): the activation memory kept on each GPU.
+    #[arg(short = 'b', long, default_value_t = 512, value_parser = load::parse_at_least_one)]
+    batch: usize,
     /// Routing heat file (default: the model's in ~/.cache/ember/heat when there is one; none:
     /// experts evenly by layer).
     #[arg(long)]
@@ -72,7 +75,10 @@ pub fn main(a: Args) -> Result<()> {
             }
         }
     };
-    let opts = Options { compute_bytes: ember_cuda::ACT_RESERVE as u64 };
+    // A step's activations at --batch tokens, plus the scratch a prompt batch's uploaded experts
+    // go into (every expert of the largest layer), as `ember serve` keeps them.
+    let stream = sizes.layers.iter().map(|l| l.expert).max().unwrap_or(0) * sizes.n_expert as u64;
+    let opts = Options { compute_bytes: crate::device::step_reserve(&cfg, a.batch) + stream };
     let key = ember_plan::tier::model_key(&file);
     let heat_path = a.heat.clone().or_else(|| ember_plan::tier::default_heat_path(&key).filter(|p| p.exists()));
     let heat = match &heat_path {

@@ -89,7 +89,7 @@ pub fn main(a: Args) -> Result<()> {
         a.device,
         Precision::Fast,
         a.threads,
-        &device::Placement { file: model.file(), args: &a.place, n_ctx: n_ctx + 1, parallel: 1, kv_type: a.kv_type },
+        &device::Placement { file: model.file(), args: &a.place, n_ctx: n_ctx + 1, parallel: 1, kv_type: a.kv_type, step_tokens: 512 },
     )?;
     let n_threads = device::threads(a.threads);
     let seed = a.seed;

@@ -139,7 +139,14 @@ pub fn main(a: Args) -> Result<()> {
                 a.device,
                 precision,
                 a.threads,
-                &device::Placement { file: model.file(), args: &a.place, n_ctx, parallel: a.parallel, kv_type: a.kv_type },
+                &device::Placement {
+                    file: model.file(),
+                    args: &a.place,
+                    n_ctx,
+                    parallel: a.parallel,
+                    kv_type: a.kv_type,
+                    step_tokens: a.batch,
+                },
             )?;
             tracing::info!("{} sequence{} of {n_ctx} tokens, queue {}", a.parallel, if a.parallel == 1 { "" } else { "s" }, a.queue);
             if ops.expert_stats().is_none() {

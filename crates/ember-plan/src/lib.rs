@@ -100,6 +100,31 @@ impl ModelSizes {
     }
 }
 
+/// Device memory a step of `tokens` tokens holds beyond weights and state: the activations of
+/// one layer (the model frees each layer's handles, `ember_ops::Ops::free_since`) and the MoE's
+/// scratch, plus a fixed part for routings, plans and the allocator.
+///
+/// Per token, in floats: the residual, the layer input and the mixer's and MoE's outputs (4·d);
+/// the wider mixer (DeltaNet: its qkv, conv and prep outputs, 3·conv channels, and z, the rule's
+/// output and the gated norm, 3·n_v·d_v; attention: q|gate, its split, the output, 5·n_h·h, and
+/// k, v and k normed, 3·n_kv·h); the MoE's router logits, its k_top·d weighted parts and
+/// k_top·n_ff hidden rows, and the shared expert's 3·n_ff_sh. That is 67,393 floats (0.26 MiB)
+/// for the 35B-A3B; the H100 measured 0.38-0.41 MiB a token (peak device memory at 8192 and
+/// 16384-token prompts less weights, context and KV: bench/results/20261205-1625-h100-arena-free),
+/// the chunked delta rule's scratch and the arena's best-fit slack included, so the estimate is
+/// taken 1.8 times (0.46 MiB).
+pub fn step_bytes(cfg: &Config, tokens: usize) -> u64 {
+    const FIXED: u64 = 256 << 20;
+    let (d, h) = (cfg.n_embd, cfg.head_dim);
+    let has = |k: LayerKind| cfg.layer_kinds.contains(&k);
+    let conv = 2 * cfg.n_k_head * cfg.d_k + cfg.n_v_head * cfg.d_v;
+    let delta = if has(LayerKind::DeltaNet) { 3 * conv + 3 * cfg.n_v_head * cfg.d_v + 2 * cfg.n_v_head } else { 0 };
+    let attn = if has(LayerKind::Attention) { 5 * cfg.n_head * h + 3 * cfg.n_head_kv * h } else { 0 };
+    let moe = cfg.n_expert + 1 + cfg.n_expert_used * (d + cfg.n_ff_exp) + 3 * cfg.n_ff_shexp;
+    let floats = 4 * d + delta.max(attn) + moe;
+    FIXED + (4 * floats as u64 * tokens as u64) * 9 / 5
+}
+
 /// What one GPU may hold: its free memory less the reserve, or what the user set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Budget {
@@ -472,6 +497,42 @@ mod tests {
     }
 
     const OPTS: Options = Options { compute_bytes: GIB / 2 };
+
+    /// The 35B-A3B's shape: 0.46 MiB a token over 256 MiB (the H100 measured 0.38-0.41 MiB a
+    /// token at 8192 and 16384 tokens), ~0.5 GiB at the server's 512-token steps where a fixed
+    /// 1.5 GiB was kept before; more tokens, more bytes.
+    #[test]
+    fn step_bytes_of_the_35b() {
+        let cfg = Config {
+            arch: "qwen35moe".into(),
+            n_vocab: 248_320,
+            n_ctx_train: 262_144,
+            n_embd: 2048,
+            n_layer: 4,
+            n_layer_mtp: 0,
+            layer_kinds: vec![LayerKind::DeltaNet, LayerKind::DeltaNet, LayerKind::DeltaNet, LayerKind::Attention],
+            rms_eps: 1e-6,
+            n_head: 16,
+            n_head_kv: 2,
+            head_dim: 256,
+            n_rot: 64,
+            rope_base: 1e7,
+            conv_kernel: 4,
+            n_k_head: 16,
+            n_v_head: 32,
+            d_k: 128,
+            d_v: 128,
+            n_expert: 256,
+            n_expert_used: 8,
+            n_ff_exp: 512,
+            n_ff_shexp: 512,
+        };
+        let per_token = (step_bytes(&cfg, 8192) - step_bytes(&cfg, 0)) as f64 / 8192.0 / MIB as f64;
+        assert!((0.45..0.48).contains(&per_token), "{per_token} MiB a token");
+        assert_eq!(step_bytes(&cfg, 0), 256 * MIB);
+        let at_512 = step_bytes(&cfg, 512) as f64 / GIB as f64;
+        assert!((0.45..0.5).contains(&at_512), "{at_512} GiB at 512 tokens");
+    }
 
     fn check_invariants(s: &ModelSizes, p: &Plan) {
         for (d, dev) in p.devices.iter().enumerate() {
