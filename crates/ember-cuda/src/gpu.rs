@@ -201,6 +201,9 @@ pub struct Gpu {
     /// (`moe_mma8_gate_up_q4_k`) when its experts average at most 32 pairs
     /// (`EMBER_MOE_MMA8=0`: the f16 tiles always).
     pub(crate) moe_mma8: bool,
+    /// Whether such a MoE runs a Q4_K or Q6_K down on int8 tensor cores (`moe_mma8_down_<type>`)
+    /// under the same bound (`EMBER_MOE_MMA8_DOWN=0`: the f16 tiles always).
+    pub(crate) moe_mma8_down: bool,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -327,6 +330,7 @@ impl Gpu {
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_gu_fused: std::env::var_os("EMBER_MOE_GU_FUSED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
+            moe_mma8_down: std::env::var_os("EMBER_MOE_MMA8_DOWN").is_none_or(|v| v != "0"),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })

@@ -12,7 +12,8 @@
 
 use ember_cuda::Error;
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GateUpForm, MoeExperts, MoeRouting,
+    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DownForm, GateUpForm, MoeExperts,
+    MoeRouting,
 };
 use ember_gguf::GgmlType;
 use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
@@ -407,9 +408,17 @@ fn moe_mma_matches_reference() {
             })
             .collect();
         // The reference and the error scale for activations `x` (the f32 x, or its int8 round
-        // trip for the int8 form: then only the f32 sums and the down tile's f16 h differ).
-        let reference_of = |x: &Mat| -> (Mat, Vec<f32>) {
-            let want = reference::moe(reference::matmul, &slots, x);
+        // trip for the int8 gate/up: then only the f32 sums and the down tile's f16 h differ),
+        // with h rounded to int8 before down when `hq` (the int8 down).
+        let down_bytes = down.as_ptr_range();
+        let reference_of = |x: &Mat, hq: bool| -> (Mat, Vec<f32>) {
+            let matmul = |w: &WeightView<'_>, a: &Mat| -> Mat {
+                match hq && down_bytes.contains(&w.data.as_ptr()) {
+                    true => reference::matmul(w, &Mat::from_vec(a.n, a.d, common::q8_round_trip(&a.data))),
+                    false => reference::matmul(w, a),
+                }
+            };
+            let want = reference::moe(matmul, &slots, x);
             // |gate_e|·|x_t| and |up_e|·|x_t| per hidden row: the reference matmul of |W| and |x|.
             let abs_view = |v: &WeightView<'_>, e: usize, rows: usize| -> Vec<f32> {
                 let mut w = vec![0f32; rows * v.k];
@@ -439,7 +448,7 @@ fn moe_mma_matches_reference() {
             }
             (want, scale)
         };
-        let (want, scale) = reference_of(&x);
+        let (want, scale) = reference_of(&x, false);
         let (gw, uw, dw) = (
             g.upload_weight(ty_gu, d, n_expert * n_ff, &gate).unwrap(),
             g.upload_weight(ty_gu, d, n_expert * n_ff, &up).unwrap(),
@@ -453,27 +462,40 @@ fn moe_mma_matches_reference() {
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let xb = g.upload(&x.data).unwrap();
         let what = format!("moe mma {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
-        let mut run = |form: GateUpForm| {
+        let mut run = |form: GateUpForm, down: DownForm| {
             let mut out = poisoned(g, n_tok * d);
-            g.moe_mma_form(form, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
+            g.moe_mma_form(form, down, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
             g.download(&out).unwrap()
         };
-        let got = run(GateUpForm::Fused);
+        let got = run(GateUpForm::Fused, DownForm::Tiles);
         let worst = check(&what, &got, &want.data, &scale, 1e-6, 4e-3);
         // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not),
         // and gate/up one pass each gives the same bits as both in one pass.
-        assert_eq!(got, run(GateUpForm::Fused), "{what}: two runs differ");
-        assert_eq!(got, run(GateUpForm::Tiles), "{what}: gate/up in one pass and in two differ");
+        assert_eq!(got, run(GateUpForm::Fused, DownForm::Tiles), "{what}: two runs differ");
+        assert_eq!(got, run(GateUpForm::Tiles, DownForm::Tiles), "{what}: gate/up in one pass and in two differ");
         println!("MOE_MMA_MEASURED {what}: max err / scale {worst:.2e} (bound 4e-3)");
-        // The int8 form (Q4_K gate/up, d % 256 == 0, n_ff % 64 == 0) against the reference on
-        // x's int8 round trip, with the same bound (the f16 h of the down tile dominates it).
-        if ty_gu == GgmlType::Q4K && d % 256 == 0 && n_ff % 64 == 0 {
-            let xq = Mat::from_vec(n_tok, d, common::q8_round_trip(&x.data));
-            let (want_q, scale_q) = reference_of(&xq);
-            let got8 = run(GateUpForm::Int8);
-            let worst8 = check(&format!("{what} int8"), &got8, &want_q.data, &scale_q, 1e-6, 4e-3);
-            assert_eq!(got8, run(GateUpForm::Int8), "{what} int8: two runs differ");
-            println!("MOE_MMA_MEASURED {what} int8 gate/up: max err / scale {worst8:.2e} (bound 4e-3)");
+        // The int8 forms against the reference on the int8 round trips of what they quantise
+        // (gate/up: x; down: h), with the same bound (f16 tiles' rounding, and h's int8
+        // rounding falling the other way where the GPU's h and the reference's differ, stay
+        // far below it): gate/up for Q4_K, d % 256 == 0, n_ff % 64 == 0; down for Q4_K or
+        // Q6_K, n_ff % 256 == 0, d % 128 == 0.
+        let xq = Mat::from_vec(n_tok, d, common::q8_round_trip(&x.data));
+        let int8_gu = ty_gu == GgmlType::Q4K && d % 256 == 0 && n_ff % 64 == 0;
+        let int8_dn = matches!(ty_dn, GgmlType::Q4K | GgmlType::Q6K) && n_ff % 256 == 0 && d % 128 == 0;
+        for (form, down, on) in [
+            (GateUpForm::Int8, DownForm::Tiles, int8_gu),
+            (GateUpForm::Fused, DownForm::Int8, int8_dn),
+            (GateUpForm::Int8, DownForm::Int8, int8_gu && int8_dn),
+        ] {
+            if !on {
+                continue;
+            }
+            let (want_q, scale_q) = reference_of(if form == GateUpForm::Int8 { &xq } else { &x }, down == DownForm::Int8);
+            let what8 = format!("{what} {form:?} gate/up, {down:?} down");
+            let got8 = run(form, down);
+            let worst8 = check(&what8, &got8, &want_q.data, &scale_q, 1e-6, 4e-3);
+            assert_eq!(got8, run(form, down), "{what8}: two runs differ");
+            println!("MOE_MMA_MEASURED {what8}: max err / scale {worst8:.2e} (bound 4e-3)");
         }
     }
 }
@@ -625,12 +647,13 @@ fn bench_moe_prompt() {
         // Grouped: gate/up one pass each, then both in one pass.
         for (name, form) in [
             ("per-pair", None),
-            ("grouped", Some(GateUpForm::Tiles)),
-            ("grouped gate/up fused", Some(GateUpForm::Fused)),
-            ("grouped int8 gate/up", Some(GateUpForm::Int8)),
+            ("grouped", Some((GateUpForm::Tiles, DownForm::Tiles))),
+            ("grouped gate/up fused", Some((GateUpForm::Fused, DownForm::Tiles))),
+            ("grouped int8 gate/up", Some((GateUpForm::Int8, DownForm::Tiles))),
+            ("grouped int8 gate/up + down", Some((GateUpForm::Int8, DownForm::Int8))),
         ] {
             let mut call = || match form {
-                Some(form) => g.moe_mma_form(form, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),
+                Some((form, down)) => g.moe_mma_form(form, down, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),
                 None => g.moe(experts, &x, n_tok, r, &mut h, &mut out),
             };
             call().unwrap();

@@ -31,7 +31,7 @@ pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef};
-pub use moe::{GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 pub use route::ROUTE_SUM_MIN;
 
 use crate::error::{Result, shape};

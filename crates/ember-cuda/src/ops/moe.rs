@@ -198,6 +198,16 @@ pub enum GateUpForm {
     Int8,
 }
 
+/// How a grouped prompt MoE ([`Gpu::moe_mma`]) runs its down projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DownForm {
+    /// f16 tensor-core tiles.
+    Tiles,
+    /// Q4_K or Q6_K weights on int8 tensor cores with h quantised to int8
+    /// (`moe_mma8_down_<type>`; n_ff % 256 == 0, d % 128 == 0; else as `Tiles`).
+    Int8,
+}
+
 /// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe.cu MOE8_ROWS).
 const MOE8_ROWS: usize = 64;
 /// The most (token, slot) pairs an expert on average for which [`Gpu::moe_mma`] takes the int8
@@ -205,6 +215,8 @@ const MOE8_ROWS: usize = 64;
 /// `bench/results/20261205-1750-h100-moe-int8/`: pp512 (16 a expert) +8 %, pp2048 (64) even,
 /// pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens 2.54 against 2.39 ms).
 const MOE8_MAX_PAIRS: usize = 32;
+/// Down rows a block of `moe_mma8_down_<type>` (kernels/moe.cu MOE8D_ROWS).
+const MOE8D_ROWS: usize = 128;
 
 /// Pairs per tensor-core tile of the grouped MoE (`MOE_BM` in kernels/moe.cu).
 const MOE_BM: usize = 32;
@@ -309,22 +321,25 @@ impl Gpu {
         scratch: &mut Buf<f32>,
         out: &mut Buf<f32>,
     ) -> Result<()> {
-        let form = if self.moe_mma8 && n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert {
+        let few = n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert;
+        let form = if self.moe_mma8 && few {
             GateUpForm::Int8
         } else if self.moe_gu_fused {
             GateUpForm::Fused
         } else {
             GateUpForm::Tiles
         };
-        self.moe_mma_form(form, e, x, n_tok, r, h, scratch, out)
+        let down = if self.moe_mma8_down && few { DownForm::Int8 } else { DownForm::Tiles };
+        self.moe_mma_form(form, down, e, x, n_tok, r, h, scratch, out)
     }
 
-    /// [`Gpu::moe_mma`] with its gate/up in the given form (what `EMBER_MOE_MMA8` and
-    /// `EMBER_MOE_GU_FUSED` pick for `moe_mma`).
+    /// [`Gpu::moe_mma`] with its gate/up and down in the given forms (what `EMBER_MOE_MMA8`,
+    /// `EMBER_MOE_GU_FUSED` and `EMBER_MOE_MMA8_DOWN` pick for `moe_mma`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_mma_form(
         &self,
         form: GateUpForm,
+        down: DownForm,
         e: MoeExperts<'_>,
         x: &Buf<f32>,
         n_tok: usize,
@@ -368,13 +383,24 @@ impl Gpu {
             GateUpForm::Tiles => self.function(&MOE, &format!("moe_mma_gate_up_{gu}"))?,
             _ => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
         };
+        let int8_down = down == DownForm::Int8
+            && matches!(e.down.ty, GgmlType::Q4K | GgmlType::Q6K)
+            && n_ff.is_multiple_of(256)
+            && d.is_multiple_of(MOE8D_ROWS);
+        // The int8 scratch holds x's copy for gate/up, then h's for down: sized for both
+        // before the first launch, so it is not replaced under a queued kernel.
+        let q8_len = if int8 { n_tok * d } else { 0 }.max(if int8_down { pairs * n_ff } else { 0 });
+        let xq = if q8_len > 0 { self.q8_scratch(q8_bytes(q8_len))? } else { 0 };
         if int8 {
             // x's int8 copy for the gate/up kernel (the GEMVs' scratch: later decode GEMVs see
             // the generation change and quantise their own x again).
             self.quantize_q8(x, n_tok * d)?;
         }
-        let q8 = MoeMma8Params { q, xq: if int8 { self.q8_scratch(q8_bytes(n_tok * d))? } else { 0 } };
-        let f_dn = self.function(&MOE, &format!("moe_mma_down_{dn}"))?;
+        let q8 = MoeMma8Params { q, xq };
+        let f_dn = match int8_down {
+            true => self.function(&MOE, &format!("moe_mma8_down_{dn}"))?,
+            false => self.function(&MOE, &format!("moe_mma_down_{dn}"))?,
+        };
         let f_sum = self.function(&MOE, "moe_combine")?;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
         // h and out; scratch holds the parts (pairs·d floats) and then the plan (1 + 3·tiles +
@@ -392,7 +418,21 @@ impl Gpu {
             } else {
                 self.launch(&f_gu, (n_ff.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
             }
-            self.launch(&f_dn, (d.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
+        }
+        if int8_down {
+            // h's int8 copy for the down kernel, in the scratch sized above (same address).
+            self.quantize_q8(h, pairs * n_ff)?;
+        }
+        // SAFETY: as above; the int8 down kernel reads h's copy (pairs·n_ff values and their
+        // scales, written by quantize_q8 just before it) and the down rows of the plan's experts
+        // (Q4_K or Q6_K, whole super-blocks: n_ff % 256 == 0), and writes the parts of rows
+        // r0..r0 + 128 <= d.
+        unsafe {
+            if int8_down {
+                self.launch(&f_dn, ((d / MOE8D_ROWS) as u32, tiles as u32, 1), 256, 0, &q8)?;
+            } else {
+                self.launch(&f_dn, (d.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
+            }
             let grid = u32_of(OP, "n_tok · d / 256", (n_tok * d).div_ceil(256))?;
             self.launch(&f_sum, (grid, 1, 1), 256, 0, &q)
         }
