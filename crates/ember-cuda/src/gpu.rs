@@ -213,11 +213,20 @@ pub struct Gpu {
 /// GPU time from an event pair around every flush (`EMBER_CUDA_GRAPH_STATS=1`): with graphs on,
 /// the GPU time of the step's kernels (the stream is idle when a flush starts, so the pair spans
 /// the graph's start to its end); printed with the [`GraphStats`] when the [`Gpu`] is dropped.
+///
+/// Also the host's side of the recorded steps: wall time from [`Gpu::begin_record`] to the start
+/// of the step's last flush that sent launches (the model's ops recorded; the logits' read
+/// flushes the end of the step and waits), so a step's wall time splits into the host's
+/// recording, what the GPU ran and what it waited for.
 #[derive(Default)]
 struct FlushTime {
     pending: Vec<(CudaEvent, CudaEvent)>,
     n: u64,
     ms: f64,
+    record_start: Option<std::time::Instant>,
+    last_flush: Option<std::time::Instant>,
+    record_ms: f64,
+    steps: u64,
 }
 
 impl FlushTime {
@@ -283,7 +292,10 @@ impl Drop for Gpu {
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
             t.collect();
             let stats = self.recorder.lock().unwrap_or_else(|e| e.into_inner()).stats;
-            eprintln!("CUDA graphs (EMBER_CUDA_GRAPH_STATS): {stats:?}; GPU time inside flushes {:.1} ms over {} flushes", t.ms, t.n);
+            eprintln!(
+                "CUDA graphs (EMBER_CUDA_GRAPH_STATS): {stats:?}; GPU time inside flushes {:.1} ms over {} flushes; host time recording {} steps {:.1} ms",
+                t.ms, t.n, t.steps, t.record_ms
+            );
         }
         if let Some(p) = &self.profile {
             let report = p.lock().unwrap_or_else(|e| e.into_inner()).report();
@@ -399,12 +411,23 @@ impl Gpu {
         let on = self.graphs.load(Ordering::Relaxed) && self.profile.is_none();
         self.recording.store(on, Ordering::Relaxed);
         self.recorder.lock().unwrap_or_else(|e| e.into_inner()).restart_chunks();
+        if let Some(t) = &self.flush_time {
+            t.lock().unwrap_or_else(|e| e.into_inner()).record_start = Some(std::time::Instant::now());
+        }
     }
 
     /// Sends what was recorded and stops recording.
     pub fn end_record(&self) -> Result<()> {
         self.recording.store(false, Ordering::Relaxed);
-        self.flush()
+        let r = self.flush();
+        if let Some(t) = &self.flush_time {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let (Some(t0), Some(t1)) = (t.record_start.take(), t.last_flush.take()) {
+                t.record_ms += (t1 - t0).as_secs_f64() * 1e3;
+                t.steps += 1;
+            }
+        }
+        r
     }
 
     /// Turns graph replay on or off (sends what was recorded first). For A/B runs and tests;
@@ -442,6 +465,12 @@ impl Gpu {
             return Ok(());
         }
         let mut rec = self.recorder.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = &self.flush_time {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if t.record_start.is_some() {
+                t.last_flush = Some(std::time::Instant::now());
+            }
+        }
         let timed = self.timed_flush_start();
         let r = self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent")).and_then(|()| {
             // SAFETY: every launch was recorded under `launch`'s contract, whose buffers are
