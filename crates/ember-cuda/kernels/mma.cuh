@@ -166,6 +166,102 @@ __device__ __forceinline__ void tile_deq8<TY_IQ4_XS>(const u8* row, int i0, int,
     }
 }
 
+// ---- f16x2 decoders: weights i0..i0+8 of a row as four f16x2 words (weight 2i in word i's low
+// half), for the block types whose values are small integers: a value byte q (< 64) becomes
+// the f16 1024 + q by a byte permute beside 0x64 (exact), one f16x2 subtraction makes it q (or
+// q − 32) exactly, one f16x2 fma or multiply applies the scale (and minimum): ~1.5
+// instructions a weight where the f32 path spends ~3.5 (convert, scale, pack). The scale and
+// minimum are rounded to f16 first, so a weight takes up to three f16 roundings where the f32
+// path takes one. EMBER_MMA_F32_DECODE (EMBER_KERNEL_DEFINES) keeps the f32 path for A/B.
+
+// Bytes 0 and 1 (sel 0x4140) or 2 and 3 (sel 0x4342) of q as the f16x2 (1024 + q_lo, 1024 + q_hi).
+__device__ __forceinline__ u32 byte_pair_h2(u32 q, u32 sel) { return __byte_perm(q, 0x64646464u, sel); }
+
+__device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// The four words of values q (bytes of q0 then q1) as f16x2 of scale·(q − off) + add, where
+// `off2` is f16x2 of 1024 + off; `add2` null: no addend.
+__device__ __forceinline__ uint4 bytes_h2(u32 q0, u32 q1, u32 off2, u32 scale2, u32 add2, bool add) {
+    const u32 w[4] = {byte_pair_h2(q0, 0x4140), byte_pair_h2(q0, 0x4342), byte_pair_h2(q1, 0x4140), byte_pair_h2(q1, 0x4342)};
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 v = h2_sub(w[i], off2);
+        o[i] = add ? h2_fma(v, scale2, add2) : h2_mul(v, scale2);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int TY>
+__device__ __forceinline__ uint4 tile_deq8_h(const u8* row, int i0, int k, bool vec, const float* iq4) {
+    float v[8];
+    tile_deq8<TY>(row, i0, k, vec, iq4, v);
+    return make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]), pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
+}
+
+#ifndef EMBER_MMA_F32_DECODE
+template <int Q5>
+__device__ __forceinline__ uint4 tile_deq8_k4_h(const u8* row, int i0) {
+    const u8* b = row + (Q5 ? 176 : 144) * (i0 / 256);
+    const int i = i0 % 256, s = i / 32, j0 = i % 32;
+    const u32 dd = *(const u32*)b, s0 = *(const u32*)(b + 4), s1 = *(const u32*)(b + 8), s2 = *(const u32*)(b + 12);
+    int sc, mn;
+    scale_min_k4_words(s, s0, s1, s2, &sc, &mn);
+    const float d1 = f16_to_f32((u16)(dd & 0xFFFF)) * sc, m1 = f16_to_f32((u16)(dd >> 16)) * mn;
+    const uint2 qw = *(const uint2*)(b + (Q5 ? 48 : 16) + 32 * (s / 2) + j0);
+    const int sh = 4 * (s & 1);
+    u32 q0 = (qw.x >> sh) & 0x0F0F0F0Fu, q1 = (qw.y >> sh) & 0x0F0F0F0Fu;
+    if (Q5) {
+        const uint2 hw = *(const uint2*)(b + 16 + j0);
+        q0 |= ((hw.x >> s) & 0x01010101u) << 4;
+        q1 |= ((hw.y >> s) & 0x01010101u) << 4;
+    }
+    return bytes_h2(q0, q1, 0x64006400u, pack_f16x2(d1, d1), pack_f16x2(-m1, -m1), true);
+}
+
+template <>
+__device__ __forceinline__ uint4 tile_deq8_h<TY_Q4_K>(const u8* row, int i0, int, bool, const float*) {
+    return tile_deq8_k4_h<0>(row, i0);
+}
+
+template <>
+__device__ __forceinline__ uint4 tile_deq8_h<TY_Q5_K>(const u8* row, int i0, int, bool, const float*) {
+    return tile_deq8_k4_h<1>(row, i0);
+}
+
+// Q6_K as tile_deq8<TY_Q6_K>: values q − 32 (1024 + 32 = 0x6420 as f16).
+template <>
+__device__ __forceinline__ uint4 tile_deq8_h<TY_Q6_K>(const u8* row, int i0, int, bool, const float*) {
+    const u8* b = row + 210 * (i0 / 256);
+    const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
+    const float dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
+    const u8* ql = b + 64 * n + 32 * (r & 1) + l0;
+    const u8* qh = b + 128 + 32 * n + l0;
+    const int sl = 4 * (r >> 1), shh = 2 * r;
+    const u32 l[2] = {ld_u32_a2(ql), ld_u32_a2(ql + 4)}, h[2] = {ld_u32_a2(qh), ld_u32_a2(qh + 4)};
+    u32 q[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) q[w] = ((l[w] >> sl) & 0x0F0F0F0Fu) | (((h[w] >> shh) & 0x03030303u) << 4);
+    return bytes_h2(q[0], q[1], 0x64206420u, pack_f16x2(dl, dl), 0, false);
+}
+#endif
+
 // ---- The tile loop ----
 
 // The operands of one block's tile. `xrow[m]`: activation row m of the tile (k f32, or null:
@@ -210,15 +306,8 @@ __device__ __forceinline__ void mma_tiles(const MmaIn (&in)[NW], const float* co
 #pragma unroll
             for (int u = tid; u < MMA_BN * 4; u += MMA_THREADS) {
                 const int r = u / 4, piece = u % 4, i0 = k0 + 8 * piece;
-                float v[8];
-                if (r < in[w].n_w && i0 < k) {
-                    tile_deq8<TY>(in[w].w + (u64)r * in[w].row_bytes, i0, k, vec, iq4, v);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-                }
-                uint4 p;
-                p.x = pack_f16x2(v[0], v[1]), p.y = pack_f16x2(v[2], v[3]), p.z = pack_f16x2(v[4], v[5]), p.w = pack_f16x2(v[6], v[7]);
+                uint4 p = make_uint4(0, 0, 0, 0);
+                if (r < in[w].n_w && i0 < k) p = tile_deq8_h<TY>(in[w].w + (u64)r * in[w].row_bytes, i0, k, vec, iq4);
                 *(uint4*)(wb + (w * MMA_BN + r) * MMA_LD + 8 * piece) = p;
             }
         // Activations: BM rows x 4 pieces of 8.

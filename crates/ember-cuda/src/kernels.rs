@@ -100,6 +100,20 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("ember").join("kernels"))
 }
 
+/// `#define NAME 1` lines for the names in `EMBER_KERNEL_DEFINES` (comma-separated; letters,
+/// digits and `_` only): compile-time switches of the kernels for A/B runs, e.g.
+/// `EMBER_MMA_F32_DECODE` (the tensor-core tiles decode K-quants in f32, as before the f16x2
+/// decoders). The cache key covers them, since they are part of the source.
+fn defines_from_env() -> String {
+    let Some(v) = std::env::var_os("EMBER_KERNEL_DEFINES") else { return String::new() };
+    v.to_string_lossy()
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .map(|n| format!("#define {n} 1\n"))
+        .collect()
+}
+
 /// 128-bit FNV-1a: stable across Rust releases (std's hasher is not promised to be), and a cache
 /// key needs no more.
 fn fnv128(parts: &[&[u8]]) -> u128 {
@@ -117,7 +131,7 @@ fn fnv128(parts: &[&[u8]]) -> u128 {
 /// compiled and stored (a cache that cannot be written is skipped, not an error).
 /// The key covers the source, the options, the NVRTC version and the architecture.
 pub fn load_or_compile(nvrtc: &Nvrtc, kernel: &'static Kernel, cc: u32) -> Result<Image> {
-    let src = kernel.source();
+    let src = defines_from_env() + &kernel.source();
     let (maj, min) = nvrtc.version();
     let key = fnv128(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), format!("nvrtc {maj}.{min} sm_{cc}").as_bytes()]);
     let dir = cache_dir();

@@ -115,9 +115,14 @@ fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize
 
 /// The tensor-core path rounds weights and activations to f16 (relative error at most
 /// u = 2^-11 each) and sums in f32, so |err| <= (2u + u²)·Σ|w·x| + the f32 sum's error:
-/// 1e-3 of Σ|w·x| bounds it for any data (atol 1e-6 for f16 subnormals near zero).
-/// Measured on the H200 (2026-12-03): F32 7.4e-4 (uniform weights: many lose their low bits),
-/// F16/BF16 4.2e-4, Q8_0 5.9e-5, Q4_K 8.0e-5, Q5_K 6.5e-5, Q6_K 9.0e-5, IQ4_XS 5.2e-5.
+/// 1e-3 of Σ|w·x| bounds it (atol 1e-6 for f16 subnormals near zero). K-quant weights are
+/// decoded in f16x2 (kernels/mma.cuh): the scale and minimum are rounded to f16 first, so a
+/// weight d1·q − m1 errs by up to u·(|d1·q| + |m1| + |w|), more than u·|w| where the minimum
+/// cancels much of d1·q; the K-quant figures below have 4x margin or more.
+/// Measured on the H200 (2026-12-03, f32 decode): F32 7.4e-4 (uniform weights: many lose their
+/// low bits), F16/BF16 4.2e-4, Q8_0 5.9e-5, Q4_K 8.0e-5, Q5_K 6.5e-5, Q6_K 9.0e-5, IQ4_XS
+/// 5.2e-5; on the H100 with the f16x2 decode (2026-12-05): Q4_K 2.0e-4, Q5_K 2.5e-4, Q6_K
+/// 9.0e-5.
 const MMA_RTOL: f32 = 1e-3;
 
 // Ragged shapes: n_tok not a multiple of any tile (17 .. 300), odd row counts (a partial
