@@ -100,22 +100,31 @@ __device__ __forceinline__ void tile_deq8<TY_Q8_0>(const u8* row, int i0, int, b
     }
 }
 
+// Weights i0..i0+8 of a Q4_K (Q5 = 0) or Q5_K row: their values q as the bytes of q0 (weights
+// 0..3) and q1 (4..7), weight = d1·q − m1.
 template <int Q5>
-__device__ __forceinline__ void tile_deq8_k4(const u8* row, int i0, float* out) {
+__device__ __forceinline__ void k4_piece(const u8* row, int i0, float* d1, float* m1, u32* q0, u32* q1) {
     const u8* b = row + (Q5 ? 176 : 144) * (i0 / 256);
     const int i = i0 % 256, s = i / 32, j0 = i % 32;
     const u32 dd = *(const u32*)b, s0 = *(const u32*)(b + 4), s1 = *(const u32*)(b + 8), s2 = *(const u32*)(b + 12);
     int sc, mn;
     scale_min_k4_words(s, s0, s1, s2, &sc, &mn);
-    const float d1 = f16_to_f32((u16)(dd & 0xFFFF)) * sc, m1 = f16_to_f32((u16)(dd >> 16)) * mn;
+    *d1 = f16_to_f32((u16)(dd & 0xFFFF)) * sc, *m1 = f16_to_f32((u16)(dd >> 16)) * mn;
     const uint2 qw = *(const uint2*)(b + (Q5 ? 48 : 16) + 32 * (s / 2) + j0);
     const int sh = 4 * (s & 1);
-    u32 q0 = (qw.x >> sh) & 0x0F0F0F0Fu, q1 = (qw.y >> sh) & 0x0F0F0F0Fu;
+    *q0 = (qw.x >> sh) & 0x0F0F0F0Fu, *q1 = (qw.y >> sh) & 0x0F0F0F0Fu;
     if (Q5) {
         const uint2 hw = *(const uint2*)(b + 16 + j0);
-        q0 |= ((hw.x >> s) & 0x01010101u) << 4;
-        q1 |= ((hw.y >> s) & 0x01010101u) << 4;
+        *q0 |= ((hw.x >> s) & 0x01010101u) << 4;
+        *q1 |= ((hw.y >> s) & 0x01010101u) << 4;
     }
+}
+
+template <int Q5>
+__device__ __forceinline__ void tile_deq8_k4(const u8* row, int i0, float* out) {
+    float d1, m1;
+    u32 q0, q1;
+    k4_piece<Q5>(row, i0, &d1, &m1, &q0, &q1);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
         out[c] = d1 * byte_f(q0, c, OFF_U) - m1;
@@ -135,21 +144,29 @@ __device__ __forceinline__ void tile_deq8<TY_Q5_K>(const u8* row, int i0, int, b
 
 // Q6_K: weight i of a super-block is in quarter r = i / 32 % 4 of half n = i / 128: low four
 // bits from ql[64n + 32(r & 1) + l] (nibble r >> 1), high two from qh[32n + l] (bits 2r).
-template <>
-__device__ __forceinline__ void tile_deq8<TY_Q6_K>(const u8* row, int i0, int, bool, const float*, float* out) {
+// Weights i0..i0+8: their values q (0..63) as the bytes of q[0] (weights 0..3) and q[1] (4..7),
+// weight = dl·(q − 32).
+__device__ __forceinline__ void q6k_piece(const u8* row, int i0, float* dl, u32 q[2]) {
     const u8* b = row + 210 * (i0 / 256);
     const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
-    const float dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
+    *dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
     const u8* ql = b + 64 * n + 32 * (r & 1) + l0;
     const u8* qh = b + 128 + 32 * n + l0;
     const int sl = 4 * (r >> 1), shh = 2 * r;
     const u32 l[2] = {ld_u32_a2(ql), ld_u32_a2(ql + 4)}, h[2] = {ld_u32_a2(qh), ld_u32_a2(qh + 4)};
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-        const u32 q = ((l[w] >> sl) & 0x0F0F0F0Fu) | (((h[w] >> shh) & 0x03030303u) << 4);
+    for (int w = 0; w < 2; ++w) q[w] = ((l[w] >> sl) & 0x0F0F0F0Fu) | (((h[w] >> shh) & 0x03030303u) << 4);
+}
+
+template <>
+__device__ __forceinline__ void tile_deq8<TY_Q6_K>(const u8* row, int i0, int, bool, const float*, float* out) {
+    float dl;
+    u32 q[2];
+    q6k_piece(row, i0, &dl, q);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) out[4 * w + c] = dl * byte_f(q, c, OFF_U + 32.0f);
-    }
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[4 * w + c] = dl * byte_f(q[w], c, OFF_U + 32.0f);
 }
 
 template <>
@@ -218,20 +235,9 @@ __device__ __forceinline__ uint4 tile_deq8_h(const u8* row, int i0, int k, bool 
 #ifndef EMBER_MMA_F32_DECODE
 template <int Q5>
 __device__ __forceinline__ uint4 tile_deq8_k4_h(const u8* row, int i0) {
-    const u8* b = row + (Q5 ? 176 : 144) * (i0 / 256);
-    const int i = i0 % 256, s = i / 32, j0 = i % 32;
-    const u32 dd = *(const u32*)b, s0 = *(const u32*)(b + 4), s1 = *(const u32*)(b + 8), s2 = *(const u32*)(b + 12);
-    int sc, mn;
-    scale_min_k4_words(s, s0, s1, s2, &sc, &mn);
-    const float d1 = f16_to_f32((u16)(dd & 0xFFFF)) * sc, m1 = f16_to_f32((u16)(dd >> 16)) * mn;
-    const uint2 qw = *(const uint2*)(b + (Q5 ? 48 : 16) + 32 * (s / 2) + j0);
-    const int sh = 4 * (s & 1);
-    u32 q0 = (qw.x >> sh) & 0x0F0F0F0Fu, q1 = (qw.y >> sh) & 0x0F0F0F0Fu;
-    if (Q5) {
-        const uint2 hw = *(const uint2*)(b + 16 + j0);
-        q0 |= ((hw.x >> s) & 0x01010101u) << 4;
-        q1 |= ((hw.y >> s) & 0x01010101u) << 4;
-    }
+    float d1, m1;
+    u32 q0, q1;
+    k4_piece<Q5>(row, i0, &d1, &m1, &q0, &q1);
     return bytes_h2(q0, q1, 0x64006400u, pack_f16x2(d1, d1), pack_f16x2(-m1, -m1), true);
 }
 
@@ -248,16 +254,9 @@ __device__ __forceinline__ uint4 tile_deq8_h<TY_Q5_K>(const u8* row, int i0, int
 // Q6_K as tile_deq8<TY_Q6_K>: values q − 32 (1024 + 32 = 0x6420 as f16).
 template <>
 __device__ __forceinline__ uint4 tile_deq8_h<TY_Q6_K>(const u8* row, int i0, int, bool, const float*) {
-    const u8* b = row + 210 * (i0 / 256);
-    const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
-    const float dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
-    const u8* ql = b + 64 * n + 32 * (r & 1) + l0;
-    const u8* qh = b + 128 + 32 * n + l0;
-    const int sl = 4 * (r >> 1), shh = 2 * r;
-    const u32 l[2] = {ld_u32_a2(ql), ld_u32_a2(ql + 4)}, h[2] = {ld_u32_a2(qh), ld_u32_a2(qh + 4)};
+    float dl;
     u32 q[2];
-#pragma unroll
-    for (int w = 0; w < 2; ++w) q[w] = ((l[w] >> sl) & 0x0F0F0F0Fu) | (((h[w] >> shh) & 0x03030303u) << 4);
+    q6k_piece(row, i0, &dl, q);
     return bytes_h2(q[0], q[1], 0x64206420u, pack_f16x2(dl, dl), 0, false);
 }
 #endif

@@ -305,7 +305,7 @@ MOE_Q8_ENTRIES(q8_0, TY_Q8_0)
 
 // ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
 // moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of
-// MOE_BM pairs; moe_mma_gate_up_<type> and moe_mma_down_<type> then run one tensor-core tile
+// MOE_BM pairs; moe_mma_gate_up_fused_<type> and moe_mma_down_<type> then run one tensor-core tile
 // (mma.cuh) per (tile, 128 rows), so an expert's rows are read once per tile of its tokens, not
 // once per token; moe_combine sums each token's k weighted expert outputs in slot order. All on
 // the device: the launches are sized for the most tiles there can be, and blocks past the
@@ -402,47 +402,13 @@ struct MoeMmaParams {
     u32 max_tiles, pad;
 };
 
-// grid (ceil(n_ff / MMA_BN), max_tiles), MMA_THREADS threads: h[pair] = silu(gate_e · x_t) ⊙ up_e · x_t.
-template <int TY>
-__device__ __forceinline__ void moe_mma_gate_up(const MoeMmaParams& q) {
-#if __CUDA_ARCH__ >= 800
-    const MoeParams& p = q.m;
-    __shared__ __align__(16) u16 ws[2 * MMA_BN * MMA_LD];
-    __shared__ __align__(16) u16 xs[2 * MOE_BM * MMA_LD];
-    __shared__ const float* xrow[MOE_BM];
-    __shared__ u32 pair[MOE_BM];
-    __shared__ float iq4[16];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
-    for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
-        pair[m] = m < n ? list[first + m] : 0;
-        xrow[m] = m < n ? (const float*)p.x + (u64)(pair[m] / p.k_top) * p.d : nullptr;
-    }
-    load_iq4_table(iq4);
-    const int r0 = blockIdx.x * MMA_BN, n_w = min(MMA_BN, (int)p.n_ff - r0);
-    const u64 at = ((u64)e * p.n_ff + r0) * p.row_bytes_gu;
-    float g[1][4][4], u[1][4][4];
-    mma_tile<TY, 1>({(const u8*)p.gate + at, p.row_bytes_gu, n_w, (int)p.d}, xrow, iq4, ws, xs, g);
-    __syncthreads();  // the second tile loop rewrites the buffers the first one read last
-    mma_tile<TY, 1>({(const u8*)p.up + at, p.row_bytes_gu, n_w, (int)p.d}, xrow, iq4, ws, xs, u);
-    float* h = (float*)p.h;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int m = mma_out_token<1>(0, c), r = mma_out_row(j, c);
-            if (m < (int)n && r < n_w) h[(u64)pair[m] * p.n_ff + r0 + r] = silu_f(g[0][j][c]) * u[0][j][c];
-        }
-#endif
-}
-
-// The same, gate and up in one pass over k (mma_tiles with NW = 2): each step's activations are
-// gathered, converted and stored once for both matrices instead of once each (at 32 pairs a tile
-// the activations are more bytes a step than the weights), and each barrier covers twice the
-// tensor-core work. Shared memory 46 KB (four weight tiles), so half the blocks an SM holds.
+// grid (ceil(n_ff / MMA_BN), max_tiles), MMA_THREADS threads: h[pair] = silu(gate_e · x_t) ⊙
+// up_e · x_t, gate and up in one pass over k (mma_tiles with NW = 2): each step's activations are
+// gathered, converted and stored once for both matrices (at 32 pairs a tile the activations are
+// more bytes a step than the weights), and each barrier covers twice the tensor-core work.
+// Shared memory 46 KB (four weight tiles), so half the blocks an SM holds. (One pass each, as
+// mma_tile twice, was 2.4 % slower in pp512 and pp2048 on the H100:
+// bench/results/20261205-1750-h100-moe-int8/, and is gone.)
 template <int TY>
 __device__ __forceinline__ void moe_mma_gate_up_fused(const MoeMmaParams& q) {
 #if __CUDA_ARCH__ >= 800
@@ -849,7 +815,6 @@ extern "C" __global__ void moe_combine(const MoeMmaParams q) {
 }
 
 #define MOE_MMA_ENTRIES(SUFFIX, TY)                                                                          \
-    extern "C" __global__ void moe_mma_gate_up_##SUFFIX(const MoeMmaParams q) { pdl_enter(); moe_mma_gate_up<TY>(q); } \
     extern "C" __global__ void moe_mma_gate_up_fused_##SUFFIX(const MoeMmaParams q) { pdl_enter(); moe_mma_gate_up_fused<TY>(q); } \
     extern "C" __global__ void moe_mma_down_##SUFFIX(const MoeMmaParams q) { pdl_enter(); moe_mma_down<TY>(q); }
 

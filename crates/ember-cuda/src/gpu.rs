@@ -194,9 +194,6 @@ pub struct Gpu {
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
     /// (`EMBER_MOE_SHARED=0`: no, its own GEMVs, gate and add, for measuring it).
     moe_shared: bool,
-    /// Whether a grouped prompt MoE runs gate and up in one pass over k
-    /// (`moe_mma_gate_up_fused_<type>`; `EMBER_MOE_GU_FUSED=0`: one pass each).
-    pub(crate) moe_gu_fused: bool,
     /// Whether a grouped prompt MoE with Q4_K gate/up runs them on int8 tensor cores
     /// (`moe_mma8_gate_up_q4_k`) when its experts average at most 32 pairs
     /// (`EMBER_MOE_MMA8=0`: the f16 tiles always).
@@ -340,7 +337,6 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
-            moe_gu_fused: std::env::var_os("EMBER_MOE_GU_FUSED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
             moe_mma8_down: std::env::var_os("EMBER_MOE_MMA8_DOWN").is_none_or(|v| v != "0"),
             q8: Mutex::default(),

@@ -469,10 +469,8 @@ fn moe_mma_matches_reference() {
         };
         let got = run(GateUpForm::Fused, DownForm::Tiles);
         let worst = check(&what, &got, &want.data, &scale, 1e-6, 4e-3);
-        // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not),
-        // and gate/up one pass each gives the same bits as both in one pass.
+        // Run-to-run: the same output bit for bit (the plan's list order varies, the sums not).
         assert_eq!(got, run(GateUpForm::Fused, DownForm::Tiles), "{what}: two runs differ");
-        assert_eq!(got, run(GateUpForm::Tiles, DownForm::Tiles), "{what}: gate/up in one pass and in two differ");
         println!("MOE_MMA_MEASURED {what}: max err / scale {worst:.2e} (bound 4e-3)");
         // The int8 forms against the reference on the int8 round trips of what they quantise
         // (gate/up: x; down: h), with the same bound (f16 tiles' rounding, and h's int8
@@ -644,11 +642,10 @@ fn bench_moe_prompt() {
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let flop = 2.0 * (n_tok * k) as f64 * 3.0 * (d * n_ff) as f64;
         let mut line = format!("bench moe prompt Q4_K/Q6_K tok={n_tok:4}:");
-        // Grouped: gate/up one pass each, then both in one pass.
+        // Per pair, then grouped by expert: f16 tiles, then the int8 forms.
         for (name, form) in [
             ("per-pair", None),
-            ("grouped", Some((GateUpForm::Tiles, DownForm::Tiles))),
-            ("grouped gate/up fused", Some((GateUpForm::Fused, DownForm::Tiles))),
+            ("grouped f16", Some((GateUpForm::Fused, DownForm::Tiles))),
             ("grouped int8 gate/up", Some((GateUpForm::Int8, DownForm::Tiles))),
             ("grouped int8 gate/up + down", Some((GateUpForm::Int8, DownForm::Int8))),
         ] {

@@ -189,9 +189,7 @@ unsafe impl DeviceRepr for MoeMma8Params {}
 /// How a grouped prompt MoE ([`Gpu::moe_mma`]) runs its gate and up projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GateUpForm {
-    /// f16 tensor-core tiles, one pass over k for gate and one for up.
-    Tiles,
-    /// The same tiles, gate and up in one pass (the same bits as `Tiles`).
+    /// f16 tensor-core tiles, gate and up in one pass over k (`moe_mma_gate_up_fused_<type>`).
     Fused,
     /// Q4_K weights on int8 tensor cores with x quantised to int8 (`moe_mma8_gate_up_q4_k`;
     /// Q4_K gate/up, d % 256 == 0, n_ff % 64 == 0; else as `Fused`).
@@ -322,19 +320,13 @@ impl Gpu {
         out: &mut Buf<f32>,
     ) -> Result<()> {
         let few = n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert;
-        let form = if self.moe_mma8 && few {
-            GateUpForm::Int8
-        } else if self.moe_gu_fused {
-            GateUpForm::Fused
-        } else {
-            GateUpForm::Tiles
-        };
+        let form = if self.moe_mma8 && few { GateUpForm::Int8 } else { GateUpForm::Fused };
         let down = if self.moe_mma8_down && few { DownForm::Int8 } else { DownForm::Tiles };
         self.moe_mma_form(form, down, e, x, n_tok, r, h, scratch, out)
     }
 
-    /// [`Gpu::moe_mma`] with its gate/up and down in the given forms (what `EMBER_MOE_MMA8`,
-    /// `EMBER_MOE_GU_FUSED` and `EMBER_MOE_MMA8_DOWN` pick for `moe_mma`).
+    /// [`Gpu::moe_mma`] with its gate/up and down in the given forms (what `EMBER_MOE_MMA8` and
+    /// `EMBER_MOE_MMA8_DOWN` pick for `moe_mma`).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_mma_form(
         &self,
@@ -378,10 +370,9 @@ impl Gpu {
         let q = MoeMmaParams { m: p, plan: plan_at, part: scratch.ptr(), max_tiles: tiles as u32, pad: 0 };
         let f_plan = self.function(&MOE, "moe_plan")?;
         let int8 = form == GateUpForm::Int8 && e.gate.ty == GgmlType::Q4K && d.is_multiple_of(256) && n_ff.is_multiple_of(MOE8_ROWS);
-        let f_gu = match form {
-            _ if int8 => self.function(&MOE, "moe_mma8_gate_up_q4_k")?,
-            GateUpForm::Tiles => self.function(&MOE, &format!("moe_mma_gate_up_{gu}"))?,
-            _ => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
+        let f_gu = match int8 {
+            true => self.function(&MOE, "moe_mma8_gate_up_q4_k")?,
+            false => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
         };
         let int8_down = down == DownForm::Int8
             && matches!(e.down.ty, GgmlType::Q4K | GgmlType::Q6K)
