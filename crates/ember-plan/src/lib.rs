@@ -16,6 +16,7 @@
 //! use another card's free memory.
 
 pub mod hybrid;
+pub mod split;
 pub mod tier;
 
 use std::fmt::Write as _;
