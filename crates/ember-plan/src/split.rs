@@ -10,10 +10,10 @@
 //! then names the copy (an in-place op's target moves with it).
 //!
 //! State: a slot or snapshot of the split is one of each part; the batch's slots are
-//! translated for each part. Every part holds every layer's state and registers every weight
-//! (what the parts do not run stays unused): right for host memory, where the file is mapped
-//! and state is small; a GPU part still uploads every weight it is given, so running two GPUs
-//! needs each part registered with its own layers' weights and state (next step).
+//! translated for each part. Every part is given every weight; a GPU part keeps only its own
+//! ([`part_weights`], `CudaOps::set_weights_kept`), the CPU reads the mapped file. Every part
+//! holds every layer's state (what other parts' layers would write stays unused): small for
+//! DeltaNet, but a GPU part's KV pool is sized for all attention layers (next step).
 
 use std::sync::Arc;
 
@@ -170,6 +170,28 @@ fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
+/// Per weight id of `set`, the part whose ops read it under `layer_part`: a layer's weights
+/// its layer's part, the embeddings the first part, the output norm and head the last.
+pub fn weight_parts(set: &WeightSet, layer_part: &[usize]) -> Result<Vec<usize>, String> {
+    let last = layer_part.iter().copied().max().unwrap_or(0);
+    let mut part = vec![0; set.len()];
+    for id in set.ids() {
+        let Some(info) = set.info(id) else { continue };
+        part[id.index()] = match layer_of(&info.name) {
+            Some(l) => *layer_part.get(l).ok_or_else(|| format!("{}: layer {l} of a {}-layer split", info.name, layer_part.len()))?,
+            None if info.name.starts_with("token_embd") => 0,
+            None => last,
+        };
+    }
+    Ok(part)
+}
+
+/// Which weights of `set` part `part` reads (by id): what a device part registers, e.g.
+/// `CudaOps::set_weights_kept`, so each card holds its own layers' weights only.
+pub fn part_weights(set: &WeightSet, layer_part: &[usize], part: usize) -> Result<Vec<bool>, String> {
+    Ok(weight_parts(set, layer_part)?.into_iter().map(|p| p == part).collect())
+}
+
 impl SeqStore for Split {
     fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
         self.drain();
@@ -296,19 +318,7 @@ impl Ops for Split {
     }
 
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
-        let last = self.parts.len() - 1;
-        let n_layer = self.layer_part.len();
-        let mut part = vec![0; weights.len()];
-        for id in weights.ids() {
-            let Some(info) = weights.info(id) else { continue };
-            part[id.index()] = match layer_of(&info.name) {
-                Some(l) if l < n_layer => self.layer_part[l],
-                Some(l) => return Err(self.err("register", 0, info.name.clone(), format!("layer {l} of a {n_layer}-layer split"))),
-                // The embeddings feed the first layer; the output norm and head read the last.
-                None if info.name.starts_with("token_embd") => 0,
-                None => last,
-            };
-        }
+        let part = weight_parts(&weights, &self.layer_part).map_err(|e| self.err("register", 0, "", e))?;
         for p in &mut self.parts {
             p.register(weights.clone())?;
         }

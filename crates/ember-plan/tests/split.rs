@@ -10,7 +10,7 @@ use std::sync::Arc;
 use ember_gguf::GgufFile;
 use ember_model::{DeltaMode, Forward, Logits, Model};
 use ember_ops::{KvType, Ops, SeqStore};
-use ember_plan::split::Split;
+use ember_plan::split::{Split, part_weights};
 
 fn fixture(rel: &str) -> PathBuf {
     let local = PathBuf::from("tests/fixtures").join(rel);
@@ -148,14 +148,32 @@ fn bad_splits_and_foreign_handles_are_errors() {
     assert!(e.to_string().contains("another store"), "{e}");
 }
 
-/// The same split with GPU parts: two `CudaOps` on GPU 0 (the code path of two cards, on one)
-/// give one `CudaOps`'s logits bit for bit (the same kernels, the hidden state crossing through
-/// host memory). Without an NVIDIA driver it prints why and passes (CI has no GPU).
+#[test]
+fn each_part_reads_its_layers_weights() {
+    let m = model("Q8_0");
+    let set = m.weights();
+    let layers = [0, 0, 1, 1];
+    let (p0, p1) = (part_weights(set, &layers, 0).unwrap(), part_weights(set, &layers, 1).unwrap());
+    for id in set.ids() {
+        let name = &set.info(id).unwrap().name;
+        let want0 = name.starts_with("token_embd") || name.starts_with("blk.0.") || name.starts_with("blk.1.");
+        assert_eq!(p0[id.index()], want0, "{name}");
+        assert_eq!(p1[id.index()], !want0, "{name}");
+    }
+    assert!(part_weights(set, &[0, 1], 0).unwrap_err().contains("layer 2 of a 2-layer split"));
+}
+
+/// The same split with GPU parts: two `CudaOps` on GPU 0 (the code path of two cards, on one),
+/// each uploading only its layers' weights, give one `CudaOps`'s logits bit for bit (the same
+/// kernels, the hidden state crossing through host memory). Without an NVIDIA driver it prints
+/// why and passes (CI has no GPU).
 #[test]
 fn two_gpu_parts_on_one_gpu_give_one_gpus_logits_bit_for_bit() {
-    let gpu = |m: &Model| -> Option<Box<dyn Ops>> {
+    let layers = [0, 0, 1, 1];
+    let gpu = |m: &Model, part: Option<usize>| -> Option<Box<dyn Ops>> {
         match ember_cuda::CudaOps::with_precision(0, ember_cuda::Precision::Fast) {
             Ok(mut o) => {
+                o.set_weights_kept(part.map(|p| part_weights(m.weights(), &layers, p).unwrap()));
                 o.register(m.weights().clone()).unwrap();
                 Some(Box::new(o))
             }
@@ -166,9 +184,9 @@ fn two_gpu_parts_on_one_gpu_give_one_gpus_logits_bit_for_bit() {
         }
     };
     let m = model("Q4_K_M");
-    let Some(mut one) = gpu(&m) else { return };
-    let parts = vec![gpu(&m).unwrap(), gpu(&m).unwrap()];
-    let mut s = Split::new(parts, vec![0, 0, 1, 1]).unwrap();
+    let Some(mut one) = gpu(&m, None) else { return };
+    let parts = vec![gpu(&m, Some(0)).unwrap(), gpu(&m, Some(1)).unwrap()];
+    let mut s = Split::new(parts, layers.to_vec()).unwrap();
     s.register(m.weights().clone()).unwrap();
     for case in ["p1", "p37", "p130"] {
         let ids = case_ids(case);

@@ -26,6 +26,13 @@ impl CudaOps {
         self.resident = layers;
     }
 
+    /// Which weights the next [`Ops::register`] uploads, by id (None: all of them): a part of a
+    /// layer split (`ember_plan::split::part_weights`) keeps its own layers' weights; an op that
+    /// names a weight not kept is an error ("not registered").
+    pub fn set_weights_kept(&mut self, kept: Option<Vec<bool>>) {
+        self.kept = kept;
+    }
+
     /// Per expert of `layer`, its slot on this GPU or [`crate::ops::MOE_MISS`]; None when the
     /// layer holds all its experts.
     pub fn expert_slots(&self, layer: LayerIdx) -> Option<&[u32]> {

@@ -71,6 +71,9 @@ pub struct CudaOps {
     store: DevStore,
     /// Per layer, the routed experts to hold when not all ([`CudaOps::set_resident_experts`]).
     resident: Vec<Option<Vec<u16>>>,
+    /// Which weights the next register uploads, by id (None: all): a layer split's part keeps
+    /// its own layers' ([`CudaOps::set_weights_kept`]).
+    kept: Option<Vec<bool>>,
     /// The experts of the last [`CudaOps::moe_streamed`] batch.
     stream: Option<StreamScratch>,
     /// The tensor whose int8 copy the GPU's int8 scratch holds, and that write's generation
@@ -168,6 +171,7 @@ impl CudaOps {
             step,
             store: DevStore::new(dev),
             resident: Vec::new(),
+            kept: None,
             stream: None,
             q8_x: None,
             generation: 0,
@@ -362,7 +366,7 @@ impl Ops for CudaOps {
         // Every kernel compiles (or comes from the disk cache) while the weights go up.
         let gpu = &self.gpu;
         let up = gpu
-            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights, &self.resident))
+            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights, &self.resident, self.kept.as_deref()))
             .map_err(|e| OpError::new("register", self.dev, "", e.to_string()));
         gpu.release_staging();
         self.weights = up??;

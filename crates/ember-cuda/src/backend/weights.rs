@@ -90,7 +90,7 @@ impl DevWeights {
 
     /// Uploads every weight of `set`; of the routed experts of layer l, only `resident[l]` when
     /// that is given (in that order, one slot each).
-    pub fn upload(gpu: &Gpu, dev: DeviceId, set: Arc<WeightSet>, resident: &[Option<Vec<u16>>]) -> OpResult<Self> {
+    pub fn upload(gpu: &Gpu, dev: DeviceId, set: Arc<WeightSet>, resident: &[Option<Vec<u16>>], kept: Option<&[bool]>) -> OpResult<Self> {
         const OP: &str = "register";
         let fail = |name: &str, e: crate::Error| OpError::new(OP, dev, name.to_string(), e.to_string());
         // The expert tensors of layers that hold some of their experts, and which.
@@ -135,6 +135,10 @@ impl DevWeights {
         for id in set.ids() {
             // unwrap-free: ids come from the set.
             let Some(info) = set.info(id) else { return Err(OpError::new(OP, dev, format!("weight {}", id.0), "not in the set")) };
+            if kept.is_some_and(|k| !k.get(id.index()).copied().unwrap_or(true)) {
+                w.push(None);
+                continue;
+            }
             let dw = if let Some(v) = set.vector(id) {
                 DevWeight::Vector(gpu.upload(v).map_err(|e| fail(&info.name, e))?)
             } else if let Some((l, part)) = partial[id.index()] {
