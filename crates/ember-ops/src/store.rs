@@ -220,6 +220,8 @@ pub enum StateKind {
     Kv,
     /// DeltaNet conv history and recurrent state.
     Delta,
+    /// None here: the layer's state is kept by another store (a layer split's other part).
+    Elsewhere,
 }
 
 /// What every slot of a store holds: per layer, its kind; the KV row type and width; the

@@ -10,18 +10,18 @@
 //! then names the copy (an in-place op's target moves with it).
 //!
 //! State: a slot or snapshot of the split is one of each part; the batch's slots are
-//! translated for each part. Every part is given every weight; a GPU part keeps only its own
-//! ([`part_weights`], `CudaOps::set_weights_kept`), the CPU reads the mapped file. Every part
-//! holds every layer's state (what other parts' layers would write stays unused): small for
-//! DeltaNet, but a GPU part's KV pool is sized for all attention layers (next step).
+//! translated for each part. A part's store holds its own layers' state (the others are
+//! [`StateKind::Elsewhere`] there) and its attention layers' share of the KV pool. Every part is
+//! given every weight; a GPU part keeps only its own ([`part_weights`],
+//! `CudaOps::set_weights_kept`), the CPU reads the mapped file.
 
 use std::sync::Arc;
 
 use ember_ops::store::Reclaim;
 use ember_ops::{
     AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertStats, Gate, LayerIdx, Mark, Mat,
-    OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateLayout, StoreStats, Tensor, WeightId,
-    WeightSet,
+    OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats, Tensor,
+    WeightId, WeightSet,
 };
 
 /// Backends that run the model's layers by range.
@@ -153,6 +153,24 @@ impl Split {
         }
     }
 
+    /// `layout` with the layers of other parts marked [`StateKind::Elsewhere`].
+    fn part_layout(&self, layout: &StateLayout, p: usize) -> StateLayout {
+        let layers = layout.layers.iter().zip(&self.layer_part).map(|(&k, &q)| if q == p { k } else { StateKind::Elsewhere }).collect();
+        StateLayout { layers, ..layout.clone() }
+    }
+
+    fn check_layout(&self, op: &'static str, layout: &StateLayout) -> OpResult<()> {
+        if layout.layers.len() != self.layer_part.len() {
+            return Err(self.err(
+                op,
+                0,
+                format!("{} layers", layout.layers.len()),
+                format!("the split has {} layers", self.layer_part.len()),
+            ));
+        }
+        Ok(())
+    }
+
     fn routing(&self, op: &'static str, r: Routing) -> OpResult<(usize, Routing)> {
         self.routings.get(r.id as usize).copied().ok_or_else(|| self.err(op, 0, format!("routing {}", r.id), "not a routing of this step"))
     }
@@ -199,8 +217,13 @@ impl SeqStore for Split {
         self.snaps.clear();
         // Handed-out guards of the old store no longer name anything.
         self.reclaim = Reclaim::new();
-        for p in &mut self.parts {
-            p.configure(layout.clone(), slots, kv_pages)?;
+        self.check_layout("configure", &layout)?;
+        let total = layout.n_kv_layers();
+        for p in 0..self.parts.len() {
+            let mine = self.part_layout(&layout, p);
+            // Pages are per attention layer's K or V: a part's share of the pool is its layers'.
+            let pages = if total == 0 { kv_pages } else { (kv_pages * mine.n_kv_layers()).div_ceil(total) };
+            self.parts[p].configure(mine, slots, pages)?;
         }
         Ok(())
     }
@@ -297,11 +320,17 @@ impl SeqStore for Split {
     }
 
     fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>> {
-        // Every part holds every layer's pages: the pool is what the tightest part holds.
+        self.check_layout("kv_pages_that_fit", layout)?;
+        // The split's pool, shared out by attention layers (configure): as large as the
+        // tightest part's share allows.
+        let total = layout.n_kv_layers();
         let mut fit: Option<usize> = None;
-        for p in &mut self.parts {
-            if let Some(n) = p.kv_pages_that_fit(layout, slots)? {
-                fit = Some(fit.map_or(n, |f| f.min(n)));
+        for p in 0..self.parts.len() {
+            let mine = self.part_layout(layout, p);
+            let n_kv = mine.n_kv_layers();
+            if let Some(n) = self.parts[p].kv_pages_that_fit(&mine, slots)? {
+                let whole = n.saturating_mul(total).checked_div(n_kv).unwrap_or(usize::MAX);
+                fit = Some(fit.map_or(whole, |f| f.min(whole)));
             }
         }
         Ok(fit)
