@@ -91,7 +91,18 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
         }
     };
     match device {
-        Device::Cpu => Ok(cpu()),
+        Device::Cpu => match split_parts() {
+            Some(n) => {
+                say(host_memory(threads, place, weight_bytes));
+                let cfg = ember_model::Config::from_gguf(place.file)?;
+                let n = n.min(cfg.n_layer);
+                let parts = (0..n).map(|_| Box::new(ember_cpu::backend(precision, threads)) as Box<dyn Ops>).collect();
+                say(format!("device: EMBER_SPLIT_PARTS={n}: the layers in {n} ranges, one CPU backend each"));
+                let layer_part = (0..cfg.n_layer).map(|l| l * n / cfg.n_layer).collect();
+                Ok(Box::new(ember_plan::split::Split::new(parts, layer_part).map_err(|e| anyhow::anyhow!("{e}"))?))
+            }
+            None => Ok(cpu()),
+        },
         Device::Cuda(_) if precision == Precision::BatchInvariant => {
             bail!("--batch-invariant runs on the CPU only (the GPU kernels differ by batch size): use --device cpu")
         }
@@ -107,6 +118,9 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
             let budget = budget_of(g)?;
             if weight_bytes + GPU_HEADROOM <= budget {
                 say(format!("device: cuda:{i} ({}, {} free, budget {})", g.name, gib(g.bytes_free as u64), gib(budget)));
+                if let Some(n) = split_parts() {
+                    return split_one_gpu(g, n, precision, place);
+                }
                 return whole(g, precision, threads, place);
             }
             hybrid(g, budget, precision, threads, place)
@@ -217,6 +231,30 @@ fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place
     let mut h = Hybrid::new(ops, cpu, vec![None; cfg.n_layer], heat, file, opts);
     h.watch_memory(reserve(place)?);
     Ok(Box::new(h))
+}
+
+/// `EMBER_SPLIT_PARTS=N` (N >= 2): run the model as a layer split of N parts
+/// (`ember_plan::split::Split`, each part its own backend with its layers' weights and state):
+/// on the CPU, N CPU backends; on a GPU the whole model fits, N `CudaOps` on it (the code path
+/// of N cards on one, no expert tier). For testing and measuring the split.
+fn split_parts() -> Option<usize> {
+    std::env::var("EMBER_SPLIT_PARTS").ok()?.parse().ok().filter(|&n| n >= 2)
+}
+
+fn split_one_gpu(g: &ember_cuda::DeviceInfo, n: usize, precision: Precision, place: &Placement) -> Result<Box<dyn Ops>> {
+    let cfg = ember_model::Config::from_gguf(place.file)?;
+    let n = n.min(cfg.n_layer);
+    let layer_part: Vec<usize> = (0..cfg.n_layer).map(|l| l * n / cfg.n_layer).collect();
+    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
+    let parts = (0..n)
+        .map(|_| -> Result<Box<dyn Ops>> {
+            let ops =
+                ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+            Ok(Box::new(ops))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    say(format!("device: EMBER_SPLIT_PARTS={n}: the layers in {n} ranges on cuda:{}, one backend each (no expert tier)", g.index));
+    Ok(Box::new(ember_plan::split::Split::new(parts, layer_part).map_err(|e| anyhow::anyhow!("{e}"))?))
 }
 
 /// What a model on the CPU takes of host memory: the weights (`weights` bytes, mapped from the

@@ -688,6 +688,13 @@ pub trait Ops: SeqStore + Send {
     /// The step's logit rows of `x`, in the batch's order.
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor>;
 
+    /// Which weights the next [`Ops::register`] keeps, by id (None: all): a layer split's part
+    /// (`ember_plan::split`) is given every weight and runs only its layers'. A device backend
+    /// uploads only those kept; a host backend, which reads the mapped file, may ignore it.
+    fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
+        let _ = kept;
+    }
+
     /// What the backend's expert tier has done, when it holds only some routed experts on its
     /// device (None: every expert is where the MoE runs, no tier).
     fn expert_stats(&self) -> Option<ExpertStats> {

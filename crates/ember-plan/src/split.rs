@@ -12,8 +12,8 @@
 //! State: a slot or snapshot of the split is one of each part; the batch's slots are
 //! translated for each part. A part's store holds its own layers' state (the others are
 //! [`StateKind::Elsewhere`] there) and its attention layers' share of the KV pool. Every part is
-//! given every weight; a GPU part keeps only its own ([`part_weights`],
-//! `CudaOps::set_weights_kept`), the CPU reads the mapped file.
+//! given every weight and told which are its own ([`Ops::keep_weights`], [`part_weights`]): a
+//! GPU part uploads only those, the CPU reads the mapped file.
 
 use std::sync::Arc;
 
@@ -348,7 +348,8 @@ impl Ops for Split {
 
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
         let part = weight_parts(&weights, &self.layer_part).map_err(|e| self.err("register", 0, "", e))?;
-        for p in &mut self.parts {
+        for (i, p) in self.parts.iter_mut().enumerate() {
+            p.keep_weights(Some(part.iter().map(|&q| q == i).collect()));
             p.register(weights.clone())?;
         }
         self.weight_part = part;

@@ -165,19 +165,15 @@ fn each_part_reads_its_layers_weights() {
 }
 
 /// The same split with GPU parts: two `CudaOps` on GPU 0 (the code path of two cards, on one),
-/// each uploading only its layers' weights, give one `CudaOps`'s logits bit for bit (the same
-/// kernels, the hidden state crossing through host memory). Without an NVIDIA driver it prints
-/// why and passes (CI has no GPU).
+/// each uploading only its layers' weights (`Ops::keep_weights` from `Split::register`), give
+/// one `CudaOps`'s logits bit for bit (the same kernels, the hidden state crossing through host
+/// memory); an op of the other part's layer on a part is an error. Without an NVIDIA driver it
+/// prints why and passes (CI has no GPU).
 #[test]
 fn two_gpu_parts_on_one_gpu_give_one_gpus_logits_bit_for_bit() {
-    let layers = [0, 0, 1, 1];
-    let gpu = |m: &Model, part: Option<usize>| -> Option<Box<dyn Ops>> {
+    let gpu = || -> Option<Box<dyn Ops>> {
         match ember_cuda::CudaOps::with_precision(0, ember_cuda::Precision::Fast) {
-            Ok(mut o) => {
-                o.set_weights_kept(part.map(|p| part_weights(m.weights(), &layers, p).unwrap()));
-                o.register(m.weights().clone()).unwrap();
-                Some(Box::new(o))
-            }
+            Ok(o) => Some(Box::new(o)),
             Err(e) => {
                 println!("skipped: {e}");
                 None
@@ -185,10 +181,15 @@ fn two_gpu_parts_on_one_gpu_give_one_gpus_logits_bit_for_bit() {
         }
     };
     let m = model("Q4_K_M");
-    let Some(mut one) = gpu(&m, None) else { return };
-    let parts = vec![gpu(&m, Some(0)).unwrap(), gpu(&m, Some(1)).unwrap()];
-    let mut s = Split::new(parts, layers.to_vec()).unwrap();
+    let Some(mut one) = gpu() else { return };
+    one.register(m.weights().clone()).unwrap();
+    let mut s = Split::new(vec![gpu().unwrap(), gpu().unwrap()], vec![0, 0, 1, 1]).unwrap();
     s.register(m.weights().clone()).unwrap();
+    // Part 0 did not upload layer 2's weights.
+    let w = m.weights().ids().find(|&id| m.weights().info(id).unwrap().name.starts_with("blk.2.")).unwrap();
+    let x = s.parts_mut()[0].upload(&ember_ops::Mat::zeros(1, m.weights().info(w).unwrap().k)).unwrap();
+    let e = s.parts_mut()[0].matmul(w, x).unwrap_err();
+    assert!(e.to_string().contains("not registered"), "{e}");
     for case in ["p1", "p37", "p130"] {
         let ids = case_ids(case);
         let want = logits(&m, one.as_mut(), &ids);

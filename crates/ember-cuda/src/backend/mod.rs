@@ -360,6 +360,10 @@ impl Ops for CudaOps {
         self.dev
     }
 
+    fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
+        self.set_weights_kept(kept);
+    }
+
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
         // The old set's memory goes first.
         self.weights = DevWeights::empty(self.dev);
