@@ -99,6 +99,22 @@ fn run_is_deterministic_with_a_seed() {
     assert!(String::from_utf8_lossy(&c.stderr).contains("bundled demo"));
 }
 
+/// The model run as a layer split (`EMBER_SPLIT_PARTS`: the layers in ranges, one backend each,
+/// the hidden state crossing between them) says so and writes the same text.
+#[test]
+fn a_layer_split_writes_the_same_text() {
+    let m = path("tiny-a/gguf/tiny-a-Q8_0.gguf");
+    let args = ["run", "-m", &m, "-p", "The quick brown fox", "-n", "24", "--temp", "0", "--device", "cpu", "-t", "1"];
+    let one = ok(&args);
+    for n in ["2", "3"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_ember")).env("EMBER_SPLIT_PARTS", n).args(args).output().expect("run ember");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{err}");
+        assert!(err.contains(&format!("EMBER_SPLIT_PARTS={n}: the layers in {n} ranges")), "{err}");
+        assert_eq!(String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&one.stdout), "{n} parts");
+    }
+}
+
 /// On the CPU a command says what the model and its state take of host memory. tiny-a has 2
 /// attention layers of 2 KV heads × 64: at 4096 tokens (`run` sizes -c + 1) K and V take
 /// 2 × 2 × 4096 rows of 128 values, 256 bytes each in f16 (4 MiB), 136 in q8_0 (2.125 MiB).

@@ -113,8 +113,8 @@ fn a_snapshot_restores_every_parts_state() {
     assert_eq!(st.n_past, 30);
     let again = m.forward(&mut s, &ids[30..], &mut st, all()).unwrap().data;
     assert_eq!(bits(&again), bits(&first));
-    // The attention layer (3) runs on part 1: the KV pool is all there, and in use; part 0 holds
-    // no pages.
+    // The attention layers run on part 1 (part 0 has layer 0 only, a DeltaNet layer): the KV
+    // pool is all there, and in use; part 0 holds no pages.
     let stats = s.store_stats();
     assert_eq!(stats.slots, 2);
     let (p0, p1) = (s.parts_mut()[0].store_stats(), s.parts_mut()[1].store_stats());
