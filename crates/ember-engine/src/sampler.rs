@@ -89,6 +89,126 @@ fn by_logit_desc(a: &Cand, b: &Cand) -> Ordering {
     b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
+/// A candidate ordered worst first (lower logit, then higher id): the root of a max-heap of
+/// these is the worst of the best `k` kept so far.
+#[derive(Debug, Clone, Copy)]
+struct Worst(Cand);
+
+impl PartialEq for Worst {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Worst {}
+
+impl PartialOrd for Worst {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Worst {
+    fn cmp(&self, other: &Self) -> Ordering {
+        by_logit_desc(&self.0, &other.0)
+    }
+}
+
+/// Top-k over a row in id order: a max-heap of the k best by [`by_logit_desc`] whose root is
+/// the worst kept, `n` tokens above `-inf` seen, the first of them.
+struct TopK {
+    heap: std::collections::BinaryHeap<Worst>,
+    k: usize,
+    n: usize,
+    first: u32,
+    /// The worst kept logit once k are kept: nothing below it enters.
+    floor: f32,
+}
+
+impl TopK {
+    fn offer(&mut self, id: u32, logit: f32) {
+        if logit.is_nan() || logit == f32::NEG_INFINITY {
+            return; // -inf or NaN: never drawn
+        }
+        if self.n == 0 {
+            self.first = id;
+        }
+        self.n += 1;
+        if self.heap.len() < self.k {
+            self.heap.push(Worst(Cand { id, logit }));
+        } else if logit >= self.floor {
+            let c = Cand { id, logit };
+            if let Some(mut root) = self.heap.peek_mut()
+                && by_logit_desc(&c, &root.0) == Ordering::Less
+            {
+                *root = Worst(c);
+            }
+        } else {
+            return;
+        }
+        if self.heap.len() == self.k {
+            self.floor = self.heap.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+        }
+    }
+
+    /// `row[from..to]` (no penalised ids among them), 16 at a time: a block whose max is below
+    /// the floor only counts its tokens (the compiler vectorises the max and the count).
+    fn scan(&mut self, row: &[f32], from: usize, to: usize) {
+        let mut at = from;
+        for block in row[from..to].chunks(16) {
+            if self.heap.len() == self.k {
+                let m = block.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                if m < self.floor {
+                    self.n += block.iter().filter(|&&l| l > f32::NEG_INFINITY).count();
+                    at += block.len();
+                    continue;
+                }
+            }
+            for (i, &l) in block.iter().enumerate() {
+                self.offer((at + i) as u32, l);
+            }
+            at += block.len();
+        }
+    }
+}
+
+/// Calls `f(id, logit)` for every id of `row` in order, NaN as `-inf`, with the penalised
+/// logits `pen` (sorted by id, distinct) in place of theirs: one pass, no per-id lookup.
+#[inline]
+fn for_each_logit(row: &[f32], pen: &[(u32, f32)], mut f: impl FnMut(u32, f32)) {
+    let mut at = 0usize;
+    for &(id, v) in pen {
+        plain_logits(row, at, id as usize, &mut f);
+        f(id, v);
+        at = id as usize + 1;
+    }
+    plain_logits(row, at, row.len(), &mut f);
+}
+
+/// `best` = the first of `row[from..to]` above `best.1`, and the highest from there on (NaN
+/// never wins; ties to the lower id): what a loop of `if l > best.1 { best = (i, l) }` leaves,
+/// 16 at a time, each block's max (which the compiler vectorises) against the best so far.
+fn argmax_into(row: &[f32], from: usize, to: usize, best: &mut (u32, f32)) {
+    let mut at = from;
+    for block in row[from..to].chunks(16) {
+        // f32::max skips NaN; an all-NaN block gives -inf.
+        let m = block.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        if m > best.1 {
+            // The block's first element equal to its max: the strict loop's last improvement.
+            let i = block.iter().position(|&l| l == m).unwrap_or(0);
+            *best = ((at + i) as u32, m);
+        }
+        at += block.len();
+    }
+}
+
+#[inline(always)]
+fn plain_logits<F: FnMut(u32, f32)>(row: &[f32], from: usize, to: usize, f: &mut F) {
+    for (i, &l) in row[from..to].iter().enumerate() {
+        f((from + i) as u32, if l.is_nan() { f32::NEG_INFINITY } else { l });
+    }
+}
+
 /// Samples one token per call from a logit row. One per sequence (it owns the RNG state).
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -97,13 +217,24 @@ pub struct Sampler {
     rng: Xoshiro256,
     cands: Vec<Cand>,
     window: Vec<u32>,
+    /// This call's penalised logits: (id, logit after the penalties), sorted by id.
+    pen: Vec<(u32, f32)>,
+    heap: std::collections::BinaryHeap<Worst>,
 }
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Self, Error> {
         cfg.validate()?;
         let seed = cfg.seed.unwrap_or_else(random_seed);
-        Ok(Sampler { cfg, seed, rng: Xoshiro256::new(seed), cands: Vec::new(), window: Vec::new() })
+        Ok(Sampler {
+            cfg,
+            seed,
+            rng: Xoshiro256::new(seed),
+            cands: Vec::new(),
+            window: Vec::new(),
+            pen: Vec::new(),
+            heap: std::collections::BinaryHeap::new(),
+        })
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -117,41 +248,89 @@ impl Sampler {
 
     /// Picks the next token. `history` holds the previous tokens of the sequence (prompt and
     /// generated) for the penalties. NaN logits count as `-inf`; an empty row yields 0.
+    ///
+    /// One pass over the row, with no copy of it, when greedy or `top_k` is on (a 248k-token
+    /// vocabulary is 1 MB a token, which a GPU step of ~3 ms would otherwise wait on): the
+    /// penalties touch only the window's tokens, greedy keeps the best, top-k a heap of k. The
+    /// candidates top-k keeps are sorted by logit (then id), the order the draw walks.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        self.cands.clear();
-        self.cands
-            .extend(logits.iter().enumerate().map(|(i, &l)| Cand { id: i as u32, logit: if l.is_nan() { f32::NEG_INFINITY } else { l } }));
-        self.apply_penalties(history);
-
+        self.penalties(logits, history);
         if self.cfg.temperature <= 0.0 {
-            return argmax(&self.cands);
+            let mut best = (0u32, f32::NEG_INFINITY);
+            let mut at = 0usize;
+            for &(id, v) in &self.pen {
+                argmax_into(logits, at, id as usize, &mut best);
+                if v > best.1 {
+                    best = (id, v);
+                }
+                at = id as usize + 1;
+            }
+            argmax_into(logits, at, logits.len(), &mut best);
+            return best.0;
         }
-        // Tokens at -inf can never be drawn; dropping them keeps the softmax finite.
-        self.cands.retain(|c| c.logit > f32::NEG_INFINITY);
-        if self.cands.len() <= 1 {
-            return self.cands.first().map_or_else(|| Self::greedy(logits), |c| c.id);
+        let k = self.cfg.top_k;
+        if k > 0 {
+            if let Some(only) = self.stream_top_k(logits, k) {
+                return only;
+            }
+        } else {
+            self.cands.clear();
+            // Tokens at -inf can never be drawn; dropping them keeps the softmax finite.
+            let cands = &mut self.cands;
+            for_each_logit(logits, &self.pen, |id, logit| {
+                if logit > f32::NEG_INFINITY {
+                    cands.push(Cand { id, logit });
+                }
+            });
+            if self.cands.len() <= 1 {
+                return self.cands.first().map_or_else(|| Self::greedy(logits), |c| c.id);
+            }
         }
-        self.top_k();
         self.top_p();
         self.min_p();
         self.draw()
     }
 
+    /// The candidates after top-k (`k` > 0) in `cands`: the k largest logits above `-inf`,
+    /// sorted by [`by_logit_desc`], or all of them in id order when there are no more than k.
+    /// Returns the token when one or none is left (as `sample` does before filtering).
+    fn stream_top_k(&mut self, logits: &[f32], k: usize) -> Option<u32> {
+        let mut t = TopK { heap: std::mem::take(&mut self.heap), k, n: 0, first: 0, floor: f32::NEG_INFINITY };
+        t.heap.clear();
+        let mut at = 0usize;
+        for &(id, v) in &self.pen {
+            t.scan(logits, at, id as usize);
+            t.offer(id, v);
+            at = id as usize + 1;
+        }
+        t.scan(logits, at, logits.len());
+        let (n, first) = (t.n, t.first);
+        self.heap = t.heap;
+        if n <= 1 {
+            return Some(if n == 1 { first } else { Self::greedy(logits) });
+        }
+        self.cands.clear();
+        self.cands.extend(self.heap.drain().map(|w| w.0));
+        if n > k {
+            self.cands.sort_unstable_by(by_logit_desc);
+        } else {
+            self.cands.sort_unstable_by_key(|c| c.id);
+        }
+        None
+    }
+
     /// Argmax with NaN as `-inf`; ties go to the lowest id. An empty row yields 0.
     pub fn greedy(logits: &[f32]) -> u32 {
         let mut best = (0u32, f32::NEG_INFINITY);
-        for (i, &l) in logits.iter().enumerate() {
-            if l > best.1 {
-                best = (i as u32, l);
-            }
-        }
+        argmax_into(logits, 0, logits.len(), &mut best);
         best.0
     }
 
-    /// llama.cpp `llama_sampler_penalties_apply`: for each distinct token among the last
-    /// `penalty_last_n` of history, with count n: logit = logit <= 0 ? logit * r : logit / r,
-    /// then logit -= n * frequency + presence.
-    fn apply_penalties(&mut self, history: &[u32]) {
+    /// llama.cpp `llama_sampler_penalties_apply`, into `pen`: for each distinct token among
+    /// the last `penalty_last_n` of history (inside the row), with count n: logit = logit <= 0 ?
+    /// logit * r : logit / r, then logit -= n * frequency + presence (NaN counts as `-inf`).
+    fn penalties(&mut self, row: &[f32], history: &[u32]) {
+        self.pen.clear();
         let c = &self.cfg;
         let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
         if c.penalty_last_n == 0 || off || history.is_empty() {
@@ -160,26 +339,18 @@ impl Sampler {
         self.window.clear();
         self.window.extend_from_slice(&history[history.len().saturating_sub(c.penalty_last_n)..]);
         self.window.sort_unstable();
-        // Candidates are still indexed by id here (penalties run first).
         for run in self.window.chunk_by(|a, b| a == b) {
-            let Some(cand) = self.cands.get_mut(run[0] as usize) else {
+            let Some(&l) = row.get(run[0] as usize) else {
                 continue;
             };
-            if cand.logit <= 0.0 {
-                cand.logit *= c.repeat_penalty;
+            let mut logit = if l.is_nan() { f32::NEG_INFINITY } else { l };
+            if logit <= 0.0 {
+                logit *= c.repeat_penalty;
             } else {
-                cand.logit /= c.repeat_penalty;
+                logit /= c.repeat_penalty;
             }
-            cand.logit -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
-        }
-    }
-
-    /// Keeps the `top_k` largest logits (unordered).
-    fn top_k(&mut self) {
-        let k = self.cfg.top_k;
-        if k > 0 && k < self.cands.len() {
-            self.cands.select_nth_unstable_by(k - 1, by_logit_desc);
-            self.cands.truncate(k);
+            logit -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
+            self.pen.push((run[0], logit));
         }
     }
 
@@ -251,17 +422,6 @@ impl Sampler {
         // Rounding left r >= 0 after the last one: take the last token with mass.
         self.cands.iter().rev().find(|c| c.logit > 0.0).map_or(self.cands[0].id, |c| c.id)
     }
-}
-
-/// Argmax over candidates indexed by id; ties go to the lowest id.
-fn argmax(cands: &[Cand]) -> u32 {
-    let mut best = (0u32, f32::NEG_INFINITY);
-    for c in cands {
-        if c.logit > best.1 {
-            best = (c.id, c.logit);
-        }
-    }
-    best.0
 }
 
 /// A seed from std's per-process random hasher keys (OS entropy) and a counter, so two
@@ -354,6 +514,103 @@ pub fn logprobs_of(row: &[f32], id: u32, k: usize) -> crate::engine::TokenLogpro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// The sampler as one vector of candidates for the whole row (what `sample` did before its
+    /// one-pass paths), with top-k's survivors sorted by logit: the reference the fast paths
+    /// must match token for token, RNG state included.
+    fn sample_reference(s: &mut Sampler, logits: &[f32], history: &[u32]) -> u32 {
+        s.cands.clear();
+        s.cands
+            .extend(logits.iter().enumerate().map(|(i, &l)| Cand { id: i as u32, logit: if l.is_nan() { f32::NEG_INFINITY } else { l } }));
+        let c = s.cfg.clone();
+        let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
+        if c.penalty_last_n > 0 && !off && !history.is_empty() {
+            let mut w = history[history.len().saturating_sub(c.penalty_last_n)..].to_vec();
+            w.sort_unstable();
+            for run in w.chunk_by(|a, b| a == b) {
+                let Some(cand) = s.cands.get_mut(run[0] as usize) else { continue };
+                if cand.logit <= 0.0 {
+                    cand.logit *= c.repeat_penalty;
+                } else {
+                    cand.logit /= c.repeat_penalty;
+                }
+                cand.logit -= run.len() as f32 * c.frequency_penalty + c.presence_penalty;
+            }
+        }
+        if c.temperature <= 0.0 {
+            let mut best = (0u32, f32::NEG_INFINITY);
+            for x in &s.cands {
+                if x.logit > best.1 {
+                    best = (x.id, x.logit);
+                }
+            }
+            return best.0;
+        }
+        s.cands.retain(|x| x.logit > f32::NEG_INFINITY);
+        if s.cands.len() <= 1 {
+            return s.cands.first().map_or_else(|| Sampler::greedy(logits), |x| x.id);
+        }
+        if c.top_k > 0 && c.top_k < s.cands.len() {
+            s.cands.sort_unstable_by(by_logit_desc);
+            s.cands.truncate(c.top_k);
+        }
+        s.top_p();
+        s.min_p();
+        s.draw()
+    }
+
+    /// A nucleus deep in a large row: one token 10 above 100,000 others, whose mass (4.5 of
+    /// 5.5) the 0.9 nucleus needs, with and without a top-k that keeps half the row.
+    #[test]
+    fn a_wide_nucleus_in_a_large_row() {
+        let mut logits = vec![0.0f32; 100_000];
+        logits[777] = 10.0;
+        logits[5] = f32::NAN;
+        for k in [0, 50_000] {
+            let cfg = SamplerConfig { temperature: 1.0, top_k: k, top_p: 0.9, min_p: 0.0, seed: Some(3), ..Default::default() };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
+            let mut tail = 0;
+            for _ in 0..20 {
+                let (x, y) = (a.sample(&logits, &[]), sample_reference(&mut b, &logits, &[]));
+                assert_eq!(x, y, "top_k {k}");
+                tail += usize::from(x != 777);
+            }
+            assert!(tail > 5, "top_k {k}: the nucleus holds the tail ({tail} of 20 drawn there)");
+        }
+    }
+
+    fn row() -> impl Strategy<Value = Vec<f32>> {
+        // Ties, NaN and -inf included; rows of 1 to 400 tokens.
+        prop::collection::vec(prop_oneof![-20.0f32..20.0, Just(5.0f32), Just(-3.0f32), Just(f32::NAN), Just(f32::NEG_INFINITY)], 1..400)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn one_pass_paths_match_the_reference(
+            logits in row(),
+            history in prop::collection::vec(0u32..450, 0..80),
+            seed in any::<u64>(),
+            t in prop_oneof![Just(0.0f32), 0.1f32..2.0],
+            k in prop_oneof![Just(0usize), 1usize..60, Just(1000usize)],
+            top_p in prop_oneof![Just(1.0f32), 0.05f32..1.0],
+            min_p in prop_oneof![Just(0.0f32), 0.0f32..0.5],
+            pen in prop_oneof![Just((1.0f32, 0.0f32, 0.0f32)), (0.5f32..2.0, -1.0f32..1.0, -1.0f32..1.0)],
+        ) {
+            let cfg = SamplerConfig {
+                temperature: t, top_k: k, top_p, min_p,
+                repeat_penalty: pen.0, presence_penalty: pen.1, frequency_penalty: pen.2,
+                penalty_last_n: 64, seed: Some(seed),
+            };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
+            for _ in 0..4 {
+                let (x, y) = (a.sample(&logits, &history), sample_reference(&mut b, &logits, &history));
+                prop_assert_eq!(x, y);
+            }
+        }
+    }
 
     #[test]
     fn xoshiro_reference_vector() {
@@ -372,10 +629,10 @@ mod penalty_tests {
     /// The candidate logits after the penalty stage, by id.
     fn penalised(cfg: SamplerConfig, logits: &[f32], history: &[u32]) -> Vec<f32> {
         let mut s = Sampler::new(cfg).unwrap();
-        s.cands.clear();
-        s.cands.extend(logits.iter().enumerate().map(|(i, &logit)| Cand { id: i as u32, logit }));
-        s.apply_penalties(history);
-        s.cands.iter().map(|c| c.logit).collect()
+        s.penalties(logits, history);
+        let mut out = Vec::new();
+        for_each_logit(logits, &s.pen, |_, l| out.push(l));
+        out
     }
 
     fn cfg(repeat: f32, presence: f32, frequency: f32, last_n: usize) -> SamplerConfig {
