@@ -89,6 +89,33 @@ fn by_logit_desc(a: &Cand, b: &Cand) -> Ordering {
     b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
+/// Sorts `cands` lazily (64, then x4 at a time: select, then sort the new block) while summing
+/// `exp(logit − max)` in that order; truncates after the token where the sum reaches `target`
+/// and returns true, or returns false with all of them sorted.
+fn lazy_nucleus(cands: &mut Vec<Cand>, max: f32, target: f64) -> bool {
+    let n = cands.len();
+    let (mut sorted, mut cum) = (0usize, 0.0f64);
+    let mut want = 64.min(n);
+    while sorted < n {
+        let rest = &mut cands[sorted..];
+        let block = want - sorted;
+        if block < rest.len() {
+            rest.select_nth_unstable_by(block - 1, by_logit_desc);
+        }
+        rest[..block].sort_unstable_by(by_logit_desc);
+        for i in sorted..want {
+            cum += f64::from((cands[i].logit - max).exp());
+            if cum >= target {
+                cands.truncate(i + 1);
+                return true;
+            }
+        }
+        sorted = want;
+        want = (want * 4).min(n);
+    }
+    false
+}
+
 /// A candidate ordered worst first (lower logit, then higher id): the root of a max-heap of
 /// these is the worst of the best `k` kept so far.
 #[derive(Debug, Clone, Copy)]
@@ -220,6 +247,8 @@ pub struct Sampler {
     /// This call's penalised logits: (id, logit after the penalties), sorted by id.
     pen: Vec<(u32, f32)>,
     heap: std::collections::BinaryHeap<Worst>,
+    /// top-p's candidates in the bins near the max.
+    band: Vec<Cand>,
 }
 
 impl Sampler {
@@ -234,6 +263,7 @@ impl Sampler {
             window: Vec::new(),
             pen: Vec::new(),
             heap: std::collections::BinaryHeap::new(),
+            band: Vec::new(),
         })
     }
 
@@ -355,40 +385,58 @@ impl Sampler {
     }
 
     /// llama.cpp `llama_sampler_top_p_apply`: softmax over the current candidates, keep the
-    /// sorted prefix up to and including the token where the cumulative mass reaches `top_p`.
-    /// The prefix is sorted lazily (grown x4 at a time) instead of sorting the vocabulary.
+    /// sorted prefix up to and including the token where the cumulative mass reaches `top_p`
+    /// (all of them, sorted, when rounding keeps it from getting there). The prefix is sorted
+    /// lazily ([`lazy_nucleus`]). A long row (no top-k: the whole vocabulary) first sums its
+    /// mass into bins of logit below the max, and sorts only the bins that reach the target
+    /// and one more: they hold the row's sorted prefix (a bin's tokens are above every later
+    /// bin's), so the result is the same, without selecting over 248k candidates.
     fn top_p(&mut self) {
+        const BINS: usize = 1024;
+        const SPAN: f32 = 32.0;
         let p = self.cfg.top_p;
         if p >= 1.0 {
             return;
         }
         let max = self.cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.logit));
-        let total: f64 = self.cands.iter().map(|c| f64::from((c.logit - max).exp())).sum();
-        let target = f64::from(p) * total;
-        let n = self.cands.len();
-        let (mut sorted, mut cum) = (0usize, 0.0f64);
-        let mut want = 64.min(n);
-        loop {
-            // Sort candidates [sorted..want) into place: select then sort the new block.
-            let rest = &mut self.cands[sorted..];
-            let block = want - sorted;
-            if block < rest.len() {
-                rest.select_nth_unstable_by(block - 1, by_logit_desc);
-            }
-            rest[..block].sort_unstable_by(by_logit_desc);
-            for i in sorted..want {
-                cum += f64::from((self.cands[i].logit - max).exp());
-                if cum >= target {
-                    self.cands.truncate(i + 1);
-                    return;
-                }
-            }
-            if want == n {
-                return; // rounding: the mass never quite reached target; keep everything
-            }
-            sorted = want;
-            want = (want * 4).min(n);
+        if self.cands.len() <= 4096 || !max.is_finite() {
+            let total: f64 = self.cands.iter().map(|c| f64::from((c.logit - max).exp())).sum();
+            lazy_nucleus(&mut self.cands, max, f64::from(p) * total);
+            return;
         }
+        // Bin b holds logits with (max − logit)·BINS/SPAN in [b, b + 1); the last, all below.
+        let bin = |l: f32| {
+            let x = (max - l) * (BINS as f32 / SPAN);
+            if x < BINS as f32 { x as usize } else { BINS }
+        };
+        let mut mass = [0f64; BINS + 1];
+        // The total in the candidates' order, as the short path sums it (the same target).
+        let mut total = 0.0f64;
+        for c in &self.cands {
+            let w = f64::from((c.logit - max).exp());
+            total += w;
+            mass[bin(c.logit)] += w;
+        }
+        let target = f64::from(p) * total;
+        let mut acc = 0.0f64;
+        let last = mass.iter().position(|&w| {
+            acc += w;
+            acc >= target
+        });
+        if let Some(j) = last.map(|j| j + 1).filter(|&j| j < BINS) {
+            let mut band = std::mem::take(&mut self.band);
+            band.clear();
+            band.extend(self.cands.iter().filter(|c| bin(c.logit) <= j));
+            let reached = lazy_nucleus(&mut band, max, target);
+            if reached {
+                std::mem::swap(&mut self.cands, &mut band);
+            }
+            self.band = band;
+            if reached {
+                return;
+            }
+        }
+        lazy_nucleus(&mut self.cands, max, target);
     }
 
     /// llama.cpp `llama_sampler_min_p_apply`: keep logits >= max + ln(min_p).
@@ -555,7 +603,12 @@ mod tests {
             s.cands.sort_unstable_by(by_logit_desc);
             s.cands.truncate(c.top_k);
         }
-        s.top_p();
+        // top-p as it was: the whole list sorted lazily.
+        if c.top_p < 1.0 {
+            let max = s.cands.iter().fold(f32::NEG_INFINITY, |m, x| m.max(x.logit));
+            let total: f64 = s.cands.iter().map(|x| f64::from((x.logit - max).exp())).sum();
+            lazy_nucleus(&mut s.cands, max, f64::from(c.top_p) * total);
+        }
         s.min_p();
         s.draw()
     }
@@ -583,6 +636,39 @@ mod tests {
     fn row() -> impl Strategy<Value = Vec<f32>> {
         // Ties, NaN and -inf included; rows of 1 to 400 tokens.
         prop::collection::vec(prop_oneof![-20.0f32..20.0, Just(5.0f32), Just(-3.0f32), Just(f32::NAN), Just(f32::NEG_INFINITY)], 1..400)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// Rows long enough for top-p's bins (more than 4096 candidates), spread over a range
+        /// wider than the bins' 32 and with runs of equal logits.
+        #[test]
+        fn long_rows_match_the_reference(
+            spread in 1.0f32..80.0,
+            len in 4097usize..20_000,
+            seed in any::<u64>(),
+            top_p in 0.05f32..0.999,
+            min_p in prop_oneof![Just(0.0f32), 0.0f32..0.2],
+            t in 0.2f32..2.0,
+        ) {
+            let mut x = seed | 1;
+            let logits: Vec<f32> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let u = (x >> 11) as f32 / (1u64 << 53) as f32;
+                    // A quarter of the row on a few shared values (ties).
+                    if x % 4 == 0 { (x % 7) as f32 } else { u * spread - spread / 2.0 }
+                })
+                .collect();
+            let cfg = SamplerConfig { temperature: t, top_k: 0, top_p, min_p, seed: Some(seed), ..Default::default() };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
+            for _ in 0..3 {
+                prop_assert_eq!(a.sample(&logits, &[]), sample_reference(&mut b, &logits, &[]));
+            }
+        }
     }
 
     proptest! {
