@@ -42,4 +42,13 @@ fn main() {
         let us = t0.elapsed().as_secs_f64() * 1e6 / n as f64;
         println!("sample, vocab {vocab}, {name}: {us:.1} us a call (checksum {sink})");
     }
+    // What a request with `logprobs` adds a token (top 5 alternatives).
+    let n = 50;
+    let t0 = Instant::now();
+    let mut sink = 0.0f64;
+    for i in 0..n {
+        let lp = ember_engine::sampler::logprobs_of(&logits, (i * 31) as u32, 5);
+        sink += f64::from(lp.logprob) + lp.top.iter().map(|t| f64::from(t.1)).sum::<f64>();
+    }
+    println!("logprobs_of, vocab {vocab}, top 5: {:.1} us a call (checksum {sink:.3})", t0.elapsed().as_secs_f64() * 1e6 / n as f64);
 }
