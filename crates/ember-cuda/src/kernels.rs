@@ -14,6 +14,7 @@ const DEQUANT: &str = include_str!("../kernels/dequant.cuh");
 const MMA: &str = include_str!("../kernels/mma.cuh");
 const Q8: &str = include_str!("../kernels/q8.cuh");
 const ATTN: &str = include_str!("../kernels/attention.cuh");
+const MOE_H: &str = include_str!("../kernels/moe.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -53,7 +54,8 @@ kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
 kernel!(DELTA_CHUNKED, "delta_chunked");
-kernel!(MOE, "moe", DEQUANT, MMA, Q8);
+kernel!(MOE, "moe", DEQUANT, MMA, Q8, MOE_H);
+kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
@@ -77,6 +79,7 @@ pub static ALL: &[&Kernel] = &[
     &DELTA_RULE,
     &DELTA_CHUNKED,
     &MOE,
+    &MOE_MMA8,
     &MOE_SHARED,
     &MAILBOX,
     &KV_APPEND,

@@ -6,7 +6,7 @@ use super::matmul::{Precision, type_suffix};
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::{MOE, MOE_SHARED};
+use crate::kernels::{MOE, MOE_MMA8, MOE_SHARED};
 use crate::ops::DeviceWeight;
 
 const OP: &str = "moe";
@@ -182,7 +182,7 @@ struct MoeMma8Params {
     xq: u64,
 }
 
-// SAFETY: plain #[repr(C)] data matching `MoeMma8Params` in kernels/moe.cu (MoeMmaParams is 128
+// SAFETY: plain #[repr(C)] data matching `MoeMma8Params` in kernels/moe_mma8.cu (MoeMmaParams is 128
 // bytes: no padding before `xq`).
 unsafe impl DeviceRepr for MoeMma8Params {}
 
@@ -206,14 +206,14 @@ pub enum DownForm {
     Int8,
 }
 
-/// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe.cu MOE8_ROWS).
+/// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe_mma8.cu MOE8_ROWS).
 const MOE8_ROWS: usize = 64;
 /// The most (token, slot) pairs an expert on average for which [`Gpu::moe_mma`] takes the int8
 /// gate/up: above it the f16 tiles were faster (35B-A3B, 256 experts x 8 slots, H100,
 /// `bench/results/20261205-1750-h100-moe-int8/`: pp512 (16 a expert) +8 %, pp2048 (64) even,
 /// pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens 2.54 against 2.39 ms).
 const MOE8_MAX_PAIRS: usize = 32;
-/// Down rows a block of `moe_mma8_down_<type>` (kernels/moe.cu MOE8D_ROWS).
+/// Down rows a block of `moe_mma8_down_<type>` (kernels/moe_mma8.cu MOE8D_ROWS).
 const MOE8D_ROWS: usize = 128;
 
 /// Pairs per tensor-core tile of the grouped MoE (`MOE_BM` in kernels/moe.cu).
@@ -371,7 +371,7 @@ impl Gpu {
         let f_plan = self.function(&MOE, "moe_plan")?;
         let int8 = form == GateUpForm::Int8 && e.gate.ty == GgmlType::Q4K && d.is_multiple_of(256) && n_ff.is_multiple_of(MOE8_ROWS);
         let f_gu = match int8 {
-            true => self.function(&MOE, "moe_mma8_gate_up_q4_k")?,
+            true => self.function(&MOE_MMA8, "moe_mma8_gate_up_q4_k")?,
             false => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
         };
         let int8_down = down == DownForm::Int8
@@ -389,7 +389,7 @@ impl Gpu {
         }
         let q8 = MoeMma8Params { q, xq };
         let f_dn = match int8_down {
-            true => self.function(&MOE, &format!("moe_mma8_down_{dn}"))?,
+            true => self.function(&MOE_MMA8, &format!("moe_mma8_down_{dn}"))?,
             false => self.function(&MOE, &format!("moe_mma_down_{dn}"))?,
         };
         let f_sum = self.function(&MOE, "moe_combine")?;
