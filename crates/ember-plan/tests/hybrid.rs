@@ -8,19 +8,20 @@
 //! * a prompt whose missing experts are uploaded for the batch gives the all-GPU logits bit for
 //!   bit (the kernels sum each token's experts in routing order, wherever their rows sit).
 //!
-//! With no NVIDIA driver the tests print why and pass (CI has no GPU). Fixture paths resolve
-//! from the working directory first (`tests/fixtures/...`), then from the build tree.
+//! With no NVIDIA driver the tests print why and pass (CI has no GPU). The fixtures and the
+//! runs of them are `common`'s (paths by `ember_testkit::fixture`).
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use ember_cuda::ops::MOE_MISS;
 use ember_cuda::{CudaOps, Gpu, Precision as CudaPrecision};
-use ember_gguf::GgufFile;
-use ember_model::{DeltaMode, Forward, Logits, Model};
+use ember_model::{Forward, Logits, Model};
 use ember_ops::{ExpertId, KvType, LayerIdx, Ops};
 use ember_plan::hybrid::{Hybrid, MissPath, TierOptions};
 use ember_plan::tier::HeatMap;
+
+mod common;
+use common::{case_ids, greedy, logits, model};
 use ember_testkit::{LogitStats, RefTensor};
 
 /// One GPU test at a time (they share the device's memory).
@@ -34,43 +35,6 @@ fn gpu_lock() -> Option<MutexGuard<'static, ()>> {
             None
         }
     }
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    let local = PathBuf::from("tests/fixtures").join(rel);
-    if local.exists() { local } else { ember_testkit::fixture(rel) }
-}
-
-fn case_ids(name: &str) -> Vec<u32> {
-    let c: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture("tiny-a/cases.json")).unwrap()).unwrap();
-    let entry = c["cases"].get(name).or_else(|| c["greedy"].get(name)).unwrap_or_else(|| panic!("no case {name}"));
-    entry["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
-}
-
-fn model(q: &str) -> Model {
-    let f = Arc::new(GgufFile::open(fixture(&format!("tiny-a/gguf/tiny-a-{q}.gguf"))).unwrap());
-    Model::load(f, |_, _| {}).unwrap()
-}
-
-fn logits(m: &Model, ops: &mut dyn Ops, ids: &[u32]) -> Vec<f32> {
-    m.configure_store(ops, KvType::F32, 1, ids.len() + 64, 0).unwrap();
-    let mut st = m.new_state(ops, ids.len() + 64).unwrap();
-    let opts = Forward { logits: Some(Logits::All), delta: DeltaMode::Auto, ..Default::default() };
-    m.forward(ops, ids, &mut st, opts).unwrap().data
-}
-
-fn greedy(m: &Model, ops: &mut dyn Ops, ids: &[u32], n: usize) -> Vec<u32> {
-    m.configure_store(ops, KvType::F32, 1, ids.len() + n + 8, 0).unwrap();
-    let mut st = m.new_state(ops, ids.len() + n + 8).unwrap();
-    let last = || Forward { logits: Some(Logits::Last), ..Default::default() };
-    let mut l = m.forward(ops, ids, &mut st, last()).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let t = ember_testkit::argmax(l.data.iter().map(|&x| x as f64)) as u32;
-        out.push(t);
-        l = m.forward(ops, &[t], &mut st, last()).unwrap();
-    }
-    out
 }
 
 fn gpu(m: &Model, p: CudaPrecision, resident: Option<Vec<Option<Vec<u16>>>>) -> CudaOps {

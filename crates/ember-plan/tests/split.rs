@@ -4,29 +4,12 @@
 //! backend's bit for bit, for prompts, greedy decoding and a snapshot restored; bad splits and
 //! handles of another store are errors.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
-use ember_gguf::GgufFile;
-use ember_model::{DeltaMode, Forward, Logits, Model};
+use ember_model::{Forward, Logits, Model};
 use ember_ops::{KvType, Ops, SeqStore};
 use ember_plan::split::{Split, part_weights};
 
-fn fixture(rel: &str) -> PathBuf {
-    let local = PathBuf::from("tests/fixtures").join(rel);
-    if local.exists() { local } else { ember_testkit::fixture(rel) }
-}
-
-fn case_ids(name: &str) -> Vec<u32> {
-    let c: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture("tiny-a/cases.json")).unwrap()).unwrap();
-    let entry = c["cases"].get(name).or_else(|| c["greedy"].get(name)).unwrap_or_else(|| panic!("no case {name}"));
-    entry["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
-}
-
-fn model(q: &str) -> Model {
-    let f = Arc::new(GgufFile::open(fixture(&format!("tiny-a/gguf/tiny-a-{q}.gguf"))).unwrap());
-    Model::load(f, |_, _| {}).unwrap()
-}
+mod common;
+use common::{case_ids, greedy, logits, model};
 
 fn cpu(m: &Model, p: ember_cpu::Precision) -> Box<dyn Ops> {
     let mut o = Box::new(ember_cpu::backend(p, 1));
@@ -40,27 +23,6 @@ fn split(m: &Model, p: ember_cpu::Precision, layer_part: &[usize]) -> Split {
     let mut s = Split::new(parts, layer_part.to_vec()).unwrap();
     s.register(m.weights().clone()).unwrap();
     s
-}
-
-fn logits(m: &Model, ops: &mut dyn Ops, ids: &[u32]) -> Vec<f32> {
-    m.configure_store(ops, KvType::F32, 1, ids.len() + 64, 0).unwrap();
-    let mut st = m.new_state(ops, ids.len() + 64).unwrap();
-    let opts = Forward { logits: Some(Logits::All), delta: DeltaMode::Auto, ..Default::default() };
-    m.forward(ops, ids, &mut st, opts).unwrap().data
-}
-
-fn greedy(m: &Model, ops: &mut dyn Ops, ids: &[u32], n: usize) -> Vec<u32> {
-    m.configure_store(ops, KvType::F32, 1, ids.len() + n + 8, 0).unwrap();
-    let mut st = m.new_state(ops, ids.len() + n + 8).unwrap();
-    let last = || Forward { logits: Some(Logits::Last), ..Default::default() };
-    let mut l = m.forward(ops, ids, &mut st, last()).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let t = ember_testkit::argmax(l.data.iter().map(|&x| x as f64)) as u32;
-        out.push(t);
-        l = m.forward(ops, &[t], &mut st, last()).unwrap();
-    }
-    out
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
