@@ -128,8 +128,7 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     }
 
     fn expert_layer_stats(&self) -> Vec<(String, u16, u64, u64)> {
-        let dev = self.ops.device().to_string();
-        self.ops.expert_layer_stats().into_iter().map(|(l, h, m)| (dev.clone(), l.0, h, m)).collect()
+        self.ops.expert_layer_stats().into_iter().map(|(l, h, m)| (self.ops.layer_device(l).to_string(), l.0, h, m)).collect()
     }
 
     fn pages_for(&self, from: usize, to: usize) -> usize {

@@ -366,6 +366,7 @@ impl<K: HostKernels> Ops for HostBackend<K> {
 }
 
 /// A backend chosen at run time (`--device`) is a `Box<dyn Ops>`: it forwards every call.
+#[deny(clippy::missing_trait_methods)]
 impl<T: SeqStore + ?Sized> SeqStore for Box<T> {
     fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
         (**self).configure(layout, slots, kv_pages)
@@ -396,6 +397,9 @@ impl<T: SeqStore + ?Sized> SeqStore for Box<T> {
     }
 }
 
+// Every method forwards, the trait's defaults too (a default left out would run the default
+// on a boxed backend that overrides it: a split's parts are boxed).
+#[deny(clippy::missing_trait_methods)]
 impl<T: Ops + ?Sized> Ops for Box<T> {
     fn name(&self) -> &'static str {
         (**self).name()
@@ -483,5 +487,11 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
         (**self).expert_layer_stats()
+    }
+    fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
+        (**self).keep_weights(kept)
+    }
+    fn layer_device(&self, layer: LayerIdx) -> DeviceId {
+        (**self).layer_device(layer)
     }
 }

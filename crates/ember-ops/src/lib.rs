@@ -706,6 +706,12 @@ pub trait Ops: SeqStore + Send {
     fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
         Vec::new()
     }
+
+    /// The device that runs `layer` (a layer split's part for it; else this backend's).
+    fn layer_device(&self, layer: LayerIdx) -> DeviceId {
+        let _ = layer;
+        self.device()
+    }
 }
 
 /// The op set on host matrices, with state passed in: what a host backend's kernels implement

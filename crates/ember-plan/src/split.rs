@@ -593,4 +593,11 @@ impl Ops for Split {
     fn expert_layer_stats(&self) -> Vec<(LayerIdx, u64, u64)> {
         self.parts.iter().flat_map(|p| p.expert_layer_stats()).collect()
     }
+
+    fn layer_device(&self, layer: LayerIdx) -> DeviceId {
+        match self.layer_part.get(layer.index()) {
+            Some(&p) => self.parts[p].device(),
+            None => self.device(),
+        }
+    }
 }
