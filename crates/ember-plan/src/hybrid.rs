@@ -33,6 +33,11 @@
 //!   enters it at the first step end that sees its copies done, and runs on the CPU until then.
 //! * The heat is saved to the heat file (see [`crate::tier::default_heat_path`]) every
 //!   [`SAVE_EVERY`] and when the backend is dropped; the next run's plan starts from it.
+//! * As one part of a layer split over several GPUs ([`crate::split::Split`], which gives each
+//!   part its own layers' weights through [`Ops::keep_weights`]), a Hybrid owns the layers whose
+//!   experts it was given: the tier moves, evicts and regrows only those, its heat counts only
+//!   their routing, and it saves its rows into the heat file beside the other parts' (see
+//!   [`resident_lists_on`]). Memory pressure on its GPU evicts there only.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -189,6 +194,11 @@ pub struct Hybrid {
     posted: Vec<Posted>,
     /// The newest generation whose timed-out waits have been reported.
     timeouts_seen: u32,
+    /// Which weights the GPU keeps ([`Ops::keep_weights`]; None: all).
+    kept: Option<Vec<bool>>,
+    /// Per layer, whether its experts are this GPU's to place (set at `register` from `kept`:
+    /// a layer whose MoE weights another part of a split keeps is not; empty: every layer is).
+    owned: Vec<bool>,
 }
 
 /// One line on stderr: through the log when `serve` has set one up, else plainly.
@@ -221,6 +231,37 @@ pub fn resident_lists(plan: &Plan) -> Result<Vec<Option<Vec<u16>>>, String> {
         .collect())
 }
 
+/// Per layer, the experts a plan puts on `plan.devices[d]`, for that device's part of a layer
+/// split ([`crate::split::Split`] of one Hybrid per GPU): for the device's own layers the list
+/// of its experts there (None when all of them), for every other layer None (that part's
+/// weights are not this one's: [`Ops::keep_weights`] leaves them out, and the Hybrid does not
+/// place their experts). An error when `d` has no layers, or when a layer's trunk is on no GPU.
+pub fn resident_lists_on(plan: &Plan, d: usize) -> Result<Vec<Option<Vec<u16>>>, String> {
+    if let Some(l) = plan.layer_home.iter().position(|h| *h == Home::Host) {
+        let on_gpus = plan.layer_home.iter().filter(|h| **h != Home::Host).count();
+        return Err(format!(
+            "the plan keeps layer {l}'s trunk off the GPUs ({on_gpus} of {} layers fit): give the GPUs more memory or run on the CPU",
+            plan.layer_home.len()
+        ));
+    }
+    let dev = plan.devices.get(d).ok_or_else(|| format!("the plan has no device {d}"))?;
+    if dev.layers.is_empty() {
+        return Err(format!("the plan gives {} (device {d}) no layers", dev.name));
+    }
+    Ok(plan
+        .expert_home
+        .iter()
+        .enumerate()
+        .map(|(l, row)| {
+            if plan.layer_home[l] != Home::Device(d) {
+                return None;
+            }
+            let on: Vec<u16> = (0..row.len()).filter(|&e| row[e] == Home::Device(d)).map(|e| e as u16).collect();
+            if on.len() == row.len() { None } else { Some(on) }
+        })
+        .collect())
+}
+
 impl Hybrid {
     /// Wraps `gpu` (not registered yet): `resident` as for [`CudaOps::set_resident_experts`],
     /// `cpu` computes the misses, `heat` is the tier's starting heat (from the heat file, or
@@ -243,6 +284,8 @@ impl Hybrid {
             boxes: Vec::new(),
             posted: Vec::new(),
             timeouts_seen: 0,
+            kept: None,
+            owned: Vec::new(),
             gpu,
             cpu,
             host,
@@ -319,17 +362,29 @@ impl Hybrid {
         self.gpu.slot_experts(layer).map(<[u16]>::to_vec)
     }
 
+    /// Whether layer `l`'s experts are this GPU's to place (see the module docs).
+    fn owns(&self, l: usize) -> bool {
+        self.owned.get(l).copied().unwrap_or(true)
+    }
+
     /// Writes the heat file now (no-op without one, or before any routing was counted: a run
-    /// that held every expert on the GPU learns nothing to keep).
+    /// that held every expert on the GPU learns nothing to keep). A part of a split writes its
+    /// own layers' rows and keeps the file's rows of the others (the other parts').
     pub fn save_heat(&mut self) -> Result<(), String> {
         self.saved = Instant::now();
         if self.heat.tokens() == 0 || !self.partial.iter().any(|p| *p) {
             return Ok(());
         }
-        match &self.file {
-            Some(f) => self.heat.save(&f.path, &f.model_key).map_err(|e| e.to_string()),
-            None => Ok(()),
+        let Some(f) = &self.file else { return Ok(()) };
+        if self.owned.iter().all(|o| *o) {
+            return self.heat.save(&f.path, &f.model_key).map_err(|e| e.to_string());
         }
+        let (n_layer, n_expert) = (self.heat.n_layer(), self.heat.n_expert());
+        let mut merged = self.heat.clone();
+        if let Ok(theirs) = HeatMap::load(&f.path, &f.model_key, n_layer, n_expert, self.heat.half_life()) {
+            merged.take_rows(&theirs, |l| !self.owns(l));
+        }
+        merged.save(&f.path, &f.model_key).map_err(|e| e.to_string())
     }
 
     /// Counts a layer's routed pairs for the stats: `n_miss` of `n` not resident.
@@ -380,7 +435,7 @@ impl Hybrid {
         // step's kernels); the others stay misses until a later step sees them done.
         self.gpu.finish_uploads(false)?;
         let mut swaps = Vec::new();
-        for (l, _) in self.partial.iter().enumerate().filter(|(_, p)| **p) {
+        for (l, _) in self.partial.iter().enumerate().filter(|(l, p)| **p && self.owns(*l)) {
             let layer = LayerIdx(l as u16);
             let (Some(slots), Some(experts)) = (self.gpu.expert_slots(layer), self.gpu.slot_experts(layer)) else { continue };
             // Slots and experts with an upload on its way are neither candidates nor evictable.
@@ -481,12 +536,23 @@ impl Ops for Hybrid {
     fn device(&self) -> DeviceId {
         self.gpu.device()
     }
+    fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
+        self.gpu.set_weights_kept(kept.clone());
+        self.kept = kept;
+    }
     /// Uploads the trunk and the resident experts, hottest first in each layer. When the GPU
     /// has less memory than the plan counted on (another process took some since), it starts
     /// smaller: each failed try keeps 3/4 of every layer's experts, the coldest going.
     fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
         self.drain()?;
         self.host.set(weights.clone());
+        let n_layer = self.resident.len().max(self.heat.n_layer());
+        self.owned = (0..n_layer)
+            .map(|l| match (&self.kept, weights.moe(LayerIdx(l as u16))) {
+                (Some(k), Some(m)) => k.get(m.down.index()).copied().unwrap_or(true),
+                _ => true,
+            })
+            .collect();
         for (l, list) in self.resident.iter_mut().enumerate() {
             if let Some(list) = list {
                 list.sort_by(|a, b| self.heat.get(l, *b as usize).total_cmp(&self.heat.get(l, *a as usize)).then(a.cmp(b)));
@@ -499,7 +565,8 @@ impl Ops for Hybrid {
                 Ok(()) => break,
                 Err(e) if tries < 4 && e.to_string().contains("out of memory") => {
                     tries += 1;
-                    for (l, list) in self.resident.iter_mut().enumerate() {
+                    let owned = self.owned.clone();
+                    for (l, list) in self.resident.iter_mut().enumerate().filter(|(l, _)| owned.get(*l).copied().unwrap_or(true)) {
                         let all = || -> Vec<u16> {
                             let n = weights.moe(LayerIdx(l as u16)).map_or(0, |m| m.n_expert);
                             let mut v: Vec<u16> = (0..n as u16).collect();
@@ -739,5 +806,33 @@ mod tests {
         let p = plan(&sizes(), &[Budget { device: 0, name: "g".into(), bytes: 250 }], None, Options { compute_bytes: 0 }).unwrap();
         let e = resident_lists(&p).unwrap_err();
         assert!(e.contains("layer") && e.contains("of 3 layers fit"), "{e}");
+    }
+
+    /// Two GPUs: each part's lists name its own layers' experts and leave the other part's
+    /// layers alone (None, their weights not the part's).
+    #[test]
+    fn resident_lists_on_each_device_cover_its_own_layers() {
+        let budgets = |a: u64, b: u64| [Budget { device: 0, name: "a".into(), bytes: a }, Budget { device: 1, name: "b".into(), bytes: b }];
+        // Room for 2 layers' trunks + 2 experts on a, 1 trunk + 3 experts on b.
+        let p = plan(&sizes(), &budgets(220, 130), None, Options { compute_bytes: 0 }).unwrap();
+        assert_eq!(p.layer_home, vec![Home::Device(0), Home::Device(0), Home::Device(1)]);
+        let a = resident_lists_on(&p, 0).unwrap();
+        let b = resident_lists_on(&p, 1).unwrap();
+        assert_eq!(a[2], None, "layer 2 is b's");
+        assert_eq!(b[0], None);
+        assert_eq!(b[1], None);
+        assert_eq!(a[0].as_ref().map(Vec::len).unwrap_or(4) + a[1].as_ref().map(Vec::len).unwrap_or(4), 2, "{a:?}");
+        assert_eq!(b[2].as_ref().map(Vec::len), Some(3), "{b:?}");
+        for (l, list) in a.iter().chain(&b).enumerate().filter_map(|(i, x)| x.as_ref().map(|x| (i % 3, x))) {
+            assert!(list.iter().all(|&e| p.expert_home[l][e as usize] != Home::Host), "layer {l}: {list:?}");
+        }
+        // Everything fits: no lists; a device with no layers or a trunk on the host: errors.
+        let p = plan(&sizes(), &budgets(1000, 1000), None, Options { compute_bytes: 0 }).unwrap();
+        assert!(resident_lists_on(&p, 0).unwrap().iter().all(Option::is_none));
+        let p = plan(&sizes(), &budgets(1000, 0), None, Options { compute_bytes: 0 }).unwrap();
+        assert!(resident_lists_on(&p, 1).unwrap_err().contains("no layers"));
+        let p = plan(&sizes(), &budgets(120, 110), None, Options { compute_bytes: 0 }).unwrap();
+        let e = resident_lists_on(&p, 0).unwrap_err();
+        assert!(e.contains("off the GPUs") && e.contains("2 of 3 layers fit"), "{e}");
     }
 }

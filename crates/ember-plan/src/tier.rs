@@ -79,6 +79,25 @@ impl HeatMap {
         }
     }
 
+    pub fn half_life(&self) -> f64 {
+        self.half_life
+    }
+
+    /// Replaces the rows of the layers `take` picks with `other`'s (the same shape; another
+    /// part of a layer split counted those), and keeps the larger token count. A map of
+    /// another shape changes nothing.
+    pub fn take_rows(&mut self, other: &HeatMap, take: impl Fn(usize) -> bool) {
+        if (other.n_layer, other.n_expert) != (self.n_layer, self.n_expert) {
+            return;
+        }
+        for l in (0..self.n_layer).filter(|&l| take(l)) {
+            for e in 0..self.n_expert {
+                self.counts[l * self.n_expert + e] = other.get(l, e) * self.scale;
+            }
+        }
+        self.tokens = self.tokens.max(other.tokens);
+    }
+
     pub fn get(&self, layer: usize, expert: usize) -> f64 {
         self.counts[layer * self.n_expert + expert] / self.scale
     }
@@ -338,6 +357,28 @@ mod tests {
         let b = vec![Budget { device: 0, name: "a".into(), bytes: 280 }, Budget { device: 1, name: "b".into(), bytes: 280 }];
         let p = plan(&s, &b, None, Options { compute_bytes: 0 }).unwrap();
         (s, p)
+    }
+
+    /// A split's parts each count their own layers: one part's rows taken into another's map
+    /// give the map of both, whatever each map's lazy scale.
+    #[test]
+    fn rows_taken_from_another_parts_map_keep_both_parts_counts() {
+        let mut a = HeatMap::new(3, 2, 10.0);
+        let mut b = HeatMap::new(3, 2, 10.0);
+        a.record(0, &[1, 1]).unwrap();
+        a.advance(30); // a's scale is 8, b's 1
+        b.record(2, &[0]).unwrap();
+        b.record(0, &[0]).unwrap(); // b's row 0 is not b's to give
+        b.advance(5);
+        a.take_rows(&b, |l| l == 2);
+        assert!((a.get(0, 1) - 2.0 / 8.0).abs() < 1e-12, "a keeps its own row");
+        assert_eq!(a.get(0, 0), 0.0);
+        assert!((a.get(2, 0) - b.get(2, 0)).abs() < 1e-12 && b.get(2, 0) > 0.7, "b's row 2: {}", a.get(2, 0));
+        assert_eq!(a.tokens(), 30);
+        // Another shape changes nothing.
+        let before = a.clone();
+        a.take_rows(&HeatMap::new(2, 2, 10.0), |_| true);
+        assert_eq!(a, before);
     }
 
     #[test]

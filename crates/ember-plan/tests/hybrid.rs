@@ -6,7 +6,9 @@
 //!   layer 3 one) give the all-GPU logits within the GPU-vs-CPU kernel bounds, and the same
 //!   greedy continuations for 32 tokens while the tier moves experts between steps;
 //! * a prompt whose missing experts are uploaded for the batch gives the all-GPU logits bit for
-//!   bit (the kernels sum each token's experts in routing order, wherever their rows sit).
+//!   bit (the kernels sum each token's experts in routing order, wherever their rows sit);
+//! * a layer split of two Hybrids on one GPU (issue 16's code path) stays within the same bounds,
+//!   each part placing and counting only its own layers' experts.
 //!
 //! With no NVIDIA driver the tests print why and pass (CI has no GPU). The fixtures and the
 //! runs of them are `common`'s (paths by `ember_testkit::fixture`).
@@ -17,7 +19,8 @@ use ember_cuda::ops::MOE_MISS;
 use ember_cuda::{CudaOps, Gpu, Precision as CudaPrecision};
 use ember_model::{Forward, Logits, Model};
 use ember_ops::{ExpertId, KvType, LayerIdx, Ops};
-use ember_plan::hybrid::{Hybrid, MissPath, TierOptions};
+use ember_plan::hybrid::{HeatFile, Hybrid, MissPath, TierOptions};
+use ember_plan::split::Split;
 use ember_plan::tier::HeatMap;
 
 mod common;
@@ -308,4 +311,62 @@ fn layers_shrunk_and_grown_keep_the_logits() {
     let s = compare(&m, &mut all, &mut h, &["p130"]);
     println!("shrunk/grown layers vs all-GPU: max rel {:.2e}, max abs {:.2e}, top-1 {:.3}", s.max_rel(), s.max_abs, s.top1);
     assert!(s.max_rel() <= EXACT_BOUNDS.0 && s.max_abs <= EXACT_BOUNDS.1 && s.top1 == 1.0);
+}
+
+/// Issue 16's two GPUs, run on one: a layer split ([`Split`]) of two Hybrids, each given only
+/// its layers' weights (part 0 layers 0-1: layer 0 none of its experts, layer 1 two; part 1
+/// layers 2-3: layer 2 all, layer 3 one, as `partial()` has them), against the all-GPU run:
+/// within the exact bounds above, the same greedy continuations for 32 tokens while each
+/// part's tier moves its own layers' experts, each part counting only its own layers, part 0
+/// holding no weight of layer 2, and the heat file holding both parts' rows after both saved.
+#[test]
+fn two_hybrid_parts_on_one_gpu_keep_the_logits_and_their_own_layers() {
+    let Some(_g) = gpu_lock() else { return };
+    let dir = std::env::temp_dir().join(format!("ember-split-heat-{}", std::process::id()));
+    let file = HeatFile { path: dir.join("heat.json"), model_key: "tiny".into() };
+    let part = |resident: Vec<Option<Vec<u16>>>| -> Box<dyn Ops> {
+        let ops = CudaOps::with_precision(0, CudaPrecision::Exact).unwrap();
+        let opts = TierOptions { half_life: 64.0, prompt_misses: MissPath::Cpu, ..Default::default() };
+        let cpu = ember_cpu::CpuOps::new(ember_cpu::Precision::Exact, 2);
+        Box::new(Hybrid::new(ops, cpu, resident, HeatMap::new(4, 4, 64.0), Some(file.clone()), opts))
+    };
+    for q in ["BF16", "Q4_K_M"] {
+        let _ = std::fs::remove_file(&file.path);
+        let m = model(q);
+        let mut all = gpu(&m, CudaPrecision::Exact, None);
+        let p0 = part(vec![Some(vec![]), Some(vec![3, 1]), None, None]);
+        let p1 = part(vec![None, None, None, Some(vec![2])]);
+        let mut s = Split::new(vec![p0, p1], vec![0, 0, 1, 1]).unwrap();
+        s.register(m.weights().clone()).unwrap();
+        let w = m.weights().ids().find(|&id| m.weights().info(id).unwrap().name.starts_with("blk.2.")).unwrap();
+        let x = s.parts_mut()[0].upload(&ember_ops::Mat::zeros(1, m.weights().info(w).unwrap().k)).unwrap();
+        let e = s.parts_mut()[0].matmul(w, x).unwrap_err();
+        assert!(e.to_string().contains("not registered"), "{q}: part 0 holds layer 2's weight: {e}");
+        let st = compare(&m, &mut all, &mut s, &["p1", "p37", "p130", "rand50"]);
+        println!(
+            "{q}: two Hybrid parts vs all-GPU (exact): max rel {:.2e}, max abs {:.2e}, top-1 {:.3}",
+            st.max_rel(),
+            st.max_abs,
+            st.top1
+        );
+        assert!(st.max_rel() <= EXACT_BOUNDS.0 && st.max_abs <= EXACT_BOUNDS.1 && st.top1 == 1.0, "{q}: beyond {EXACT_BOUNDS:?}");
+        for case in ["g_chat", "g_p37"] {
+            let ids = case_ids(case);
+            assert_eq!(greedy(&m, &mut s, &ids, 32), greedy(&m, &mut all, &ids, 32), "{q} {case}: greedy differs from the all-GPU run");
+        }
+        let t = s.expert_stats().unwrap();
+        println!("{q}: pairs on the GPUs {}, on the CPU {}, uploads {}", t.hits, t.misses, t.uploads);
+        assert!(t.hits > 0 && t.misses > 0 && t.uploads > 0, "{q}: {t:?}");
+        // Each layer the tier manages is counted once, by its own part (layer 2 holds all its
+        // experts and is nobody's to count).
+        let mut layers: Vec<u16> = s.expert_layer_stats().iter().map(|c| c.0.0).collect();
+        layers.sort_unstable();
+        assert_eq!(layers, [0, 1, 3], "{q}");
+        drop(s);
+        let heat = HeatMap::load(&file.path, "tiny", 4, 4, 64.0).unwrap();
+        let row = |l: usize| (0..4).map(|e| heat.get(l, e)).sum::<f64>();
+        assert!(row(0) > 0.0 && row(1) > 0.0 && row(3) > 0.0, "{q}: both parts' rows: {heat:?}");
+        assert_eq!(row(2), 0.0, "{q}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -27,7 +27,7 @@ const GROW_LAYERS: usize = 4;
 
 impl Hybrid {
     /// Keeps `reserve` bytes of the GPU free while serving: when another process takes memory
-    /// and the free memory falls below it, the coldest resident experts (of any layer; a layer
+    /// and the free memory falls below it, the coldest resident experts (of any layer it owns; a layer
     /// holding all its experts becomes one with slots) leave the GPU until it is back, and
     /// their pairs run on the CPU; when memory comes back, layers grow again towards the plan's
     /// counts, hottest experts first. Checked at step ends, every [`WATCH_EVERY`].
@@ -90,7 +90,7 @@ impl Hybrid {
             // The coldest residents first; equal heat (no routing seen yet) spreads over layers.
             let need = reserve - free + EVICT_SLACK;
             let mut res: Vec<(f64, u16, usize)> = Vec::new();
-            for l in 0..n_layer {
+            for l in (0..n_layer).filter(|&l| self.owns(l)) {
                 for e in self.held(LayerIdx(l as u16)) {
                     res.push((self.heat.get(l, e as usize), e, l));
                 }
@@ -125,7 +125,8 @@ impl Hybrid {
         } else if free > reserve + GROW_SLACK {
             let mut room = free - reserve - GROW_SLACK;
             let mut grown = (0, 0);
-            for (l, &want) in target.iter().enumerate() {
+            let owned: Vec<bool> = (0..target.len()).map(|l| self.owns(l)).collect();
+            for (l, &want) in target.iter().enumerate().filter(|(l, _)| owned[*l]) {
                 if grown.0 >= GROW_LAYERS {
                     break;
                 }
