@@ -116,11 +116,11 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
                 bail!("--device cuda:{i}: there are {} CUDA devices (run `ember inspect` to list them)", gpus.len());
             };
             let budget = budget_of(g)?;
+            if let Some(n) = split_parts() {
+                return one_gpu_as_many(g, budget, n, precision, threads, place);
+            }
             if weight_bytes + GPU_HEADROOM <= budget {
                 say(format!("device: cuda:{i} ({}, {} free, budget {})", g.name, gib(g.bytes_free as u64), gib(budget)));
-                if let Some(n) = split_parts() {
-                    return split_one_gpu(g, n, precision, place);
-                }
                 return whole(g, precision, threads, place);
             }
             hybrid(g, budget, precision, threads, place)
@@ -133,6 +133,9 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
             Ok(gpus) => {
                 let need = weight_bytes + GPU_HEADROOM;
                 let budgets = gpus.iter().map(&budget_of).collect::<Result<Vec<u64>>>()?;
+                if let (Some(n), Some(i)) = (split_parts(), (0..gpus.len()).max_by_key(|&i| budgets[i])) {
+                    return one_gpu_as_many(&gpus[i], budgets[i], n, precision, threads, place);
+                }
                 if let Some(i) = budgets.iter().position(|&b| b >= need) {
                     say(format!(
                         "device auto: the whole model ({} with headroom) fits on GPU {i} ({}, budget {}): running there",
@@ -141,6 +144,18 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
                         gib(budgets[i])
                     ));
                     return whole(&gpus[i], precision, threads, place);
+                }
+                // Several GPUs with a budget: the layers split across them by budget.
+                let usable: Vec<(&ember_cuda::DeviceInfo, u64)> =
+                    gpus.iter().zip(&budgets).filter(|(_, b)| **b > 0).map(|(g, b)| (g, *b)).collect();
+                if usable.len() >= 2 {
+                    match multi(&usable, precision, threads, place) {
+                        Ok(ops) => return Ok(ops),
+                        Err(e) => say(format!(
+                            "device auto: the layers do not split across the GPUs ({}); trying the largest alone",
+                            crate::report(&e)
+                        )),
+                    }
                 }
                 // The GPU with the largest budget takes the trunk and what experts fit.
                 let Some(i) = (0..gpus.len()).max_by_key(|&i| budgets[i]) else {
@@ -159,32 +174,69 @@ pub fn backend(device: Device, precision: Precision, threads: usize, place: &Pla
     }
 }
 
+/// What a tiered placement starts from: the model's sizes, the tier's settings, the heat file
+/// (and the heat in it, if any) and the planner's options.
+struct TierInputs {
+    sizes: ember_plan::ModelSizes,
+    opts: ember_plan::hybrid::TierOptions,
+    heat: Option<ember_plan::tier::HeatMap>,
+    file: Option<ember_plan::hybrid::HeatFile>,
+    popts: ember_plan::Options,
+}
+
+impl TierInputs {
+    fn of(place: &Placement) -> Result<TierInputs> {
+        use ember_plan::hybrid::{HeatFile, TierOptions};
+        use ember_plan::tier::{HeatMap, default_heat_path, model_key};
+        let sizes = ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, place.parallel.max(1))?;
+        let opts = TierOptions::from_env();
+        let key = model_key(place.file);
+        let path = default_heat_path(&key);
+        let (n_layer, n_expert) = (sizes.layers.len(), sizes.n_expert);
+        let heat = match path.as_ref().filter(|p| p.exists()) {
+            Some(p) => match HeatMap::load(p, &key, n_layer, n_expert, opts.half_life) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    say(format!("expert tier: ignoring the heat file: {e}"));
+                    None
+                }
+            },
+            None => None,
+        };
+        // Compute: a step's activations, plus the scratch a prompt batch's uploaded experts go
+        // into (every expert of the largest layer).
+        let stream = sizes.layers.iter().map(|l| l.expert).max().unwrap_or(0) * n_expert as u64;
+        let cfg = ember_model::Config::from_gguf(place.file)?;
+        let popts = ember_plan::Options { compute_bytes: step_reserve(&cfg, place.step_tokens) + stream };
+        let file = path.map(|path| HeatFile { path, model_key: key });
+        Ok(TierInputs { sizes, opts, heat, file, popts })
+    }
+
+    /// Where the routed experts come from, for the log.
+    fn heat_source(&self) -> String {
+        match &self.heat {
+            Some(h) => format!("experts by the heat of {} earlier tokens", h.tokens()),
+            None => "no heat file yet: experts evenly by layer".into(),
+        }
+    }
+
+    /// The starting heat (the file's, or zeros).
+    fn start_heat(&self) -> ember_plan::tier::HeatMap {
+        let s = &self.sizes;
+        self.heat.clone().unwrap_or_else(|| ember_plan::tier::HeatMap::new(s.layers.len(), s.n_expert, self.opts.half_life))
+    }
+}
+
+fn cuda_precision(precision: Precision) -> ember_cuda::Precision {
+    if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast }
+}
+
 /// The trunk and the hottest routed experts that fit `budget` on GPU `g`, the rest on the CPU.
 fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
-    use ember_plan::hybrid::{HeatFile, Hybrid, TierOptions, resident_lists};
-    use ember_plan::tier::{HeatMap, default_heat_path, model_key};
-    let sizes = ember_plan::ModelSizes::of_file(place.file, place.kv_type, place.n_ctx, place.parallel.max(1))?;
-    let opts = TierOptions::from_env();
-    let key = model_key(place.file);
-    let path = default_heat_path(&key);
-    let (n_layer, n_expert) = (sizes.layers.len(), sizes.n_expert);
-    let heat = match path.as_ref().filter(|p| p.exists()) {
-        Some(p) => match HeatMap::load(p, &key, n_layer, n_expert, opts.half_life) {
-            Ok(h) => Some(h),
-            Err(e) => {
-                say(format!("expert tier: ignoring the heat file: {e}"));
-                None
-            }
-        },
-        None => None,
-    };
+    use ember_plan::hybrid::{Hybrid, resident_lists};
+    let t = TierInputs::of(place)?;
     let budgets = [ember_plan::Budget { device: 0, name: g.name.clone(), bytes: budget }];
-    // Compute: a step's activations, plus the scratch a prompt batch's uploaded experts go into
-    // (every expert of the largest layer).
-    let stream = sizes.layers.iter().map(|l| l.expert).max().unwrap_or(0) * n_expert as u64;
-    let cfg = ember_model::Config::from_gguf(place.file)?;
-    let popts = ember_plan::Options { compute_bytes: step_reserve(&cfg, place.step_tokens) + stream };
-    let plan = ember_plan::plan(&sizes, &budgets, heat.as_ref().map(|h| h.heat()).as_ref(), popts)?;
+    let plan = ember_plan::plan(&t.sizes, &budgets, t.heat.as_ref().map(|h| h.heat()).as_ref(), t.popts)?;
     let resident = resident_lists(&plan).map_err(|e| anyhow::anyhow!("cuda:{}: {e}", g.index))?;
     let d = &plan.devices[0];
     say(format!(
@@ -195,23 +247,82 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
         d.experts,
         plan.experts_total,
         gib(d.used_bytes()),
-        gib(popts.compute_bytes),
+        gib(t.popts.compute_bytes),
         place.step_tokens,
         self::threads(threads),
-        match &heat {
-            Some(h) => format!("experts by the heat of {} earlier tokens", h.tokens()),
-            None => "no heat file yet: experts evenly by layer".into(),
-        }
+        t.heat_source()
     ));
-    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
-    let ops = ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+    let ops = ember_cuda::CudaOps::with_precision(g.index, cuda_precision(precision))
+        .map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
     let cpu = ember_cpu::CpuOps::new(precision, threads);
-    let heat = heat.unwrap_or_else(|| HeatMap::new(n_layer, n_expert, opts.half_life));
-    let file = path.map(|path| HeatFile { path, model_key: key });
-    let mut h = Hybrid::new(ops, cpu, resident, heat, file, opts);
+    let mut h = Hybrid::new(ops, cpu, resident, t.start_heat(), t.file.clone(), t.opts);
     h.cap_kv_bytes(d.kv_bytes + d.delta_bytes);
     h.watch_memory(reserve(place)?);
     Ok(Box::new(h))
+}
+
+/// The model across several GPUs, each given (its index, its budget): the planner cuts the
+/// layers into one range per GPU by budget (a layer's trunk, state and resident experts on one
+/// card), each GPU is a [`ember_plan::hybrid::Hybrid`] over its range (its own expert tier,
+/// misses on the CPU, memory pressure watched on that card), and a
+/// [`ember_plan::split::Split`] runs them in turn, the hidden state crossing once per range
+/// boundary through host memory. The same GPU may be given more than once (EMBER_SPLIT_PARTS:
+/// one card run as several, the two-GPU code path on one).
+fn multi(gpus: &[(&ember_cuda::DeviceInfo, u64)], precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
+    use ember_plan::Home;
+    use ember_plan::hybrid::{Hybrid, resident_lists_on};
+    let t = TierInputs::of(place)?;
+    let budgets: Vec<ember_plan::Budget> = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, (g, b))| ember_plan::Budget { device: i, name: format!("cuda:{} ({})", g.index, g.name), bytes: *b })
+        .collect();
+    let plan = ember_plan::plan(&t.sizes, &budgets, t.heat.as_ref().map(|h| h.heat()).as_ref(), t.popts)?;
+    let reserve = reserve(place)?;
+    let mut parts: Vec<Box<dyn Ops>> = Vec::new();
+    let mut part_of = vec![usize::MAX; plan.devices.len()];
+    for (d, dev) in plan.devices.iter().enumerate().filter(|(_, dev)| !dev.layers.is_empty()) {
+        let g = gpus[d].0;
+        let resident = resident_lists_on(&plan, d).map_err(|e| anyhow::anyhow!("{}: {e}", dev.name))?;
+        let n_experts = dev.layers.len() * t.sizes.n_expert;
+        say(format!(
+            "device: {} (budget {}): layers {}..{} of {}{}, {} of their {} routed experts ({}; KV and DeltaNet state {}, {} kept for steps of up to {} tokens)",
+            dev.name,
+            gib(dev.budget_bytes),
+            dev.layers.start,
+            dev.layers.end,
+            plan.layer_home.len(),
+            if dev.head { " and the output head" } else { "" },
+            dev.experts,
+            n_experts,
+            gib(dev.used_bytes()),
+            gib(dev.kv_bytes + dev.delta_bytes),
+            gib(dev.compute_bytes),
+            place.step_tokens
+        ));
+        let ops = ember_cuda::CudaOps::with_precision(g.index, cuda_precision(precision))
+            .map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+        let cpu = ember_cpu::CpuOps::new(precision, threads);
+        let mut h = Hybrid::new(ops, cpu, resident, t.start_heat(), t.file.clone(), t.opts);
+        h.cap_kv_bytes(dev.kv_bytes + dev.delta_bytes);
+        h.watch_memory(reserve);
+        part_of[d] = parts.len();
+        parts.push(Box::new(h));
+    }
+    if let Some(l) = plan.layer_home.iter().position(|h| *h == Home::Host) {
+        // resident_lists_on refused it already when any device had layers; here none had.
+        bail!("no GPU can hold layer {l}'s trunk within its budget: give the GPUs more memory (--gpu-mem) or run on the CPU");
+    }
+    let layer_part: Vec<usize> = plan.layer_home.iter().map(|h| if let Home::Device(d) = h { part_of[*d] } else { 0 }).collect();
+    say(format!(
+        "device: the layers split across {} GPUs; {} of {} routed experts on them, the rest in host memory run on the CPU ({} threads); {}",
+        parts.len(),
+        plan.experts_on_gpus(),
+        plan.experts_total,
+        self::threads(threads),
+        t.heat_source()
+    ));
+    Ok(Box::new(ember_plan::split::Split::new(parts, layer_part).map_err(|e| anyhow::anyhow!("{e}"))?))
 }
 
 /// The whole model on GPU `g`, still behind the expert tier: when another process takes the
@@ -219,8 +330,8 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
 fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
     use ember_plan::hybrid::{HeatFile, Hybrid, TierOptions};
     use ember_plan::tier::{HeatMap, default_heat_path, model_key};
-    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
-    let ops = ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
+    let ops = ember_cuda::CudaOps::with_precision(g.index, cuda_precision(precision))
+        .map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
     let cfg = ember_model::Config::from_gguf(place.file)?;
     let opts = TierOptions::from_env();
     let key = model_key(place.file);
@@ -235,26 +346,30 @@ fn whole(g: &ember_cuda::DeviceInfo, precision: Precision, threads: usize, place
 
 /// `EMBER_SPLIT_PARTS=N` (N >= 2): run the model as a layer split of N parts
 /// (`ember_plan::split::Split`, each part its own backend with its layers' weights and state):
-/// on the CPU, N CPU backends; on a GPU the whole model fits, N `CudaOps` on it (the code path
-/// of N cards on one, no expert tier). For testing and measuring the split.
+/// on the CPU, N CPU backends; on a GPU, the GPU's budget cut in N equal shares planned as N
+/// cards, each share a `Hybrid` over its layers (the code path of N GPUs, run on one). For
+/// testing and measuring the split.
 fn split_parts() -> Option<usize> {
     std::env::var("EMBER_SPLIT_PARTS").ok()?.parse().ok().filter(|&n| n >= 2)
 }
 
-fn split_one_gpu(g: &ember_cuda::DeviceInfo, n: usize, precision: Precision, place: &Placement) -> Result<Box<dyn Ops>> {
-    let cfg = ember_model::Config::from_gguf(place.file)?;
-    let n = n.min(cfg.n_layer);
-    let layer_part: Vec<usize> = (0..cfg.n_layer).map(|l| l * n / cfg.n_layer).collect();
-    let p = if precision == Precision::Exact { ember_cuda::Precision::Exact } else { ember_cuda::Precision::Fast };
-    let parts = (0..n)
-        .map(|_| -> Result<Box<dyn Ops>> {
-            let ops =
-                ember_cuda::CudaOps::with_precision(g.index, p).map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
-            Ok(Box::new(ops))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    say(format!("device: EMBER_SPLIT_PARTS={n}: the layers in {n} ranges on cuda:{}, one backend each (no expert tier)", g.index));
-    Ok(Box::new(ember_plan::split::Split::new(parts, layer_part).map_err(|e| anyhow::anyhow!("{e}"))?))
+/// GPU `g` run as `n` cards of `budget / n` each (see [`split_parts`]).
+fn one_gpu_as_many(
+    g: &ember_cuda::DeviceInfo,
+    budget: u64,
+    n: usize,
+    precision: Precision,
+    threads: usize,
+    place: &Placement,
+) -> Result<Box<dyn Ops>> {
+    say(format!(
+        "device: EMBER_SPLIT_PARTS={n}: cuda:{} ({}, budget {}) run as {n} cards of {} each",
+        g.index,
+        g.name,
+        gib(budget),
+        gib(budget / n as u64)
+    ));
+    multi(&vec![(g, budget / n as u64); n], precision, threads, place)
 }
 
 /// What a model on the CPU takes of host memory: the weights (`weights` bytes, mapped from the
