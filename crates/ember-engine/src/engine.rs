@@ -30,6 +30,14 @@ pub struct Step<'a, S> {
 
 pub use ember_model::Logits;
 
+/// One sequence's logits from a step: its last row whole, or the best entries the sampler
+/// needs ([`Backend::forward_top`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Row {
+    Full(Vec<f32>),
+    Top(ember_ops::TopRow),
+}
+
 /// What the engine runs. Implemented over `ember_model::Model` by [`ModelBackend`]; tests can
 /// script one.
 pub trait Backend: Send + 'static {
@@ -47,6 +55,29 @@ pub trait Backend: Send + 'static {
     /// One forward pass over several sequences. Returns, in order, the logit rows each item
     /// asked for (`[rows · n_vocab]`), `None` for the items that asked for none.
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error>;
+    /// [`Backend::forward`] where item i may ask, by `top[i] = Some((k, extra))` with
+    /// `Logits::Last`, for its row's `k` best entries and those at `extra` instead of the whole
+    /// row ([`Row::Top`]; `ember_ops::top::top_of_row` says which). By default the whole rows
+    /// come back and the selection runs on the host.
+    fn forward_top(&mut self, items: &mut [Step<'_, Self::State>], top: &[Option<(usize, Vec<u32>)>]) -> Result<Vec<Option<Row>>, Error> {
+        let rows = self.forward(items)?;
+        Ok(rows
+            .into_iter()
+            .zip(top.iter().chain(std::iter::repeat(&None)))
+            .map(|(row, t)| {
+                row.map(|r| match t {
+                    Some((k, extra)) => Row::Top(ember_ops::top::top_of_row(&r, *k, extra)),
+                    None => Row::Full(r),
+                })
+            })
+            .collect())
+    }
+    /// Whether [`Backend::forward_top`] saves something over whole rows (a GPU: the selection
+    /// runs there and only a few entries of the row come to the host); the engine asks for
+    /// rows' best entries only then.
+    fn prefers_top(&self) -> bool {
+        false
+    }
     /// A snapshot of a sequence's state.
     fn snapshot(&mut self, state: &Self::State) -> Result<Self::Snapshot, Error>;
     /// A sequence state (able to hold `n_ctx` tokens) continuing from a snapshot.
@@ -573,7 +604,7 @@ impl<B: Backend> Scheduler<B> {
         // logits, then decodes in this step like the others.
         for (i, s) in self.active.iter_mut().enumerate() {
             let Some(row) = s.restored_logits.take() else { continue };
-            let took = take_token(s, &row, n_ctx, &self.stats);
+            let took = take_token(s, &Row::Full(row), n_ctx, &self.stats);
             settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
         // Which tokens each sequence feeds this step: (start, end, wants logits). Decoders take
@@ -611,10 +642,15 @@ impl<B: Backend> Scheduler<B> {
                 break Ok(Vec::new());
             }
             let mut items: Vec<Step<B::State>> = Vec::with_capacity(order.len());
+            let mut top: Vec<Option<(usize, Vec<u32>)>> = Vec::with_capacity(order.len());
             let mut pos = 0;
+            let prefers_top = self.backend.prefers_top();
             for (i, s) in self.active.iter_mut().enumerate() {
                 if order.get(pos) == Some(&i) {
                     let (a, b, want) = spans[i];
+                    // A prompt's end that the cache will keep needs its whole row.
+                    let keeps_row = caching && s.n_fed < s.job.req.prompt.len();
+                    top.push(if want && prefers_top && !keeps_row { top_request(s) } else { None });
                     items.push(Step {
                         tokens: &s.history[a..b],
                         state: &mut s.state,
@@ -623,7 +659,7 @@ impl<B: Backend> Scheduler<B> {
                     pos += 1;
                 }
             }
-            match self.backend.forward(&mut items) {
+            match self.backend.forward_top(&mut items, &top) {
                 Ok(rows) => break Ok(order.into_iter().zip(rows).collect::<Vec<_>>()),
                 Err(Error::Sequence { index, msg }) if index < order.len() => {
                     let i = order[index];
@@ -635,7 +671,7 @@ impl<B: Backend> Scheduler<B> {
         };
         self.stats.n_steps.fetch_add(1, Ordering::Relaxed);
         self.stats.tokens_prompt.fetch_add(n_prompt_tokens as u64, Ordering::Relaxed);
-        let mut logits: Vec<Option<Option<Vec<f32>>>> = vec![None; self.active.len()];
+        let mut logits: Vec<Option<Option<Row>>> = vec![None; self.active.len()];
         match result {
             Ok(rows) => {
                 for (i, row) in rows {
@@ -651,7 +687,7 @@ impl<B: Backend> Scheduler<B> {
             }
         }
         let mut prompt_checkpoints: Vec<(usize, Option<Vec<f32>>)> = Vec::new();
-        let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut rows: Vec<(usize, Row)> = Vec::new();
         for (i, ((s, row), &(a, b, _))) in self.active.iter_mut().zip(logits).zip(&spans).enumerate() {
             if done[i] {
                 continue;
@@ -668,7 +704,12 @@ impl<B: Backend> Scheduler<B> {
                 s.n_fed = b;
                 if self.cache.is_some() && s.is_checkpoint(b, every) {
                     // The prompt's end keeps its last token's logits.
-                    prompt_checkpoints.push((i, row.as_ref().filter(|_| b == n_prompt).cloned()));
+                    // (Whole: a prompt end the cache keeps never asks for its best entries.)
+                    let whole = match &row {
+                        Some(Row::Full(r)) if b == n_prompt => Some(r.clone()),
+                        _ => None,
+                    };
+                    prompt_checkpoints.push((i, whole));
                 }
             }
             if let Some(row) = row {
@@ -753,18 +794,51 @@ enum Took {
     Gone,
 }
 
+/// What `s` asks of its next row when the backend prefers rows' best entries
+/// ([`Backend::prefers_top`]): the entries its sampler needs and the ids whose logits change
+/// (the penalties' tokens, the masked end-of-generation ids), or None for the whole row
+/// (logprobs, top-k off at a temperature above 0, or more entries than [`TOP_MAX`]).
+fn top_request<S>(s: &Seq<S>) -> Option<(usize, Vec<u32>)> {
+    if s.job.req.n_logprobs.is_some() {
+        return None;
+    }
+    let need = s.sampler.top_needed()?;
+    let mut extra = s.sampler.touched_ids(&s.history);
+    if s.job.req.ignore_eos {
+        extra.extend_from_slice(&s.job.req.eog);
+        extra.sort_unstable();
+        extra.dedup();
+    }
+    let k = need.checked_add(extra.len()).filter(|&k| k <= TOP_MAX)?;
+    Some((k, extra))
+}
+
+/// The most best entries of a row the engine asks for; a sampler that needs more (top-k above
+/// ~1,000, or a long penalty window) takes the whole row.
+pub const TOP_MAX: usize = 1024;
+
 /// Samples the next token of `s` from `row` (its last token's logits), sends it, and appends it
 /// to the history when the sequence goes on.
-fn take_token<S>(s: &mut Seq<S>, row: &[f32], n_ctx: usize, stats: &EngineStats) -> Took {
+fn take_token<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &EngineStats) -> Took {
     let n_prompt = s.job.req.prompt.len();
-    let row = if s.job.req.ignore_eos { masked(row, &s.job.req.eog) } else { Cow::Borrowed(row) };
-    let id = s.sampler.sample(&row, &s.history);
+    let (id, full) = match row {
+        Row::Full(row) => {
+            let row = if s.job.req.ignore_eos { masked(row, &s.job.req.eog) } else { Cow::Borrowed(&row[..]) };
+            (s.sampler.sample(&row, &s.history), Some(row))
+        }
+        Row::Top(t) => {
+            let eog = if s.job.req.ignore_eos { &s.job.req.eog[..] } else { &[] };
+            let vals: Vec<f32> = t.ids.iter().zip(&t.vals).map(|(i, &v)| if eog.contains(i) { f32::NEG_INFINITY } else { v }).collect();
+            (s.sampler.sample_sparse(&t.ids, &vals, &s.history), None)
+        }
+    };
     s.n_generated += 1;
     stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
     if s.job.req.eog.contains(&id) {
         return Took::Ends(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
     }
-    let logprobs = s.job.req.n_logprobs.map(|k| logprobs_of(&row, id, k));
+    // (A request with logprobs always gets its whole row: top_request.)
+    let logprobs = s.job.req.n_logprobs.zip(full.as_deref()).map(|(k, row)| logprobs_of(row, id, k));
     if !s.job.sink.send(Event::Token { id, logprobs }) {
         stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
         return Took::Gone;

@@ -2,7 +2,7 @@
 //! sizing of its state store ([`pool_pages`]).
 
 use crate::Error;
-use crate::engine::{Backend, Logits, Step};
+use crate::engine::{Backend, Logits, Row, Step};
 use crate::prefix_cache::Checkpoint;
 
 impl Checkpoint for ember_model::Snapshot {
@@ -20,6 +20,8 @@ pub struct ModelBackend<O> {
     model: ember_model::Model,
     ops: O,
     layout: ember_ops::StateLayout,
+    /// Whether the engine asks for rows' best entries ([`Backend::prefers_top`]).
+    top_reads: bool,
 }
 
 impl<O: ember_ops::Ops> ModelBackend<O> {
@@ -28,7 +30,20 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
     pub fn new(model: ember_model::Model, mut ops: O, kv_type: ember_ops::KvType) -> Result<Self, Error> {
         let layout = model.state_layout(kv_type).map_err(|e| Error::Backend(e.to_string()))?;
         ops.register(model.weights().clone()).map_err(|e| Error::Backend(e.to_string()))?;
-        Ok(ModelBackend { model, ops, layout })
+        // A device's logits stay there unless asked for; the CPU's are in memory already.
+        // `EMBER_TOP_READS=0|1` overrides (A/B runs, tests).
+        let top_reads = match std::env::var("EMBER_TOP_READS").as_deref() {
+            Ok("0") => false,
+            Ok("1") => true,
+            _ => ops.device() != ember_ops::DeviceId::Host,
+        };
+        Ok(ModelBackend { model, ops, layout, top_reads })
+    }
+
+    /// Whether the engine asks this backend for rows' best entries instead of whole rows
+    /// (default: on a device backend).
+    pub fn set_top_reads(&mut self, on: bool) {
+        self.top_reads = on;
     }
 
     pub fn model(&self) -> &ember_model::Model {
@@ -116,6 +131,32 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
             e => Error::Backend(e.to_string()),
         })?;
         Ok(out.into_iter().zip(items.iter()).map(|(m, it)| (it.logits != Logits::None).then_some(m.data)).collect())
+    }
+
+    fn forward_top(&mut self, items: &mut [Step<'_, Self::State>], top: &[Option<(usize, Vec<u32>)>]) -> Result<Vec<Option<Row>>, Error> {
+        use ember_model::{DeltaMode, SeqBatch, StepRows};
+        let mut seqs: Vec<SeqBatch> =
+            items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
+        let mut asks = top.to_vec();
+        asks.resize(seqs.len(), None);
+        let out = self.model.forward_batch_top(&mut self.ops, &mut seqs, DeltaMode::Auto, &asks).map_err(|e| match e {
+            ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
+            e => Error::Backend(e.to_string()),
+        })?;
+        Ok(out
+            .into_iter()
+            .zip(items.iter())
+            .map(|(r, it)| {
+                (it.logits != Logits::None).then_some(match r {
+                    StepRows::Full(m) => Row::Full(m.data),
+                    StepRows::Top(t) => Row::Top(t),
+                })
+            })
+            .collect())
+    }
+
+    fn prefers_top(&self) -> bool {
+        self.top_reads
     }
 
     fn kv_pages(&mut self) -> Option<(usize, usize)> {

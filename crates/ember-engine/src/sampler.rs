@@ -349,6 +349,53 @@ impl Sampler {
         None
     }
 
+    /// How many of a row's best entries (by logit, NaN as `-inf`, ties to the lower id:
+    /// `ember_ops::top::top_of_row`) [`Sampler::sample_sparse`] needs, beside the ids of
+    /// [`Sampler::touched_ids`], to draw what [`Sampler::sample`] draws from the whole row: one
+    /// when greedy, `top_k + 1` when top-k is on (one more than k, so that a row with more
+    /// than k tokens above `-inf` shows more than k: top-k orders its survivors by logit then,
+    /// and by id when the row has no more than k); None when the whole row is needed (top-k off
+    /// at a temperature above 0: top-p and min-p then see every token).
+    pub fn top_needed(&self) -> Option<usize> {
+        if self.cfg.temperature <= 0.0 {
+            Some(1)
+        } else if self.cfg.top_k > 0 {
+            Some(self.cfg.top_k.saturating_add(1))
+        } else {
+            None
+        }
+    }
+
+    /// The tokens whose logits the penalties change for the next draw after `history` (the
+    /// penalty window's distinct tokens, ascending; none when the penalties are off).
+    pub fn touched_ids(&self, history: &[u32]) -> Vec<u32> {
+        let c = &self.cfg;
+        let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
+        if c.penalty_last_n == 0 || off {
+            return Vec::new();
+        }
+        let mut w = history[history.len().saturating_sub(c.penalty_last_n)..].to_vec();
+        w.sort_unstable();
+        w.dedup();
+        w
+    }
+
+    /// [`Sampler::sample`] over some entries of a row, `ids` ascending and distinct with their
+    /// logits `vals`: the same token and the same state after, when they hold the changed ids
+    /// (the [`Sampler::touched_ids`] and any the caller masked) and the row's `need + changed`
+    /// best entries, `need` = [`Sampler::top_needed`] (what `ember_ops::top::top_of_row(row,
+    /// need + extra.len(), extra)` selects). Why that suffices: the penalties and the mask change
+    /// only those ids, which are all here; every other token keeps its logit, and the `need`
+    /// best of the others are among the row's `need + changed` best; greedy and top-k keep at
+    /// most `k` tokens, and top-p, min-p and the draw see only those. Ids past the row are
+    /// skipped as `sample` skips them.
+    pub fn sample_sparse(&mut self, ids: &[u32], vals: &[f32], history: &[u32]) -> u32 {
+        let window = &history[history.len().saturating_sub(self.cfg.penalty_last_n)..];
+        let local: Vec<u32> = window.iter().filter_map(|t| ids.binary_search(t).ok().map(|j| j as u32)).collect();
+        let j = self.sample(&vals[..ids.len().min(vals.len())], &local);
+        ids.get(j as usize).copied().unwrap_or(0)
+    }
+
     /// Argmax with NaN as `-inf`; ties go to the lowest id. An empty row yields 0.
     pub fn greedy(logits: &[f32]) -> u32 {
         let mut best = (0u32, f32::NEG_INFINITY);
@@ -737,6 +784,45 @@ mod tests {
             for _ in 0..4 {
                 let (x, y) = (a.sample(&logits, &history), sample_reference(&mut b, &logits, &history));
                 prop_assert_eq!(x, y);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// A sparse row (the `top_needed` best entries, the penalties' tokens and the masked
+        /// ids, as `ember_ops::top::top_of_row` selects them) draws the whole row's tokens,
+        /// draw after draw (the RNG in step), with penalties, masks, ties, NaN and -inf.
+        #[test]
+        fn sparse_rows_draw_the_whole_rows_tokens(
+            logits in row(),
+            history in prop::collection::vec(0u32..450, 0..80),
+            mask in prop::collection::vec(0u32..450, 0..4),
+            seed in any::<u64>(),
+            t in prop_oneof![Just(0.0f32), 0.1f32..2.0],
+            k in prop_oneof![1usize..60, Just(1000usize)],
+            top_p in prop_oneof![Just(1.0f32), 0.05f32..1.0],
+            min_p in prop_oneof![Just(0.0f32), 0.0f32..0.5],
+            pen in prop_oneof![Just((1.0f32, 0.0f32, 0.0f32)), (0.5f32..2.0, -1.0f32..1.0, -1.0f32..1.0)],
+        ) {
+            let cfg = SamplerConfig {
+                temperature: t, top_k: k, top_p, min_p,
+                repeat_penalty: pen.0, presence_penalty: pen.1, frequency_penalty: pen.2,
+                penalty_last_n: 64, seed: Some(seed),
+            };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
+            let full = masked(&logits, &mask);
+            let mut history = history;
+            for _ in 0..4 {
+                let mut extra = a.touched_ids(&history);
+                extra.extend_from_slice(&mask);
+                let need = a.top_needed().unwrap() + extra.len();
+                let top = ember_ops::top::top_of_row(&logits, need, &extra);
+                let vals: Vec<f32> = top.ids.iter().zip(&top.vals).map(|(i, &v)| if mask.contains(i) { f32::NEG_INFINITY } else { v }).collect();
+                let (x, y) = (a.sample_sparse(&top.ids, &vals, &history), b.sample(&full, &history));
+                prop_assert_eq!(x, y);
+                history.push(x);
             }
         }
     }

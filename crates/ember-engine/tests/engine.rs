@@ -176,6 +176,64 @@ fn seeded_tokens_do_not_depend_on_batching() {
     assert_eq!(alone, batched);
 }
 
+/// Rows' best entries instead of whole rows (what a GPU backend asks for: `prefers_top`) give the
+/// same tokens as whole rows, request for request, batched: greedy, the default chain (top-k 40,
+/// top-p, min-p), penalties with a small and a large top-k, end-of-generation ids masked
+/// (`ignore_eos`), and a request with logprobs (which takes whole rows) beside them.
+#[test]
+fn rows_best_entries_give_the_whole_rows_tokens() {
+    let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());
+    let configs = [
+        SamplerConfig { temperature: 0.0, ..Default::default() },
+        SamplerConfig { seed: Some(3), ..Default::default() },
+        SamplerConfig {
+            seed: Some(4),
+            temperature: 1.5,
+            top_k: 5,
+            repeat_penalty: 1.3,
+            presence_penalty: 0.4,
+            frequency_penalty: -0.2,
+            ..Default::default()
+        },
+        SamplerConfig {
+            seed: Some(5),
+            temperature: 0.9,
+            top_k: 300,
+            top_p: 0.9,
+            repeat_penalty: 0.8,
+            penalty_last_n: 16,
+            ..Default::default()
+        },
+        SamplerConfig { seed: Some(6), temperature: 1.0, top_k: 2, ..Default::default() },
+    ];
+    let run = |top: bool| -> Vec<Vec<u32>> {
+        let model = ember_model::Model::load(file.clone(), |_, _| {}).unwrap();
+        let ops = ember_cpu::backend(ember_cpu::Precision::BatchInvariant, 1);
+        let mut b = ModelBackend::new(model, ops, ember_ops::KvType::F16).unwrap();
+        b.set_top_reads(top);
+        let cfg = EngineConfig { n_parallel: 6, n_queue: 16, n_ctx: 256, n_batch: 16, ..Default::default() };
+        let (h, _t) = ember_engine::start(b, cfg).unwrap();
+        let rxs: Vec<_> = (0..6usize)
+            .map(|i| {
+                let (s, rx, _) = sink();
+                let mut r = req((0..12 + i as u32).map(|j| (j * 53 + i as u32 * 7) % 600).collect(), 24, 0);
+                r.sampler = configs[i % configs.len()].clone();
+                // The greedy request runs with its end-of-generation ids masked, the last one with
+                // logprobs.
+                r.eog = vec![5, 17];
+                r.ignore_eos = i == 0 || i == 2;
+                r.n_logprobs = (i == 5).then_some(3);
+                h.submit(r, s).unwrap();
+                rx
+            })
+            .collect();
+        rxs.iter().map(|rx| collect(rx).0).collect()
+    };
+    let (whole, best) = (run(false), run(true));
+    assert!(whole.iter().all(|t| !t.is_empty()), "{whole:?}");
+    assert_eq!(best, whole);
+}
+
 /// A scripted backend that records the tokens of every item of every step, and rejects (before
 /// running anything) any item containing token 42, as the model does for a bad sequence.
 struct Recording {

@@ -216,8 +216,95 @@ impl Model {
         ops: &mut dyn Ops,
         seqs: &mut [SeqBatch],
         delta: DeltaMode,
-        mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
     ) -> Result<Vec<Mat>, Error> {
+        self.step(ops, seqs, delta, tap, |ops, logits, counts| {
+            let logits = ops.read(logits)?;
+            // One sequence takes the rows as read (a decode step's 1 MB of logits for a 248k
+            // vocabulary, not copied again).
+            if counts.len() == 1 {
+                return Ok(vec![logits]);
+            }
+            let mut at = 0;
+            Ok(counts
+                .iter()
+                .map(|&n| {
+                    at += n;
+                    logits.rows(at - n, n)
+                })
+                .collect())
+        })
+    }
+
+    /// [`Model::forward_batch`] where sequence i may ask, by `top[i] = Some((k, extra))`, for its
+    /// one logit row (`Logits::Last`) as the row's `k` best entries and those at `extra`
+    /// ([`ember_ops::TopRow`]: what a sampler needs for greedy or top-k, without the rest of
+    /// the row; on a GPU the selection runs there and only those entries come down). The
+    /// others get their rows whole. When every sequence with rows asks, one
+    /// [`Ops::read_top`] serves them (with the largest k); otherwise the rows are read whole
+    /// and the asked selections made on the host.
+    pub fn forward_batch_top(
+        &self,
+        ops: &mut dyn Ops,
+        seqs: &mut [SeqBatch],
+        delta: DeltaMode,
+        top: &[Option<(usize, Vec<u32>)>],
+    ) -> Result<Vec<StepRows>, Error> {
+        if top.len() != seqs.len() {
+            return Err(Error::BadBatch(format!("{} top requests for {} sequences", top.len(), seqs.len())));
+        }
+        for (s, t) in seqs.iter().zip(top) {
+            if t.is_some() && s.logits != Logits::Last {
+                return Err(Error::BadBatch("a top request needs Logits::Last".into()));
+            }
+        }
+        self.step(ops, seqs, delta, None, |ops, logits, counts| {
+            let with_rows: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] > 0).collect();
+            if !with_rows.is_empty() && with_rows.iter().all(|&i| top[i].is_some()) {
+                let k = with_rows.iter().filter_map(|&i| top[i].as_ref().map(|t| t.0)).max().unwrap_or(0);
+                let extra: Vec<Vec<u32>> = with_rows.iter().map(|&i| top[i].as_ref().map(|t| t.1.clone()).unwrap_or_default()).collect();
+                let mut rows = ops.read_top(logits, k, &extra)?.into_iter();
+                return Ok(counts
+                    .iter()
+                    .map(|&n| {
+                        if n == 0 {
+                            StepRows::Full(Mat::from_vec(0, logits.d, Vec::new()))
+                        } else {
+                            StepRows::Top(rows.next().unwrap_or_default())
+                        }
+                    })
+                    .collect());
+            }
+            let m = ops.read(logits)?;
+            let mut at = 0;
+            Ok(counts
+                .iter()
+                .zip(top)
+                .map(|(&n, t)| {
+                    at += n;
+                    match t {
+                        Some((k, extra)) if n == 1 => {
+                            StepRows::Top(ember_ops::top::top_of_row(&m.data[(at - 1) * m.d..at * m.d], *k, extra))
+                        }
+                        _ => StepRows::Full(m.rows(at - n, n)),
+                    }
+                })
+                .collect())
+        })
+    }
+
+    /// One step of the model over `seqs`; `read` brings the logits of the rows they ask for
+    /// ([ΣT-selected, n_vocab], `counts[i]` rows of sequence i in order) to the host, before
+    /// the step ends.
+    #[allow(clippy::type_complexity)]
+    fn step<R>(
+        &self,
+        ops: &mut dyn Ops,
+        seqs: &mut [SeqBatch],
+        delta: DeltaMode,
+        mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        read: impl FnOnce(&mut dyn Ops, Tensor, &[usize]) -> Result<R, Error>,
+    ) -> Result<R, Error> {
         let c = &self.config;
         for (index, s) in seqs.iter().enumerate() {
             // A bad sequence is named, and nothing has run yet: a caller may drop it and retry.
@@ -281,21 +368,10 @@ impl Model {
         let y = ops.rms_norm(sel, self.output_norm, c.rms_eps)?;
         see(&mut tap, ops, "final_norm", 0, y)?;
         let logits = ops.matmul(self.output, y)?; // [rows, n_vocab]
-        let logits = ops.read(logits)?;
+        let out = read(ops, logits, &counts)?;
         ops.end_step()?;
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut at = 0;
-        for (s, &n) in seqs.iter_mut().zip(&counts) {
+        for s in seqs.iter_mut() {
             s.state.n_past += s.tokens.len();
-            // One sequence takes the rows as read (a decode step's 1 MB of logits for a 248k
-            // vocabulary, not copied again).
-            if counts.len() > 1 {
-                out.push(logits.rows(at, n));
-            }
-            at += n;
-        }
-        if counts.len() == 1 {
-            out.push(logits);
         }
         Ok(out)
     }
@@ -323,6 +399,15 @@ fn see(tap: &mut Option<&mut dyn FnMut(&str, usize, &Mat)>, ops: &mut dyn Ops, n
         f(name, i, &m);
     }
     Ok(())
+}
+
+/// One sequence's logits from [`Model::forward_batch_top`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepRows {
+    /// The rows it asked for, whole.
+    Full(Mat),
+    /// Its one row's best entries and the extra ids it asked for.
+    Top(ember_ops::TopRow),
 }
 
 /// One sequence of a batched forward call.

@@ -271,6 +271,49 @@ fn batched_sequences_equal_separate_calls() {
     assert_eq!((t1.n_past, t2.n_past), (41, 50));
 }
 
+/// forward_batch_top: a sequence asking for its row's best entries gets what
+/// `ember_ops::top::top_of_row` selects from the whole row of the same step, bit for bit, both
+/// when every sequence with rows asks (one `read_top`) and when one asks for its rows whole
+/// (the selection on the host); a sequence with no rows gets none; a top request without
+/// `Logits::Last` is refused.
+#[test]
+fn top_rows_are_the_whole_rows_best_entries() {
+    use ember_model::{SeqBatch, StepRows};
+    let m = model("Q4_K_M");
+    let mut ops = exact(&m);
+    let a = tiny_case_ids("p65");
+    let b = tiny_case_ids("rand50");
+    m.configure_store(&mut ops, KvType::F16, 6, 200, 0).unwrap();
+    let run = |ops: &mut CpuBackend, top: &[Option<(usize, Vec<u32>)>], last_b: Logits| -> Vec<StepRows> {
+        let (mut s1, mut s2, mut s3) = (m.new_state(ops, 200).unwrap(), m.new_state(ops, 200).unwrap(), m.new_state(ops, 200).unwrap());
+        let mut seqs = [
+            SeqBatch { tokens: &a[..20], state: &mut s1, logits: Logits::Last },
+            SeqBatch { tokens: &b, state: &mut s2, logits: last_b },
+            SeqBatch { tokens: &a[20..30], state: &mut s3, logits: Logits::None },
+        ];
+        m.forward_batch_top(ops, &mut seqs, DeltaMode::Auto, top).unwrap()
+    };
+    let whole = run(&mut ops, &[None, None, None], Logits::Last);
+    let row = |i: usize| match &whole[i] {
+        StepRows::Full(x) => x.data.clone(),
+        other => panic!("{other:?}"),
+    };
+    let (ra, rb) = (row(0), row(1));
+    // Both ask: one read_top with the larger k (a superset for the smaller ask).
+    let got = run(&mut ops, &[Some((3, vec![7, 2])), Some((5, vec![])), None], Logits::Last);
+    assert_eq!(got[0], StepRows::Top(ember_ops::top::top_of_row(&ra, 5, &[7, 2])));
+    assert_eq!(got[1], StepRows::Top(ember_ops::top::top_of_row(&rb, 5, &[])));
+    assert!(matches!(&got[2], StepRows::Full(x) if x.n == 0));
+    // One asks, one wants its rows whole: read whole, selected on the host.
+    let got = run(&mut ops, &[Some((3, vec![9])), None, None], Logits::Last);
+    assert_eq!(got[0], StepRows::Top(ember_ops::top::top_of_row(&ra, 3, &[9])));
+    assert_eq!(got[1], whole[1]);
+    let mut st = m.new_state(&mut ops, 200).unwrap();
+    let mut seqs = [SeqBatch { tokens: &a[..5], state: &mut st, logits: Logits::All }];
+    let e = m.forward_batch_top(&mut ops, &mut seqs, DeltaMode::Auto, &[Some((2, vec![]))]).unwrap_err();
+    assert!(e.to_string().contains("Logits::Last"), "{e}");
+}
+
 /// Snapshot after a prefix, run on, restore, continue differently: the logits equal a run from
 /// scratch over the whole new prompt (float32 bounds vs HF float64 on p130, which shares the
 /// first 64 tokens with p65).

@@ -491,6 +491,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
         (**self).keep_weights(kept)
     }
+    fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<crate::TopRow>> {
+        (**self).read_top(x, k, extra)
+    }
     fn layer_device(&self, layer: LayerIdx) -> DeviceId {
         (**self).layer_device(layer)
     }

@@ -27,6 +27,7 @@ pub mod host;
 mod ids;
 pub mod reference;
 pub mod store;
+pub mod top;
 mod weights;
 
 use ember_gguf::GgmlType;
@@ -36,6 +37,7 @@ pub use error::{OpError, OpResult};
 pub use host::{HostOps, RefKernels};
 pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
 pub use store::{HostStore, KvPage, PagePool, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats};
+pub use top::TopRow;
 /// An expert tier's counters since the backend started.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ExpertStats {
@@ -616,6 +618,18 @@ pub trait Ops: SeqStore + Send {
 
     /// A handle's values on the host.
     fn read(&mut self, x: Tensor) -> OpResult<Mat>;
+
+    /// Per row of `x` (logits), its `k` best entries and those at `extra[row]` (ids past the
+    /// row skipped; `extra` empty: none for any row), without bringing the rest to the host
+    /// ([`top::top_of_row`] defines what: a device backend selects on the device and equals it).
+    /// By default: [`Ops::read`], then the selection on the host.
+    fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<TopRow>> {
+        if !extra.is_empty() && extra.len() != x.n {
+            return Err(OpError::new("read_top", self.device(), format!("{}x{}", x.n, x.d), format!("{} rows of extra ids", extra.len())));
+        }
+        let m = self.read(x)?;
+        Ok((0..m.n).map(|r| top::top_of_row(&m.data[r * m.d..(r + 1) * m.d], k, extra.get(r).map_or(&[], Vec::as_slice))).collect())
+    }
 
     /// A routing's ids and weights on the host.
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable>;
