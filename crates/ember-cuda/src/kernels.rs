@@ -48,6 +48,7 @@ kernel!(RMS_NORM, "rms_norm");
 kernel!(ADD, "add");
 kernel!(GATE, "gate");
 kernel!(SELECT_ROWS, "select_rows");
+kernel!(TOP_K, "top_k");
 kernel!(ROUTE, "route");
 kernel!(ATTN_PREP, "attn_prep");
 kernel!(DELTA_PREP, "delta_prep");
@@ -72,6 +73,7 @@ pub static ALL: &[&Kernel] = &[
     &ADD,
     &GATE,
     &SELECT_ROWS,
+    &TOP_K,
     &ROUTE,
     &ATTN_PREP,
     &DELTA_PREP,

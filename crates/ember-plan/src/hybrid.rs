@@ -630,6 +630,14 @@ impl Ops for Hybrid {
         }
         Ok(m)
     }
+    fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
+        self.drain()?;
+        let t = self.gpu.read_top(x, k, extra)?;
+        if x.n * x.d > 0 {
+            self.check_timeouts()?;
+        }
+        Ok(t)
+    }
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         self.drain()?;
         self.gpu.read_routing(r)

@@ -420,6 +420,11 @@ impl Ops for Split {
         self.parts[p].read(t)
     }
 
+    fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
+        let (p, t) = self.handle("read_top", x)?;
+        self.parts[p].read_top(t, k, extra)
+    }
+
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         let (p, inner) = self.routing("read_routing", r)?;
         self.parts[p].read_routing(inner)

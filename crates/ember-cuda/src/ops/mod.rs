@@ -19,6 +19,7 @@ mod moe;
 mod rms_norm;
 mod route;
 mod select_rows;
+mod top_k;
 
 pub use attention::{
     ATTENTION_DECODE_SPLITS, ATTENTION_MMA_MIN_ROW_KEYS, ATTENTION_MMA_MIN_ROWS, ATTENTION_SPLIT_KEYS, ATTENTION_TILE_MIN_KEYS,

@@ -1,0 +1,85 @@
+//! A logit row's best entries selected on the GPU ([`CudaOps`]'s `read_top`, kernel
+//! `top_k_rows`) equal [`ember_ops::top::top_of_row`]'s, entry for entry (ids and the values'
+//! bits: a selection, no arithmetic): rows of 1 to 248,320 entries (the 35B's vocabulary), one
+//! and several rows a call, k from 0 past the row's length, rows full of ties, NaN and -inf,
+//! every entry equal, extra ids repeated, among the best and past the row; a call recorded in a
+//! step (CUDA graphs) and one outside; extra ids for the wrong number of rows are refused.
+//!
+//! With no NVIDIA driver the test prints why and passes (CI has no GPU).
+
+use std::sync::Arc;
+
+use ember_cuda::CudaOps;
+use ember_ops::top::top_of_row;
+use ember_ops::{Batch, Mat, Ops, WeightSet};
+use ember_testkit::Rng;
+
+/// Logits with what a selection can trip on: runs of equal values, NaN, -inf, +-0.
+fn row(rng: &mut Rng, n: usize, kind: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| match kind {
+            0 => (rng.below(4000) as f32 - 2000.0) * 0.01,
+            1 => match rng.below(10) {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                2 => 0.0,
+                3 => -0.0,
+                4 => 7.5,
+                _ => (rng.below(64) as f32 - 32.0) * 0.5,
+            },
+            _ => 1.25,
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn rows_best_entries_on_the_gpu_equal_the_host_selection() {
+    let mut o = match CudaOps::new(0) {
+        Ok(o) => o,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    o.register(Arc::new(WeightSet::new())).unwrap();
+    let mut rng = Rng::new();
+    let mut checked = 0;
+    for (n, rows) in [(1usize, 1usize), (7, 3), (1000, 1), (4099, 2), (248_320, 1), (248_320, 4)] {
+        for kind in 0..3 {
+            for k in [0usize, 1, 2, 41, 257, 1025, n, n + 5] {
+                let data: Vec<Vec<f32>> = (0..rows).map(|_| row(&mut rng, n, kind)).collect();
+                let extra: Vec<Vec<u32>> = (0..rows)
+                    .map(|r| if r % 2 == 0 { vec![0, (n / 2) as u32, (n / 2) as u32, n as u32 + 3, (n - 1) as u32] } else { Vec::new() })
+                    .collect();
+                // Alternately inside a recorded step and outside one.
+                let in_step = checked % 2 == 0;
+                if in_step {
+                    o.begin_step(&Batch::default()).unwrap();
+                }
+                let x = o.upload(&Mat::from_vec(rows, n, data.concat())).unwrap();
+                let got = o.read_top(x, k, &extra).unwrap();
+                if in_step {
+                    o.end_step().unwrap();
+                }
+                assert_eq!(got.len(), rows);
+                for (r, g) in got.iter().enumerate() {
+                    let want = top_of_row(&data[r], k, &extra[r]);
+                    assert_eq!(g.ids, want.ids, "n {n} kind {kind} k {k} row {r}: ids");
+                    assert_eq!(bits(&g.vals), bits(&want.vals), "n {n} kind {kind} k {k} row {r}: values");
+                }
+                checked += 1;
+            }
+        }
+    }
+    // No extras at all, and extras for the wrong number of rows.
+    let data = row(&mut rng, 5000, 0);
+    let x = o.upload(&Mat::from_vec(1, 5000, data.clone())).unwrap();
+    assert_eq!(o.read_top(x, 40, &[]).unwrap(), vec![top_of_row(&data, 40, &[])]);
+    let e = o.read_top(x, 40, &[vec![], vec![]]).unwrap_err();
+    assert!(e.to_string().contains("extra"), "{e}");
+    println!("{checked} selections equal the host's");
+}
