@@ -6,10 +6,11 @@
 // One block of 1024 threads per row. The k-th best entry's 32-bit order key T (top_key: larger
 // key, larger value) comes from a radix select: three passes over the row (digits of 11, 11 and
 // 10 bits, highest first), each a shared-memory histogram of the entries whose higher digits
-// equal T's so far, and a warp that finds the digit where the count from the top reaches what
-// is still needed. Then one pass writes the entries above T (their order unspecified) and, of
-// those equal to T, the lowest ids (a block-wide ordered compaction, tile by tile in id order,
-// until enough are taken): exactly k entries. Then the extra ids' entries.
+// equal T's so far (the lanes of a warp with the same bin add together), and a warp that finds
+// the digit where the count from the top reaches what is still needed. Then one pass writes
+// the entries above T (their order unspecified) and, of those equal to T, the lowest ids (a
+// block-wide ordered compaction, tile by tile in id order, until enough are taken): exactly k
+// entries. Then the extra ids' entries.
 
 struct TopKParams {
     u64 x;         // [n_rows, n] f32
@@ -50,9 +51,17 @@ extern "C" __global__ void top_k_rows(const TopKParams p) {
             const u32 nb = 1u << bits, per = nb / 32;
             for (u32 i = tid; i < nb; i += nt) hist[i] = 0;
             __syncthreads();
-            for (u32 i = tid; i < p.n; i += nt) {
-                const u32 key = top_key(x[i]);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & (nb - 1)], 1u);
+            // Lanes with the same bin add once, together (logits crowd into a few bins of the
+            // first digit: one shared atomic a lane would serialise on them).
+            for (u32 base = 0; base < p.n; base += nt) {
+                const u32 i = base + tid;
+                u32 bin = 0xffffffffu;
+                if (i < p.n) {
+                    const u32 key = top_key(x[i]);
+                    if ((key & mask) == prefix) bin = (key >> shift) & (nb - 1);
+                }
+                const u32 peers = __match_any_sync(0xffffffffu, bin);
+                if (bin != 0xffffffffu && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
             }
             __syncthreads();
             if (warp == 0) {
