@@ -761,6 +761,22 @@ mod tests {
         }
     }
 
+    /// A sampler config of the property tests: the chain's knobs, penalties (repeat, presence,
+    /// frequency) over the last 64 tokens, a seed.
+    fn chain(t: f32, k: usize, top_p: f32, min_p: f32, pen: (f32, f32, f32), seed: u64) -> SamplerConfig {
+        SamplerConfig {
+            temperature: t,
+            top_k: k,
+            top_p,
+            min_p,
+            repeat_penalty: pen.0,
+            presence_penalty: pen.1,
+            frequency_penalty: pen.2,
+            penalty_last_n: 64,
+            seed: Some(seed),
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -775,11 +791,7 @@ mod tests {
             min_p in prop_oneof![Just(0.0f32), 0.0f32..0.5],
             pen in prop_oneof![Just((1.0f32, 0.0f32, 0.0f32)), (0.5f32..2.0, -1.0f32..1.0, -1.0f32..1.0)],
         ) {
-            let cfg = SamplerConfig {
-                temperature: t, top_k: k, top_p, min_p,
-                repeat_penalty: pen.0, presence_penalty: pen.1, frequency_penalty: pen.2,
-                penalty_last_n: 64, seed: Some(seed),
-            };
+            let cfg = chain(t, k, top_p, min_p, pen, seed);
             let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
             for _ in 0..4 {
                 let (x, y) = (a.sample(&logits, &history), sample_reference(&mut b, &logits, &history));
@@ -806,11 +818,7 @@ mod tests {
             min_p in prop_oneof![Just(0.0f32), 0.0f32..0.5],
             pen in prop_oneof![Just((1.0f32, 0.0f32, 0.0f32)), (0.5f32..2.0, -1.0f32..1.0, -1.0f32..1.0)],
         ) {
-            let cfg = SamplerConfig {
-                temperature: t, top_k: k, top_p, min_p,
-                repeat_penalty: pen.0, presence_penalty: pen.1, frequency_penalty: pen.2,
-                penalty_last_n: 64, seed: Some(seed),
-            };
+            let cfg = chain(t, k, top_p, min_p, pen, seed);
             let (mut a, mut b) = (Sampler::new(cfg.clone()).unwrap(), Sampler::new(cfg).unwrap());
             let full = masked(&logits, &mask);
             let mut history = history;
