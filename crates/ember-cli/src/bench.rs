@@ -236,13 +236,26 @@ pub fn main(a: Args) -> Result<()> {
                         .collect();
                     backend.forward(&mut items)?;
                 } else {
+                    // What the engine reads of a decode step for a request with the default
+                    // sampler (top-k 40: its 41 best entries) when the backend prefers rows'
+                    // best entries to whole rows (EMBER_TOP_READS); whole rows otherwise.
+                    let top: Vec<Option<(usize, Vec<u32>)>> = if backend.prefers_top() {
+                        let need = ember_engine::Sampler::new(ember_engine::SamplerConfig::default())?.top_needed();
+                        vec![need.map(|k| (k, Vec::new())); n]
+                    } else {
+                        Vec::new()
+                    };
                     for i in 0..per {
                         let mut items: Vec<Step<'_, _>> = states
                             .iter_mut()
                             .enumerate()
                             .map(|(j, st)| Step { tokens: &toks[j * per + i..j * per + i + 1], state: st, logits: Logits::Last })
                             .collect();
-                        backend.forward(&mut items)?;
+                        if top.is_empty() {
+                            backend.forward(&mut items)?;
+                        } else {
+                            backend.forward_top(&mut items, &top)?;
+                        }
                     }
                 }
                 Ok(t0.elapsed().as_nanos() as f64)
