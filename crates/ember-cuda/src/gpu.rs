@@ -182,6 +182,10 @@ pub struct Gpu {
     pending: Arc<Pending>,
     /// GPU time of every flush, when `EMBER_CUDA_GRAPH_STATS` is set.
     flush_time: Option<Mutex<FlushTime>>,
+    /// Set by [`Gpu::begin_record`], cleared by the step's first flush, which notes its
+    /// instant in `first_flush` (when the GPU got the step's first launches).
+    awaiting_first: AtomicBool,
+    first_flush: Mutex<Option<std::time::Instant>>,
     /// Whether one-token Fast matmuls take the int8 GEMV (`EMBER_GEMV_Q8=0`: no).
     gemv_q8: bool,
     /// Whether the automatic attention path may take the decode kernel (`EMBER_ATTN_DECODE=0`:
@@ -332,6 +336,8 @@ impl Gpu {
             recorder: Mutex::new(recorder),
             pending: Arc::default(),
             flush_time: std::env::var_os("EMBER_CUDA_GRAPH_STATS").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
+            awaiting_first: AtomicBool::new(false),
+            first_flush: Mutex::default(),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
@@ -407,6 +413,7 @@ impl Gpu {
         let on = self.graphs.load(Ordering::Relaxed) && self.profile.is_none();
         self.recording.store(on, Ordering::Relaxed);
         self.recorder.lock().unwrap_or_else(|e| e.into_inner()).restart_chunks();
+        self.awaiting_first.store(on, Ordering::Relaxed);
         if let Some(t) = &self.flush_time {
             t.lock().unwrap_or_else(|e| e.into_inner()).record_start = Some(std::time::Instant::now());
         }
@@ -444,6 +451,12 @@ impl Gpu {
         self.profile.is_none() && self.flush_time.is_none() && self.ctx.has_async_alloc()
     }
 
+    /// When the recorded step's first launches went to the stream (its first flush), if one
+    /// did since [`Gpu::begin_record`]; taking it clears it.
+    pub fn take_first_flush(&self) -> Option<std::time::Instant> {
+        self.first_flush.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
     /// Whether [`Gpu::begin_record`] records.
     pub fn graphs(&self) -> bool {
         self.graphs.load(Ordering::Relaxed) && self.profile.is_none()
@@ -461,6 +474,9 @@ impl Gpu {
             return Ok(());
         }
         let mut rec = self.recorder.lock().unwrap_or_else(|e| e.into_inner());
+        if self.awaiting_first.swap(false, Ordering::Relaxed) {
+            *self.first_flush.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        }
         if let Some(t) = &self.flush_time {
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
             if t.record_start.is_some() {

@@ -198,7 +198,7 @@ impl Recorder {
         self.hash = (self.hash ^ f as usize as u64).wrapping_mul(FNV_PRIME);
         self.launches.push(Launch { f, grid, block, smem, at, n_words });
         if self.limit == 0 {
-            self.limit = FIRST_CHUNK.min(chunk);
+            self.limit = first_chunk().min(chunk);
         }
         self.launches.len() >= self.limit.min(chunk)
     }
@@ -381,6 +381,15 @@ pub(crate) fn graphs_from_env() -> bool {
 
 /// `EMBER_CUDA_GRAPH_CHUNK`: the most launches per recorded list (at least 1; default
 /// [`CHUNK`]).
+/// The first list's launches: [`FIRST_CHUNK`], or `EMBER_CUDA_GRAPH_FIRST` (for measuring how
+/// soon the GPU gets a step's first kernels).
+fn first_chunk() -> usize {
+    static FIRST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FIRST.get_or_init(|| {
+        std::env::var("EMBER_CUDA_GRAPH_FIRST").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(FIRST_CHUNK)
+    })
+}
+
 pub(crate) fn chunk_from_env() -> usize {
     std::env::var("EMBER_CUDA_GRAPH_CHUNK").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(CHUNK)
 }

@@ -11,6 +11,10 @@
 //!   work, more of them than the two pinned buffers, so the host reuses a buffer whose copy is
 //!   still queued (it must wait for it); a buffer rewritten between kernels that read it; an
 //!   upload after recorded launches that read its buffer; one past the pinned size.
+//! * `write_each_lands_every_item_without_waiting`: a step's small uploads ([`Gpu::write_each`],
+//!   under `begin_step`) queued behind GPU work, three rounds over two pinned buffers, items of
+//!   odd lengths and an empty one, each round read back by a kernel queued after it; past the
+//!   pinned size (pageable, waited for); too much data for a buffer is refused.
 //! * `cuda_ops_reads_and_uploads`: `read_routing_with` equals `read_routing` and `read`; five
 //!   queued uploads read back; an upload between two adds lands between them.
 //!
@@ -150,6 +154,53 @@ fn async_uploads_keep_their_data_until_copied() {
     // Too much data for the buffer is refused.
     let e = g.write_async(&mut x, &vec![0.0; n + 1]).unwrap_err();
     assert!(e.to_string().contains("write_async"), "{e}");
+}
+
+#[test]
+fn write_each_lands_every_item_without_waiting() {
+    let Some((_lock, g)) = gpu() else { return };
+    let mut rng = Rng::new();
+    let n_big = 32 << 20;
+    let mut acc = g.zeros::<f32>(n_big).unwrap();
+    let one = g.upload(&vec![1.0f32; n_big]).unwrap();
+    let lens = [1usize, 7, 0, 1000, 33];
+    let mut bufs: Vec<_> = lens.iter().map(|&n| g.zeros::<u32>(n + 5).unwrap()).collect();
+    let mut copies: Vec<_> = lens.iter().map(|&n| g.zeros::<u32>(n + 5).unwrap()).collect();
+    for _round in 0..3 {
+        // GPU work queued ahead: the copies wait behind it, the host does not.
+        for _ in 0..40 {
+            g.add(&mut acc, &one, n_big).unwrap();
+        }
+        let data: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n).map(|_| rng.next_u64() as u32).collect()).collect();
+        let mut items: Vec<(&mut ember_cuda::Buf<u32>, &[u32])> = bufs.iter_mut().zip(&data).map(|(b, d)| (b, &d[..])).collect();
+        g.write_each(&mut items).unwrap();
+        // A stream-ordered copy of each buffer now: it must see this round's data.
+        for ((b, c), &n) in bufs.iter().zip(copies.iter_mut()).zip(&lens) {
+            g.copy(b, 0, c, 0, n + 5).unwrap();
+        }
+        let round: Vec<Vec<u32>> = copies.iter().map(|c| g.download(c).unwrap()).collect();
+        for (i, (got, d)) in round.iter().zip(&data).enumerate() {
+            assert_eq!(got[..d.len()], d[..], "item {i}");
+            assert_eq!(got[d.len()..], [0; 5], "item {i}: past its data");
+        }
+    }
+    assert_eq!(g.download_range(&acc, 0, 1).unwrap(), [120.0]);
+    // Past the pinned buffers (16 MiB): pageable copies, the same contract.
+    let big: Vec<u32> = (0..(5 << 20)).map(|i| i as u32 ^ 0x5a5a).collect();
+    let mut bb = g.zeros::<u32>(big.len()).unwrap();
+    let small = [9u32, 8, 7];
+    let mut items: Vec<(&mut ember_cuda::Buf<u32>, &[u32])> = vec![(&mut bb, &big[..]), (&mut bufs[0], &small[..])];
+    g.write_each(&mut items).unwrap();
+    assert!(g.download(&bb).unwrap() == big, "20 MiB item");
+    assert_eq!(g.download_range(&bufs[0], 0, 3).unwrap(), small);
+    // Too much data for its buffer: refused before anything is copied.
+    let (too, fine) = (vec![1u32; 7], vec![2u32; 1]);
+    let before = g.download(&bufs[1]).unwrap();
+    let (b0, rest) = bufs.split_at_mut(1);
+    let mut items: Vec<(&mut ember_cuda::Buf<u32>, &[u32])> = vec![(&mut rest[0], &fine[..]), (&mut b0[0], &too[..])];
+    let e = g.write_each(&mut items).unwrap_err();
+    assert!(e.to_string().contains("write"), "{e}");
+    assert_eq!(g.download(&bufs[1]).unwrap(), before, "nothing copied");
 }
 
 #[test]

@@ -20,6 +20,7 @@ mod arena;
 mod delta;
 mod experts;
 mod routing;
+mod step_times;
 mod store;
 mod weights;
 
@@ -84,6 +85,8 @@ pub struct CudaOps {
     generation: u32,
     /// `read_top`'s device buffers (grown on demand).
     top: Option<TopBufs>,
+    /// Where one-row steps' host time goes, when `EMBER_CUDA_STEP_TIMES` is set.
+    times: Option<step_times::StepTimes>,
 }
 
 /// [`Ops::read_top`]'s buffers: the extra ids and their rows' offsets in, the selected entries
@@ -93,6 +96,14 @@ struct TopBufs {
     extra_at: Buf<u32>,
     ids: Buf<u32>,
     vals: Buf<f32>,
+}
+
+impl Drop for CudaOps {
+    fn drop(&mut self) {
+        if let Some(line) = self.times.as_ref().and_then(|t| t.report()) {
+            eprintln!("{line}");
+        }
+    }
 }
 
 fn act_of(g: Gate) -> Act {
@@ -125,15 +136,21 @@ fn check_matmul(op: &'static str, dev: DeviceId, w: &WeightInfo, x: Tensor) -> O
     Ok(())
 }
 
-/// Writes each item's data to the start of its buffer (growing it first if needed), waiting
-/// for the stream once.
+/// Writes each item's data to the start of its buffer (growing it first if needed), without
+/// waiting for the stream ([`Gpu::write_each`]).
 fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])]) -> crate::Result<()> {
     for (buf, data) in items.iter_mut() {
         if buf.len() < data.len() {
             **buf = gpu.alloc(data.len().next_power_of_two())?;
         }
     }
-    gpu.write_each(items)
+    gpu.write_each(items)?;
+    // `EMBER_STEP_UPLOAD_WAIT=1`: wait for the copies as before (an A/B switch).
+    static WAIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *WAIT.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_WAIT").is_some_and(|v| v == "1")) {
+        gpu.sync()?;
+    }
+    Ok(())
 }
 
 /// Writes `data` to the start of `buf`, growing it first if needed.
@@ -187,6 +204,7 @@ impl CudaOps {
             q8_x: None,
             generation: 0,
             top: None,
+            times: step_times::from_env(),
             gpu,
         })
     }
@@ -392,6 +410,10 @@ impl Ops for CudaOps {
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         const OP: &str = "begin_step";
         let dev = self.dev;
+        let graphs = self.gpu.graphs();
+        if let Some(t) = &mut self.times {
+            t.begin(batch.n_rows() == 1 && graphs);
+        }
         self.store.collect();
         ember_ops::check::batch(OP, dev, batch, |s| self.store.live_len(OP, s))?;
         self.stepping = false;
@@ -425,6 +447,9 @@ impl Ops for CudaOps {
         // an upload, a page table write; see crate::graph).
         if batch.n_rows() <= GRAPH_MAX_ROWS {
             g.begin_record();
+        }
+        if let Some(t) = &mut self.times {
+            t.recording();
         }
         self.stepping = true;
         Ok(())
@@ -465,7 +490,24 @@ impl Ops for CudaOps {
     fn read(&mut self, x: Tensor) -> OpResult<Mat> {
         const OP: &str = "read";
         let b = self.arena.buf(OP, x)?;
-        let data = self.gpu.download_range(b, 0, x.n * x.d).map_err(cuda(OP, self.dev))?;
+        if let Some(t) = self.times.as_mut().filter(|t| t.timed()) {
+            t.read_start(self.gpu.take_first_flush());
+            self.gpu.sync().map_err(cuda(OP, self.dev))?;
+            t.idle();
+        }
+        // Through the GPU's pinned staging buffer (a decode step's logits: 1 MB for the 35B;
+        // `EMBER_READ_PINNED=0`: straight into the vector, which the driver stages itself).
+        static PINNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let data = if crate::ops::switch(&PINNED, "EMBER_READ_PINNED") {
+            let mut data = Vec::new();
+            self.gpu.download_ranges(&mut [Download::new(b, 0, x.n * x.d, &mut data)]).map_err(cuda(OP, self.dev))?;
+            data
+        } else {
+            self.gpu.download_range(b, 0, x.n * x.d).map_err(cuda(OP, self.dev))?
+        };
+        if let Some(t) = &mut self.times {
+            t.read_end();
+        }
         Ok(Mat { n: x.n, d: x.d, data })
     }
 
@@ -517,12 +559,21 @@ impl Ops for CudaOps {
             vals,
         };
         let b = self.arena.buf(OP, x)?;
+        let times = &mut self.times;
         let run = (|| -> crate::Result<(Vec<u32>, Vec<f32>)> {
             g.write_async(&mut t.extra, &flat)?;
             g.write_async(&mut t.extra_at, &at)?;
             g.top_k_rows(b, rows, n, k, &t.extra, &t.extra_at, cap, &mut t.ids, &mut t.vals)?;
+            if let Some(st) = times.as_mut().filter(|st| st.timed()) {
+                st.read_start(g.take_first_flush());
+                g.sync()?;
+                st.idle();
+            }
             let (mut ids, mut vals) = (Vec::new(), Vec::new());
             g.download_ranges(&mut [Download::new(&t.ids, 0, rows * cap, &mut ids), Download::new(&t.vals, 0, rows * cap, &mut vals)])?;
+            if let Some(st) = times.as_mut() {
+                st.read_end();
+            }
             Ok((ids, vals))
         })();
         self.top = Some(t);

@@ -197,8 +197,11 @@ impl Gpu {
         self.write(buf, data)
     }
 
-    /// Overwrites the start of each buffer with its data: the copies go back to back and the
-    /// stream is waited on once (a step's small uploads, one wait instead of one each).
+    /// Overwrites the start of each buffer with its data, without waiting (a step's small
+    /// uploads): every item is copied into one of the two small pinned buffers (each item at a
+    /// 16-byte boundary), and the copies to the device go on the stream back to back, as in
+    /// [`Gpu::write_async`]. Over 16 MiB in all, or when pinned memory cannot be had, the copies
+    /// go pageable and the stream is waited on once.
     pub fn write_each<T: Elem>(&self, items: &mut [(&mut Buf<T>, &[T])]) -> Result<()> {
         for (buf, data) in items.iter() {
             if data.len() > buf.len() {
@@ -206,6 +209,42 @@ impl Gpu {
             }
         }
         self.flush()?;
+        let at = |i: usize| items[..i].iter().map(|(_, d)| std::mem::size_of_val(*d).next_multiple_of(16)).sum::<usize>();
+        let total = at(items.len());
+        if total == 0 {
+            return Ok(());
+        }
+        {
+            let mut small = self.small.lock().unwrap_or_else(|e| e.into_inner());
+            let small = match &mut *small {
+                Some(s) => s,
+                none => none.insert(Small::new(&self.ctx)?),
+            };
+            let b = small.next_up;
+            if let Some((host, done)) = small.up[b].take(&self.ctx, total)? {
+                self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+                let mut queued = Ok(());
+                for (i, (buf, data)) in items.iter().enumerate().filter(|(_, (_, d))| !d.is_empty()) {
+                    // SAFETY: Elem types are plain numbers (no padding, every bit pattern valid),
+                    // so their bytes can be read as u8; the view lives no longer than `data`.
+                    let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(*data)) };
+                    let part = &mut host[at(i)..at(i) + bytes.len()];
+                    part.copy_from_slice(bytes);
+                    // SAFETY: the destination `buf[..data.len()]` lies inside `buf` (checked
+                    // above), whose free is stream-ordered, after this copy; the source is pinned
+                    // memory of `small.up[b]`, which the host does not touch before `done`,
+                    // recorded right after these copies (also when one fails), has fired.
+                    queued =
+                        unsafe { result::memcpy_htod_async(buf.ptr(), &*part, self.stream.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"));
+                    if queued.is_err() {
+                        break;
+                    }
+                }
+                done.record(&self.stream).map_err(drv("cuEventRecord"))?;
+                small.next_up = 1 - b;
+                return queued;
+            }
+        }
         for (buf, data) in items.iter_mut() {
             if std::mem::size_of_val(*data) >= 2 * STAGE_BYTES {
                 self.write(buf, data)?;
