@@ -96,6 +96,10 @@ struct TopBufs {
     extra_at: Buf<u32>,
     ids: Buf<u32>,
     vals: Buf<f32>,
+    /// The split form's scratch ([`crate::ops::TopKScratch`]) for `split_rows` rows, allocated
+    /// zeroed when first needed.
+    split: Option<(Buf<u32>, Buf<u32>, Buf<u32>)>,
+    split_rows: usize,
 }
 
 impl Drop for CudaOps {
@@ -544,10 +548,23 @@ impl Ops for CudaOps {
             }
         };
         let old = self.top.take();
-        let (oe, oa, oi, ov) = match old {
-            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals)),
-            None => (None, None, None, None),
+        let (oe, oa, oi, ov, mut split, mut split_rows) = match old {
+            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals), t.split, t.split_rows),
+            None => (None, None, None, None, None, 0),
         };
+        // Long rows over many blocks (EMBER_TOPK_SPLIT=0: one block a row, for A/B runs).
+        static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let use_split = k > 0 && n >= crate::ops::TOPK_SPLIT_MIN && crate::ops::switch(&SPLIT, "EMBER_TOPK_SPLIT");
+        if use_split && (split.is_none() || split_rows < rows) {
+            let r = rows.next_power_of_two();
+            let zeros = |len: usize| g.zeros::<u32>(len);
+            split = Some((
+                zeros(r * crate::ops::TOPK_BINS).map_err(cuda(OP, dev))?,
+                zeros(r * 2).map_err(cuda(OP, dev))?,
+                g.alloc::<u32>(r * crate::ops::TOPK_CAND).map_err(cuda(OP, dev))?,
+            ));
+            split_rows = r;
+        }
         let vals = match ov {
             Some(v) if v.len() >= rows * cap => v,
             _ => g.alloc((rows * cap).next_power_of_two()).map_err(cuda(OP, dev))?,
@@ -557,13 +574,16 @@ impl Ops for CudaOps {
             extra_at: grow_u32(oa, rows + 1).map_err(cuda(OP, dev))?,
             ids: grow_u32(oi, rows * cap).map_err(cuda(OP, dev))?,
             vals,
+            split,
+            split_rows,
         };
         let b = self.arena.buf(OP, x)?;
         let times = &mut self.times;
         let run = (|| -> crate::Result<(Vec<u32>, Vec<f32>)> {
             g.write_async(&mut t.extra, &flat)?;
             g.write_async(&mut t.extra_at, &at)?;
-            g.top_k_rows(b, rows, n, k, &t.extra, &t.extra_at, cap, &mut t.ids, &mut t.vals)?;
+            let scratch = t.split.as_ref().filter(|_| use_split).map(|(hist, counts, cand)| crate::ops::TopKScratch { hist, counts, cand });
+            g.top_k_rows(b, rows, n, k, &t.extra, &t.extra_at, cap, &mut t.ids, &mut t.vals, scratch)?;
             if let Some(st) = times.as_mut().filter(|st| st.timed()) {
                 st.read_start(g.take_first_flush());
                 g.sync()?;

@@ -34,6 +34,7 @@ pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef};
 pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 pub use route::ROUTE_SUM_MIN;
+pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 
 use crate::error::{Result, shape};
 use crate::gpu::Buf;

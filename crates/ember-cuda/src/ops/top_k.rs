@@ -7,8 +7,17 @@ use crate::kernels::TOP_K;
 
 const OP: &str = "top_k_rows";
 
-/// Threads of a `top_k_rows` block (one block a row).
+/// Threads of every top-k block.
 const THREADS: u32 = 1024;
+/// Histogram bins of the first digit (`TOPK_BINS` in kernels/top_k.cu).
+pub const TOPK_BINS: usize = 2048;
+/// Candidates the split form's last step sorts (`TOPK_CAND`).
+pub const TOPK_CAND: usize = 4096;
+/// Entries a block of the split form's first two steps reads.
+pub const TOPK_CHUNK: usize = 8192;
+/// Rows at least this long take the split form (a decode step's 248k logits: ~31 blocks a row
+/// instead of one SM reading the row four times).
+pub const TOPK_SPLIT_MIN: usize = 4 * TOPK_CHUNK;
 
 #[repr(C)]
 struct TopKParams {
@@ -17,21 +26,34 @@ struct TopKParams {
     extra_at: u64,
     out_ids: u64,
     out_vals: u64,
+    hist: u64,
+    counts: u64,
+    cand: u64,
     n: u32,
     k: u32,
     cap: u32,
-    pad: u32,
+    chunk: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `TopKParams` in kernels/top_k.cu.
 unsafe impl DeviceRepr for TopKParams {}
 
+/// The split form's scratch: per row a first-digit histogram and two counters, both zero
+/// between calls (allocated zeroed; the last step zeroes them again), and its candidates.
+pub struct TopKScratch<'a> {
+    pub hist: &'a Buf<u32>,
+    pub counts: &'a Buf<u32>,
+    pub cand: &'a Buf<u32>,
+}
+
 impl Gpu {
     /// Per row r of `x` [n_rows, n]: its `k` best entries (value descending, NaN as −∞, ties to
     /// the lower id; in no particular order) into `out_ids` / `out_vals` [n_rows, cap] from
     /// column 0, then the entries at `extra[extra_at[r]..extra_at[r + 1]]` (ids below n). `k`
-    /// at most n; `cap` at least k plus the most extras of a row. One block a row
-    /// (`kernels/top_k.cu`).
+    /// at most n; `cap` at least k plus the most extras of a row. With `split` (scratch for
+    /// n_rows rows, zeroed: [n_rows · TOPK_BINS], [n_rows · 2], [n_rows · TOPK_CAND]) and k > 0,
+    /// three kernels over ~n / TOPK_CHUNK blocks a row; otherwise one block a row
+    /// (`kernels/top_k.cu`). The same entries either way.
     #[allow(clippy::too_many_arguments)]
     pub fn top_k_rows(
         &self,
@@ -44,6 +66,7 @@ impl Gpu {
         cap: usize,
         out_ids: &mut Buf<u32>,
         out_vals: &mut Buf<f32>,
+        split: Option<TopKScratch<'_>>,
     ) -> Result<()> {
         need(OP, "x", x, n_rows * n)?;
         need(OP, "extra_at", extra_at, n_rows + 1)?;
@@ -55,21 +78,48 @@ impl Gpu {
         if n_rows == 0 || cap == 0 {
             return Ok(());
         }
-        let p = TopKParams {
+        let mut p = TopKParams {
             x: x.ptr(),
             extra: extra.ptr(),
             extra_at: extra_at.ptr(),
             out_ids: out_ids.ptr(),
             out_vals: out_vals.ptr(),
+            hist: 0,
+            counts: 0,
+            cand: 0,
             n: u32_of(OP, "n", n)?,
             k: u32_of(OP, "k", k)?,
             cap: u32_of(OP, "cap", cap)?,
-            pad: 0,
+            chunk: 0,
         };
-        let f = self.function(&TOP_K, "top_k_rows")?;
-        // SAFETY: x, extra_at and the outputs are checked above for n_rows rows; the extras'
-        // offsets and ids are the caller's (CudaOps::read_top writes them: offsets within
-        // `extra`, at most cap - k a row, ids below n; the kernel reads an id >= n as NaN).
-        unsafe { self.launch(&f, (u32_of(OP, "n_rows", n_rows)?, 1, 1), THREADS, 0, &p) }
+        let rows = u32_of(OP, "n_rows", n_rows)?;
+        match split.filter(|_| k > 0) {
+            None => {
+                let f = self.function(&TOP_K, "top_k_rows")?;
+                // SAFETY: x, extra_at and the outputs are checked above for n_rows rows; the
+                // extras' offsets and ids are the caller's (CudaOps::read_top writes them:
+                // offsets within `extra`, at most cap - k a row, ids below n; the kernel reads an
+                // id >= n as NaN).
+                unsafe { self.launch(&f, (rows, 1, 1), THREADS, 0, &p) }
+            }
+            Some(s) => {
+                need(OP, "hist", s.hist, n_rows * TOPK_BINS)?;
+                need(OP, "counts", s.counts, n_rows * 2)?;
+                need(OP, "cand", s.cand, n_rows * TOPK_CAND)?;
+                (p.hist, p.counts, p.cand, p.chunk) = (s.hist.ptr(), s.counts.ptr(), s.cand.ptr(), TOPK_CHUNK as u32);
+                let blocks = u32_of(OP, "blocks", n.div_ceil(TOPK_CHUNK))?;
+                let (hist, gather, finish) =
+                    (self.function(&TOP_K, "top_k_hist")?, self.function(&TOP_K, "top_k_gather")?, self.function(&TOP_K, "top_k_finish")?);
+                // SAFETY: as above; the scratch is checked for n_rows rows and holds zeros (the
+                // caller's contract, which top_k_finish keeps for the next call); a block reads
+                // x[blockIdx.y · chunk ..] clamped to n; candidates past TOPK_CAND are counted,
+                // not stored, and then top_k_finish runs the one-block form on the row.
+                unsafe {
+                    self.launch(&hist, (rows, blocks, 1), THREADS, 0, &p)?;
+                    self.launch(&gather, (rows, blocks, 1), THREADS, 0, &p)?;
+                    self.launch(&finish, (rows, 1, 1), THREADS, (TOPK_CAND * 8) as u32, &p)
+                }
+            }
+        }
     }
 }
