@@ -269,6 +269,12 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
 /// boundary through host memory. The same GPU may be given more than once (EMBER_SPLIT_PARTS:
 /// one card run as several, the two-GPU code path on one).
 fn multi(gpus: &[(&ember_cuda::DeviceInfo, u64)], precision: Precision, threads: usize, place: &Placement) -> Result<Box<dyn Ops>> {
+    // Each part keeps its card's reserve free; parts sharing a card share it (each watches the
+    // same free memory, and each evicting the whole shortfall would evict it several times).
+    let reserve_of = |g: &ember_cuda::DeviceInfo| -> Result<u64> {
+        let sharing = gpus.iter().filter(|(h, _)| h.index == g.index).count().max(1) as u64;
+        Ok(reserve(place)? / sharing)
+    };
     use ember_plan::Home;
     use ember_plan::hybrid::{Hybrid, resident_lists_on};
     let t = TierInputs::of(place)?;
@@ -278,7 +284,6 @@ fn multi(gpus: &[(&ember_cuda::DeviceInfo, u64)], precision: Precision, threads:
         .map(|(i, (g, b))| ember_plan::Budget { device: i, name: format!("cuda:{} ({})", g.index, g.name), bytes: *b })
         .collect();
     let plan = ember_plan::plan(&t.sizes, &budgets, t.heat.as_ref().map(|h| h.heat()).as_ref(), t.popts)?;
-    let reserve = reserve(place)?;
     let mut parts: Vec<Box<dyn Ops>> = Vec::new();
     let mut part_of = vec![usize::MAX; plan.devices.len()];
     for (d, dev) in plan.devices.iter().enumerate().filter(|(_, dev)| !dev.layers.is_empty()) {
@@ -305,7 +310,7 @@ fn multi(gpus: &[(&ember_cuda::DeviceInfo, u64)], precision: Precision, threads:
         let cpu = ember_cpu::CpuOps::new(precision, threads);
         let mut h = Hybrid::new(ops, cpu, resident, t.start_heat(), t.file.clone(), t.opts);
         h.cap_kv_bytes(dev.kv_bytes + dev.delta_bytes);
-        h.watch_memory(reserve);
+        h.watch_memory(reserve_of(g)?);
         part_of[d] = parts.len();
         parts.push(Box::new(h));
     }
@@ -362,6 +367,8 @@ fn one_gpu_as_many(
     threads: usize,
     place: &Placement,
 ) -> Result<Box<dyn Ops>> {
+    // No more parts than layers (each part runs at least one).
+    let n = n.min(ember_model::Config::from_gguf(place.file)?.n_layer).max(1);
     say(format!(
         "device: EMBER_SPLIT_PARTS={n}: cuda:{} ({}, budget {}) run as {n} cards of {} each",
         g.index,

@@ -379,8 +379,6 @@ pub(crate) fn graphs_from_env() -> bool {
     !matches!(std::env::var("EMBER_CUDA_GRAPH").as_deref(), Ok("0" | "off" | "false"))
 }
 
-/// `EMBER_CUDA_GRAPH_CHUNK`: the most launches per recorded list (at least 1; default
-/// [`CHUNK`]).
 /// The first list's launches: [`FIRST_CHUNK`], or `EMBER_CUDA_GRAPH_FIRST` (for measuring how
 /// soon the GPU gets a step's first kernels).
 fn first_chunk() -> usize {
@@ -390,6 +388,8 @@ fn first_chunk() -> usize {
     })
 }
 
+/// `EMBER_CUDA_GRAPH_CHUNK`: the most launches per recorded list (at least 1; default
+/// [`CHUNK`]).
 pub(crate) fn chunk_from_env() -> usize {
     std::env::var("EMBER_CUDA_GRAPH_CHUNK").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(CHUNK)
 }

@@ -194,6 +194,9 @@ pub struct Hybrid {
     posted: Vec<Posted>,
     /// The newest generation whose timed-out waits have been reported.
     timeouts_seen: u32,
+    /// Whether a mailbox was posted since the host last waited for the stream: a wait of this
+    /// step may yet time out on the GPU (see `begin_step`).
+    posted_unwaited: bool,
     /// Which weights the GPU keeps ([`Ops::keep_weights`]; None: all).
     kept: Option<Vec<bool>>,
     /// Per layer, whether its experts are this GPU's to place (set at `register` from `kept`:
@@ -284,6 +287,7 @@ impl Hybrid {
             boxes: Vec::new(),
             posted: Vec::new(),
             timeouts_seen: 0,
+            posted_unwaited: false,
             kept: None,
             owned: Vec::new(),
             gpu,
@@ -590,7 +594,13 @@ impl Ops for Hybrid {
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         self.drain()?;
         self.step_tokens = batch.tokens.len();
-        // begin_step writes the batch and waits for the stream: every earlier step is done.
+        // A step that posted mailboxes and read no rows (a prompt chunk without logits) was
+        // never waited for: wait now, so a mailbox wait of it that timed out is reported here,
+        // against this batch's predecessor, not some later step (begin_step itself queues the
+        // batch's uploads without waiting).
+        if std::mem::take(&mut self.posted_unwaited) {
+            self.gpu.gpu().sync().map_err(|e| OpError::new("begin_step", self.gpu.device(), "", e.to_string()))?;
+        }
         self.gpu.begin_step(batch)?;
         self.check_timeouts()
     }
@@ -626,6 +636,7 @@ impl Ops for Hybrid {
         let m = self.gpu.read(x)?;
         // A read of rows has waited for the stream (one of none has not; begin_step checks).
         if x.n * x.d > 0 {
+            self.posted_unwaited = false;
             self.check_timeouts()?;
         }
         Ok(m)
@@ -634,6 +645,7 @@ impl Ops for Hybrid {
         self.drain()?;
         let t = self.gpu.read_top(x, k, extra)?;
         if x.n * x.d > 0 {
+            self.posted_unwaited = false;
             self.check_timeouts()?;
         }
         Ok(t)

@@ -29,6 +29,7 @@ impl Hybrid {
     /// `moe_wait_add` adds the host's sum of the misses, waiting for it only when there are
     /// some. Nothing waits here: the host serves the mailbox later ([`Hybrid::drain`]).
     pub(super) fn moe_posted(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
+        self.posted_unwaited = true;
         let l = layer.index();
         let (pairs, floats) = (routing.n_tok * routing.k, x.n * x.d);
         let fits = |b: &Option<Mailbox>| b.as_ref().is_some_and(|b| b.cap_pairs() >= pairs && b.cap_x() >= floats);
