@@ -61,7 +61,13 @@ __device__ __forceinline__ void top_scan(const u32* hist, u32 nb, u32 need, u32 
         const u32 t = __shfl_up_sync(0xffffffffu, incl, o);
         if ((int)lane >= o) incl += t;
     }
-    const u32 first = __ffs(__ballot_sync(0xffffffffu, incl >= need)) - 1;
+    const u32 ball = __ballot_sync(0xffffffffu, incl >= need);
+    if (ball == 0) {
+        // Fewer entries than needed (a caller's broken contract): take nothing of this digit.
+        if (lane == 0) *s_need = 0, *s_prefix = prefix;
+        return;
+    }
+    const u32 first = __ffs(ball) - 1;
     if (lane == first) {
         u32 cum = incl - s, j = 0;
         for (; j + 1 < per; ++j) {
@@ -162,7 +168,7 @@ __device__ __forceinline__ void top_extras(const TopKParams& p, u64 row, const f
 }
 
 // grid (n_rows), block 1024.
-extern "C" __global__ void top_k_rows(const TopKParams p) {
+extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const TopKParams p) {
     pdl_enter();
     const u64 row = blockIdx.x;
     const float* x = (const float*)p.x + row * p.n;
@@ -173,7 +179,7 @@ extern "C" __global__ void top_k_rows(const TopKParams p) {
 }
 
 // The split form, step 1. grid (n_rows, blocks a row), block 1024; k > 0.
-extern "C" __global__ void top_k_hist(const TopKParams p) {
+extern "C" __global__ void __launch_bounds__(1024) top_k_hist(const TopKParams p) {
     pdl_enter();
     __shared__ u32 hist[TOPK_BINS];
     const u32 tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
@@ -207,15 +213,19 @@ __device__ __forceinline__ u32 warp_append(bool want, u32* counter) {
 }
 
 // The split form, step 2. grid (n_rows, blocks a row), block 1024.
-extern "C" __global__ void top_k_gather(const TopKParams p) {
+extern "C" __global__ void __launch_bounds__(1024) top_k_gather(const TopKParams p) {
     pdl_enter();
+    __shared__ u32 hist[TOPK_BINS];
     __shared__ u32 s_digit, s_need;
     const u32 tid = threadIdx.x, nt = blockDim.x;
     const u64 row = blockIdx.x;
     const float* x = (const float*)p.x + row * p.n;
-    if (tid < 32) top_scan((const u32*)p.hist + row * TOPK_BINS, TOPK_BINS, p.k, 0, 21, &s_digit, &s_need);
+    // The scan walks bins one after another: from shared memory, not an L2 trip each.
+    for (u32 i = tid; i < TOPK_BINS; i += nt) hist[i] = ((const u32*)p.hist)[row * TOPK_BINS + i];
     __syncthreads();
-    const u32 d1 = s_digit >> 21;
+    if (tid < 32) top_scan(hist, TOPK_BINS, p.k, 0, 21, &s_digit, &s_need);
+    __syncthreads();
+    const u32 d1 = s_digit >> 21, above = p.k - s_need;
     u32* cnt = (u32*)p.counts + row * 2;
     u32* out_ids = (u32*)p.out_ids + row * p.cap;
     float* out_vals = (float*)p.out_vals + row * p.cap;
@@ -227,14 +237,16 @@ extern "C" __global__ void top_k_gather(const TopKParams p) {
         const u32 d = i < hi ? top_key(v) >> 21 : 0;
         const bool up = i < hi && d > d1, in = i < hi && d == d1;
         const u32 a = warp_append(up, &cnt[0]);
-        if (up) out_ids[a] = i, out_vals[a] = v;
+        // (a < above always, the scratch being zero on entry; the bound keeps a dirty one from
+        // writing past the row's output.)
+        if (up && a < above) out_ids[a] = i, out_vals[a] = v;
         const u32 c = warp_append(in, &cnt[1]);
         if (in && c < TOPK_CAND) cand[c] = i;
     }
 }
 
 // The split form, step 3. grid (n_rows), block 1024, dynamic shared memory TOPK_CAND u64.
-extern "C" __global__ void top_k_finish(const TopKParams p) {
+extern "C" __global__ void __launch_bounds__(1024) top_k_finish(const TopKParams p) {
     pdl_enter();
     extern __shared__ u64 keys[];
     __shared__ u32 s_digit, s_need;
@@ -245,7 +257,10 @@ extern "C" __global__ void top_k_finish(const TopKParams p) {
     u32* cnt = (u32*)p.counts + row * 2;
     u32* out_ids = (u32*)p.out_ids + row * p.cap;
     float* out_vals = (float*)p.out_vals + row * p.cap;
-    if (tid < 32) top_scan(hist, TOPK_BINS, p.k, 0, 21, &s_digit, &s_need);
+    u32* bins = (u32*)keys;  // the histogram, in the sort's buffer until the sort
+    for (u32 i = tid; i < TOPK_BINS; i += nt) bins[i] = hist[i];
+    __syncthreads();
+    if (tid < 32) top_scan(bins, TOPK_BINS, p.k, 0, 21, &s_digit, &s_need);
     __syncthreads();
     const u32 need = s_need, above = p.k - need, c = cnt[1];
     if (c <= TOPK_CAND) {
@@ -254,8 +269,8 @@ extern "C" __global__ void top_k_finish(const TopKParams p) {
         while (m < c) m <<= 1;
         const u32* cand = (const u32*)p.cand + row * TOPK_CAND;
         for (u32 j = tid; j < m; j += nt) {
-            const u32 id = j < c ? cand[j] : 0;
-            keys[j] = j < c ? ((u64)top_key(x[id]) << 32) | (u64)(0xffffffffu - id) : 0;
+            const u32 id = j < c ? cand[j] : 0xffffffffu;
+            keys[j] = id < p.n ? ((u64)top_key(x[id]) << 32) | (u64)(0xffffffffu - id) : 0;
         }
         __syncthreads();
         // Bitonic sort, descending.
@@ -269,10 +284,10 @@ extern "C" __global__ void top_k_finish(const TopKParams p) {
                 __syncthreads();
             }
         }
-        for (u32 j = tid; j < need; j += nt) {
+        for (u32 j = tid; j < need && j < m; j += nt) {
             const u32 id = 0xffffffffu - (u32)keys[j];
             out_ids[above + j] = id;
-            out_vals[above + j] = x[id];
+            out_vals[above + j] = id < p.n ? x[id] : __int_as_float(0x7fffffff);
         }
     } else {
         top_k_row(x, p.n, p.k, out_ids, out_vals);

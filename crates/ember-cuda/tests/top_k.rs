@@ -31,9 +31,22 @@ fn row(rng: &mut Rng, n: usize, kind: usize) -> Vec<f32> {
                 4 => 7.5,
                 _ => (rng.below(64) as f32 - 32.0) * 0.5,
             },
+            // Spread like logits (a sum of four uniforms, std ~3): few entries share the k-th's
+            // first digit, so the split form sorts its candidates.
+            3 => (0..4).map(|_| rng.below(1 << 16) as f32 / 65536.0 - 0.5).sum::<f32>() * 5.2,
             _ => 1.25,
         })
         .collect()
+}
+
+/// `n` entries of 0.25 with `top` of them (spread over the row) at 1.0: the best k <= top share
+/// one first digit with exactly `top` entries in it.
+fn crowded(n: usize, top: usize) -> Vec<f32> {
+    let mut v = vec![0.25f32; n];
+    for j in 0..top {
+        v[j * (n / top)] = 1.0;
+    }
+    v
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -53,7 +66,7 @@ fn rows_best_entries_on_the_gpu_equal_the_host_selection() {
     let mut rng = Rng::new();
     let mut checked = 0;
     for (n, rows) in [(1usize, 1usize), (7, 3), (1000, 1), (4099, 2), (248_320, 1), (248_320, 4)] {
-        for kind in 0..3 {
+        for kind in 0..4 {
             for k in [0usize, 1, 2, 41, 257, 1025, n, n + 5] {
                 let data: Vec<Vec<f32>> = (0..rows).map(|_| row(&mut rng, n, kind)).collect();
                 let extra: Vec<Vec<u32>> = (0..rows)
@@ -103,9 +116,17 @@ fn both_forms_of_the_kernel_select_the_same_entries() {
         (g.zeros::<u32>(rows * TOPK_BINS).unwrap(), g.zeros::<u32>(rows * 2).unwrap(), g.zeros::<u32>(rows * TOPK_CAND).unwrap());
     let extra = g.upload(&[5u32, 77, 5]).unwrap();
     let extra_at = g.upload(&[0u32, 3, 3, 3]).unwrap();
-    for kind in 0..3 {
+    // Kinds 0-3 as `row` makes them; 4 and 5: exactly TOPK_CAND and one more entries in the
+    // best first digit (the last sort, the first fallback).
+    for kind in 0..6 {
         for k in [1usize, 40, 41, 1024, 5000] {
-            let data: Vec<f32> = (0..rows).flat_map(|_| row(&mut rng, n, kind)).collect();
+            let data: Vec<f32> = (0..rows)
+                .flat_map(|_| match kind {
+                    4 => crowded(n, TOPK_CAND),
+                    5 => crowded(n, TOPK_CAND + 1),
+                    _ => row(&mut rng, n, kind),
+                })
+                .collect();
             let x = g.upload(&data).unwrap();
             let cap = k + 3;
             let mut got = Vec::new();

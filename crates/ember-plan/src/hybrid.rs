@@ -644,7 +644,8 @@ impl Ops for Hybrid {
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
         self.drain()?;
         let t = self.gpu.read_top(x, k, extra)?;
-        if x.n * x.d > 0 {
+        // It waited for the stream when it brought entries down (none asked for: no wait).
+        if x.n > 0 && (k.min(x.d) > 0 || extra.iter().flatten().any(|&i| (i as usize) < x.d)) {
             self.posted_unwaited = false;
             self.check_timeouts()?;
         }

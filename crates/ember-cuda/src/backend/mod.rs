@@ -515,8 +515,8 @@ impl Ops for CudaOps {
         Ok(Mat { n: x.n, d: x.d, data })
     }
 
-    /// The selection runs on the GPU (`top_k_rows`, one block a row) and only the selected
-    /// entries come down: for a 248k vocabulary and the default sampler chain ~42 entries a
+    /// The selection runs on the GPU (`Gpu::top_k_rows`: one block a row, or split over
+    /// blocks from `TOPK_SPLIT_MIN` entries) and only the selected entries come down: for a 248k vocabulary and the default sampler chain ~42 entries a
     /// row instead of 1 MB.
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
         const OP: &str = "read_top";
@@ -596,6 +596,12 @@ impl Ops for CudaOps {
             }
             Ok((ids, vals))
         })();
+        // A failed call may have stopped between the split form's kernels: its scratch is not
+        // known to be zero any more, so the next call makes a fresh one.
+        if run.is_err() {
+            t.split = None;
+            t.split_rows = 0;
+        }
         self.top = Some(t);
         let (ids, vals) = run.map_err(cuda(OP, dev))?;
         Ok((0..rows)

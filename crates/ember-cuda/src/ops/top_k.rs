@@ -107,13 +107,19 @@ impl Gpu {
                 need(OP, "counts", s.counts, n_rows * 2)?;
                 need(OP, "cand", s.cand, n_rows * TOPK_CAND)?;
                 (p.hist, p.counts, p.cand, p.chunk) = (s.hist.ptr(), s.counts.ptr(), s.cand.ptr(), TOPK_CHUNK as u32);
-                let blocks = u32_of(OP, "blocks", n.div_ceil(TOPK_CHUNK))?;
+                let blocks = n.div_ceil(TOPK_CHUNK);
+                if blocks > 65_535 {
+                    return Err(crate::error::shape(OP, format!("rows of {n} entries need {blocks} blocks, more than a grid's 65,535")));
+                }
+                let blocks = blocks as u32;
                 let (hist, gather, finish) =
                     (self.function(&TOP_K, "top_k_hist")?, self.function(&TOP_K, "top_k_gather")?, self.function(&TOP_K, "top_k_finish")?);
-                // SAFETY: as above; the scratch is checked for n_rows rows and holds zeros (the
-                // caller's contract, which top_k_finish keeps for the next call); a block reads
+                // SAFETY: as above; the scratch is checked for n_rows rows; a block reads
                 // x[blockIdx.y · chunk ..] clamped to n; candidates past TOPK_CAND are counted,
-                // not stored, and then top_k_finish runs the one-block form on the row.
+                // not stored (then top_k_finish runs the one-block form on the row). A scratch
+                // not zero on entry (the contract, which top_k_finish keeps for the next call)
+                // gives wrong entries but no access out of bounds: gather writes only below the
+                // row's k - need, finish reads only candidate ids below n.
                 unsafe {
                     self.launch(&hist, (rows, blocks, 1), THREADS, 0, &p)?;
                     self.launch(&gather, (rows, blocks, 1), THREADS, 0, &p)?;
