@@ -494,6 +494,15 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<crate::TopRow>> {
         (**self).read_top(x, k, extra)
     }
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<crate::DeviceRows>> {
+        (**self).export_rows(x)
+    }
+    fn import_rows(&mut self, rows: &crate::DeviceRows) -> OpResult<Option<(Tensor, crate::QueueMark)>> {
+        (**self).import_rows(rows)
+    }
+    fn wait_mark(&mut self, mark: &crate::QueueMark) -> OpResult<()> {
+        (**self).wait_mark(mark)
+    }
     fn layer_device(&self, layer: LayerIdx) -> DeviceId {
         (**self).layer_device(layer)
     }

@@ -79,6 +79,24 @@ pub struct Mat {
     pub data: Vec<f32>,
 }
 
+/// A handle's rows offered to another backend, to copy on its own queue without the host
+/// ([`Ops::export_rows`]; a layer split's hidden state crossing from one GPU to the next).
+#[derive(Clone)]
+pub struct DeviceRows {
+    /// Where the rows are: the device and the address there.
+    pub device: DeviceId,
+    pub ptr: u64,
+    pub n: usize,
+    pub d: usize,
+    /// When they are ready, in the exporting backend's terms (a backend of another kind
+    /// cannot read it and does not import).
+    pub ready: QueueMark,
+}
+
+/// A point in a backend's queue of work (an event after it), for another backend to order its
+/// own work after ([`Ops::wait_mark`]).
+pub type QueueMark = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
 impl Mat {
     pub fn zeros(n: usize, d: usize) -> Self {
         Mat { n, d, data: vec![0.0; n * d] }
@@ -701,6 +719,31 @@ pub trait Ops: SeqStore + Send {
 
     /// The step's logit rows of `x`, in the batch's order.
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor>;
+
+    /// `x`'s rows for another backend to copy on its own queue ([`Ops::import_rows`]), ready
+    /// once the work queued so far is done; None when this backend has none to offer (the
+    /// caller reads them and uploads them instead). Until the importer's copy is done the rows
+    /// must stay as they are: the caller passes the import's mark to [`Ops::wait_mark`] here
+    /// before any later op.
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<DeviceRows>> {
+        let _ = x;
+        Ok(None)
+    }
+
+    /// A handle of this step holding a copy of another backend's exported `rows`, the copy
+    /// queued after they are ready, and the mark of the copy's end (for the exporter to wait
+    /// on); None when this backend cannot copy them (another kind of device).
+    fn import_rows(&mut self, rows: &DeviceRows) -> OpResult<Option<(Tensor, QueueMark)>> {
+        let _ = rows;
+        Ok(None)
+    }
+
+    /// Orders this backend's later work after `mark` (another backend's copy of rows exported
+    /// here). A mark this backend cannot read is ignored.
+    fn wait_mark(&mut self, mark: &QueueMark) -> OpResult<()> {
+        let _ = mark;
+        Ok(())
+    }
 
     /// Which weights the next [`Ops::register`] keeps, by id (None: all): a layer split's part
     /// (`ember_plan::split`) is given every weight and runs only its layers'. A device backend

@@ -655,6 +655,20 @@ impl Ops for Hybrid {
         self.drain()?;
         self.gpu.read_routing(r)
     }
+    /// Serves the posted mailboxes first: the rows are ready only once the GPU has had the
+    /// host's sums of the misses, and nothing else of this part waits for the stream before the
+    /// next part's layers run.
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<ember_ops::DeviceRows>> {
+        self.drain()?;
+        self.gpu.export_rows(x)
+    }
+    fn import_rows(&mut self, rows: &ember_ops::DeviceRows) -> OpResult<Option<(Tensor, ember_ops::QueueMark)>> {
+        self.drain()?;
+        self.gpu.import_rows(rows)
+    }
+    fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
+        self.gpu.wait_mark(mark)
+    }
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
         self.gpu.embed(w)
     }

@@ -115,8 +115,26 @@ impl Split {
         if q == p {
             return Ok(inner);
         }
-        let m = self.parts[q].read(inner)?;
-        let moved = self.parts[p].upload(&m)?;
+        // Device to device when both parts can (two GPUs: a peer copy, ordered by events, the
+        // host never waiting), else through the host.
+        let moved = match self.parts[q].export_rows(inner)? {
+            Some(rows) => match self.parts[p].import_rows(&rows)? {
+                Some((moved, done)) => {
+                    // The source rows stay as they are until the copy is done.
+                    self.parts[q].wait_mark(&done)?;
+                    Some(moved)
+                }
+                None => None,
+            },
+            None => None,
+        };
+        let moved = match moved {
+            Some(m) => m,
+            None => {
+                let m = self.parts[q].read(inner)?;
+                self.parts[p].upload(&m)?
+            }
+        };
         self.handles[t.id as usize] = Some((p, moved));
         Ok(moved)
     }

@@ -89,6 +89,13 @@ pub struct CudaOps {
     times: Option<step_times::StepTimes>,
 }
 
+/// What a [`CudaOps`] puts in a [`ember_ops::QueueMark`] (and a `DeviceRows`' `ready`): an event
+/// recorded on its stream, and the context its buffers belong to (a peer copy names both).
+struct CudaMark {
+    event: cudarc::driver::CudaEvent,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
 /// [`Ops::read_top`]'s buffers: the extra ids and their rows' offsets in, the selected entries
 /// out.
 struct TopBufs {
@@ -617,6 +624,45 @@ impl Ops for CudaOps {
 
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         Ok(self.download_routing("read_routing", r, None)?.0)
+    }
+
+    /// The rows stay in the step arena; ready at an event after the work queued so far
+    /// (`EMBER_SPLIT_DEVICE_COPY=0`: none offered, the split reads and uploads).
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<ember_ops::DeviceRows>> {
+        const OP: &str = "export_rows";
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !crate::ops::switch(&ON, "EMBER_SPLIT_DEVICE_COPY") {
+            return Ok(None);
+        }
+        let ptr = self.arena.buf(OP, x)?.ptr();
+        let event = self.gpu.mark().map_err(cuda(OP, self.dev))?;
+        let ready: ember_ops::QueueMark = Arc::new(CudaMark { event, ctx: self.gpu.context().clone() });
+        Ok(Some(ember_ops::DeviceRows { device: self.dev, ptr, n: x.n, d: x.d, ready }))
+    }
+
+    /// Rows another `CudaOps` exported (this GPU or another: a peer copy), copied on this
+    /// stream after their event; the mark is an event after the copy.
+    fn import_rows(&mut self, rows: &ember_ops::DeviceRows) -> OpResult<Option<(Tensor, ember_ops::QueueMark)>> {
+        const OP: &str = "import_rows";
+        let Some(m) = rows.ready.downcast_ref::<CudaMark>() else { return Ok(None) };
+        let t = self.arena.alloc(&self.gpu, OP, rows.n, rows.d)?;
+        let (_, mut outs) = self.arena.split(t.id);
+        let dev = self.dev;
+        self.gpu.wait_event(&m.event).map_err(cuda(OP, dev))?;
+        // SAFETY: `rows` came from CudaOps::export_rows of a live step: `ptr` addresses its
+        // n·d f32 in `m.ctx`, written before `m.event`, which the copy waits for; the exporter
+        // orders its later work (frees and reuse of that buffer included) after the mark
+        // returned here (the Ops::export_rows contract, which Split keeps).
+        unsafe { self.gpu.copy_in(outs[0], &m.ctx, rows.ptr, rows.n * rows.d) }.map_err(cuda(OP, dev))?;
+        let event = self.gpu.mark().map_err(cuda(OP, dev))?;
+        Ok(Some((t, Arc::new(CudaMark { event, ctx: self.gpu.context().clone() }))))
+    }
+
+    fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
+        match mark.downcast_ref::<CudaMark>() {
+            Some(m) => self.gpu.wait_event(&m.event).map_err(cuda("wait_mark", self.dev)),
+            None => Ok(()),
+        }
     }
 
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {

@@ -396,6 +396,52 @@ impl Gpu {
         }
     }
 
+    /// An event recorded on the stream after the work queued so far (recorded launches sent
+    /// first): what another stream, maybe another GPU's, orders its work after.
+    pub fn mark(&self) -> Result<CudaEvent> {
+        self.flush()?;
+        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(drv("cuEventCreate"))?;
+        ev.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        Ok(ev)
+    }
+
+    /// Orders the stream's later work after `ev` (another stream's event, maybe another GPU's).
+    pub fn wait_event(&self, ev: &CudaEvent) -> Result<()> {
+        self.flush()?;
+        self.stream.wait(ev).map_err(drv("cuStreamWaitEvent"))
+    }
+
+    /// The context this GPU's buffers belong to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Copies `len` values at device address `src` of context `src_ctx` (this GPU's or
+    /// another's: a peer copy) to the start of `dst`, on the stream.
+    ///
+    /// # Safety
+    /// `src` must address `len` f32 of a live allocation of `src_ctx` that stays live and
+    /// unwritten until the copy is done: the caller orders that (the copy after an event of the
+    /// writer's stream, the source's later work after an event recorded after the copy).
+    pub unsafe fn copy_in(&self, dst: &mut Buf<f32>, src_ctx: &Arc<CudaContext>, src: u64, len: usize) -> Result<()> {
+        range("copy_in", dst.len, 0, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.flush()?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let (bytes, stream) = (len * std::mem::size_of::<f32>(), self.stream.cu_stream());
+        if src_ctx.cu_ctx() == self.ctx.cu_ctx() {
+            // SAFETY: dst's first len values are inside dst (checked above), whose free is
+            // stream-ordered after this copy; the source is the caller's contract.
+            unsafe { result::memcpy_dtod_async(dst.ptr(), src, bytes, stream) }.map_err(drv("cuMemcpyDtoDAsync"))
+        } else {
+            // SAFETY: as above, the source in its own context.
+            unsafe { result::memcpy_peer_async(self.ctx.cu_ctx(), dst.ptr(), src_ctx.cu_ctx(), src, bytes, stream) }
+                .map_err(drv("cuMemcpyPeerAsync"))
+        }
+    }
+
     /// Waits until all work on the stream is done.
     pub fn sync(&self) -> Result<()> {
         self.flush()?;
