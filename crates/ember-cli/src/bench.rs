@@ -254,7 +254,7 @@ pub fn main(a: Args) -> Result<()> {
                         if top.is_empty() {
                             backend.forward(&mut items)?;
                         } else {
-                            backend.forward_top(&mut items, &top)?;
+                            backend.forward_top(&mut items, &top, &mut || {})?;
                         }
                     }
                 }

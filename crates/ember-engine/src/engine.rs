@@ -57,9 +57,17 @@ pub trait Backend: Send + 'static {
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error>;
     /// [`Backend::forward`] where item i may ask, by `top[i] = Some((k, extra))` with
     /// `Logits::Last`, for its row's `k` best entries and those at `extra` instead of the whole
-    /// row ([`Row::Top`]; `ember_ops::top::top_of_row` says which). By default the whole rows
-    /// come back and the selection runs on the host.
-    fn forward_top(&mut self, items: &mut [Step<'_, Self::State>], top: &[Option<(usize, Vec<u32>)>]) -> Result<Vec<Option<Row>>, Error> {
+    /// row ([`Row::Top`]; `ember_ops::top::top_of_row` says which). `before_wait` runs once,
+    /// after the step's work is put in motion and before its logits are waited for (host work
+    /// a device's step overlaps: the engine delivers the previous step's tokens then). By
+    /// default it runs first, then the whole rows come back and the selection runs on the host.
+    fn forward_top(
+        &mut self,
+        items: &mut [Step<'_, Self::State>],
+        top: &[Option<(usize, Vec<u32>)>],
+        before_wait: &mut dyn FnMut(),
+    ) -> Result<Vec<Option<Row>>, Error> {
+        before_wait();
         let rows = self.forward(items)?;
         Ok(rows
             .into_iter()
@@ -244,6 +252,11 @@ pub struct EngineStats {
     pub expert_streamed_bytes: AtomicU64,
     /// Per tier-managed layer: (device, layer, resident pairs, other pairs).
     pub expert_layers: std::sync::Mutex<Vec<(String, u16, u64, u64)>>,
+    /// Microseconds the engine spent in its steps, and of those inside the backend's forward
+    /// passes: the difference is the engine's own host time (sampling, events, bookkeeping),
+    /// which a GPU waits through between decode steps.
+    pub step_us: AtomicU64,
+    pub forward_us: AtomicU64,
 }
 
 struct Job {
@@ -382,6 +395,9 @@ struct Seq<S> {
     /// The logits of the prompt's last token, restored with the whole prompt from the cache:
     /// the first token is sampled from them before the next step, nothing is recomputed.
     restored_logits: Option<Vec<f32>>,
+    /// The last sampled token's event when the sequence goes on: it goes out while the next
+    /// step runs (see `Scheduler::step_inner`).
+    unsent: Option<Event>,
 }
 
 impl<S> Seq<S> {
@@ -580,11 +596,18 @@ impl<B: Backend> Scheduler<B> {
             n_generated: 0,
             reserve_to,
             restored_logits,
+            unsent: None,
         });
     }
 
     /// One forward pass over every active sequence, then sampling.
     fn step(&mut self) {
+        let t0 = std::time::Instant::now();
+        self.step_inner();
+        self.stats.step_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
+
+    fn step_inner(&mut self) {
         // Free the slots of requests nobody listens to any more.
         let n_before = self.active.len();
         self.active.retain(|s| !s.job.sink.is_closed());
@@ -607,6 +630,12 @@ impl<B: Backend> Scheduler<B> {
             let took = take_token(s, &Row::Full(row), n_ctx, &self.stats);
             settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
+        // The tokens sampled since the last step that go on: delivered once this step's work is
+        // in motion (a GPU runs it meanwhile: a client's wake-up costs the engine thread tens
+        // of microseconds on a VM), or at the end of the step when none runs.
+        let mut unsent: Vec<(usize, Event)> =
+            self.active.iter_mut().enumerate().filter_map(|(i, s)| s.unsent.take().map(|e| (i, e))).collect();
+        let mut gone: Vec<usize> = Vec::new();
         // Which tokens each sequence feeds this step: (start, end, wants logits). Decoders take
         // one token each; prompt chunks share what is left of the budget, first come first
         // served, and end at checkpoint positions. A prompt left without budget waits (a, a).
@@ -643,32 +672,65 @@ impl<B: Backend> Scheduler<B> {
             }
             let mut items: Vec<Step<B::State>> = Vec::with_capacity(order.len());
             let mut top: Vec<Option<(usize, Vec<u32>)>> = Vec::with_capacity(order.len());
+            let mut sinks: Vec<(usize, &mut Box<dyn EventSink>)> = Vec::with_capacity(unsent.len());
             let mut pos = 0;
             let prefers_top = self.backend.prefers_top();
             for (i, s) in self.active.iter_mut().enumerate() {
-                if order.get(pos) == Some(&i) {
-                    let (a, b, want) = spans[i];
-                    // A prompt's end that the cache will keep needs its whole row.
-                    let keeps_row = caching && s.n_fed < s.job.req.prompt.len();
-                    top.push(if want && prefers_top && !keeps_row { top_request(s) } else { None });
-                    items.push(Step {
-                        tokens: &s.history[a..b],
-                        state: &mut s.state,
-                        logits: if want { Logits::Last } else { Logits::None },
-                    });
+                let item = order.get(pos) == Some(&i);
+                let (a, b, want) = spans[i];
+                // A prompt's end that the cache will keep needs its whole row.
+                let keeps_row = caching && s.n_fed < s.job.req.prompt.len();
+                let ask = if item && want && prefers_top && !keeps_row { top_request(s) } else { None };
+                let Seq { job, state, history, .. } = s;
+                if unsent.iter().any(|u| u.0 == i) {
+                    sinks.push((i, &mut job.sink));
+                }
+                if item {
+                    top.push(ask);
+                    items.push(Step { tokens: &history[a..b], state, logits: if want { Logits::Last } else { Logits::None } });
                     pos += 1;
                 }
             }
-            match self.backend.forward_top(&mut items, &top) {
+            let mut deliver = || {
+                for (i, ev) in unsent.drain(..) {
+                    if let Some((_, sink)) = sinks.iter_mut().find(|(j, _)| *j == i)
+                        && !sink.send(ev)
+                    {
+                        gone.push(i);
+                    }
+                }
+            };
+            let t_fwd = std::time::Instant::now();
+            let out = self.backend.forward_top(&mut items, &top, &mut deliver);
+            self.stats.forward_us.fetch_add(t_fwd.elapsed().as_micros() as u64, Ordering::Relaxed);
+            match out {
                 Ok(rows) => break Ok(order.into_iter().zip(rows).collect::<Vec<_>>()),
                 Err(Error::Sequence { index, msg }) if index < order.len() => {
                     let i = order[index];
                     failed[i] = true;
+                    // Its last token first, if still undelivered.
+                    if let Some(k) = unsent.iter().position(|u| u.0 == i) {
+                        let (_, ev) = unsent.remove(k);
+                        self.active[i].job.sink.send(ev);
+                    }
                     self.active[i].job.sink.send(Event::Failed(msg));
                 }
                 Err(e) => break Err(e),
             }
         };
+        // Tokens no step delivered (none ran, or it failed before its work was in motion).
+        for (i, ev) in unsent.drain(..) {
+            if !self.active[i].job.sink.send(ev) {
+                gone.push(i);
+            }
+        }
+        // A client gone since its last token: its sequence is freed (its row of this step,
+        // if any, is not sampled).
+        for i in gone {
+            if !std::mem::replace(&mut done[i], true) {
+                self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         self.stats.n_steps.fetch_add(1, Ordering::Relaxed);
         self.stats.tokens_prompt.fetch_add(n_prompt_tokens as u64, Ordering::Relaxed);
         let mut logits: Vec<Option<Option<Row>>> = vec![None; self.active.len()];
@@ -839,22 +901,31 @@ fn take_token<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &EngineStats) -
     }
     // (A request with logprobs always gets its whole row: top_request.)
     let logprobs = s.job.req.n_logprobs.zip(full.as_deref()).map(|(k, row)| logprobs_of(row, id, k));
-    if !s.job.sink.send(Event::Token { id, logprobs }) {
-        stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
-        return Took::Gone;
-    }
-    s.history.push(id);
+    let token = Event::Token { id, logprobs };
     let reason = if s.n_generated >= s.job.req.max_tokens {
         Some(FinishReason::MaxTokens)
-    } else if s.history.len() >= n_ctx {
+    } else if s.history.len() + 1 >= n_ctx {
         // The sampled token cannot be fed: the context is full.
         Some(FinishReason::ContextFull)
     } else {
         None
     };
     match reason {
-        Some(reason) => Took::Ends(Event::Finished { reason, n_prompt, n_generated: s.n_generated }),
-        None => Took::Goes,
+        // The last token goes out now, its finish after the step's end-of-generation work.
+        Some(reason) => {
+            if !s.job.sink.send(token) {
+                stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
+                return Took::Gone;
+            }
+            s.history.push(id);
+            Took::Ends(Event::Finished { reason, n_prompt, n_generated: s.n_generated })
+        }
+        // One that goes on is fed by the next step and goes out while that step runs.
+        None => {
+            s.history.push(id);
+            s.unsent = Some(token);
+            Took::Goes
+        }
     }
 }
 

@@ -131,13 +131,18 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
         Ok(out.into_iter().zip(items.iter()).map(|(m, it)| (it.logits != Logits::None).then_some(m.data)).collect())
     }
 
-    fn forward_top(&mut self, items: &mut [Step<'_, Self::State>], top: &[Option<(usize, Vec<u32>)>]) -> Result<Vec<Option<Row>>, Error> {
+    fn forward_top(
+        &mut self,
+        items: &mut [Step<'_, Self::State>],
+        top: &[Option<(usize, Vec<u32>)>],
+        before_wait: &mut dyn FnMut(),
+    ) -> Result<Vec<Option<Row>>, Error> {
         use ember_model::{DeltaMode, SeqBatch, StepRows};
         let mut seqs: Vec<SeqBatch> =
             items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
         let mut asks = top.to_vec();
         asks.resize(seqs.len(), None);
-        let out = self.model.forward_batch_top(&mut self.ops, &mut seqs, DeltaMode::Auto, &asks).map_err(|e| match e {
+        let out = self.model.forward_batch_top(&mut self.ops, &mut seqs, DeltaMode::Auto, &asks, before_wait).map_err(|e| match e {
             ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
             e => Error::Backend(e.to_string()),
         })?;

@@ -218,7 +218,7 @@ impl Model {
         delta: DeltaMode,
         tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
     ) -> Result<Vec<Mat>, Error> {
-        self.step(ops, seqs, delta, tap, |ops, logits, counts| {
+        self.step(ops, seqs, delta, tap, &mut || {}, |ops, logits, counts| {
             let logits = ops.read(logits)?;
             // One sequence takes the rows as read (a decode step's 1 MB of logits for a 248k
             // vocabulary, not copied again).
@@ -242,13 +242,17 @@ impl Model {
     /// the row; on a GPU the selection runs there and only those entries come down). The
     /// others get their rows whole. When every sequence with rows asks, one
     /// [`Ops::read_top`] serves them (with the largest k); otherwise the rows are read whole
-    /// and the asked selections made on the host.
+    /// and the asked selections made on the host. `before_wait` runs once the step's work is
+    /// all asked for and put in motion ([`Ops::submit`]), before the logits are waited for: host
+    /// work that a device backend's step then overlaps (the engine's delivery of the previous
+    /// step's tokens).
     pub fn forward_batch_top(
         &self,
         ops: &mut dyn Ops,
         seqs: &mut [SeqBatch],
         delta: DeltaMode,
         top: &[Option<(usize, Vec<u32>)>],
+        before_wait: &mut dyn FnMut(),
     ) -> Result<Vec<StepRows>, Error> {
         if top.len() != seqs.len() {
             return Err(Error::BadBatch(format!("{} top requests for {} sequences", top.len(), seqs.len())));
@@ -258,7 +262,7 @@ impl Model {
                 return Err(Error::BadBatch("a top request needs Logits::Last".into()));
             }
         }
-        self.step(ops, seqs, delta, None, |ops, logits, counts| {
+        self.step(ops, seqs, delta, None, before_wait, |ops, logits, counts| {
             let with_rows: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] > 0).collect();
             if !with_rows.is_empty() && with_rows.iter().all(|&i| top[i].is_some()) {
                 let k = with_rows.iter().filter_map(|&i| top[i].as_ref().map(|t| t.0)).max().unwrap_or(0);
@@ -295,7 +299,7 @@ impl Model {
 
     /// One step of the model over `seqs`; `read` brings the logits of the rows they ask for
     /// ([ΣT-selected, n_vocab], `counts[i]` rows of sequence i in order) to the host, before
-    /// the step ends.
+    /// the step ends; `before_wait` runs just before, the step's work submitted.
     #[allow(clippy::type_complexity)]
     fn step<R>(
         &self,
@@ -303,6 +307,7 @@ impl Model {
         seqs: &mut [SeqBatch],
         delta: DeltaMode,
         mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        before_wait: &mut dyn FnMut(),
         read: impl FnOnce(&mut dyn Ops, Tensor, &[usize]) -> Result<R, Error>,
     ) -> Result<R, Error> {
         let c = &self.config;
@@ -368,6 +373,8 @@ impl Model {
         let y = ops.rms_norm(sel, self.output_norm, c.rms_eps)?;
         see(&mut tap, ops, "final_norm", 0, y)?;
         let logits = ops.matmul(self.output, y)?; // [rows, n_vocab]
+        ops.submit()?;
+        before_wait();
         let out = read(ops, logits, &counts)?;
         ops.end_step()?;
         for s in seqs.iter_mut() {

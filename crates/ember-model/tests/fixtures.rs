@@ -291,7 +291,7 @@ fn top_rows_are_the_whole_rows_best_entries() {
             SeqBatch { tokens: &b, state: &mut s2, logits: last_b },
             SeqBatch { tokens: &a[20..30], state: &mut s3, logits: Logits::None },
         ];
-        m.forward_batch_top(ops, &mut seqs, DeltaMode::Auto, top).unwrap()
+        m.forward_batch_top(ops, &mut seqs, DeltaMode::Auto, top, &mut || {}).unwrap()
     };
     let whole = run(&mut ops, &[None, None, None], Logits::Last);
     let row = |i: usize| match &whole[i] {
@@ -310,7 +310,7 @@ fn top_rows_are_the_whole_rows_best_entries() {
     assert_eq!(got[1], whole[1]);
     let mut st = m.new_state(&mut ops, 200).unwrap();
     let mut seqs = [SeqBatch { tokens: &a[..5], state: &mut st, logits: Logits::All }];
-    let e = m.forward_batch_top(&mut ops, &mut seqs, DeltaMode::Auto, &[Some((2, vec![]))]).unwrap_err();
+    let e = m.forward_batch_top(&mut ops, &mut seqs, DeltaMode::Auto, &[Some((2, vec![]))], &mut || {}).unwrap_err();
     assert!(e.to_string().contains("Logits::Last"), "{e}");
 }
 

@@ -494,6 +494,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<crate::TopRow>> {
         (**self).read_top(x, k, extra)
     }
+    fn submit(&mut self) -> OpResult<()> {
+        (**self).submit()
+    }
     fn export_rows(&mut self, x: Tensor) -> OpResult<Option<crate::DeviceRows>> {
         (**self).export_rows(x)
     }

@@ -720,6 +720,13 @@ pub trait Ops: SeqStore + Send {
     /// The step's logit rows of `x`, in the batch's order.
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor>;
 
+    /// Puts the work asked for so far in motion (a device backend sends the launches it has
+    /// recorded), before host work meant to overlap it. By default nothing: a host backend
+    /// has done its work when each op returns.
+    fn submit(&mut self) -> OpResult<()> {
+        Ok(())
+    }
+
     /// `x`'s rows for another backend to copy on its own queue ([`Ops::import_rows`]), ready
     /// once the work queued so far is done; None when this backend has none to offer (the
     /// caller reads them and uploads them instead). Until the importer's copy is done the rows

@@ -669,6 +669,9 @@ impl Ops for Hybrid {
     fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
         self.gpu.wait_mark(mark)
     }
+    fn submit(&mut self) -> OpResult<()> {
+        self.gpu.submit()
+    }
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
         self.gpu.embed(w)
     }

@@ -438,6 +438,13 @@ impl Ops for Split {
         self.parts[p].read(t)
     }
 
+    fn submit(&mut self) -> OpResult<()> {
+        for p in &mut self.parts {
+            p.submit()?;
+        }
+        Ok(())
+    }
+
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
         let (p, t) = self.handle("read_top", x)?;
         self.parts[p].read_top(t, k, extra)

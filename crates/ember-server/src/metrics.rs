@@ -125,6 +125,16 @@ impl Metrics {
         counter(&mut out, "ember_engine_steps_total", "Forward passes run by the engine.", ld(&engine.n_steps));
         counter(&mut out, "ember_engine_prompt_tokens_total", "Prompt tokens processed by the engine.", ld(&engine.tokens_prompt));
         counter(&mut out, "ember_engine_generated_tokens_total", "Tokens sampled by the engine.", ld(&engine.tokens_generated));
+        let _ = writeln!(
+            out,
+            "# HELP ember_engine_step_seconds_total Wall time of the engine's steps (forward passes, sampling, events).\n# TYPE ember_engine_step_seconds_total counter\nember_engine_step_seconds_total {}",
+            ld(&engine.step_us) as f64 / 1e6
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ember_engine_forward_seconds_total Wall time of the steps inside the backend's forward passes (the rest is the engine's own host time).\n# TYPE ember_engine_forward_seconds_total counter\nember_engine_forward_seconds_total {}",
+            ld(&engine.forward_us) as f64 / 1e6
+        );
         counter(
             &mut out,
             "ember_cancelled_total",
@@ -228,12 +238,16 @@ mod tests {
         engine.expert_hits.store(30, Ordering::Relaxed);
         engine.expert_misses.store(10, Ordering::Relaxed);
         engine.expert_miss_us.store(1_500_000, Ordering::Relaxed);
+        engine.step_us.store(2_500_000, Ordering::Relaxed);
+        engine.forward_us.store(2_000_000, Ordering::Relaxed);
         *engine.expert_layers.lock().unwrap() = vec![("gpu:0".into(), 3, 25, 5), ("gpu:0".into(), 7, 5, 5)];
         let text = Metrics::default().render(&engine, 4);
         for line in [
             "ember_expert_hits_total 30",
             "ember_expert_misses_total 10",
             "ember_expert_miss_seconds_total 1.5",
+            "ember_engine_step_seconds_total 2.5",
+            "ember_engine_forward_seconds_total 2",
             "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"3\",resident=\"yes\"} 25",
             "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"7\",resident=\"no\"} 5",
             "# TYPE ember_expert_layer_pairs_total counter",

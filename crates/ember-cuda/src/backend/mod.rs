@@ -658,6 +658,10 @@ impl Ops for CudaOps {
         Ok(Some((t, Arc::new(CudaMark { event, ctx: self.gpu.context().clone() }))))
     }
 
+    fn submit(&mut self) -> OpResult<()> {
+        self.gpu.flush().map_err(cuda("submit", self.dev))
+    }
+
     fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
         match mark.downcast_ref::<CudaMark>() {
             Some(m) => self.gpu.wait_event(&m.event).map_err(cuda("wait_mark", self.dev)),
