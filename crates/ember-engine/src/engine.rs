@@ -257,6 +257,9 @@ pub struct EngineStats {
     /// which a GPU waits through between decode steps.
     pub step_us: AtomicU64,
     pub forward_us: AtomicU64,
+    /// Microseconds spent handing tokens to their clients (waking their tasks), inside the
+    /// forward passes they overlap or not: not counted in `forward_us`.
+    pub deliver_us: AtomicU64,
 }
 
 struct Job {
@@ -662,6 +665,17 @@ impl<B: Backend> Scheduler<B> {
             .collect();
         let n_prompt_tokens: usize =
             self.active.iter().zip(&spans).filter(|(s, _)| s.n_fed < s.job.req.prompt.len()).map(|(_, sp)| sp.1 - sp.0).sum();
+        // A step with prompt work may wait for the device mid-way (the expert tier's routing,
+        // a page table): its tokens go out first, not after the prompt chunk.
+        if n_prompt_tokens > 0 {
+            let t0 = std::time::Instant::now();
+            for (i, ev) in unsent.drain(..) {
+                if !self.active[i].job.sink.send(ev) {
+                    gone.push(i);
+                }
+            }
+            self.stats.deliver_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
         // Run the step; a sequence the backend rejects before running anything fails alone and
         // the step runs again without it.
         let mut failed = vec![false; self.active.len()];
@@ -691,7 +705,9 @@ impl<B: Backend> Scheduler<B> {
                     pos += 1;
                 }
             }
+            let mut delivering = std::time::Duration::ZERO;
             let mut deliver = || {
+                let t0 = std::time::Instant::now();
                 for (i, ev) in unsent.drain(..) {
                     if let Some((_, sink)) = sinks.iter_mut().find(|(j, _)| *j == i)
                         && !sink.send(ev)
@@ -699,10 +715,13 @@ impl<B: Backend> Scheduler<B> {
                         gone.push(i);
                     }
                 }
+                delivering += t0.elapsed();
             };
             let t_fwd = std::time::Instant::now();
             let out = self.backend.forward_top(&mut items, &top, &mut deliver);
-            self.stats.forward_us.fetch_add(t_fwd.elapsed().as_micros() as u64, Ordering::Relaxed);
+            let forward = t_fwd.elapsed().saturating_sub(delivering);
+            self.stats.forward_us.fetch_add(forward.as_micros() as u64, Ordering::Relaxed);
+            self.stats.deliver_us.fetch_add(delivering.as_micros() as u64, Ordering::Relaxed);
             match out {
                 Ok(rows) => break Ok(order.into_iter().zip(rows).collect::<Vec<_>>()),
                 Err(Error::Sequence { index, msg }) if index < order.len() => {
@@ -719,11 +738,13 @@ impl<B: Backend> Scheduler<B> {
             }
         };
         // Tokens no step delivered (none ran, or it failed before its work was in motion).
+        let t0 = std::time::Instant::now();
         for (i, ev) in unsent.drain(..) {
             if !self.active[i].job.sink.send(ev) {
                 gone.push(i);
             }
         }
+        self.stats.deliver_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         // A client gone since its last token: its sequence is freed (its row of this step,
         // if any, is not sampled).
         for i in gone {

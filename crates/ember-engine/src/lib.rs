@@ -16,7 +16,7 @@ pub mod sampler;
 mod script_backend;
 
 pub use engine::{
-    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, Step, TokenLogprobs, start,
+    Backend, EngineConfig, EngineHandle, EngineStats, Event, EventSink, FinishReason, GenRequest, Logits, Row, Step, TokenLogprobs, start,
 };
 pub use model_backend::{ModelBackend, pool_pages};
 pub use sampler::{Sampler, SamplerConfig};

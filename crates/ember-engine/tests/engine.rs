@@ -235,10 +235,13 @@ fn rows_best_entries_give_the_whole_rows_tokens() {
 }
 
 /// A scripted backend that records the tokens of every item of every step, and rejects (before
-/// running anything) any item containing token 42, as the model does for a bad sequence.
+/// running anything) any item containing token 42, as the model does for a bad sequence. With
+/// `late_hook` its `forward_top` runs the engine's delivery hook after its work, as a GPU step
+/// does (the default runs it first).
 struct Recording {
     inner: ScriptBackend,
     steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
+    late_hook: bool,
 }
 
 impl ember_engine::Backend for Recording {
@@ -272,6 +275,72 @@ impl ember_engine::Backend for Recording {
     fn restore(&mut self, snap: &Self::Snapshot, n_ctx: usize) -> Result<Self::State, Error> {
         self.inner.restore(snap, n_ctx)
     }
+    fn forward_top(
+        &mut self,
+        items: &mut [ember_engine::Step<'_, Self::State>],
+        top: &[Option<(usize, Vec<u32>)>],
+        before_wait: &mut dyn FnMut(),
+    ) -> Result<Vec<Option<ember_engine::Row>>, Error> {
+        if !self.late_hook {
+            before_wait();
+        }
+        let rows = self.forward(items)?;
+        if self.late_hook {
+            before_wait();
+        }
+        Ok(rows
+            .into_iter()
+            .zip(top.iter().chain(std::iter::repeat(&None)))
+            .map(|(r, t)| {
+                r.map(|r| match t {
+                    Some((k, extra)) => ember_engine::Row::Top(ember_ops::top::top_of_row(&r, *k, extra)),
+                    None => ember_engine::Row::Full(r),
+                })
+            })
+            .collect())
+    }
+}
+
+/// The engine hands a token that goes on to its client while the next step runs (late hook):
+/// every token still arrives, in order, before the finish; a sequence the backend rejects when
+/// it feeds a token gets that token, then its failure; a client that leaves frees its slot; the
+/// same with the hook first.
+#[test]
+fn tokens_handed_over_during_the_next_step_all_arrive_in_order() {
+    for late_hook in [true, false] {
+        let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let backend = Recording { inner: script(&[5, 6, 42, 8, 9]), steps: steps.clone(), late_hook };
+        let cfg = EngineConfig { n_parallel: 2, n_queue: 8, n_ctx: 256, n_batch: 64, ..Default::default() };
+        let (h, _t) = ember_engine::start(backend, cfg).unwrap();
+        // Three tokens then the end: 5, 6 go on, 42 is the last (max_tokens 3).
+        let (s, rx, _) = sink();
+        h.submit(req(vec![1, 2], 3, 1), s).unwrap();
+        let (ids, end) = collect(&rx);
+        assert_eq!(ids, [5, 6, 42], "late_hook {late_hook}");
+        assert_eq!(end, Event::Finished { reason: FinishReason::MaxTokens, n_prompt: 2, n_generated: 3 });
+        // Fed 42 on the next step, the sequence is rejected: 5, 6, 42 arrive, then the failure.
+        let (s, rx, _) = sink();
+        h.submit(req(vec![1, 2], 10, 1), s).unwrap();
+        let (ids, end) = collect(&rx);
+        assert_eq!(ids, [5, 6, 42], "late_hook {late_hook}");
+        assert!(matches!(&end, Event::Failed(m) if m.contains("token 42")), "{end:?}");
+        // A client that leaves mid-generation frees its slot for the next request.
+        let (s, rx, closed) = sink();
+        let mut r = req(vec![1, 2], 1000, 1);
+        r.eog = Vec::new();
+        h.submit(r, s).unwrap();
+        assert!(matches!(rx.recv().unwrap(), Event::Started { .. }));
+        assert!(matches!(rx.recv().unwrap(), Event::Token { id: 5, .. }));
+        closed.store(true, Ordering::SeqCst);
+        let (s, rx, _) = sink();
+        h.submit(req(vec![3], 2, 1), s).unwrap();
+        assert_eq!(collect(&rx).0, [5, 6], "late_hook {late_hook}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while h.stats().n_active.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(h.stats().n_active.load(Ordering::SeqCst), 0, "late_hook {late_hook}: the left client's slot was freed");
+    }
 }
 
 /// Issue 14: a step holds at most `n_batch` tokens over all sequences; decoders get their token
@@ -280,7 +349,7 @@ impl ember_engine::Backend for Recording {
 #[test]
 fn r14_token_budget_and_failing_alone() {
     let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let backend = Recording { inner: script(&[7; 1 << 16]), steps: steps.clone() };
+    let backend = Recording { inner: script(&[7; 1 << 16]), steps: steps.clone(), late_hook: true };
     let cfg = EngineConfig { n_parallel: 3, n_queue: 8, n_ctx: 1 << 20, n_batch: 8, ..Default::default() };
     let (h, _t) = ember_engine::start(backend, cfg).unwrap();
     // An endless decoder first, then a 100-token prompt and a bad one.
@@ -427,7 +496,7 @@ fn r14_admission_by_free_kv_pages() {
 fn warm_up_runs_one_batch_first_and_changes_nothing() {
     let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
     let cfg = EngineConfig { n_parallel: 1, n_queue: 4, n_ctx: 64, n_batch: 6, warm_up: 40, ..Default::default() };
-    let (_h, _t) = ember_engine::start(Recording { inner: script(&[1, 2, 3]), steps: steps.clone() }, cfg).unwrap();
+    let (_h, _t) = ember_engine::start(Recording { inner: script(&[1, 2, 3]), steps: steps.clone(), late_hook: true }, cfg).unwrap();
     assert_eq!(*steps.lock().unwrap(), vec![vec![6]], "one item of n_batch tokens, before any request");
 
     let file = Arc::new(ember_gguf::GgufFile::open(ember_testkit::fixture("tiny-a/gguf/tiny-a-Q8_0.gguf")).unwrap());

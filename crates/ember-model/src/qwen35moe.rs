@@ -299,7 +299,8 @@ impl Model {
 
     /// One step of the model over `seqs`; `read` brings the logits of the rows they ask for
     /// ([ΣT-selected, n_vocab], `counts[i]` rows of sequence i in order) to the host, before
-    /// the step ends; `before_wait` runs just before, the step's work submitted.
+    /// the step ends; `before_wait` runs just before, the step's work submitted, when the
+    /// backend runs submitted work while the host goes on ([`Ops::overlaps`]), else first.
     #[allow(clippy::type_complexity)]
     fn step<R>(
         &self,
@@ -315,6 +316,12 @@ impl Model {
             // A bad sequence is named, and nothing has run yet: a caller may drop it and retry.
             self.check_batch(s.tokens, s.state)
                 .map_err(|e| if seqs.len() == 1 { e } else { Error::InSequence { index, source: Box::new(e) } })?;
+        }
+        // A backend that does each op's work before returning overlaps nothing: the host work
+        // goes first rather than a whole step late.
+        let overlaps = ops.overlaps();
+        if !overlaps {
+            before_wait();
         }
         // The step's batch: every sequence's tokens after each other, and the rows that get logits.
         let mut batch = Batch::default();
@@ -373,8 +380,10 @@ impl Model {
         let y = ops.rms_norm(sel, self.output_norm, c.rms_eps)?;
         see(&mut tap, ops, "final_norm", 0, y)?;
         let logits = ops.matmul(self.output, y)?; // [rows, n_vocab]
-        ops.submit()?;
-        before_wait();
+        if overlaps {
+            ops.submit()?;
+            before_wait();
+        }
         let out = read(ops, logits, &counts)?;
         ops.end_step()?;
         for s in seqs.iter_mut() {

@@ -497,6 +497,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn submit(&mut self) -> OpResult<()> {
         (**self).submit()
     }
+    fn overlaps(&self) -> bool {
+        (**self).overlaps()
+    }
     fn export_rows(&mut self, x: Tensor) -> OpResult<Option<crate::DeviceRows>> {
         (**self).export_rows(x)
     }

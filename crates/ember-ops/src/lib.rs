@@ -727,6 +727,13 @@ pub trait Ops: SeqStore + Send {
         Ok(())
     }
 
+    /// Whether work submitted ([`Ops::submit`]) runs while the host goes on (a device), so
+    /// that host work placed after it overlaps it; false for a backend whose ops do their
+    /// work before they return (then such host work is better done before the step).
+    fn overlaps(&self) -> bool {
+        false
+    }
+
     /// `x`'s rows for another backend to copy on its own queue ([`Ops::import_rows`]), ready
     /// once the work queued so far is done; None when this backend has none to offer (the
     /// caller reads them and uploads them instead). Until the importer's copy is done the rows

@@ -669,8 +669,14 @@ impl Ops for Hybrid {
     fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
         self.gpu.wait_mark(mark)
     }
+    /// Also serves the posted mailboxes: the GPU would wait on them at the first layer with
+    /// misses while the host did what comes after the submit.
     fn submit(&mut self) -> OpResult<()> {
-        self.gpu.submit()
+        self.gpu.submit()?;
+        self.drain()
+    }
+    fn overlaps(&self) -> bool {
+        true
     }
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
         self.gpu.embed(w)

@@ -445,6 +445,10 @@ impl Ops for Split {
         Ok(())
     }
 
+    fn overlaps(&self) -> bool {
+        self.parts.iter().any(|p| p.overlaps())
+    }
+
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
         let (p, t) = self.handle("read_top", x)?;
         self.parts[p].read_top(t, k, extra)

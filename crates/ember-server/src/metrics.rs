@@ -132,8 +132,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP ember_engine_forward_seconds_total Wall time of the steps inside the backend's forward passes (the rest is the engine's own host time).\n# TYPE ember_engine_forward_seconds_total counter\nember_engine_forward_seconds_total {}",
+            "# HELP ember_engine_forward_seconds_total Wall time of the steps inside the backend's forward passes, handing tokens to clients excluded (the rest is the engine's own host time).\n# TYPE ember_engine_forward_seconds_total counter\nember_engine_forward_seconds_total {}",
             ld(&engine.forward_us) as f64 / 1e6
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ember_engine_deliver_seconds_total Wall time of the engine handing tokens to clients (on a GPU, while the next step runs).\n# TYPE ember_engine_deliver_seconds_total counter\nember_engine_deliver_seconds_total {}",
+            ld(&engine.deliver_us) as f64 / 1e6
         );
         counter(
             &mut out,
@@ -240,6 +245,7 @@ mod tests {
         engine.expert_miss_us.store(1_500_000, Ordering::Relaxed);
         engine.step_us.store(2_500_000, Ordering::Relaxed);
         engine.forward_us.store(2_000_000, Ordering::Relaxed);
+        engine.deliver_us.store(250_000, Ordering::Relaxed);
         *engine.expert_layers.lock().unwrap() = vec![("gpu:0".into(), 3, 25, 5), ("gpu:0".into(), 7, 5, 5)];
         let text = Metrics::default().render(&engine, 4);
         for line in [
@@ -248,6 +254,7 @@ mod tests {
             "ember_expert_miss_seconds_total 1.5",
             "ember_engine_step_seconds_total 2.5",
             "ember_engine_forward_seconds_total 2",
+            "ember_engine_deliver_seconds_total 0.25",
             "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"3\",resident=\"yes\"} 25",
             "ember_expert_layer_pairs_total{device=\"gpu:0\",layer=\"7\",resident=\"no\"} 5",
             "# TYPE ember_expert_layer_pairs_total counter",

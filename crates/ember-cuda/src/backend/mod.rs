@@ -662,6 +662,10 @@ impl Ops for CudaOps {
         self.gpu.flush().map_err(cuda("submit", self.dev))
     }
 
+    fn overlaps(&self) -> bool {
+        true
+    }
+
     fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
         match mark.downcast_ref::<CudaMark>() {
             Some(m) => self.gpu.wait_event(&m.event).map_err(cuda("wait_mark", self.dev)),
