@@ -223,6 +223,18 @@ impl<K: HostKernels> Ops for HostBackend<K> {
         Ok(self.mat("read", x)?.clone())
     }
 
+    /// The rows, copied (host memory is every host backend's): another host backend imports
+    /// them; a device backend cannot (it gets them by `read` and `upload`).
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<crate::DeviceRows>> {
+        let m = self.mat("export_rows", x)?.clone();
+        Ok(Some(crate::DeviceRows { device: self.dev(), ptr: 0, n: m.n, d: m.d, ready: std::sync::Arc::new(m) }))
+    }
+
+    fn import_rows(&mut self, rows: &crate::DeviceRows) -> OpResult<Option<(Tensor, crate::QueueMark)>> {
+        let Some(m) = rows.ready.downcast_ref::<Mat>() else { return Ok(None) };
+        Ok(Some((self.put(m.clone()), std::sync::Arc::new(()))))
+    }
+
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         match self.routes[..self.n_routes].get(r.id as usize) {
             Some(t) if t.n_tok == r.n_tok && t.k == r.k => Ok(t.clone()),

@@ -2,7 +2,9 @@
 //! fixture models (4 layers: DeltaNet, DeltaNet, DeltaNet, attention) with CPU parts, so it
 //! runs everywhere (CI has no GPU): the same kernels on every part, so the logits are the one
 //! backend's bit for bit, for prompts, greedy decoding and a snapshot restored; bad splits and
-//! handles of another store are errors.
+//! handles of another store are errors. The hidden state crosses each range boundary by the
+//! parts' `export_rows` / `import_rows` / `wait_mark` (host backends hand each other the rows),
+//! the path two GPUs take with a peer copy.
 
 use ember_model::{Forward, Logits, Model};
 use ember_ops::{KvType, Ops, SeqStore};
