@@ -14,6 +14,16 @@ pub struct TopRow {
     pub vals: Vec<f32>,
 }
 
+impl TopRow {
+    /// The row of some (id, value) entries, by id ascending, each id once (its first entry's
+    /// value: every entry of an id holds the row's one value).
+    pub fn from_pairs(mut pairs: Vec<(u32, f32)>) -> TopRow {
+        pairs.sort_by_key(|p| p.0);
+        pairs.dedup_by_key(|p| p.0);
+        TopRow { ids: pairs.iter().map(|p| p.0).collect(), vals: pairs.iter().map(|p| p.1).collect() }
+    }
+}
+
 /// The order [`TopRow`] ranks by: larger value first (NaN as −∞), then the lower id.
 pub fn rank(a: (u32, f32), b: (u32, f32)) -> Ordering {
     let v = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
@@ -34,10 +44,7 @@ pub fn top_of_row(row: &[f32], k: usize, extra: &[u32]) -> TopRow {
         all
     };
     best.extend(extra.iter().copied().filter(|&e| (e as usize) < row.len()));
-    best.sort_unstable();
-    best.dedup();
-    let vals = best.iter().map(|&i| row[i as usize]).collect();
-    TopRow { ids: best, vals }
+    TopRow::from_pairs(best.into_iter().map(|i| (i, row[i as usize])).collect())
 }
 
 #[cfg(test)]

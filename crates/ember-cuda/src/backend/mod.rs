@@ -612,13 +612,7 @@ impl Ops for CudaOps {
         self.top = Some(t);
         let (ids, vals) = run.map_err(cuda(OP, dev))?;
         Ok((0..rows)
-            .map(|r| {
-                let m = k + ex[r].len();
-                let mut pairs: Vec<(u32, f32)> = (0..m).map(|j| (ids[r * cap + j], vals[r * cap + j])).collect();
-                pairs.sort_unstable_by_key(|p| p.0);
-                pairs.dedup_by_key(|p| p.0);
-                ember_ops::TopRow { ids: pairs.iter().map(|p| p.0).collect(), vals: pairs.iter().map(|p| p.1).collect() }
-            })
+            .map(|r| ember_ops::TopRow::from_pairs((r * cap..r * cap + k + ex[r].len()).map(|j| (ids[j], vals[j])).collect()))
             .collect())
     }
 
