@@ -8,7 +8,6 @@
 //! [`EventSink`]. Stop strings, detokenizing and output parsing happen on the caller's side;
 //! the caller ends a request early by closing its sink (the engine checks it every step).
 
-use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -16,8 +15,11 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::prefix_cache::{Checkpoint, PrefixCache};
-use crate::sampler::{logprobs_of, masked};
 use crate::{Error, Sampler, SamplerConfig};
+
+mod tokens;
+pub use tokens::TOP_MAX;
+use tokens::{settle, take_token, top_request};
 
 /// One forward item: new tokens of one sequence and its state.
 pub struct Step<'a, S> {
@@ -832,134 +834,5 @@ impl<B: Backend> Scheduler<B> {
                 self.stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
             }
         }
-    }
-}
-
-impl<B: Backend> Scheduler<B> {
-    /// Stores the state of active sequence `i` (covering `history[..n_done]`) in the prompt
-    /// cache, with `logits` of its last token when given, unless that exact prefix is there.
-    fn checkpoint(&mut self, i: usize, logits: Option<Vec<f32>>) {
-        let Some(cache) = self.cache.as_mut() else { return };
-        let s = &self.active[i];
-        let key = &s.history[..s.n_done];
-        if key.is_empty() || cache.contains(key) {
-            return;
-        }
-        let snap = match self.backend.snapshot(&s.state) {
-            Ok(snap) => snap,
-            // A checkpoint is an optimisation: without one the prompt is recomputed later.
-            Err(_) => return,
-        };
-        let evicted = cache.insert(key, Cached { snap, logits });
-        self.stats.cache_checkpoints.fetch_add(1, Ordering::Relaxed);
-        self.stats.cache_evictions.fetch_add(evicted as u64, Ordering::Relaxed);
-        self.update_cache_stats();
-    }
-
-    fn update_cache_stats(&self) {
-        if let Some(c) = &self.cache {
-            let st = c.stats();
-            self.stats.cache_hits.store(st.hits, Ordering::Relaxed);
-            self.stats.cache_misses.store(st.misses, Ordering::Relaxed);
-            self.stats.cache_entries.store(st.entries, Ordering::Relaxed);
-            self.stats.cache_bytes.store(st.bytes, Ordering::Relaxed);
-        }
-    }
-}
-
-/// What became of a sequence that took a token.
-enum Took {
-    /// It goes on.
-    Goes,
-    /// It ended (end of generation, max tokens, full context): this event goes out.
-    Ends(Event),
-    /// Its client left.
-    Gone,
-}
-
-/// What `s` asks of its next row when the backend prefers rows' best entries
-/// ([`Backend::prefers_top`]): the entries its sampler needs and the ids whose logits change
-/// (the penalties' tokens, the masked end-of-generation ids), or None for the whole row
-/// (logprobs, top-k off at a temperature above 0, or more entries than [`TOP_MAX`]).
-fn top_request<S>(s: &Seq<S>) -> Option<(usize, Vec<u32>)> {
-    if s.job.req.n_logprobs.is_some() {
-        return None;
-    }
-    let need = s.sampler.top_needed()?;
-    let mut extra = s.sampler.touched_ids(&s.history);
-    if s.job.req.ignore_eos {
-        extra.extend_from_slice(&s.job.req.eog);
-        extra.sort_unstable();
-        extra.dedup();
-    }
-    let k = need.checked_add(extra.len()).filter(|&k| k <= TOP_MAX)?;
-    Some((k, extra))
-}
-
-/// The most best entries of a row the engine asks for; a sampler that needs more (top-k above
-/// ~1,000, or a long penalty window) takes the whole row.
-pub const TOP_MAX: usize = 1024;
-
-/// Samples the next token of `s` from `row` (its last token's logits), sends it, and appends it
-/// to the history when the sequence goes on.
-fn take_token<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &EngineStats) -> Took {
-    let n_prompt = s.job.req.prompt.len();
-    let (id, full) = match row {
-        Row::Full(row) => {
-            let row = if s.job.req.ignore_eos { masked(row, &s.job.req.eog) } else { Cow::Borrowed(&row[..]) };
-            (s.sampler.sample(&row, &s.history), Some(row))
-        }
-        Row::Top(t) => {
-            let eog = if s.job.req.ignore_eos { &s.job.req.eog[..] } else { &[] };
-            let vals: Vec<f32> = t.ids.iter().zip(&t.vals).map(|(i, &v)| if eog.contains(i) { f32::NEG_INFINITY } else { v }).collect();
-            (s.sampler.sample_sparse(&t.ids, &vals, &s.history), None)
-        }
-    };
-    s.n_generated += 1;
-    stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
-    if s.job.req.eog.contains(&id) {
-        return Took::Ends(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
-    }
-    // (A request with logprobs always gets its whole row: top_request.)
-    let logprobs = s.job.req.n_logprobs.zip(full.as_deref()).map(|(k, row)| logprobs_of(row, id, k));
-    let token = Event::Token { id, logprobs };
-    let reason = if s.n_generated >= s.job.req.max_tokens {
-        Some(FinishReason::MaxTokens)
-    } else if s.history.len() + 1 >= n_ctx {
-        // The sampled token cannot be fed: the context is full.
-        Some(FinishReason::ContextFull)
-    } else {
-        None
-    };
-    match reason {
-        // The last token goes out now, its finish after the step's end-of-generation work.
-        Some(reason) => {
-            if !s.job.sink.send(token) {
-                stats.n_cancelled.fetch_add(1, Ordering::Relaxed);
-                return Took::Gone;
-            }
-            s.history.push(id);
-            Took::Ends(Event::Finished { reason, n_prompt, n_generated: s.n_generated })
-        }
-        // One that goes on is fed by the next step and goes out while that step runs.
-        None => {
-            s.history.push(id);
-            s.unsent = Some(token);
-            Took::Goes
-        }
-    }
-}
-
-/// Records what became of sequence `i`: an ended one is done, its event goes out and its
-/// generation is checkpointed; a gone one is done.
-fn settle(i: usize, took: Took, done: &mut [bool], finished: &mut Vec<(usize, Event)>, to_checkpoint: &mut Vec<usize>) {
-    match took {
-        Took::Goes => {}
-        Took::Ends(ev) => {
-            finished.push((i, ev));
-            done[i] = true;
-            to_checkpoint.push(i);
-        }
-        Took::Gone => done[i] = true,
     }
 }
