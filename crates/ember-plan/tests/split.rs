@@ -130,8 +130,8 @@ fn each_part_reads_its_layers_weights() {
 
 /// The same split with GPU parts: two `CudaOps` on GPU 0 (the code path of two cards, on one),
 /// each uploading only its layers' weights (`Ops::keep_weights` from `Split::register`), give
-/// one `CudaOps`'s logits bit for bit (the same kernels, the hidden state crossing through host
-/// memory); an op of the other part's layer on a part is an error. Without an NVIDIA driver it
+/// one `CudaOps`'s logits bit for bit (the same kernels, the hidden state crossing device to
+/// device: `Ops::export_rows` / `import_rows`, a copy within the one GPU); an op of the other part's layer on a part is an error. Without an NVIDIA driver it
 /// prints why and passes (CI has no GPU).
 #[test]
 fn two_gpu_parts_on_one_gpu_give_one_gpus_logits_bit_for_bit() {

@@ -175,7 +175,15 @@ impl CudaOps {
         // orders its later work (frees and reuse of that buffer included) after the mark
         // returned here (the Ops::export_rows contract, which Split keeps).
         unsafe { self.gpu.copy_in(outs[0], &m.ctx, rows.ptr, rows.n * rows.d) }.map_err(cuda(OP, dev))?;
-        let event = self.gpu.mark().map_err(cuda(OP, dev))?;
+        let event = match self.gpu.mark() {
+            Ok(event) => event,
+            Err(e) => {
+                // No mark for the exporter to wait on: the copy must be done before its buffer
+                // can be reused, so wait for it here (the step has failed anyway).
+                let _ = self.gpu.sync();
+                return Err(cuda(OP, dev)(e));
+            }
+        };
         Ok(Some((t, Arc::new(CudaMark { event, ctx: self.gpu.context().clone() }))))
     }
 }
