@@ -256,7 +256,7 @@ fn hybrid(g: &ember_cuda::DeviceInfo, budget: u64, precision: Precision, threads
         .map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
     let cpu = ember_cpu::CpuOps::new(precision, threads);
     let mut h = Hybrid::new(ops, cpu, resident, t.start_heat(), t.file.clone(), t.opts);
-    h.cap_kv_bytes(d.kv_bytes + d.delta_bytes);
+    h.cap_kv_bytes(d.kv_bytes);
     h.watch_memory(reserve(place)?);
     Ok(Box::new(h))
 }
@@ -309,7 +309,7 @@ fn multi(gpus: &[(&ember_cuda::DeviceInfo, u64)], precision: Precision, threads:
             .map_err(|e| anyhow::anyhow!("opening CUDA device {}: {e}", g.index))?;
         let cpu = ember_cpu::CpuOps::new(precision, threads);
         let mut h = Hybrid::new(ops, cpu, resident, t.start_heat(), t.file.clone(), t.opts);
-        h.cap_kv_bytes(dev.kv_bytes + dev.delta_bytes);
+        h.cap_kv_bytes(dev.kv_bytes);
         h.watch_memory(reserve_of(g)?);
         part_of[d] = parts.len();
         parts.push(Box::new(h));

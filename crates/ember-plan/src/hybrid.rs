@@ -179,8 +179,9 @@ pub struct Hybrid {
     step_tokens: usize,
     /// Layers that hold only some of their experts (the ones the tier manages).
     partial: Vec<bool>,
-    /// The most bytes the sequence state (KV pages and DeltaNet slots) may take: the plan's.
-    state_cap: Option<u64>,
+    /// The most bytes the KV pool may take: the plan's (its DeltaNet slots are counted apart:
+    /// the free memory [`CudaOps::kv_pages_that_fit`] sees holds them).
+    kv_cap: Option<u64>,
     /// Misses on the CPU or uploaded, for prompt batches (None until `register` measured it).
     cost: Option<CostModel>,
     /// What `register` uploads (per layer, the experts in slots or None for all).
@@ -300,7 +301,7 @@ impl Hybrid {
             stats: ExpertStats::default(),
             step_tokens: 0,
             partial,
-            state_cap: None,
+            kv_cap: None,
             cost: None,
         }
     }
@@ -343,10 +344,10 @@ impl Hybrid {
         Ok(Some(CostModel { cpu_per_expert: per_expert, cpu_per_pair: per_pair, up_per_byte: per_byte, up_fixed: fixed }))
     }
 
-    /// Keeps the KV pool the engine sizes ([`SeqStore::kv_pages_that_fit`]) within `bytes` of
-    /// sequence state (KV and DeltaNet slots), the plan's share, rather than all free memory.
+    /// Keeps the KV pool the engine sizes ([`SeqStore::kv_pages_that_fit`]) within `bytes`, the
+    /// plan's KV share, rather than all free memory.
     pub fn cap_kv_bytes(&mut self, bytes: u64) {
-        self.state_cap = Some(bytes);
+        self.kv_cap = Some(bytes);
     }
 
     pub fn gpu(&self) -> &CudaOps {
@@ -526,11 +527,20 @@ impl SeqStore for Hybrid {
     fn kv_pages_that_fit(&mut self, layout: &StateLayout, slots: usize) -> OpResult<Option<usize>> {
         self.drain()?;
         let free = SeqStore::kv_pages_that_fit(&mut self.gpu, layout, slots)?;
-        let Some(cap) = self.state_cap else { return Ok(free) };
-        let delta = (slots * layout.delta_bytes()) as u64;
-        let capped = (cap.saturating_sub(delta) / layout.page_bytes().max(1) as u64) as usize;
-        Ok(Some(free.map_or(capped, |f| f.min(capped))))
+        Ok(kv_pages_within(free, self.kv_cap, layout.page_bytes()))
     }
+}
+
+/// The KV pages a Hybrid offers: what the GPU's free memory allows (`free`, after the DeltaNet
+/// slots the engine asks for), within the plan's KV bytes (`cap`) when set. The cap holds KV
+/// only: `ember bench` configures one slot more than the sequences it plans (the snapshot it
+/// restores from), and a cap that also held the plan's DeltaNet slots left no KV page once
+/// that slot's state was taken out of it (an `EMBER_SPLIT_PARTS=2` bench on the H100,
+/// 2026-12-06: "memory for 0 KV pages").
+fn kv_pages_within(free: Option<usize>, cap: Option<u64>, page_bytes: usize) -> Option<usize> {
+    let Some(cap) = cap else { return free };
+    let capped = usize::try_from(cap / page_bytes.max(1) as u64).unwrap_or(usize::MAX);
+    Some(free.map_or(capped, |f| f.min(capped)))
 }
 
 impl Ops for Hybrid {
@@ -830,6 +840,21 @@ impl Ops for Hybrid {
 mod tests {
     use super::*;
     use crate::{Budget, LayerSizes, ModelSizes, Options, plan};
+
+    /// The plan's KV share caps the pool whatever the slots' DeltaNet state (counted in the
+    /// free memory); free memory below the cap wins; no cap leaves the free memory's count.
+    #[test]
+    fn the_kv_cap_holds_the_plans_pages_for_any_slot_count() {
+        // The 35B's layout at bench's 513-token context, planned for one sequence: 10 attention
+        // layers of 9 pages each for K and V.
+        let page = 65536;
+        let plan_kv = 10 * 2 * 9 * page as u64;
+        assert_eq!(kv_pages_within(Some(1 << 20), Some(plan_kv), page), Some(180));
+        assert_eq!(kv_pages_within(Some(100), Some(plan_kv), page), Some(100));
+        assert_eq!(kv_pages_within(None, Some(plan_kv), page), Some(180));
+        assert_eq!(kv_pages_within(Some(7), None, page), Some(7));
+        assert_eq!(kv_pages_within(None, None, page), None);
+    }
 
     fn sizes() -> ModelSizes {
         let layers = (0..3).map(|_| LayerSizes { trunk: 100, expert: 10, kv: 0, delta: 0 }).collect();
