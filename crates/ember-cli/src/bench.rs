@@ -238,7 +238,7 @@ pub fn main(a: Args) -> Result<()> {
                 } else {
                     // What the engine reads of a decode step for a request with the default
                     // sampler (top-k 40: its 41 best entries) when the backend prefers rows'
-                    // best entries to whole rows (EMBER_TOP_READS); whole rows otherwise.
+                    // best entries to whole rows (a GPU; EMBER_TOP_READS); whole rows otherwise.
                     let top: Vec<Option<(usize, Vec<u32>)>> = if backend.prefers_top() {
                         let need = ember_engine::Sampler::new(ember_engine::SamplerConfig::default())?.top_needed();
                         vec![need.map(|k| (k, Vec::new())); n]
