@@ -91,6 +91,23 @@ pub fn pool_pages(l: &ember_ops::StateLayout, slots: usize, n_ctx: usize, cache_
     Ok(pages)
 }
 
+/// The model's view of a step's items.
+fn seq_batches<'a, 's>(items: &'a mut [Step<'s, ember_model::SeqState>]) -> Vec<ember_model::SeqBatch<'a>>
+where
+    's: 'a,
+{
+    items.iter_mut().map(|it| ember_model::SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect()
+}
+
+/// A forward pass's error: one sequence's own (the engine fails that request alone) or the
+/// backend's.
+fn model_err(e: ember_model::Error) -> Error {
+    match e {
+        ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
+        e => Error::Backend(e.to_string()),
+    }
+}
+
 fn backend_err(e: impl std::fmt::Display) -> Error {
     Error::Backend(e.to_string())
 }
@@ -125,13 +142,9 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
     }
 
     fn forward(&mut self, items: &mut [Step<'_, Self::State>]) -> Result<Vec<Option<Vec<f32>>>, Error> {
-        use ember_model::{DeltaMode, SeqBatch};
-        let mut seqs: Vec<SeqBatch> =
-            items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
-        let out = self.model.forward_batch(&mut self.ops, &mut seqs, DeltaMode::Auto, None).map_err(|e| match e {
-            ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
-            e => Error::Backend(e.to_string()),
-        })?;
+        use ember_model::DeltaMode;
+        let mut seqs = seq_batches(items);
+        let out = self.model.forward_batch(&mut self.ops, &mut seqs, DeltaMode::Auto, None).map_err(model_err)?;
         Ok(out.into_iter().zip(items.iter()).map(|(m, it)| (it.logits != Logits::None).then_some(m.data)).collect())
     }
 
@@ -141,15 +154,11 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
         top: &[Option<(usize, Vec<u32>)>],
         before_wait: &mut dyn FnMut(),
     ) -> Result<Vec<Option<Row>>, Error> {
-        use ember_model::{DeltaMode, SeqBatch, StepRows};
-        let mut seqs: Vec<SeqBatch> =
-            items.iter_mut().map(|it| SeqBatch { tokens: it.tokens, state: &mut *it.state, logits: it.logits }).collect();
+        use ember_model::{DeltaMode, StepRows};
+        let mut seqs = seq_batches(items);
         let mut asks = top.to_vec();
         asks.resize(seqs.len(), None);
-        let out = self.model.forward_batch_top(&mut self.ops, &mut seqs, DeltaMode::Auto, &asks, before_wait).map_err(|e| match e {
-            ember_model::Error::InSequence { index, source } => Error::Sequence { index, msg: source.to_string() },
-            e => Error::Backend(e.to_string()),
-        })?;
+        let out = self.model.forward_batch_top(&mut self.ops, &mut seqs, DeltaMode::Auto, &asks, before_wait).map_err(model_err)?;
         Ok(out
             .into_iter()
             .zip(items.iter())
