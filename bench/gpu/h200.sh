@@ -287,7 +287,8 @@ if has cpu; then
     # CPU_PROFILE=1 (default): decode's time per op at 16 threads (issue 18 item 3), at depth 0
     # and at the first of CPU_DEPTHS (`model_bench` with EMBER_PROFILE=1, 32 tokens).
     if [[ ${CPU_PROFILE:-1} == 1 && -x /tmp/bin/model_bench ]]; then
-        for d in 0 ${CPU_DEPTHS%%,*}; do
+        cd0=${CPU_DEPTHS:-4096}
+        for d in 0 ${cd0%%,*}; do
             EMBER_PROFILE=1 /tmp/bin/model_bench $F 35b-a3b q4_k_m 0 32 $d 16 > "$O/cpu-profile-d$d.txt" 2>&1
             echo "cpu profile d=$d: exit $?"; head -40 "$O/cpu-profile-d$d.txt"
         done

@@ -205,6 +205,13 @@ pub struct Gpu {
     /// Whether such a MoE runs a Q4_K or Q6_K down on int8 tensor cores (`moe_mma8_down_<type>`)
     /// under the same bound (`EMBER_MOE_MMA8_DOWN=0`: the f16 tiles always).
     pub(crate) moe_mma8_down: bool,
+    /// Whether that int8 gate/up stages its operands through shared memory
+    /// (`moe_mma8s_gate_up_q4_k`; `EMBER_MOE_MMA8_STAGED=0`: `moe_mma8_gate_up_q4_k`, which reads
+    /// them straight into registers).
+    pub(crate) moe_mma8_staged: bool,
+    /// The most pairs an expert on average for the staged int8 gate/up
+    /// (`EMBER_MOE_MMA8_MAX_PAIRS`; ops/moe.rs MOE8S_MAX_PAIRS by default).
+    pub(crate) moe_mma8s_max_pairs: usize,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -345,6 +352,11 @@ impl Gpu {
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
             moe_mma8_down: std::env::var_os("EMBER_MOE_MMA8_DOWN").is_none_or(|v| v != "0"),
+            moe_mma8_staged: std::env::var_os("EMBER_MOE_MMA8_STAGED").is_none_or(|v| v != "0"),
+            moe_mma8s_max_pairs: std::env::var("EMBER_MOE_MMA8_MAX_PAIRS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(crate::ops::MOE8S_MAX_PAIRS),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })

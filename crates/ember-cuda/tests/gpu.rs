@@ -381,6 +381,8 @@ fn moe_mma_matches_reference() {
     let cases = [
         (GgmlType::Q4K, GgmlType::Q6K, 512, 256, 8, 4, 17),
         (GgmlType::Q4K, GgmlType::Q4K, 256, 512, 6, 3, 130),
+        // 8 super-blocks of k: more than the staged int8 gate/up's 3 stages.
+        (GgmlType::Q4K, GgmlType::Q6K, 2048, 256, 16, 8, 40),
         (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 40),
         (GgmlType::IQ4XS, GgmlType::Q5K, 256, 256, 3, 1, 75),
         (GgmlType::F16, GgmlType::BF16, 136, 200, 7, 2, 33),
@@ -482,18 +484,23 @@ fn moe_mma_matches_reference() {
         let int8_dn = matches!(ty_dn, GgmlType::Q4K | GgmlType::Q6K) && n_ff % 256 == 0 && d % 128 == 0;
         for (form, down, on) in [
             (GateUpForm::Int8, DownForm::Tiles, int8_gu),
+            (GateUpForm::Int8Staged, DownForm::Tiles, int8_gu),
             (GateUpForm::Fused, DownForm::Int8, int8_dn),
             (GateUpForm::Int8, DownForm::Int8, int8_gu && int8_dn),
         ] {
             if !on {
                 continue;
             }
-            let (want_q, scale_q) = reference_of(if form == GateUpForm::Int8 { &xq } else { &x }, down == DownForm::Int8);
+            let (want_q, scale_q) = reference_of(if form == GateUpForm::Fused { &x } else { &xq }, down == DownForm::Int8);
             let what8 = format!("{what} {form:?} gate/up, {down:?} down");
             let got8 = run(form, down);
             let worst8 = check(&what8, &got8, &want_q.data, &scale_q, 1e-6, 4e-3);
             assert_eq!(got8, run(form, down), "{what8}: two runs differ");
             println!("MOE_MMA_MEASURED {what8}: max err / scale {worst8:.2e} (bound 4e-3)");
+            if form == GateUpForm::Int8Staged {
+                // The staged kernel reads the same operands and sums them in the same order.
+                assert_eq!(got8, run(GateUpForm::Int8, down), "{what8}: differs from the unstaged int8 gate/up");
+            }
         }
     }
 }
@@ -630,7 +637,7 @@ fn bench_moe_prompt() {
     let gw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
     let uw = g.upload_weight(GgmlType::Q4K, d, n_expert * n_ff, &tiled(GgmlType::Q4K, &mut rng, d, n_expert * n_ff)).unwrap();
     let dw = g.upload_weight(GgmlType::Q6K, n_ff, n_expert * d, &tiled(GgmlType::Q6K, &mut rng, n_ff, n_expert * d)).unwrap();
-    for n_tok in [32, 128, 512, 2048] {
+    for n_tok in [32, 128, 512, 2048, 8192] {
         // Routing: k distinct pseudo-random experts per token.
         let ids: Vec<u32> = (0..n_tok).flat_map(|t| (0..k).map(move |j| ((t * 97 + j * 31 + (t / 7) * 13) % n_expert) as u32)).collect();
         let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&rng.vec(n_tok * k, 0.0, 0.25)).unwrap());
@@ -648,6 +655,8 @@ fn bench_moe_prompt() {
             ("grouped f16", Some((GateUpForm::Fused, DownForm::Tiles))),
             ("grouped int8 gate/up", Some((GateUpForm::Int8, DownForm::Tiles))),
             ("grouped int8 gate/up + down", Some((GateUpForm::Int8, DownForm::Int8))),
+            ("staged int8 gate/up", Some((GateUpForm::Int8Staged, DownForm::Tiles))),
+            ("staged int8 gate/up + down", Some((GateUpForm::Int8Staged, DownForm::Int8))),
         ] {
             let mut call = || match form {
                 Some((form, down)) => g.moe_mma_form(form, down, experts, &x, n_tok, r, &mut h, &mut scratch, &mut out),

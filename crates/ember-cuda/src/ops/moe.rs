@@ -1,4 +1,5 @@
 use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::CUfunction_attribute;
 use ember_gguf::GgmlType;
 
 use super::gemv_q8::{self, q8_bytes, workers_per_row};
@@ -194,6 +195,9 @@ pub enum GateUpForm {
     /// Q4_K weights on int8 tensor cores with x quantised to int8 (`moe_mma8_gate_up_q4_k`;
     /// Q4_K gate/up, d % 256 == 0, n_ff % 64 == 0; else as `Fused`).
     Int8,
+    /// `Int8`'s sums, bit for bit, with the operands staged through shared memory
+    /// (`moe_mma8s_gate_up_q4_k`; same conditions, else as `Fused`).
+    Int8Staged,
 }
 
 /// How a grouped prompt MoE ([`Gpu::moe_mma`]) runs its down projection.
@@ -208,11 +212,21 @@ pub enum DownForm {
 
 /// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe_mma8.cu MOE8_ROWS).
 const MOE8_ROWS: usize = 64;
+/// Dynamic shared memory of `moe_mma8s_gate_up_q4_k`: MOE8S_STAGES (3) stages of
+/// MOE8S_STAGE_BYTES (its 128 rows' super-block, 128 x 144 bytes; the tile's 32 x rows of 256
+/// values at a pitch of 272; their 8 x 33 block scales of 8 bytes) in kernels/moe_mma8.cu.
+const MOE8S_SMEM: u32 = 3 * (128 * 144 + 32 * 272 + 8 * 33 * 8);
 /// The most (token, slot) pairs an expert on average for which [`Gpu::moe_mma`] takes the int8
-/// gate/up: above it the f16 tiles were faster (35B-A3B, 256 experts x 8 slots, H100,
-/// `bench/results/20261205-1750-h100-moe-int8/`: pp512 (16 a expert) +8 %, pp2048 (64) even,
-/// pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens 2.54 against 2.39 ms).
+/// down, and the int8 gate/up read straight into registers: above it the f16 tiles were faster
+/// (35B-A3B, 256 experts x 8 slots, H100, `bench/results/20261205-1750-h100-moe-int8/`: pp512
+/// (16 a expert) +8 %, pp2048 (64) even, pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens
+/// 2.54 against 2.39 ms).
 const MOE8_MAX_PAIRS: usize = 32;
+/// The same bound for the staged int8 gate/up (`moe_mma8s_gate_up_q4_k`), by default: at 2048
+/// tokens (64 pairs an expert) it and the int8 down took 1.916 ms against the f16 tiles' 2.338
+/// (`bench_moe_prompt`, H100, `bench/results/20261206-0133-h100-moe-staged/`).
+/// `EMBER_MOE_MMA8_MAX_PAIRS` overrides it.
+pub(crate) const MOE8S_MAX_PAIRS: usize = 64;
 /// Down rows a block of `moe_mma8_down_<type>` (kernels/moe_mma8.cu MOE8D_ROWS).
 const MOE8D_ROWS: usize = 128;
 
@@ -320,7 +334,12 @@ impl Gpu {
         out: &mut Buf<f32>,
     ) -> Result<()> {
         let few = n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert;
-        let form = if self.moe_mma8 && few { GateUpForm::Int8 } else { GateUpForm::Fused };
+        let few_staged = n_tok * r.k <= self.moe_mma8s_max_pairs * e.n_expert;
+        let form = match (self.moe_mma8, self.moe_mma8_staged) {
+            (true, true) if few_staged => GateUpForm::Int8Staged,
+            (true, false) if few => GateUpForm::Int8,
+            _ => GateUpForm::Fused,
+        };
         let down = if self.moe_mma8_down && few { DownForm::Int8 } else { DownForm::Tiles };
         self.moe_mma_form(form, down, e, x, n_tok, r, h, scratch, out)
     }
@@ -369,10 +388,18 @@ impl Gpu {
         };
         let q = MoeMmaParams { m: p, plan: plan_at, part: scratch.ptr(), max_tiles: tiles as u32, pad: 0 };
         let f_plan = self.function(&MOE, "moe_plan")?;
-        let int8 = form == GateUpForm::Int8 && e.gate.ty == GgmlType::Q4K && d.is_multiple_of(256) && n_ff.is_multiple_of(MOE8_ROWS);
-        let f_gu = match int8 {
-            true => self.function(&MOE_MMA8, "moe_mma8_gate_up_q4_k")?,
-            false => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
+        let int8 = form != GateUpForm::Fused && e.gate.ty == GgmlType::Q4K && d.is_multiple_of(256) && n_ff.is_multiple_of(MOE8_ROWS);
+        let staged = int8 && form == GateUpForm::Int8Staged;
+        let f_gu = match (int8, staged) {
+            (true, true) => {
+                let f = self.function(&MOE_MMA8, "moe_mma8s_gate_up_q4_k")?;
+                let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                f.set_attribute(attr, MOE8S_SMEM as i32)
+                    .map_err(|e| shape(OP, format!("moe_mma8s_gate_up_q4_k's {MOE8S_SMEM} bytes of shared memory: {e:?}")))?;
+                f
+            }
+            (true, false) => self.function(&MOE_MMA8, "moe_mma8_gate_up_q4_k")?,
+            (false, _) => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
         };
         let int8_down = down == DownForm::Int8
             && matches!(e.down.ty, GgmlType::Q4K | GgmlType::Q6K)
@@ -405,7 +432,8 @@ impl Gpu {
                 // quantize_q8 above wrote n_tok·d values and their scales into the scratch
                 // (q8_bytes); the kernel reads the gate/up rows of the plan's experts (Q4_K,
                 // whole super-blocks: d % 256 == 0) and writes h for rows r0..r0 + 64 < n_ff.
-                self.launch(&f_gu, ((n_ff / MOE8_ROWS) as u32, tiles as u32, 1), 256, 0, &q8)?;
+                let smem = if staged { MOE8S_SMEM } else { 0 };
+                self.launch(&f_gu, ((n_ff / MOE8_ROWS) as u32, tiles as u32, 1), 256, smem, &q8)?;
             } else {
                 self.launch(&f_gu, (n_ff.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
             }
