@@ -16,35 +16,15 @@
 // the gate warps through shared memory for h = silu(g)·u.
 
 #define MOE8_ROWS 64
-#define MOE8_BIAS_BITS 0x4B400000
-#define MOE8_BIAS 12582912.0f
 
 struct MoeMma8Params {
     MoeMmaParams q;
     u64 xq;  // quantize_q8 of x (gate/up: n_tok·d) or of h (down: pairs·n_ff): int8, then (d, d·Σq) per block
 };
 
-// mma.m16n8k32 (s8) into sums that start at the bits of 1.5·2^23: the int32 result read as a
-// float is exactly 1.5·2^23 + Σq·xq (|Σ| < 2^22 for 32 products of |q| <= 32 and |xq| <= 127),
-// so one float subtraction converts it (I2F runs at an eighth of the FMA rate).
-__device__ __forceinline__ void mma8_k32(const u32 a[4], u32 b0, u32 b1, int ci[4]) {
-    ci[0] = ci[1] = ci[2] = ci[3] = MOE8_BIAS_BITS;
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+r"(ci[0]), "+r"(ci[1]), "+r"(ci[2]), "+r"(ci[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The same for k = 16 (A: rows g and g + 8, k 4t..4t+3; B: k 4t..4t+3 of column g).
-__device__ __forceinline__ void mma8_k16(u32 a0, u32 a1, u32 b0, int ci[4]) {
-    ci[0] = ci[1] = ci[2] = ci[3] = MOE8_BIAS_BITS;
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-                 : "+r"(ci[0]), "+r"(ci[1]), "+r"(ci[2]), "+r"(ci[3])
-                 : "r"(a0), "r"(a1), "r"(b0));
-}
-
 // One warp's 16 weight rows (rows[0]: row g of them, rows[1]: row g + 8) against up to 32 int8
-// vectors (4 n-tiles of 8) over k = 32·n_blk: vector v's values at xq + v·n_blk·32, its block
-// scales at xs[v·n_blk + block]; bt[j]: the lane's B vector (column g of n-tile j), ct[j][c]:
+// vectors (4 n-tiles of 8) over k = 32·n_blk: vector v's values at xq + v·x_pitch, its block
+// scales at xs[v·s_pitch + block] (global memory or a staged copy); bt[j]: the lane's B vector (column g of n-tile j), ct[j][c]:
 // its C vectors (columns 2t + c), ~0u for none. acc[j][c]: c < 2 row g, vectors 2t + c; c >= 2
 // row g + 8, vectors 2t + c − 2. The type's weights go into the A registers as they are.
 template <int TY>
@@ -56,8 +36,8 @@ struct Mma8Rows;
 // and both rounds' x loads are in flight together.
 template <>
 struct Mma8Rows<TY_Q4_K> {
-    static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, const u32 bt[4],
-                                               const u32 ct[4][2], const bool ct_ok[4][2], int t, float acc[4][4]) {
+    static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, u32 x_pitch, u32 s_pitch,
+                                               const u32 bt[4], const u32 ct[4][2], const bool ct_ok[4][2], int t, float acc[4][4]) {
         u32 hd[2], hs[2][3];
         for (u32 step = 0; step < n_blk; step += 2) {
             const u32 sb = step / 8, sub = step % 8;  // sub even
@@ -80,7 +60,7 @@ struct Mma8Rows<TY_Q4_K> {
                 for (int j = 0; j < 4; ++j) {
                     bx[h][j][0] = bx[h][j][1] = 0;
                     if (bt[j] != 0xffffffffu) {
-                        const i8* xr = xq + (u64)bt[j] * n_blk * 32 + 32 * (step + h) + 4 * t;
+                        const i8* xr = xq + (u64)bt[j] * x_pitch + 32 * (step + h) + 4 * t;
                         bx[h][j][0] = *(const u32*)xr, bx[h][j][1] = *(const u32*)(xr + 16);
                     }
                 }
@@ -105,8 +85,8 @@ struct Mma8Rows<TY_Q4_K> {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         if (!ct_ok[j][c]) continue;
-                        const float2 xd = xs[(u64)ct[j][c] * n_blk + step + h];
-                        const float s0 = __int_as_float(ci[c]) - MOE8_BIAS, s1 = __int_as_float(ci[2 + c]) - MOE8_BIAS;
+                        const float2 xd = xs[(u64)ct[j][c] * s_pitch + step + h];
+                        const float s0 = __int_as_float(ci[c]) - MMA8_BIAS, s1 = __int_as_float(ci[2 + c]) - MMA8_BIAS;
                         acc[j][c] = fmaf(xd.x * d1[0], s0, fmaf(-m1[0], xd.y, acc[j][c]));
                         acc[j][2 + c] = fmaf(xd.x * d1[1], s1, fmaf(-m1[1], xd.y, acc[j][2 + c]));
                     }
@@ -123,8 +103,8 @@ struct Mma8Rows<TY_Q4_K> {
 // scale sc[s] (kernels/dequant.cuh). Rows are 210-byte blocks: words are loaded 2-aligned.
 template <>
 struct Mma8Rows<TY_Q6_K> {
-    static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, const u32 bt[4],
-                                               const u32 ct[4][2], const bool ct_ok[4][2], int t, float acc[4][4]) {
+    static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, u32 x_pitch, u32 s_pitch,
+                                               const u32 bt[4], const u32 ct[4][2], const bool ct_ok[4][2], int t, float acc[4][4]) {
         float dr[2];
         for (u32 step = 0; step < n_blk; ++step) {
             const u32 sb = step / 8, s0 = 2 * (step % 8);
@@ -137,7 +117,7 @@ struct Mma8Rows<TY_Q6_K> {
             for (int j = 0; j < 4; ++j) {
                 bx[j][0] = bx[j][1] = 0;
                 if (bt[j] != 0xffffffffu) {
-                    const i8* xr = xq + (u64)bt[j] * n_blk * 32 + 32 * step + 4 * t;
+                    const i8* xr = xq + (u64)bt[j] * x_pitch + 32 * step + 4 * t;
                     bx[j][0] = *(const u32*)xr, bx[j][1] = *(const u32*)(xr + 16);
                 }
             }
@@ -169,8 +149,8 @@ struct Mma8Rows<TY_Q6_K> {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         if (!ct_ok[j][c]) continue;
-                        const float dx = xs[(u64)ct[j][c] * n_blk + step].x;
-                        const float s_0 = __int_as_float(ci[c]) - MOE8_BIAS, s_1 = __int_as_float(ci[2 + c]) - MOE8_BIAS;
+                        const float dx = xs[(u64)ct[j][c] * s_pitch + step].x;
+                        const float s_0 = __int_as_float(ci[c]) - MMA8_BIAS, s_1 = __int_as_float(ci[2 + c]) - MMA8_BIAS;
                         acc[j][c] = fmaf(dx * dl[h][0], s_0, acc[j][c]);
                         acc[j][2 + c] = fmaf(dx * dl[h][1], s_1, acc[j][2 + c]);
                     }
@@ -239,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_gate_up_q4_k(const
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
-    Mma8Rows<TY_Q4_K>::run(rows, p.d / 32, xq, xs, bt, ct, ct_ok, t, acc);
+    Mma8Rows<TY_Q4_K>::run(rows, p.d / 32, xq, xs, p.d, p.d / 32, bt, ct, ct_ok, t, acc);
     // The up warps' sums to shared memory; the gate warps write h = silu(g)·u.
     if (is_up) {
 #pragma unroll
@@ -296,7 +276,7 @@ __device__ __forceinline__ void moe_mma8_down(const MoeMma8Params& p8) {
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
-    Mma8Rows<TY>::run(rows, p.n_ff / 32, hq, hs, bt, ct, ct_ok, t, acc);
+    Mma8Rows<TY>::run(rows, p.n_ff / 32, hq, hs, p.n_ff, p.n_ff / 32, bt, ct, ct_ok, t, acc);
     float* part = (float*)q.part;
     const float* wt = (const float*)p.weights;
 #pragma unroll
@@ -334,20 +314,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_down_q6_k(const Mo
 #define MOE8S_XS_BYTES (8 * (MOE_BM + 1) * 8)        // their 8 block scales (d, d·Σq), [block][pair]
 #define MOE8S_STAGE_BYTES (MOE8S_W_BYTES + MOE8S_X_BYTES + MOE8S_XS_BYTES)  // 29,248 (ops/moe.rs)
 
-#if __CUDA_ARCH__ >= 800
-// 16 (n = 16) or no bytes (n = 0: zeros) from global to shared memory, asynchronously.
-__device__ __forceinline__ void moe8_cp16(void* dst, const void* src, u32 n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void moe8_cp8(void* dst, const void* src, u32 n) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void moe8_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void moe8_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-#endif
 
 // grid (n_ff / MOE8_ROWS, max_tiles), 256 threads, MOE8S_STAGES · MOE8S_STAGE_BYTES of dynamic
 // shared memory; d % 256 == 0, n_ff % MOE8_ROWS == 0.
@@ -379,23 +345,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
         for (u32 i = threadIdx.x; i < 2 * MOE8_ROWS * 9; i += 256) {
             const u32 row = i / 9, piece = i % 9, r = row % MOE8_ROWS;
             const u8* w = (const u8*)(row < MOE8_ROWS ? p.gate : p.up) + ((u64)e * p.n_ff + r0 + r) * p.row_bytes_gu;
-            moe8_cp16(st + row * 144 + 16 * piece, w + 144 * sb + 16 * piece, 16);
+            mma8_cp16(st + row * 144 + 16 * piece, w + 144 * sb + 16 * piece, 16);
         }
         u8* xst = st + MOE8S_W_BYTES;
         for (u32 i = threadIdx.x; i < MOE_BM * 16; i += 256) {
             const u32 m = i / 16, piece = i % 16;
-            moe8_cp16(xst + m * MOE8S_XLD + 16 * piece, xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece, m < n ? 16 : 0);
+            mma8_cp16(xst + m * MOE8S_XLD + 16 * piece, xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece, m < n ? 16 : 0);
         }
         float2* xss = (float2*)(xst + MOE8S_X_BYTES);
         {
             const u32 m = threadIdx.x / 8, b = threadIdx.x % 8;  // 256 threads: 32 pairs x 8 blocks
-            moe8_cp8(xss + b * (MOE_BM + 1) + m, xs + (u64)tok[m] * n_blk + 8 * sb + b, m < n ? 8 : 0);
+            mma8_cp8(xss + b * (MOE_BM + 1) + m, xs + (u64)tok[m] * n_blk + 8 * sb + b, m < n ? 8 : 0);
         }
     };
 #pragma unroll
     for (u32 s = 0; s + 1 < MOE8S_STAGES; ++s) {
         if (s < n_sb) load(s, s);
-        moe8_commit();  // a group even when empty, so the waits count super-blocks
+        mma8_commit();  // a group even when empty, so the waits count super-blocks
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const bool is_up = warp >= 4;
@@ -412,58 +378,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
     for (u32 sb = 0; sb < n_sb; ++sb) {
-        moe8_wait<MOE8S_STAGES - 2>();  // super-block sb has landed (this thread's pieces)
+        mma8_wait<MOE8S_STAGES - 2>();  // super-block sb has landed (this thread's pieces)
         __syncthreads();                // everyone's, and stage (sb - 1) % STAGES is free again
         if (sb + MOE8S_STAGES - 1 < n_sb) load(sb + MOE8S_STAGES - 1, (sb + MOE8S_STAGES - 1) % MOE8S_STAGES);
-        moe8_commit();
+        mma8_commit();
         const u8* st = stages + (sb % MOE8S_STAGES) * MOE8S_STAGE_BYTES;
         const u8* w0 = st + wrow * 144;
         const u8* w1 = w0 + 8 * 144;
         const u8* xst = st + MOE8S_W_BYTES;
         const float2* xss = (const float2*)(xst + MOE8S_X_BYTES);
-        const u32 hd[2] = {*(const u32*)w0, *(const u32*)w1};
-        const u32 hs[2][3] = {{*(const u32*)(w0 + 4), *(const u32*)(w0 + 8), *(const u32*)(w0 + 12)},
-                              {*(const u32*)(w1 + 4), *(const u32*)(w1 + 8), *(const u32*)(w1 + 12)}};
-        const float dd[2] = {f16_to_f32((u16)(hd[0] & 0xFFFF)), f16_to_f32((u16)(hd[1] & 0xFFFF))};
-        const float dm[2] = {f16_to_f32((u16)(hd[0] >> 16)), f16_to_f32((u16)(hd[1] >> 16))};
-#pragma unroll  // (rolled: pp512 -2.4 %, H100)
-        for (u32 sub = 0; sub < 8; sub += 2) {
-            // A: rows g and g + 8, weights 4t..4t+3 and 16+4t..16+4t+3 of sub-blocks sub, sub + 1.
-            const u32 qoff = 16 + 32 * (sub / 2) + 4 * t;
-            const u32 raw[4] = {*(const u32*)(w0 + qoff), *(const u32*)(w1 + qoff), *(const u32*)(w0 + qoff + 16),
-                                *(const u32*)(w1 + qoff + 16)};
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                u32 a[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) a[i] = (raw[i] >> (4 * h)) & 0x0F0F0F0Fu;
-                float d1[2], m1[2];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    int sc, mn;
-                    scale_min_k4_words(sub + h, hs[i][0], hs[i][1], hs[i][2], &sc, &mn);
-                    d1[i] = dd[i] * sc;
-                    m1[i] = dm[i] * mn;
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    // B: column g of n-tile j (pair 8j + g), k 4t..4t+3 and 16+4t..16+4t+3.
-                    const u8* xr = xst + (8 * j + g) * MOE8S_XLD + 32 * (sub + h) + 4 * t;
-                    int ci[4];
-                    mma8_k32(a, *(const u32*)xr, *(const u32*)(xr + 16), ci);
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        if (!ok[j][c]) continue;
-                        const float2 xd = xss[(sub + h) * (MOE_BM + 1) + 8 * j + 2 * t + c];
-                        const float s0 = __int_as_float(ci[c]) - MOE8_BIAS, s1 = __int_as_float(ci[2 + c]) - MOE8_BIAS;
-                        acc[j][c] = fmaf(xd.x * d1[0], s0, fmaf(-m1[0], xd.y, acc[j][c]));
-                        acc[j][2 + c] = fmaf(xd.x * d1[1], s1, fmaf(-m1[1], xd.y, acc[j][2 + c]));
-                    }
-                }
-            }
-        }
+        q4k_mma8_superblock(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, g, t, ok, acc);
     }
-    moe8_wait<0>();
+    mma8_wait<0>();
     __syncthreads();  // every warp is done with the stages: the up sums take their place
     float(*ups)[MOE_BM + 1] = (float(*)[MOE_BM + 1])stages;
     if (is_up) {
@@ -484,4 +410,124 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
             }
     }
 #endif
+}
+
+// ---- down on int8 tensor cores, staged through shared memory (Q4_K, Q6_K; sm_80+) ----
+// moe_mma8_down's tiles and sums (Mma8Rows over the same operands in the same order) with the
+// block's 128 rows of down (all of k = n_ff <= 512), the tile's 32 int8 h rows and their block
+// scales copied into shared memory by cp.async first, one group a super-block, so the first
+// super-block's products start while the second's bytes land. Q6_K rows are 210 bytes a
+// super-block, only 2-byte aligned past the first: they are copied as whole 420-byte rows
+// (n_ff = 512: 4-byte aligned) in 4-byte pieces; Q4_K rows in 16-byte ones.
+
+#define MOE8SD_HLD 528  // bytes an h row in shared memory (512 + 16: 32 distinct banks for a warp's B loads)
+#define MOE8SD_SLD 17   // float2 an h row's block scales (16 + 1)
+
+template <int TY>
+struct Moe8sDown;
+template <>
+struct Moe8sDown<TY_Q4_K> {
+    static constexpr u32 SB = 144, PITCH = 304;  // 2·144 + 16: rows g and g + 8 of a warp's 8 on distinct banks
+};
+template <>
+struct Moe8sDown<TY_Q6_K> {
+    static constexpr u32 SB = 210, PITCH = 432;  // 2·210 + 12
+};
+
+// grid (d / MOE8D_ROWS, max_tiles), 256 threads, 128·PITCH + 32·MOE8SD_HLD + 32·MOE8SD_SLD·8
+// bytes of dynamic shared memory (ops/moe.rs); d % 128 == 0; n_ff 256 or 512 (Q4_K), 512 (Q6_K).
+template <int TY>
+__device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
+#if __CUDA_ARCH__ >= 800
+    using C = Moe8sDown<TY>;
+    extern __shared__ __align__(16) u8 stages[];
+    const MoeMmaParams& q = p8.q;
+    const MoeParams& p = q.m;
+    __shared__ u32 pair[MOE_BM];
+    const u32* plan = (const u32*)q.plan;
+    const u32 tile = blockIdx.y;
+    if (tile >= plan[0]) return;  // the whole block
+    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
+    const u32* list = plan + 1 + 3 * q.max_tiles;
+    for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) pair[m] = m < n ? list[first + m] : list[first];  // (zeros copied)
+    __syncthreads();
+    const u32 r_blk = blockIdx.x * MOE8D_ROWS, n_blk = p.n_ff / 32, n_sb = p.n_ff / 256;
+    u8* ws = stages;
+    u8* hst = ws + MOE8D_ROWS * C::PITCH;
+    float2* hss = (float2*)(hst + MOE_BM * MOE8SD_HLD);
+    const i8* hq = (const i8*)p8.xq;
+    const float2* hs = (const float2*)(hq + (u64)p.n_tok * p.k_top * p.n_ff);
+    const u8* wbase = (const u8*)p.down + ((u64)e * p.d + r_blk) * p.row_bytes_down;
+    for (u32 sb = 0; sb < n_sb; ++sb) {
+        if (TY == TY_Q6_K) {
+            // Words 0..52 of a row (bytes 0..211: the first super-block) then 53..104.
+            const u32 w0 = sb == 0 ? 0 : 53, nw = sb == 0 ? 53 : 52;
+            for (u32 i = threadIdx.x; i < MOE8D_ROWS * nw; i += 256) {
+                const u32 row = i / nw, w = w0 + i % nw;
+                mma8_cp4(ws + row * C::PITCH + 4 * w, wbase + (u64)row * p.row_bytes_down + 4 * w);
+            }
+        } else {
+            for (u32 i = threadIdx.x; i < MOE8D_ROWS * 9; i += 256) {
+                const u32 row = i / 9, at = 144 * sb + 16 * (i % 9);
+                mma8_cp16(ws + row * C::PITCH + at, wbase + (u64)row * p.row_bytes_down + at, 16);
+            }
+        }
+        for (u32 i = threadIdx.x; i < MOE_BM * 16; i += 256) {
+            const u32 m = i / 16, at = 256 * sb + 16 * (i % 16);
+            mma8_cp16(hst + m * MOE8SD_HLD + at, hq + (u64)pair[m] * p.n_ff + at, m < n ? 16 : 0);
+        }
+        {
+            const u32 m = threadIdx.x / 8, b = 8 * sb + threadIdx.x % 8;  // 256 threads: 32 pairs x 8 blocks
+            mma8_cp8(hss + m * MOE8SD_SLD + b, hs + (u64)pair[m] * n_blk + b, m < n ? 8 : 0);
+        }
+        mma8_commit();
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 r_w = 16 * warp;  // the warp's first row of the block's 128
+    u32 bt[4], ct[4][2];
+    bool ct_ok[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        bt[j] = 8 * j + g;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            ct[j][c] = 8 * j + 2 * t + c;
+            ct_ok[j][c] = ct[j][c] < n;
+        }
+    }
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
+    for (u32 sb = 0; sb < n_sb; ++sb) {
+        if (sb + 1 < n_sb) {
+            mma8_wait<1>();
+        } else {
+            mma8_wait<0>();
+        }
+        __syncthreads();  // every thread's pieces of super-block sb
+        const u8* const rows[2] = {ws + (r_w + g) * C::PITCH + C::SB * sb, ws + (r_w + g + 8) * C::PITCH + C::SB * sb};
+        Mma8Rows<TY>::run(rows, 8, (const i8*)hst + 256 * sb, hss + 8 * sb, MOE8SD_HLD, MOE8SD_SLD, bt, ct, ct_ok, t, acc);
+    }
+    float* part = (float*)q.part;
+    const float* wt = (const float*)p.weights;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            if (!ct_ok[j][c & 1]) continue;
+            const u32 pr = pair[ct[j][c & 1]];
+            part[(u64)pr * p.d + r_blk + r_w + g + (c >= 2 ? 8 : 0)] = wt[pr] * acc[j][c];
+        }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_down_q4_k(const MoeMma8Params p8) {
+    pdl_enter();
+    moe_mma8s_down<TY_Q4_K>(p8);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_down_q6_k(const MoeMma8Params p8) {
+    pdl_enter();
+    moe_mma8s_down<TY_Q6_K>(p8);
 }

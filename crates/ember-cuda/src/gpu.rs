@@ -212,6 +212,9 @@ pub struct Gpu {
     /// The most pairs an expert on average for the staged int8 gate/up
     /// (`EMBER_MOE_MMA8_MAX_PAIRS`; ops/moe.rs MOE8S_MAX_PAIRS by default).
     pub(crate) moe_mma8s_max_pairs: usize,
+    /// The same for the staged int8 down (`EMBER_MOE_MMA8_DOWN_MAX_PAIRS`; ops/moe.rs
+    /// MOE8SD_MAX_PAIRS by default).
+    pub(crate) moe_mma8s_down_max_pairs: usize,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -357,6 +360,10 @@ impl Gpu {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(crate::ops::MOE8S_MAX_PAIRS),
+            moe_mma8s_down_max_pairs: std::env::var("EMBER_MOE_MMA8_DOWN_MAX_PAIRS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(crate::ops::MOE8SD_MAX_PAIRS),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })

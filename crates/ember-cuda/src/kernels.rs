@@ -15,6 +15,7 @@ const MMA: &str = include_str!("../kernels/mma.cuh");
 const Q8: &str = include_str!("../kernels/q8.cuh");
 const ATTN: &str = include_str!("../kernels/attention.cuh");
 const MOE_H: &str = include_str!("../kernels/moe.cuh");
+const MMA8: &str = include_str!("../kernels/mma8.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -56,7 +57,8 @@ kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule");
 kernel!(DELTA_CHUNKED, "delta_chunked");
 kernel!(MOE, "moe", DEQUANT, MMA, Q8, MOE_H);
-kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H);
+kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H, MMA8);
+kernel!(MATMUL_MMA8, "matmul_mma8", DEQUANT, MMA8);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
@@ -82,6 +84,7 @@ pub static ALL: &[&Kernel] = &[
     &DELTA_CHUNKED,
     &MOE,
     &MOE_MMA8,
+    &MATMUL_MMA8,
     &MOE_SHARED,
     &MAILBOX,
     &KV_APPEND,

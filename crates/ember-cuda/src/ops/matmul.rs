@@ -2,10 +2,11 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, DeviceRepr};
 use ember_gguf::GgmlType;
 
+use super::gemv_q8::q8_bytes;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::MATMUL;
+use crate::kernels::{MATMUL, MATMUL_MMA8};
 
 const OP: &str = "matmul";
 
@@ -153,6 +154,30 @@ pub enum MatmulKernel {
     /// Tensor cores in the GEMV's shape: 32 rows a block, k split over its 8 warps, 8 or 16
     /// tokens a pass, f16 operands (k % 64 == 0, sm_80+).
     Mmv,
+    /// Q4_K weights on int8 tensor cores, x quantised to int8 blocks of 32: 32 tokens x 128
+    /// rows a block, operands staged through shared memory (`matmul_mma8s_q4_k`; k % 256 == 0,
+    /// rows 16-byte aligned, sm_80+).
+    Mma8,
+}
+
+/// Tokens up to which [`MatmulKernel::Mma8`] replaces the f16 tiles: its blocks take 32 tokens
+/// and read their weights again per 32, where the tiles take up to 128. H100, 35B-A3B Q4_K_M
+/// (`bench/results/20261206-0205-h100-int8-prompts/`): pp512 9,415 / 9,434 t/s with it against
+/// 8,677 without (+8.5 %), pp2048 11,022 against 11,234 (-1.9 %), pp8192 even;
+/// `bench_matmul_prompt` at 512 tokens: Q4_K 2048 x 4096 0.092 against 0.115 ms (the tiles'
+/// best), 4096 x 2048 0.096 against 0.174, 2048 x 8192 0.176 against 0.152.
+pub const MMA8_MAX_TOKENS: usize = 512;
+
+/// Dynamic shared memory of `matmul_mma8s_q4_k` (kernels/matmul_mma8.cu): MM8_STAGES (3) stages
+/// of 128 rows' super-block (144 bytes each), 32 tokens' 256 int8 values at a pitch of 272 and
+/// their 8 x 33 block scales of 8 bytes.
+const MM8_SMEM: u32 = 3 * (128 * 144 + 32 * 272 + 8 * 33 * 8);
+
+/// Whether prompt-sized Q4_K matmuls run on int8 tensor cores ([`MatmulKernel::Mma8`];
+/// `EMBER_MATMUL_MMA8=0`: the f16 tiles).
+fn mma8_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("EMBER_MATMUL_MMA8").is_none_or(|v| v != "0"))
 }
 
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
@@ -278,12 +303,29 @@ impl Gpu {
             MatmulKernel::Mmv
         } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
+        } else if self.uses_mma8(w, n_tok, precision) {
+            MatmulKernel::Mma8
         } else if fast && n_tok > GEMV_MAX_TOKENS {
             MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else {
             MatmulKernel::Tiled
         };
         self.matmul_kernel(w, x, n_tok, y, kernel)
+    }
+
+    /// Whether [`Gpu::matmul_prec`] takes [`MatmulKernel::Mma8`] for `w` on `n_tok` tokens:
+    /// Fast, more than [`MMA_MIN_TOKENS`] and at most [`MMA8_MAX_TOKENS`] tokens, neither
+    /// [`Gpu::uses_mmv_prompt`] (few rows), Q4_K, k % 256 == 0, rows 16-byte aligned, sm_80+
+    /// (`EMBER_MATMUL_MMA8=0` turns it off).
+    pub fn uses_mma8(&self, w: WeightRef<'_>, n_tok: usize, precision: Precision) -> bool {
+        precision == Precision::Fast
+            && (MMA_MIN_TOKENS + 1..=MMA8_MAX_TOKENS).contains(&n_tok)
+            && !self.uses_mmv_prompt(w.k(), w.n_rows, n_tok, precision)
+            && w.ty() == GgmlType::Q4K
+            && w.k().is_multiple_of(256)
+            && w.ptr().is_multiple_of(16)
+            && self.has_mma()
+            && mma8_on()
     }
 
     /// Whether [`Gpu::matmul_prec`] runs a weight of `k` columns on `n_tok` tokens with the
@@ -449,6 +491,7 @@ impl Gpu {
                 // SAFETY: as below; matmul_mmv's dynamic shared memory is what mmv_function sized.
                 return unsafe { self.launch(&f, grid, MMV_THREADS, smem, &p) };
             }
+            MatmulKernel::Mma8 => return self.matmul_mma8(w, x, n_tok, y),
             MatmulKernel::Mma { tile_tokens } => {
                 if !self.has_mma() {
                     return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
@@ -476,7 +519,61 @@ impl Gpu {
     }
 }
 
+#[repr(C)]
+struct MatmulMma8Params {
+    w: u64,
+    xq: u64,
+    y: u64,
+    k: u32,
+    n_rows: u32,
+    n_tok: u32,
+    row_bytes: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `MatmulMma8Params` in kernels/matmul_mma8.cu (three
+// u64 then four u32: no padding).
+unsafe impl DeviceRepr for MatmulMma8Params {}
+
 impl Gpu {
+    /// [`MatmulKernel::Mma8`]: x quantised into the int8 scratch, then `matmul_mma8s_q4_k`.
+    fn matmul_mma8(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>) -> Result<()> {
+        let dw = w.w;
+        if !self.has_mma() {
+            return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
+        }
+        if dw.ty != GgmlType::Q4K || !dw.k.is_multiple_of(256) || !w.ptr().is_multiple_of(16) {
+            return Err(shape(
+                OP,
+                format!("the int8 tensor-core matmul takes Q4_K rows of k % 256 == 0, 16-byte aligned: {}, k = {}", dw.ty.name(), dw.k),
+            ));
+        }
+        let row_blocks = w.n_rows.div_ceil(128);
+        if row_blocks > 65_535 {
+            return Err(shape(OP, format!("{} rows (at most {} per call)", w.n_rows, 65_535 * 128)));
+        }
+        let xq = self.q8_scratch(q8_bytes(n_tok * dw.k))?;
+        self.quantize_q8(x, n_tok * dw.k)?;
+        let p = MatmulMma8Params {
+            w: w.ptr(),
+            xq,
+            y: y.ptr(),
+            k: u32_of(OP, "k", dw.k)?,
+            n_rows: u32_of(OP, "n_rows", w.n_rows)?,
+            n_tok: u32_of(OP, "n_tok", n_tok)?,
+            row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
+        };
+        let f = self.function(&MATMUL_MMA8, "matmul_mma8s_q4_k")?;
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, MM8_SMEM as i32)
+            .map_err(|e| shape(OP, format!("matmul_mma8s_q4_k's {MM8_SMEM} bytes of shared memory: {e:?}")))?;
+        // SAFETY: matmul_kernel checked x (n_tok·k floats) and y (n_tok·n_rows); quantize_q8
+        // just wrote x's n_tok·k int8 values and their scales into the scratch at xq (sized
+        // above: the same buffer). The kernel reads rows min(r, n_rows − 1) of the weight (Q4_K,
+        // whole super-blocks, 16-byte aligned: checked), writes y only for rows < n_rows and
+        // tokens < n_tok, and uses the MM8_SMEM bytes of dynamic shared memory set above.
+        unsafe { self.launch(&f, (blocks(n_tok, 32), row_blocks as u32, 1), 256, MM8_SMEM, &p) }
+    }
+
     /// `matmul_mmv`'s function (`base`: the one-weight or the multi entry), grid and dynamic
     /// shared memory for `n_tok` tokens over `row_blocks` blocks of 32 rows: 8 tokens a pass up
     /// to 8, else 16; the staged entry where the weight's blocks come in 256-weight super-blocks

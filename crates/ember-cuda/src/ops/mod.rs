@@ -31,9 +31,11 @@ pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub use kv_append::{KV_PAGE, KvPages};
-pub use matmul::{DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef};
-pub(crate) use moe::MOE8S_MAX_PAIRS;
+pub use matmul::{
+    DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMA8_MAX_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef,
+};
 pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+pub(crate) use moe::{MOE8S_MAX_PAIRS, MOE8SD_MAX_PAIRS};
 pub use route::ROUTE_SUM_MIN;
 pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 

@@ -208,10 +208,21 @@ pub enum DownForm {
     /// Q4_K or Q6_K weights on int8 tensor cores with h quantised to int8
     /// (`moe_mma8_down_<type>`; n_ff % 256 == 0, d % 128 == 0; else as `Tiles`).
     Int8,
+    /// `Int8`'s sums, bit for bit, with the operands staged through shared memory
+    /// (`moe_mma8s_down_<type>`; n_ff 256 or 512 for Q4_K, 512 for Q6_K; else as `Int8`).
+    Int8Staged,
 }
 
 /// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe_mma8.cu MOE8_ROWS).
 const MOE8_ROWS: usize = 64;
+/// Dynamic shared memory of `moe_mma8s_down_<type>` (kernels/moe_mma8.cu): 128 rows of down at
+/// the type's pitch (Q4_K 304 bytes, Q6_K 432), 32 h rows at 528, their 32 x 17 block scales of
+/// 8 bytes.
+fn moe8s_down_smem(ty: GgmlType) -> u32 {
+    let pitch = if ty == GgmlType::Q6K { 432 } else { 304 };
+    128 * pitch + 32 * 528 + 32 * 17 * 8
+}
+
 /// Dynamic shared memory of `moe_mma8s_gate_up_q4_k`: MOE8S_STAGES (3) stages of
 /// MOE8S_STAGE_BYTES (its 128 rows' super-block, 128 x 144 bytes; the tile's 32 x rows of 256
 /// values at a pitch of 272; their 8 x 33 block scales of 8 bytes) in kernels/moe_mma8.cu.
@@ -222,11 +233,17 @@ const MOE8S_SMEM: u32 = 3 * (128 * 144 + 32 * 272 + 8 * 33 * 8);
 /// (16 a expert) +8 %, pp2048 (64) even, pp8192 (256) -3 %; `bench_moe_prompt` at 2048 tokens
 /// 2.54 against 2.39 ms).
 const MOE8_MAX_PAIRS: usize = 32;
-/// The same bound for the staged int8 gate/up (`moe_mma8s_gate_up_q4_k`), by default: at 2048
-/// tokens (64 pairs an expert) it and the int8 down took 1.916 ms against the f16 tiles' 2.338
-/// (`bench_moe_prompt`, H100, `bench/results/20261206-0133-h100-moe-staged/`).
-/// `EMBER_MOE_MMA8_MAX_PAIRS` overrides it.
-pub(crate) const MOE8S_MAX_PAIRS: usize = 64;
+/// The same bound for the staged int8 gate/up (`moe_mma8s_gate_up_q4_k`), by default: in the
+/// model (35B-A3B Q4_K_M, H100, `bench/results/20261206-0205-h100-int8-prompts/`, one round)
+/// it and the staged down up to 256 pairs an expert ran pp8192 (256 pairs) at 11,686 t/s
+/// against 10,227 with the f16 tiles there, pp2048 at 11,456 against 11,022 (64 pairs, gate/up
+/// int8 and down f16), pp512 even; in `bench_moe_prompt` at 2048 tokens the staged pair took
+/// 1.552 ms against the f16 tiles' 2.340. Not measured above 256. `EMBER_MOE_MMA8_MAX_PAIRS`
+/// overrides it.
+pub(crate) const MOE8S_MAX_PAIRS: usize = 256;
+/// The same for the staged int8 down (`moe_mma8s_down_<type>`; the figures above).
+/// `EMBER_MOE_MMA8_DOWN_MAX_PAIRS` overrides it.
+pub(crate) const MOE8SD_MAX_PAIRS: usize = 256;
 /// Down rows a block of `moe_mma8_down_<type>` (kernels/moe_mma8.cu MOE8D_ROWS).
 const MOE8D_ROWS: usize = 128;
 
@@ -340,7 +357,12 @@ impl Gpu {
             (true, false) if few => GateUpForm::Int8,
             _ => GateUpForm::Fused,
         };
-        let down = if self.moe_mma8_down && few { DownForm::Int8 } else { DownForm::Tiles };
+        let few_down = n_tok * r.k <= self.moe_mma8s_down_max_pairs * e.n_expert;
+        let down = match (self.moe_mma8_down, self.moe_mma8_staged) {
+            (true, true) if few_down => DownForm::Int8Staged,
+            (true, false) if few => DownForm::Int8,
+            _ => DownForm::Tiles,
+        };
         self.moe_mma_form(form, down, e, x, n_tok, r, h, scratch, out)
     }
 
@@ -401,10 +423,18 @@ impl Gpu {
             (true, false) => self.function(&MOE_MMA8, "moe_mma8_gate_up_q4_k")?,
             (false, _) => self.function(&MOE, &format!("moe_mma_gate_up_fused_{gu}"))?,
         };
-        let int8_down = down == DownForm::Int8
+        let int8_down = down != DownForm::Tiles
             && matches!(e.down.ty, GgmlType::Q4K | GgmlType::Q6K)
             && n_ff.is_multiple_of(256)
             && d.is_multiple_of(MOE8D_ROWS);
+        // The staged down holds all of k in shared memory, and copies Q6_K rows in 4-byte
+        // pieces (420-byte rows at n_ff = 512; 210-byte ones would be 2-byte aligned).
+        let staged_down = int8_down
+            && down == DownForm::Int8Staged
+            && match e.down.ty {
+                GgmlType::Q4K => n_ff == 256 || n_ff == 512,
+                _ => n_ff == 512,
+            };
         // The int8 scratch holds x's copy for gate/up, then h's for down: sized for both
         // before the first launch, so it is not replaced under a queued kernel.
         let q8_len = if int8 { n_tok * d } else { 0 }.max(if int8_down { pairs * n_ff } else { 0 });
@@ -415,9 +445,17 @@ impl Gpu {
             self.quantize_q8(x, n_tok * d)?;
         }
         let q8 = MoeMma8Params { q, xq };
-        let f_dn = match int8_down {
-            true => self.function(&MOE_MMA8, &format!("moe_mma8_down_{dn}"))?,
-            false => self.function(&MOE, &format!("moe_mma_down_{dn}"))?,
+        let dn_smem = moe8s_down_smem(e.down.ty);
+        let f_dn = match (int8_down, staged_down) {
+            (true, true) => {
+                let f = self.function(&MOE_MMA8, &format!("moe_mma8s_down_{dn}"))?;
+                let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                f.set_attribute(attr, dn_smem as i32)
+                    .map_err(|e| shape(OP, format!("moe_mma8s_down_{dn}'s {dn_smem} bytes of shared memory: {e:?}")))?;
+                f
+            }
+            (true, false) => self.function(&MOE_MMA8, &format!("moe_mma8_down_{dn}"))?,
+            (false, _) => self.function(&MOE, &format!("moe_mma_down_{dn}"))?,
         };
         let f_sum = self.function(&MOE, "moe_combine")?;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
@@ -444,11 +482,12 @@ impl Gpu {
         }
         // SAFETY: as above; the int8 down kernel reads h's copy (pairs·n_ff values and their
         // scales, written by quantize_q8 just before it) and the down rows of the plan's experts
-        // (Q4_K or Q6_K, whole super-blocks: n_ff % 256 == 0), and writes the parts of rows
-        // r0..r0 + 128 <= d.
+        // (Q4_K or Q6_K, whole super-blocks: n_ff % 256 == 0; the staged kernel n_ff <= 512,
+        // its shared memory set above), and writes the parts of rows r0..r0 + 128 <= d.
         unsafe {
             if int8_down {
-                self.launch(&f_dn, ((d / MOE8D_ROWS) as u32, tiles as u32, 1), 256, 0, &q8)?;
+                let smem = if staged_down { dn_smem } else { 0 };
+                self.launch(&f_dn, ((d / MOE8D_ROWS) as u32, tiles as u32, 1), 256, smem, &q8)?;
             } else {
                 self.launch(&f_dn, (d.div_ceil(MOE_ROWS) as u32, tiles as u32, 1), MOE_THREADS, 0, &q)?;
             }
@@ -476,6 +515,9 @@ impl Gpu {
         let f_gu = self.function(&MOE, &format!("moe_gate_up_{gu}"))?;
         let f_dn = self.function(&MOE, &format!("moe_down_{dn}"))?;
         let pairs = u32_of(OP, "n_tok · k", n_tok * r.k)?;
+        if pairs > 65_535 || n_tok > 65_535 {
+            return Err(shape(OP, format!("{n_tok} tokens x {} slots (at most 65,535 pairs and tokens per call)", r.k)));
+        }
         // SAFETY: the weights have the stacked shapes checked above; x, ids, weights, h and out
         // hold what the shapes need; the kernels bounds-check each expert id against n_expert.
         // Shared memory: d floats (gate/up), k·n_ff floats (down), both <= SMEM (checked).
