@@ -43,16 +43,17 @@ __device__ __forceinline__ void mma8_wait() {
 
 // Q4_K against int8 activations, one super-block (256 weights) of k, everything in shared
 // memory: w0 / w1 the lane's rows g and g + 8 of its warp's 16 (144-byte blocks as in the file),
-// xst the 32 vectors' int8 values of this super-block (vector v at xst + v·x_pitch), xss their 8
+// xst the 8·NJ (default 32) vectors' int8 values of this super-block (vector v at xst + v·x_pitch), xss their 8
 // block scales (d, d·Σq) of this super-block (block b of vector v at xss[b·s_pitch + v]), ok[j][c]
 // whether vector 8j + 2t + c exists. Adds into acc[j][c] (c < 2: row g, vectors 8j + 2t + c;
 // c >= 2: row g + 8, vectors 8j + 2t + c − 2): per sub-block of 32 weights,
 // Σ_k w_k·x_k = dx·(d1·Σ q·xq) − m1·(dx·Σxq), d1 = d·sc and m1 = dmin·m of the row's sub-block.
 // The weights' 4-bit values go to `mma.m16n8k32.s8` as they are (a lane's A register is one
-// 32-bit load of 8 nibbles, masked to 4 bytes). Bank-conflict free when x_pitch is 16 mod 128
-// bytes and the rows' pitch 16 mod 128 (144, 304, ...).
+// 32-bit load of 8 nibbles, masked to 4 bytes). A warp's loads hit 32 distinct banks when
+// x_pitch and the rows' pitch are 16 mod 32 bytes (144, 272, 304, ...).
+template <int NJ = 4>
 __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, const u8* xst, u32 x_pitch, const float2* xss, u32 s_pitch,
-                                                    int g, int t, const bool ok[4][2], float acc[4][4]) {
+                                                    int g, int t, const bool ok[NJ][2], float acc[NJ][4]) {
     const u32 hd[2] = {*(const u32*)w0, *(const u32*)w1};
     const u32 hs[2][3] = {{*(const u32*)(w0 + 4), *(const u32*)(w0 + 8), *(const u32*)(w0 + 12)},
                           {*(const u32*)(w1 + 4), *(const u32*)(w1 + 8), *(const u32*)(w1 + 12)}};
@@ -78,7 +79,7 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
                 m1[i] = dm[i] * mn;
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < NJ; ++j) {
                 // B: column g of n-tile j (pair 8j + g), k 4t..4t+3 and 16+4t..16+4t+3.
                 const u8* xr = xst + (8 * j + g) * x_pitch + 32 * (sub + h) + 4 * t;
                 int ci[4];

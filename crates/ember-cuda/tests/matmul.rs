@@ -114,17 +114,19 @@ fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize
         let view = WeightView { ty, k, n_rows, data: &bytes };
         reference::matmul(&view, &Mat::from_vec(n_tok, k, common::q8_round_trip(&x.data))).data
     });
-    if let Some(want_q) = &want_q {
+    for tile_tokens in [32, 64] {
+        let Some(want_q) = &want_q else { break };
+        let kernel = MatmulKernel::Mma8 { tile_tokens };
         let mut y = poisoned(g, n_tok * n_rows);
-        g.matmul_kernel(dw.all(), &xb, n_tok, &mut y, MatmulKernel::Mma8).unwrap();
+        g.matmul_kernel(dw.all(), &xb, n_tok, &mut y, kernel).unwrap();
         let got = g.download(&y).unwrap();
-        let what = format!("matmul mma8 {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
+        let what = format!("matmul mma8/{tile_tokens} {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
         let w8 = check(&what, &got, want_q, &scale, 1e-6, MMA8_RTOL);
         println!("MATMUL_MMA8_MEASURED {what}: max err / Σ|w·x| = {w8:.2e} (bound {MMA8_RTOL:e})");
         if n_rows > 2 {
             let (r0, nr) = (1, n_rows - 2);
             let mut y2 = poisoned(g, n_tok * nr);
-            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, MatmulKernel::Mma8).unwrap();
+            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, kernel).unwrap();
             let got2 = g.download(&y2).unwrap();
             for t in 0..n_tok {
                 assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
@@ -458,20 +460,37 @@ fn bench_matmul_prompt() {
             ("mma32", Some(MatmulKernel::Mma { tile_tokens: 32 })),
             ("mma64", Some(MatmulKernel::Mma { tile_tokens: 64 })),
             ("mma128", Some(MatmulKernel::Mma { tile_tokens: 128 })),
-            ("mma8", (ty == GgmlType::Q4K).then_some(MatmulKernel::Mma8)),
+            ("mma8", (ty == GgmlType::Q4K).then_some(MatmulKernel::Mma8 { tile_tokens: 32 })),
+            ("mma8/64", (ty == GgmlType::Q4K).then_some(MatmulKernel::Mma8 { tile_tokens: 64 })),
             ("fast", None),
         ];
         for (name, kr) in kernels {
             if name == "tiled" && n_rows > 65_536 {
                 continue; // ~1 s a call
             }
-            if name == "mma8" && kr.is_none() {
+            if name.starts_with("mma8") && kr.is_none() {
                 continue; // Q4_K only
             }
             let (ms, tf) = time(&dw, n_tok, kr);
             line += &format!("  {name} {ms:.3} ms {tf:.1} TF");
         }
         println!("{line}");
+    }
+    // Q4_K's f16 tiles against the int8 ones (32 and 64 tokens a block) as prompts grow.
+    for &(k, n_rows) in &[(2048, 8192), (4096, 2048)] {
+        let dw = weight(&mut rng, GgmlType::Q4K, k, n_rows);
+        for n_tok in [128, 512, 2048, 8192] {
+            let mut line = format!("bench int8 tiles Q4_K k={k:5} rows={n_rows:5} tok={n_tok:5}:");
+            for (name, kr) in [
+                ("mma128", MatmulKernel::Mma { tile_tokens: 128 }),
+                ("mma8", MatmulKernel::Mma8 { tile_tokens: 32 }),
+                ("mma8/64", MatmulKernel::Mma8 { tile_tokens: 64 }),
+            ] {
+                let (ms, tf) = time(&dw, n_tok, Some(kr));
+                line += &format!("  {name} {ms:.3} ms {tf:.1} TF");
+            }
+            println!("{line}");
+        }
     }
     let dw = weight(&mut rng, GgmlType::Q4K, 2048, 4096);
     for n_tok in [8, 16, 17, 24, 32, 48, 64, 128] {

@@ -154,10 +154,11 @@ pub enum MatmulKernel {
     /// Tensor cores in the GEMV's shape: 32 rows a block, k split over its 8 warps, 8 or 16
     /// tokens a pass, f16 operands (k % 64 == 0, sm_80+).
     Mmv,
-    /// Q4_K weights on int8 tensor cores, x quantised to int8 blocks of 32: 32 tokens x 128
-    /// rows a block, operands staged through shared memory (`matmul_mma8s_q4_k`; k % 256 == 0,
-    /// rows 16-byte aligned, sm_80+).
-    Mma8,
+    /// Q4_K weights on int8 tensor cores, x quantised to int8 blocks of 32: `tile_tokens` (32
+    /// or 64) tokens x 128 rows a block, operands staged through shared memory
+    /// (`matmul_mma8s_q4_k`, `matmul_mma8s_q4_k_64`; k % 256 == 0, rows 16-byte aligned,
+    /// sm_80+).
+    Mma8 { tile_tokens: usize },
 }
 
 /// Tokens up to which [`MatmulKernel::Mma8`] replaces the f16 tiles: its blocks take 32 tokens
@@ -168,16 +169,34 @@ pub enum MatmulKernel {
 /// best), 4096 x 2048 0.096 against 0.174, 2048 x 8192 0.176 against 0.152.
 pub const MMA8_MAX_TOKENS: usize = 512;
 
-/// Dynamic shared memory of `matmul_mma8s_q4_k` (kernels/matmul_mma8.cu): MM8_STAGES (3) stages
-/// of 128 rows' super-block (144 bytes each), 32 tokens' 256 int8 values at a pitch of 272 and
-/// their 8 x 33 block scales of 8 bytes.
-const MM8_SMEM: u32 = 3 * (128 * 144 + 32 * 272 + 8 * 33 * 8);
+/// Dynamic shared memory of `matmul_mma8s_q4_k` (32 tokens a block) and `..._64`
+/// (kernels/matmul_mma8.cu `Mm8`): 3 and 2 stages of 128 rows' super-block (144 bytes each), the
+/// tokens' 256 int8 values at a pitch of 272 and their 8 x (tokens + 1) block scales of 8 bytes.
+fn mm8_smem(tile_tokens: usize) -> u32 {
+    let stages = if tile_tokens == 32 { 3 } else { 2 };
+    let t = tile_tokens as u32;
+    stages * (128 * 144 + t * 272 + 8 * (t + 1) * 8)
+}
 
 /// Whether prompt-sized Q4_K matmuls run on int8 tensor cores ([`MatmulKernel::Mma8`];
 /// `EMBER_MATMUL_MMA8=0`: the f16 tiles).
 fn mma8_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("EMBER_MATMUL_MMA8").is_none_or(|v| v != "0"))
+}
+
+/// The most tokens [`MatmulKernel::Mma8`] takes ([`MMA8_MAX_TOKENS`]; `EMBER_MATMUL_MMA8_MAX_TOKENS`
+/// overrides it, for measuring).
+fn mma8_max_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("EMBER_MATMUL_MMA8_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA8_MAX_TOKENS))
+}
+
+/// The tokens a block of [`MatmulKernel::Mma8`] takes: 32, or 64 with `EMBER_MATMUL_MMA8_64=1`
+/// (built 2026-12-06, not yet measured: the weights read half as often, 2 stages instead of 3).
+fn mma8_tile_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| if std::env::var_os("EMBER_MATMUL_MMA8_64").is_some_and(|v| v == "1") { 64 } else { 32 })
 }
 
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
@@ -304,7 +323,7 @@ impl Gpu {
         } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
         } else if self.uses_mma8(w, n_tok, precision) {
-            MatmulKernel::Mma8
+            MatmulKernel::Mma8 { tile_tokens: mma8_tile_tokens() }
         } else if fast && n_tok > GEMV_MAX_TOKENS {
             MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else {
@@ -314,12 +333,12 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::matmul_prec`] takes [`MatmulKernel::Mma8`] for `w` on `n_tok` tokens:
-    /// Fast, more than [`MMA_MIN_TOKENS`] and at most [`MMA8_MAX_TOKENS`] tokens, neither
+    /// Fast, more than [`MMA_MIN_TOKENS`] and at most [`MMA8_MAX_TOKENS`] tokens, not
     /// [`Gpu::uses_mmv_prompt`] (few rows), Q4_K, k % 256 == 0, rows 16-byte aligned, sm_80+
     /// (`EMBER_MATMUL_MMA8=0` turns it off).
     pub fn uses_mma8(&self, w: WeightRef<'_>, n_tok: usize, precision: Precision) -> bool {
         precision == Precision::Fast
-            && (MMA_MIN_TOKENS + 1..=MMA8_MAX_TOKENS).contains(&n_tok)
+            && (MMA_MIN_TOKENS + 1..=mma8_max_tokens()).contains(&n_tok)
             && !self.uses_mmv_prompt(w.k(), w.n_rows, n_tok, precision)
             && w.ty() == GgmlType::Q4K
             && w.k().is_multiple_of(256)
@@ -491,7 +510,7 @@ impl Gpu {
                 // SAFETY: as below; matmul_mmv's dynamic shared memory is what mmv_function sized.
                 return unsafe { self.launch(&f, grid, MMV_THREADS, smem, &p) };
             }
-            MatmulKernel::Mma8 => return self.matmul_mma8(w, x, n_tok, y),
+            MatmulKernel::Mma8 { tile_tokens } => return self.matmul_mma8(w, x, n_tok, y, tile_tokens),
             MatmulKernel::Mma { tile_tokens } => {
                 if !self.has_mma() {
                     return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
@@ -535,9 +554,13 @@ struct MatmulMma8Params {
 unsafe impl DeviceRepr for MatmulMma8Params {}
 
 impl Gpu {
-    /// [`MatmulKernel::Mma8`]: x quantised into the int8 scratch, then `matmul_mma8s_q4_k`.
-    fn matmul_mma8(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>) -> Result<()> {
+    /// [`MatmulKernel::Mma8`]: x quantised into the int8 scratch, then `matmul_mma8s_q4_k` (or
+    /// its 64-token form).
+    fn matmul_mma8(&self, w: WeightRef<'_>, x: &Buf<f32>, n_tok: usize, y: &mut Buf<f32>, tile_tokens: usize) -> Result<()> {
         let dw = w.w;
+        if tile_tokens != 32 && tile_tokens != 64 {
+            return Err(shape(OP, format!("int8 tensor-core tiles are 32 or 64 tokens, not {tile_tokens}")));
+        }
         if !self.has_mma() {
             return Err(shape(OP, format!("tensor-core matmul needs sm_80 or later, this GPU is sm_{}", self.info().sm())));
         }
@@ -562,16 +585,17 @@ impl Gpu {
             n_tok: u32_of(OP, "n_tok", n_tok)?,
             row_bytes: u32_of(OP, "row_bytes", dw.row_bytes)?,
         };
-        let f = self.function(&MATMUL_MMA8, "matmul_mma8s_q4_k")?;
+        let name = if tile_tokens == 32 { "matmul_mma8s_q4_k" } else { "matmul_mma8s_q4_k_64" };
+        let smem = mm8_smem(tile_tokens);
+        let f = self.function(&MATMUL_MMA8, name)?;
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        f.set_attribute(attr, MM8_SMEM as i32)
-            .map_err(|e| shape(OP, format!("matmul_mma8s_q4_k's {MM8_SMEM} bytes of shared memory: {e:?}")))?;
+        f.set_attribute(attr, smem as i32).map_err(|e| shape(OP, format!("{name}'s {smem} bytes of shared memory: {e:?}")))?;
         // SAFETY: matmul_kernel checked x (n_tok·k floats) and y (n_tok·n_rows); quantize_q8
         // just wrote x's n_tok·k int8 values and their scales into the scratch at xq (sized
         // above: the same buffer). The kernel reads rows min(r, n_rows − 1) of the weight (Q4_K,
         // whole super-blocks, 16-byte aligned: checked), writes y only for rows < n_rows and
-        // tokens < n_tok, and uses the MM8_SMEM bytes of dynamic shared memory set above.
-        unsafe { self.launch(&f, (blocks(n_tok, 32), row_blocks as u32, 1), 256, MM8_SMEM, &p) }
+        // tokens < n_tok, and uses the `smem` bytes of dynamic shared memory set above.
+        unsafe { self.launch(&f, (blocks(n_tok, tile_tokens), row_blocks as u32, 1), 256, smem, &p) }
     }
 
     /// `matmul_mmv`'s function (`base`: the one-weight or the multi entry), grid and dynamic
