@@ -38,6 +38,10 @@
 #   ab     `ember bench --device cuda` on the full-size 35B with and without the environment
 #          AB (e.g. AB=EMBER_GEMV_Q8=0: the change off), alternating, ROUNDS rounds, AB_ARGS
 #          (default -p 512 -n 128)
+#   variants  `ember bench --device cuda` on the full-size 35B under each of VARIANTS
+#          (`;`-separated `name:ENV=V ENV=V`, an empty list of switches for the defaults), in
+#          turn, ROUNDS rounds, VARIANT_ARGS (default -p 512,2048,8192 -n 0); logs variant-*.json
+#          and a table of rounds per variant, e.g. VARIANTS='new:;old:EMBER_MATMUL_MMA8=0'
 #   batched  decode of NSEQ (default 16) sequences at once at depth BDEPTH (default 4096):
 #          `ember bench --n-seq 1,NSEQ -p 0 -n 128 -d BDEPTH` against `llama-batched-bench -npp
 #          BDEPTH -ntg 128 -npl 1,NSEQ` (its S_TG: the decode phase's tokens/s over all
@@ -179,6 +183,18 @@ if has ebench; then
     ensure_model
     $E bench -m $F --device cuda -p 512 -n 128 -r ${ROUNDS} -o json > "$O/ebench.json" 2> "$O/ebench.log"
     echo "ebench: exit $?"; python3 -c "import json,sys; [print('  ember', ('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen']), round(x['avg_ts'],1)) for x in json.load(open(sys.argv[1]))]" "$O/ebench.json"
+fi
+if has variants; then
+    ensure_model
+    IFS=';' read -ra VS <<< "${VARIANTS:-new:}"
+    for r in $(seq 1 "$ROUNDS"); do
+        for v in "${VS[@]}"; do
+            name=${v%%:*}; envs=(${v#*:})
+            env "${envs[@]}" timeout 200 $E bench -m $F --device cuda ${VARIANT_ARGS:--p 512,2048,8192 -n 0} -r 2 -o json \
+                > "$O/variant-$name-$r.json" 2> "$O/variant-$name-$r.log"
+            echo "variant $name round $r (${envs[*]}): exit $? $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/variant-$name-$r.json" 2>/dev/null)"
+        done
+    done
 fi
 if has ab; then
     ensure_model
