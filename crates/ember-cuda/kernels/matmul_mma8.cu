@@ -18,7 +18,7 @@ struct MatmulMma8Params {
 #define MM8_XLD 272  // bytes a token's x in a stage (256 + 16)
 
 // A stage: the rows' super-block (128 x 144 bytes), the tokens' 256 values each, their 8 block
-// scales [block][token] (pitch TOK + 1). TOK = 32: 29,248 bytes, 3 stages; TOK = 64: 39,936
+// scales [block][token] (pitch TOK + 1). TOK = 32: 29,248 bytes, 3 stages; TOK = 64: 40,000
 // bytes, 2 stages (ops/matmul.rs mm8_smem).
 template <int TOK>
 struct Mm8 {

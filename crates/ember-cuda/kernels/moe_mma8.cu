@@ -447,6 +447,9 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     const u32* plan = (const u32*)q.plan;
     const u32 tile = blockIdx.y;
     if (tile >= plan[0]) return;  // the whole block
+    // The host launches only these n_ff (ops/moe.rs moe8s_down_fits); anything else would read
+    // past the staged rows.
+    if (TY == TY_Q6_K ? p.n_ff != 512 : p.n_ff != 256 && p.n_ff != 512) return;
     const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
     const u32* list = plan + 1 + 3 * q.max_tiles;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) pair[m] = m < n ? list[first + m] : list[first];  // (zeros copied)

@@ -383,6 +383,8 @@ fn moe_mma_matches_reference() {
         (GgmlType::Q4K, GgmlType::Q4K, 256, 512, 6, 3, 130),
         // 8 super-blocks of k (more than the staged int8 gate/up's 3 stages); the staged Q6_K down.
         (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, 8, 40),
+        // The staged Q4_K down over one super-block of k (n_ff = 256).
+        (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 5, 2, 45),
         (GgmlType::Q8_0, GgmlType::Q8_0, 96, 64, 5, 5, 40),
         (GgmlType::IQ4XS, GgmlType::Q5K, 256, 256, 3, 1, 75),
         (GgmlType::F16, GgmlType::BF16, 136, 200, 7, 2, 33),
@@ -458,13 +460,15 @@ fn moe_mma_matches_reference() {
         );
         let ids: Vec<u32> = routing.ids.iter().map(|e| e.0 as u32).collect();
         let (idb, wb) = (g.upload(&ids).unwrap(), g.upload(&routing.weights).unwrap());
-        let mut h = poisoned(g, n_tok * k * n_ff);
-        let mut scratch = poisoned(g, ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d));
         let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
         let r = MoeRouting { ids: &idb, weights: &wb, k };
         let xb = g.upload(&x.data).unwrap();
         let what = format!("moe mma {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok}", ty_gu.name(), ty_dn.name());
-        let mut run = |form: GateUpForm, down: DownForm| {
+        // h and the parts poisoned for every run: a form that missed a write would otherwise
+        // find the previous form's values there.
+        let run = |form: GateUpForm, down: DownForm| {
+            let mut h = poisoned(g, n_tok * k * n_ff);
+            let mut scratch = poisoned(g, ember_cuda::ops::moe_scratch_len(n_tok, k, n_expert, d));
             let mut out = poisoned(g, n_tok * d);
             g.moe_mma_form(form, down, experts, &xb, n_tok, r, &mut h, &mut scratch, &mut out).unwrap();
             g.download(&out).unwrap()

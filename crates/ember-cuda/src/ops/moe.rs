@@ -215,6 +215,17 @@ pub enum DownForm {
 
 /// Gate/up rows a block of `moe_mma8_gate_up_q4_k` (kernels/moe_mma8.cu MOE8_ROWS).
 const MOE8_ROWS: usize = 64;
+/// Whether `moe_mma8s_down_<type>` takes a down of this type and k = n_ff: it holds all of k in
+/// shared memory (n_ff <= 512) and copies Q6_K rows as 420-byte rows in 4-byte pieces (n_ff =
+/// 512: 4-byte aligned; 210-byte rows would be 2-byte aligned).
+fn moe8s_down_fits(ty: GgmlType, n_ff: usize) -> bool {
+    match ty {
+        GgmlType::Q4K => n_ff == 256 || n_ff == 512,
+        GgmlType::Q6K => n_ff == 512,
+        _ => false,
+    }
+}
+
 /// Dynamic shared memory of `moe_mma8s_down_<type>` (kernels/moe_mma8.cu): 128 rows of down at
 /// the type's pitch (Q4_K 304 bytes, Q6_K 432), 32 h rows at 528, their 32 x 17 block scales of
 /// 8 bytes.
@@ -350,15 +361,19 @@ impl Gpu {
         scratch: &mut Buf<f32>,
         out: &mut Buf<f32>,
     ) -> Result<()> {
-        let few = n_tok * r.k <= MOE8_MAX_PAIRS * e.n_expert;
-        let few_staged = n_tok * r.k <= self.moe_mma8s_max_pairs * e.n_expert;
+        let pairs = n_tok * r.k;
+        let few = pairs <= MOE8_MAX_PAIRS.saturating_mul(e.n_expert);
+        let few_staged = pairs <= self.moe_mma8s_max_pairs.saturating_mul(e.n_expert);
         let form = match (self.moe_mma8, self.moe_mma8_staged) {
             (true, true) if few_staged => GateUpForm::Int8Staged,
             (true, false) if few => GateUpForm::Int8,
             _ => GateUpForm::Fused,
         };
-        let few_down = n_tok * r.k <= self.moe_mma8s_down_max_pairs * e.n_expert;
-        let down = match (self.moe_mma8_down, self.moe_mma8_staged) {
+        let few_down = pairs <= self.moe_mma8s_down_max_pairs.saturating_mul(e.n_expert);
+        // Where the staged down cannot run (moe8s_down_fits), the unstaged one keeps its own
+        // bound: above it the f16 tiles were faster.
+        let staged_down = self.moe_mma8_staged && moe8s_down_fits(e.down.ty, e.down.k);
+        let down = match (self.moe_mma8_down, staged_down) {
             (true, true) if few_down => DownForm::Int8Staged,
             (true, false) if few => DownForm::Int8,
             _ => DownForm::Tiles,
@@ -429,12 +444,7 @@ impl Gpu {
             && d.is_multiple_of(MOE8D_ROWS);
         // The staged down holds all of k in shared memory, and copies Q6_K rows in 4-byte
         // pieces (420-byte rows at n_ff = 512; 210-byte ones would be 2-byte aligned).
-        let staged_down = int8_down
-            && down == DownForm::Int8Staged
-            && match e.down.ty {
-                GgmlType::Q4K => n_ff == 256 || n_ff == 512,
-                _ => n_ff == 512,
-            };
+        let staged_down = int8_down && down == DownForm::Int8Staged && moe8s_down_fits(e.down.ty, n_ff);
         // The int8 scratch holds x's copy for gate/up, then h's for down: sized for both
         // before the first launch, so it is not replaced under a queued kernel.
         let q8_len = if int8 { n_tok * d } else { 0 }.max(if int8_down { pairs * n_ff } else { 0 });
