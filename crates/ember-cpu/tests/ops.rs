@@ -325,3 +325,65 @@ fn split_decode_attention_matches_reference() {
         }
     }
 }
+
+/// The per-token ops split across the workers (`ops/prep.rs`) give the reference's bits, for
+/// any thread count and token count (one token, a few, a prompt's worth split into parts).
+#[test]
+fn prep_ops_split_across_workers_match_reference_exactly() {
+    use ember_ops::{AttnPrep, DeltaPrep, WeightId};
+    let mut seed = 11;
+    for threads in [1, 2, 3] {
+        let ops = CpuOps::new(Precision::Fast, threads);
+        for n in [1, 5, 300] {
+            // delta_prep: 3 key heads of 32, 6 value heads of 16.
+            let s = DeltaPrep { n_k_head: 3, n_v_head: 6, d_k: 32, d_v: 16, eps: 1e-6, a: WeightId(0), dt_bias: WeightId(1) };
+            let (a, dt): (Vec<f32>, Vec<f32>) = ((0..6).map(|_| -lcg(&mut seed).abs()).collect(), (0..6).map(|_| lcg(&mut seed)).collect());
+            let cu = random_mat(n, 2 * 3 * 32 + 6 * 16, &mut seed);
+            let (b, alpha) = (random_mat(n, 6, &mut seed), random_mat(n, 6, &mut seed));
+            let got = ops.delta_prep_mats(&s, &a, &dt, &cu, &b, &alpha);
+            assert_eq!(got, reference::delta_prep(&s, &a, &dt, &cu, &b, &alpha), "delta_prep threads={threads} n={n}");
+
+            // route: 64 experts, 8 a token (and k above the expert count); 300 tokens are split.
+            let logits = random_mat(n, 64, &mut seed);
+            for k in [8, 65] {
+                let (got, want) = (ops.route_table(&logits, k), reference::route(&logits, k));
+                assert_eq!((got.n_tok, got.k), (want.n_tok, want.k));
+                assert_eq!((got.ids, got.weights), (want.ids, want.weights), "route threads={threads} n={n} k={k}");
+            }
+
+            // add.
+            let (h, x) = (random_mat(n, 96, &mut seed), random_mat(n, 96, &mut seed));
+            let (mut got, mut want) = (h.clone(), h);
+            ops.add_mat(&mut got, &x);
+            reference::add(&mut want, &x);
+            assert_eq!(got, want, "add threads={threads} n={n}");
+
+            // attn_prep: 4 query heads of 64 with their gates, 2 KV heads, 32 dims rotated; its
+            // norms are rms_norm_vec's (tested above), the split and RoPE the reference's.
+            let s = AttnPrep {
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                n_rot: 32,
+                rope_base: 1e7,
+                eps: 1e-6,
+                q_norm: WeightId(0),
+                k_norm: WeightId(1),
+            };
+            let (qn, kn): (Vec<f32>, Vec<f32>) = ((0..64).map(|_| lcg(&mut seed)).collect(), (0..64).map(|_| lcg(&mut seed)).collect());
+            let (qg, kx) = (random_mat(n, 2 * 4 * 64, &mut seed), random_mat(n, 2 * 64, &mut seed));
+            let pos: Vec<u32> = (0..n as u32).map(|t| 1000 + 7 * t).collect();
+            let got = ops.attn_prep_mats(&s, &qn, &kn, &qg, &kx, &pos);
+            let (mut q, mut gate) = (Vec::new(), Vec::new());
+            for head in qg.data.chunks_exact(2 * 64) {
+                q.extend_from_slice(&head[..64]);
+                gate.extend_from_slice(&head[64..]);
+            }
+            let mut q = ops.rms_norm_vec(&Mat::from_vec(n, 4 * 64, q), &qn, s.eps);
+            let mut k = ops.rms_norm_vec(&kx, &kn, s.eps);
+            reference::rope_at(&mut q, 64, 32, &pos, s.rope_base);
+            reference::rope_at(&mut k, 64, 32, &pos, s.rope_base);
+            assert_eq!((got.q, got.gate, got.k), (q, Mat::from_vec(n, 4 * 64, gate), k), "attn_prep threads={threads} n={n}");
+        }
+    }
+}

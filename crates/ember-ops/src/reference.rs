@@ -434,20 +434,31 @@ pub fn attn_prep(s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat
 
 /// [`rope`] with one position per row (the same angles, computed the same way).
 pub fn rope_at(x: &mut Mat, head_dim: usize, n_rot: usize, pos: &[u32], base: f32) {
-    let half = n_rot / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|d| (base as f64).powf(-2.0 * d as f64 / n_rot as f64)).collect();
-    let mut cs = vec![(0f32, 0f32); half];
+    let inv_freq = rope_inv_freq(n_rot, base);
+    let mut cs = vec![(0f32, 0f32); n_rot / 2];
     for (t, &p) in pos.iter().enumerate().take(x.n) {
-        let p = p as f64;
-        for (c, f) in cs.iter_mut().zip(&inv_freq) {
-            *c = ((p * f).cos() as f32, (p * f).sin() as f32);
-        }
-        for head in x.row_mut(t).chunks_exact_mut(head_dim) {
-            for (d, &(c, s)) in cs.iter().enumerate() {
-                let (a, b) = (head[d], head[d + half]);
-                head[d] = a * c - b * s;
-                head[d + half] = a * s + b * c;
-            }
+        rope_row(x.row_mut(t), head_dim, p, &inv_freq, &mut cs);
+    }
+}
+
+/// RoPE's frequencies for `n_rot` rotated dims: base^(−2d / n_rot), d < n_rot / 2, in f64.
+pub fn rope_inv_freq(n_rot: usize, base: f32) -> Vec<f64> {
+    (0..n_rot / 2).map(|d| (base as f64).powf(-2.0 * d as f64 / n_rot as f64)).collect()
+}
+
+/// [`rope_at`] of one row at position `p` (every head of `head_dim` in it; NeoX pairing of the
+/// first 2·inv_freq.len() dims); `cs` is scratch of inv_freq.len() pairs.
+pub fn rope_row(row: &mut [f32], head_dim: usize, p: u32, inv_freq: &[f64], cs: &mut [(f32, f32)]) {
+    let half = inv_freq.len();
+    let p = p as f64;
+    for (c, f) in cs.iter_mut().zip(inv_freq) {
+        *c = ((p * f).cos() as f32, (p * f).sin() as f32);
+    }
+    for head in row.chunks_exact_mut(head_dim) {
+        for (d, &(c, s)) in cs.iter().enumerate().take(half) {
+            let (a, b) = (head[d], head[d + half]);
+            head[d] = a * c - b * s;
+            head[d + half] = a * s + b * c;
         }
     }
 }

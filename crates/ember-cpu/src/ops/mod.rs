@@ -17,6 +17,7 @@ use crate::simd::{self, Isa, Kernels, with_kernels};
 
 mod attention;
 mod moe;
+mod prep;
 mod sequence;
 
 use moe::{MAX_FF, MAX_SLOTS};
@@ -701,7 +702,9 @@ impl HostKernels for CpuOps {
     }
 
     fn add(&self, h: &mut Mat, x: &Mat) -> OpResult<()> {
-        host::add(h, x)
+        check::same("add", DEV, h, x)?;
+        self.add_mat(h, x);
+        Ok(())
     }
 
     /// The split and RoPE as in the reference; the norms through [`CpuOps::rms_norm_vec`].
@@ -709,17 +712,7 @@ impl HostKernels for CpuOps {
         const OP: &str = "attn_prep";
         let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
         check::attn_prep(OP, DEV, &s, (qn.len(), kn.len()), qg, k, pos)?;
-        let (hd, nh) = (s.head_dim, s.n_head);
-        let (mut q, mut gate) = (Mat::zeros(qg.n, nh * hd), Mat::zeros(qg.n, nh * hd));
-        for ((head, qh), gh) in qg.data.chunks_exact(2 * hd).zip(q.data.chunks_exact_mut(hd)).zip(gate.data.chunks_exact_mut(hd)) {
-            qh.copy_from_slice(&head[..hd]);
-            gh.copy_from_slice(&head[hd..]);
-        }
-        let mut q = self.rms_norm_vec(&q, qn, s.eps);
-        let mut k = self.rms_norm_vec(k, kn, s.eps);
-        reference::rope_at(&mut q, hd, s.n_rot, pos, s.rope_base);
-        reference::rope_at(&mut k, hd, s.n_rot, pos, s.rope_base);
-        Ok(AttnMats { q, gate, k })
+        Ok(self.attn_prep_mats(&s, qn, kn, qg, k, pos))
     }
 
     fn kv_append(&self, spans: &[SeqSpan], k: &Mat, v: &Mat, caches: &mut [KvCache<'_>], pool: &PagePool) -> OpResult<()> {
@@ -748,7 +741,10 @@ impl HostKernels for CpuOps {
     }
 
     fn delta_prep(&self, s: DeltaPrep, cu: &Mat, b: &Mat, alpha: &Mat) -> OpResult<DeltaMats> {
-        host::delta_prep(&self.weights, s, cu, b, alpha)
+        const OP: &str = "delta_prep";
+        let (a, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, DEV, &s, (a.len(), dt.len()), cu, b, alpha)?;
+        Ok(self.delta_prep_mats(&s, a, dt, cu, b, alpha))
     }
 
     fn gated_delta_rule(
@@ -775,7 +771,8 @@ impl HostKernels for CpuOps {
     }
 
     fn route(&self, logits: &Mat, k: usize) -> OpResult<RouteTable> {
-        host::route(logits, k)
+        check::route("route", DEV, logits, k)?;
+        Ok(self.route_table(logits, k))
     }
 
     fn moe(&self, layer: LayerIdx, x: &Mat, routing: &RouteTable, shared_gate: &Mat) -> OpResult<Mat> {
