@@ -501,7 +501,16 @@ fn bench_matmul_prompt() {
     let dw = weight(&mut rng, GgmlType::Q4K, 2048, 4096);
     for n_tok in [8, 16, 17, 24, 32, 48, 64, 128] {
         let mut line = format!("bench switch-over Q4_K k=2048 rows=4096 tok={n_tok:3}:");
-        for (name, kr) in [("gemv", Some(MatmulKernel::Gemv)), ("tiled", Some(MatmulKernel::Tiled)), ("fast", None)] {
+        // mmv, the f16 tiles and the int8 tiles beside the Fast pick: where one should hand
+        // over to the next (MMA_MIN_TOKENS, 40, was set before the int8 tiles existed).
+        for (name, kr) in [
+            ("gemv", Some(MatmulKernel::Gemv)),
+            ("tiled", Some(MatmulKernel::Tiled)),
+            ("mmv", Some(MatmulKernel::Mmv)),
+            ("mma32", Some(MatmulKernel::Mma { tile_tokens: 32 })),
+            ("mma8", Some(MatmulKernel::Mma8 { tile_tokens: 32 })),
+            ("fast", None),
+        ] {
             let (ms, tf) = time(&dw, n_tok, kr);
             line += &format!("  {name} {:.1} us {tf:.2} TF", ms * 1e3);
         }
