@@ -71,6 +71,9 @@ impl CpuOps {
         let (hd, nh) = (s.head_dim, s.n_head);
         let split = |half: usize| {
             let mut out = Mat::zeros(qg.n, nh * hd);
+            if nh * hd == 0 {
+                return out;
+            }
             let mut b = [0usize; MAX_PARTS + 1];
             let parts = self.row_bounds(qg.n, nh * hd, &mut b);
             self.pool.split_mut(&mut out.data, &b[..=parts], |p, rows| {
