@@ -55,7 +55,8 @@
 #          2, for both); then (CPU_HTTP=1,
 #          default) `ember serve --device cpu -t 16` + `ember bench-http --depths 512` against
 #          `ember bench -d 0,512` (the HTTP path, item 4); before it (CPU_PROFILE=1, default)
-#          decode's per-op profile at 16 threads at depths 0 and CPU_DEPTHS' first (model_bench)
+#          decode's per-op profile at 16 threads at depths 0 and CPU_DEPTHS' first, and a
+#          512-token prompt's at 16 and 8 threads (model_bench)
 # Results and logs under $OUT. Plan ~5 min for tests+serve, ~5 min for load+bench (timeout_s 600).
 set -uo pipefail
 O=${OUT:-/tmp/out}; M=/tmp/m; L=/tmp/llama; mkdir -p "$O" "$M" "$L"
@@ -307,6 +308,12 @@ if has cpu; then
         for d in 0 ${cd0%%,*}; do
             EMBER_PROFILE=1 /tmp/bin/model_bench $F 35b-a3b q4_k_m 0 32 $d 16 > "$O/cpu-profile-d$d.txt" 2>&1
             echo "cpu profile d=$d: exit $?"; head -40 "$O/cpu-profile-d$d.txt"
+        done
+        # A 512-token prompt's ops at 16 and 8 threads: which ones do not scale (pp512 went
+        # 1.50x from 8 threads to 16 on 2026-12-06, llama.cpp 1.69x).
+        for t in 16 8; do
+            EMBER_PROFILE=1 /tmp/bin/model_bench $F 35b-a3b q4_k_m 512 0 0 $t > "$O/cpu-profile-pp512-t$t.txt" 2>&1
+            echo "cpu profile pp512 t=$t: exit $?"; head -30 "$O/cpu-profile-pp512-t$t.txt"
         done
     fi
     if [[ ${CPU_HTTP:-1} == 1 ]]; then
