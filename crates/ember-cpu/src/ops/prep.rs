@@ -21,9 +21,9 @@ impl CpuOps {
         parts
     }
 
-    /// `out` [n, w] ← columns c0..c0 + w of `x`, then `f` on each row of it (row index, row),
-    /// split across the workers by rows.
-    fn cols_par(&self, x: &Mat, c0: usize, w: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Mat {
+    /// `out` [n, w] ← columns c0..c0 + w of `x`, then `f` on each row of it, split across the
+    /// workers by rows.
+    fn cols_par(&self, x: &Mat, c0: usize, w: usize, f: impl Fn(&mut [f32]) + Sync) -> Mat {
         let mut out = Mat::zeros(x.n, w);
         if w == 0 {
             return out;
@@ -32,9 +32,8 @@ impl CpuOps {
         let parts = self.row_bounds(x.n, w, &mut b);
         self.pool.split_mut(&mut out.data, &b[..=parts], |p, rows| {
             for (i, row) in rows.chunks_exact_mut(w).enumerate() {
-                let t = b[p] / w + i;
-                row.copy_from_slice(&x.row(t)[c0..c0 + w]);
-                f(t, row);
+                row.copy_from_slice(&x.row(b[p] / w + i)[c0..c0 + w]);
+                f(row);
             }
         });
         out
@@ -44,14 +43,14 @@ impl CpuOps {
     pub fn delta_prep_mats(&self, s: &DeltaPrep, a: &[f32], dt_bias: &[f32], cu: &Mat, b: &Mat, alpha: &Mat) -> DeltaMats {
         let (nk, dk, eps) = (s.n_k_head, s.d_k, s.eps);
         let q_scale = 1.0 / (dk as f32).sqrt();
-        let q = self.cols_par(cu, 0, nk * dk, |_, row| {
+        let q = self.cols_par(cu, 0, nk * dk, |row| {
             for head in row.chunks_exact_mut(dk) {
                 reference::l2_norm(head, eps);
                 head.iter_mut().for_each(|x| *x *= q_scale);
             }
         });
-        let k = self.cols_par(cu, nk * dk, nk * dk, |_, row| row.chunks_exact_mut(dk).for_each(|head| reference::l2_norm(head, eps)));
-        let v = self.cols_par(cu, 2 * nk * dk, s.n_v_head * s.d_v, |_, _| {});
+        let k = self.cols_par(cu, nk * dk, nk * dk, |row| row.chunks_exact_mut(dk).for_each(|head| reference::l2_norm(head, eps)));
+        let v = self.cols_par(cu, 2 * nk * dk, s.n_v_head * s.d_v, |_| {});
         // β and g are n_v_head values a token: one thread.
         let mut beta = b.clone();
         beta.data.iter_mut().for_each(|x| *x = reference::sigmoid(*x));
