@@ -676,3 +676,20 @@ pub(crate) fn mma_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
         32
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`mm8_smem`] against kernels/matmul_mma8.cu's `Mm8` layout: `STAGES` stages of 128 rows'
+    /// super-block, the tokens' values at MM8_XLD and their block scales.
+    #[test]
+    fn int8_tiles_shared_memory_matches_the_kernel_layout() {
+        let src = include_str!("../../kernels/matmul_mma8.cu");
+        assert!(src.contains("#define MM8_ROWS 128") && src.contains("#define MM8_XLD 272"), "the layout's constants moved");
+        assert!(src.contains("STAGES = TOK == 32 ? 3 : 2;"), "the stage counts moved");
+        for (tok, stages) in [(32u32, 3u32), (64, 2)] {
+            assert_eq!(mm8_smem(tok as usize), stages * (128 * 144 + tok * 272 + 8 * (tok + 1) * 8), "{tok} tokens");
+        }
+    }
+}

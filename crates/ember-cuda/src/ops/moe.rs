@@ -719,3 +719,36 @@ impl Gpu {
         Ok((p, [gu, dn]))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The number after `key` in the kernel source (a `#define NAME N` or `NAME = N`).
+    fn number_after(src: &str, key: &str) -> u32 {
+        let at = src.find(key).unwrap_or_else(|| panic!("{key} not in kernels/moe_mma8.cu")) + key.len();
+        let digits: String = src[at..].trim_start_matches([' ', '=']).chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap_or_else(|_| panic!("no number after {key}"))
+    }
+
+    /// The dynamic shared memory the host sets for the staged kernels is what their layouts in
+    /// kernels/moe_mma8.cu index (a stage's or the down's rows, x/h rows at their pitch, the
+    /// block scales at theirs): a drift on either side would read past the allocation.
+    #[test]
+    fn staged_shared_memory_matches_the_kernel_layouts() {
+        let src = include_str!("../../kernels/moe_mma8.cu");
+        let (rows, stages, xld) =
+            (number_after(src, "#define MOE8_ROWS"), number_after(src, "#define MOE8S_STAGES"), number_after(src, "#define MOE8S_XLD"));
+        let bm = number_after(include_str!("../../kernels/moe.cuh"), "#define MOE_BM");
+        assert_eq!(MOE8S_SMEM, stages * (2 * rows * 144 + bm * xld + 8 * (bm + 1) * 8));
+        let (d_rows, hld, sld) =
+            (number_after(src, "#define MOE8D_ROWS"), number_after(src, "#define MOE8SD_HLD"), number_after(src, "#define MOE8SD_SLD"));
+        let pitch = |ty: &str| number_after(&src[src.find(&format!("struct Moe8sDown<{ty}>")).expect("Moe8sDown")..], "PITCH");
+        // h rows hold all of k (n_ff <= 512) and 16 block scales, both padded by one unit.
+        assert!(hld >= 512 && sld > 16);
+        assert_eq!(moe8s_down_smem(GgmlType::Q4K), d_rows * pitch("TY_Q4_K") + bm * hld + bm * sld * 8);
+        assert_eq!(moe8s_down_smem(GgmlType::Q6K), d_rows * pitch("TY_Q6_K") + bm * hld + bm * sld * 8);
+        // A whole row of k = 512 fits its pitch: 2·144 (Q4_K), 420 (Q6_K).
+        assert!(pitch("TY_Q4_K") >= 288 && pitch("TY_Q6_K") >= 420);
+    }
+}
