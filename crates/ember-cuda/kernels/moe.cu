@@ -387,11 +387,10 @@ __device__ __forceinline__ void moe_mma_gate_up_fused(const MoeMmaParams& q) {
     __shared__ const float* xrow[MOE_BM];
     __shared__ u32 pair[MOE_BM];
     __shared__ float iq4[16];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
         xrow[m] = m < n ? (const float*)p.x + (u64)(pair[m] / p.k_top) * p.d : nullptr;
@@ -423,11 +422,10 @@ __device__ __forceinline__ void moe_mma_down(const MoeMmaParams& q) {
     __shared__ const float* xrow[MOE_BM];
     __shared__ u32 pair[MOE_BM];
     __shared__ float iq4[16];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
         xrow[m] = m < n ? (const float*)p.h + (u64)pair[m] * p.n_ff : nullptr;

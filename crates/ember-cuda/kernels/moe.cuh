@@ -32,3 +32,19 @@ struct MoeMmaParams {
     u64 part;  // [n_tok · k_top, d] f32: weighted expert outputs
     u32 max_tiles, pad;
 };
+
+// Tile blockIdx.y of a grouped MoE launch (moe_plan's tiles): up to MOE_BM pairs of one expert,
+// `e` its slot in the stacked tensors, its pairs list[first .. first + n).
+struct MoeTile {
+    u32 e, first, n;
+    const u32* list;
+};
+
+// The block's tile; false when the plan holds fewer tiles than the grid (the whole block returns).
+__device__ __forceinline__ bool moe_tile(const MoeMmaParams& q, MoeTile& t) {
+    const u32* plan = (const u32*)q.plan;
+    const u32 tile = blockIdx.y;
+    if (tile >= plan[0]) return false;
+    t = {plan[1 + 3 * tile], plan[2 + 3 * tile], plan[3 + 3 * tile], plan + 1 + 3 * q.max_tiles};
+    return true;
+}

@@ -184,6 +184,29 @@ __device__ __forceinline__ void mma8_lanes(const u32* vec, int g, int t, u32 bt[
 // gate (w < 4) or up (w >= 4), all 32 pairs (4 n-tiles of 8). The up warps hand their sums to
 // the gate warps through shared memory for h = silu(g)·u.
 
+// The end both int8 gate/up kernels share: the up warps' sums (warps 4..7) to `ups`, then
+// the gate warps write h = silu(g)·u for the tile's n pairs, row r of the block's 64 at
+// h[pair · n_ff + r] (h: the block's first row). A barrier inside: every thread calls it.
+__device__ __forceinline__ void moe8_swiglu_out(float (*ups)[MOE_BM + 1], const float acc[4][4], bool is_up, int r_w, int g, int t, u32 n,
+                                                const u32* pair, float* h, u32 n_ff) {
+    if (is_up) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) ups[r_w + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[j][c];
+    }
+    __syncthreads();
+    if (!is_up) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int m = 8 * j + 2 * t + (c & 1), r = r_w + g + (c >= 2 ? 8 : 0);
+                if (m < (int)n) h[(u64)pair[m] * n_ff + r] = silu_f(acc[j][c]) * ups[r][m];
+            }
+    }
+}
+
 // grid (n_ff / MOE8_ROWS, max_tiles), 256 threads; d % 256 == 0, n_ff % MOE8_ROWS == 0.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_gate_up_q4_k(const MoeMma8Params p8) {
     pdl_enter();
@@ -193,11 +216,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_gate_up_q4_k(const
     __shared__ float ups[MOE8_ROWS][MOE_BM + 1];
     __shared__ u32 pair[MOE_BM];
     __shared__ u32 tok[MOE_BM];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
         tok[m] = m < n ? list[first + m] / p.k_top : 0xffffffffu;
@@ -220,24 +242,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_gate_up_q4_k(const
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[j][c] = 0.0f;
     Mma8Rows<TY_Q4_K>::run(rows, p.d / 32, xq, xs, p.d, p.d / 32, bt, ct, ct_ok, t, acc);
-    // The up warps' sums to shared memory; the gate warps write h = silu(g)·u.
-    if (is_up) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) ups[r_w + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[j][c];
-    }
-    __syncthreads();
-    if (!is_up) {
-        float* h = (float*)p.h;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int m = 8 * j + 2 * t + (c & 1), r = r_w + g + (c >= 2 ? 8 : 0);
-                if (m < (int)n) h[(u64)pair[m] * p.n_ff + r0 + r] = silu_f(acc[j][c]) * ups[r][m];
-            }
-    }
+    moe8_swiglu_out(ups, acc, is_up, r_w, g, t, n, pair, (float*)p.h + r0, p.n_ff);
 #endif
 }
 
@@ -255,11 +260,10 @@ __device__ __forceinline__ void moe_mma8_down(const MoeMma8Params& p8) {
     const MoeMmaParams& q = p8.q;
     const MoeParams& p = q.m;
     __shared__ u32 pair[MOE_BM];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) pair[m] = m < n ? list[first + m] : 0xffffffffu;
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -325,11 +329,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
     const MoeParams& p = q.m;
     __shared__ u32 pair[MOE_BM];
     __shared__ u32 tok[MOE_BM];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) {
         pair[m] = m < n ? list[first + m] : 0;
         tok[m] = m < n ? list[first + m] / p.k_top : 0;  // pair 0's row stands in (zeros copied)
@@ -391,24 +394,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
     }
     mma8_wait<0>();
     __syncthreads();  // every warp is done with the stages: the up sums take their place
-    float(*ups)[MOE_BM + 1] = (float(*)[MOE_BM + 1])stages;
-    if (is_up) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) ups[r_w + g + (c >= 2 ? 8 : 0)][8 * j + 2 * t + (c & 1)] = acc[j][c];
-    }
-    __syncthreads();
-    if (!is_up) {
-        float* hb = (float*)p.h;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int m = 8 * j + 2 * t + (c & 1), r = r_w + g + (c >= 2 ? 8 : 0);
-                if (m < (int)n) hb[(u64)pair[m] * p.n_ff + r0 + r] = silu_f(acc[j][c]) * ups[r][m];
-            }
-    }
+    moe8_swiglu_out((float(*)[MOE_BM + 1])stages, acc, is_up, r_w, g, t, n, pair, (float*)p.h + r0, p.n_ff);
 #endif
 }
 
@@ -444,14 +430,13 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     const MoeMmaParams& q = p8.q;
     const MoeParams& p = q.m;
     __shared__ u32 pair[MOE_BM];
-    const u32* plan = (const u32*)q.plan;
-    const u32 tile = blockIdx.y;
-    if (tile >= plan[0]) return;  // the whole block
+    MoeTile tl;
+    if (!moe_tile(q, tl)) return;  // the whole block
     // The host launches only these n_ff (ops/moe.rs moe8s_down_fits); anything else would read
     // past the staged rows.
     if (TY == TY_Q6_K ? p.n_ff != 512 : p.n_ff != 256 && p.n_ff != 512) return;
-    const u32 e = plan[1 + 3 * tile] /* the slot */, first = plan[2 + 3 * tile], n = plan[3 + 3 * tile];
-    const u32* list = plan + 1 + 3 * q.max_tiles;
+    const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;
+    const u32* list = tl.list;
     for (u32 m = threadIdx.x; m < MOE_BM; m += blockDim.x) pair[m] = m < n ? list[first + m] : list[first];  // (zeros copied)
     __syncthreads();
     const u32 r_blk = blockIdx.x * MOE8D_ROWS, n_blk = p.n_ff / 32, n_sb = p.n_ff / 256;

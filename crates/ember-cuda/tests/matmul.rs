@@ -70,17 +70,31 @@ fn matmul_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize, n_
     let what = format!("matmul {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
     let worst = check(&what, &got, &want, &scale, 0.0, 1e-5);
 
-    // A row range of the same weight (an expert of a stacked tensor).
-    if n_rows > 2 {
-        let (r0, nr) = (1, n_rows - 2);
-        let mut y2 = poisoned(g, n_tok * nr);
-        g.matmul(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2).unwrap();
-        let got2 = g.download(&y2).unwrap();
-        for t in 0..n_tok {
-            assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-        }
-    }
+    rows_match_whole(g, &dw, n_tok, &got, &what, |w, y| g.matmul(w, &xb, n_tok, y));
     worst
+}
+
+/// A row range of the weight (rows 1..n_rows − 1: an expert of a stacked tensor) through `run`
+/// gives exactly those rows of `whole`, the same call's output for all rows.
+fn rows_match_whole(
+    g: &Gpu,
+    dw: &DeviceWeight,
+    n_tok: usize,
+    whole: &[f32],
+    what: &str,
+    run: impl Fn(ember_cuda::ops::WeightRef<'_>, &mut Buf<f32>) -> ember_cuda::Result<()>,
+) {
+    let n_rows = dw.n_rows;
+    if n_rows <= 2 {
+        return;
+    }
+    let (r0, nr) = (1, n_rows - 2);
+    let mut y2 = poisoned(g, n_tok * nr);
+    run(dw.rows(r0, nr).unwrap(), &mut y2).unwrap();
+    let got2 = g.download(&y2).unwrap();
+    for t in 0..n_tok {
+        assert_eq!(&got2[t * nr..(t + 1) * nr], &whole[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
+    }
 }
 
 /// The tensor-core matmul (every tile size, and the Fast pick) against the reference; returns
@@ -97,15 +111,7 @@ fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize
         let got = g.download(&y).unwrap();
         let what = format!("matmul mma/{tile_tokens} {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
         worst = worst.max(check(&what, &got, &want, &scale, 1e-6, MMA_RTOL));
-        if n_rows > 2 {
-            let (r0, nr) = (1, n_rows - 2);
-            let mut y2 = poisoned(g, n_tok * nr);
-            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, kernel).unwrap();
-            let got2 = g.download(&y2).unwrap();
-            for t in 0..n_tok {
-                assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-            }
-        }
+        rows_match_whole(g, &dw, n_tok, &got, &what, |w, y| g.matmul_kernel(w, &xb, n_tok, y, kernel));
     }
     // The int8 tiles (Q4_K, k % 256 == 0) against the reference on x's int8 round trip, which
     // is what they multiply: only the f32 sums' rounding is left.
@@ -123,15 +129,7 @@ fn matmul_mma_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, k: usize, n_rows: usize
         let what = format!("matmul mma8/{tile_tokens} {} k={k} n_rows={n_rows} n_tok={n_tok}", ty.name());
         let w8 = check(&what, &got, want_q, &scale, 1e-6, MMA8_RTOL);
         println!("MATMUL_MMA8_MEASURED {what}: max err / Σ|w·x| = {w8:.2e} (bound {MMA8_RTOL:e})");
-        if n_rows > 2 {
-            let (r0, nr) = (1, n_rows - 2);
-            let mut y2 = poisoned(g, n_tok * nr);
-            g.matmul_kernel(dw.rows(r0, nr).unwrap(), &xb, n_tok, &mut y2, kernel).unwrap();
-            let got2 = g.download(&y2).unwrap();
-            for t in 0..n_tok {
-                assert_eq!(&got2[t * nr..(t + 1) * nr], &got[t * n_rows + r0..t * n_rows + r0 + nr], "{what}: rows {r0}..");
-            }
-        }
+        rows_match_whole(g, &dw, n_tok, &got, &what, |w, y| g.matmul_kernel(w, &xb, n_tok, y, kernel));
     }
     let mut y = poisoned(g, n_tok * n_rows);
     g.matmul_prec(dw.all(), &xb, n_tok, &mut y, Precision::Fast).unwrap();
