@@ -48,6 +48,12 @@
 #          sequences), alternating, ROUNDS rounds (LLAMA=0: ember only)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
+#   skip   what each decode kernel costs in the chain of a step: tg128 (`-p 0 -n 128 -r 3`) on the
+#          35B with each of SKIPS (`;`-separated `name:entry,entry`, default: every small kernel
+#          together, then the norms, the MoE's gate/up, its down, the projections' GEMVs, conv,
+#          route, the router, delta prep, the delta rule, attention's four) left out after 300
+#          launches each (EMBER_CUDA_SKIP: the results are wrong, timing only), between two
+#          runs with nothing left out; SKIP_BY (default 560) s into the call, the rest is left
 #   cpu    issue 18 on this host's CPU, the GPU hidden (CUDA_VISIBLE_DEVICES=): the `bandwidth`
 #          example, then on the q4_k_m 35B at each of CPU_THREADS (default 16,8), alternating,
 #          ROUNDS rounds: `ember bench --device cpu -t T -p 512 -n 128 -d 0,CPU_DEPTHS` (default
@@ -195,6 +201,17 @@ if has variants; then
                 > "$O/variant-$name-$r.json" 2> "$O/variant-$name-$r.log"
             echo "variant $name round $r (${envs[*]}): exit $? $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/variant-$name-$r.json" 2>/dev/null)"
         done
+    done
+fi
+if has skip; then
+    ensure_model
+    SM="rms_norm_q8,conv1d_silu_seqs,delta_prep,delta_rule_seqs,route,matmul_gemv_multi_f32,attn_prep,kv_append,attention_decode,gate"
+    IFS=';' read -ra SK <<< "${SKIPS:-base:;small:$SM;norm:rms_norm_q8;gateup:moe_gate_up_q8_q4_k;down:moe_down_q8_q4_k,moe_down_q8_q6_k;proj:gemv_q8_q4_k,gemv_q8_q6_k;conv:conv1d_silu_seqs;route:route;router:matmul_gemv_multi_f32;prep:delta_prep;rule:delta_rule_seqs;attn:attn_prep,kv_append,attention_decode,gate;base2:}"
+    for v in "${SK[@]}"; do
+        name=${v%%:*}; entries=${v#*:}
+        [[ $SECONDS -gt ${SKIP_BY:-560} ]] && { echo "skip $name: no time left"; continue; }
+        EMBER_CUDA_SKIP=$entries EMBER_CUDA_SKIP_AFTER=300 timeout 60 $E bench -m $F --device cuda -p 0 -n 128 -r 3 > "$O/skip-$name.log" 2>&1
+        echo "skip $name: exit $? $(grep -o 'run [0-9]/3: [0-9.]* tokens/s' "$O/skip-$name.log" | awk '{print $3}' | tr '\n' ' ')(${entries:-nothing left out})"
     done
 fi
 if has ab; then
