@@ -2,7 +2,10 @@
 # On the H200 (run from the repo root with .gpu/ from bench/gpu/pack.sh carried). Stages, named
 # in STAGES (default: all, in this order), each also fine alone on a warm machine that ran the
 # earlier ones (everything it makes lives under /tmp and is reused when there):
-#   tests  ember-cuda's test binaries on the GPU (logs test-*.log; SKIP_TESTS=a,b leaves some out), while llama.cpp builds
+#   tests  ember-cuda's test binaries on the GPU (logs test-*.log; SKIP_TESTS=a,b leaves some out;
+#          TESTS_BESIDE=a,b (default gemv_q8,attention, the two slowest: ~95 and ~80 s) run each
+#          in its own process beside the rest, which run one after another: ~2 minutes instead
+#          of ~4; tests are correctness only, so sharing the GPU changes nothing), while llama.cpp builds
 #          (CUDA, sm_90, llama-bench and llama-completion; the build runs on in its own session
 #          when the call ends) and `ember synth` writes the full-size 35B-A3B Q4_K_M
 #   serve  bench/gpu/serve-check.py: `ember serve --device cuda` end to end (bundled model)
@@ -108,12 +111,21 @@ fi
 if has tests; then
     # The q4_k_m 35B for load/bench (SYNTH=0: not needed by the stages that follow).
     if [[ ${SYNTH:-1} == 1 ]]; then ensure_model & SY=$!; else SY=; fi
-    for t in /tmp/bin/*; do
-        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || $n == model_bench || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
-        t0=$(date +%s)
+    run_test() {
+        local t=$1 n t0=$(date +%s); n=$(basename "$1")
         timeout 300 "$t" --test-threads=1 --nocapture > "$O/test-$n.log" 2>&1
         echo "test $n: exit $? in $(( $(date +%s) - t0 )) s: $(grep '^test result' "$O/test-$n.log" | tail -1)"
+    }
+    BESIDE=()
+    for t in /tmp/bin/*; do
+        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || $n == model_bench || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
+        if [[ ",${TESTS_BESIDE-gemv_q8,attention}," == *",$n,"* ]]; then run_test "$t" & BESIDE+=($!); fi
     done
+    for t in /tmp/bin/*; do
+        n=$(basename "$t"); [[ $n == ember || $n == bandwidth || $n == model_bench || ",${SKIP_TESTS:-}," == *",$n,"* ]] && continue
+        [[ ",${TESTS_BESIDE-gemv_q8,attention}," == *",$n,"* ]] || run_test "$t"
+    done
+    [[ ${#BESIDE[@]} -gt 0 ]] && wait "${BESIDE[@]}"
     [[ -n $SY ]] && wait $SY
 fi
 if has serve; then
