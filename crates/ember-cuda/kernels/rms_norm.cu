@@ -40,8 +40,78 @@ __device__ __forceinline__ float group_sum_sq(const RmsNormParams& p, float* x, 
     return block_sum(ss, scratch);
 }
 
+#ifdef EMBER_NORM_W_EARLY
+// The norm with each thread's values of its group in registers (g <= NORM_REGS · blockDim: the
+// model's 2,048-wide rows at 1,024 threads, 2 a thread): the weight's values are read before
+// pdl_enter (weights are never written by a kernel), x, the add and the gate together after it,
+// so the chain after the kernel ahead ends is one round trip, the block sum and the stores. The
+// plain path reads w and the gate (and x again) after the block sum: a second round trip, to
+// DRAM for w, whose 8 KB leave L2 while the rest of a token's weights stream through it. The
+// same arithmetic in the same order: the same bits. With `q`, also the int8 copy (rms_norm_q8).
+#define NORM_REGS 4
+
+__device__ __forceinline__ bool norm_regs_fit(const RmsNormParams& p) { return p.g <= NORM_REGS * blockDim.x; }
+
+__device__ __forceinline__ void norm_regs(const RmsNormParams& p, u64 q) {
+    const float* w = (const float*)p.w;
+    float wv[NORM_REGS], xv[NORM_REGS], av[NORM_REGS], gv[NORM_REGS];
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+        const u32 i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < p.g ? w[i] : 0.0f;
+    }
+    pdl_enter();
+    __shared__ float scratch[32];
+    float* x = (float*)p.x + (u64)blockIdx.x * p.g;
+    float* out = (float*)p.out + (u64)blockIdx.x * p.g;
+    const float* a = p.add ? (const float*)p.add + (u64)blockIdx.x * p.g : nullptr;
+    const float* gt = p.gate ? (const float*)p.gate + (u64)blockIdx.x * p.g : nullptr;
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+        const u32 i = threadIdx.x + j * blockDim.x;
+        const bool in = i < p.g;
+        xv[j] = in ? x[i] : 0.0f;
+        av[j] = in && a ? a[i] : 0.0f;
+        gv[j] = in && gt ? gt[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+        const u32 i = threadIdx.x + j * blockDim.x;
+        if (i < p.g) {
+            float v = xv[j];
+            if (a) {
+                v += av[j];
+                x[i] = v;
+                xv[j] = v;
+            }
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)p.g + p.eps);
+    const u64 n = (u64)gridDim.x * p.g, base = (u64)blockIdx.x * p.g;
+#pragma unroll
+    for (int j = 0; j < NORM_REGS; ++j) {
+        const u32 i = threadIdx.x + j * blockDim.x;
+        if (i < p.g) {  // whole warps (g and blockDim multiples of 32 where q is set)
+            float v = xv[j] * scale * wv[j];
+            if (gt) v = v * (p.act == 0 ? silu_f(gv[j]) : sigmoid_f(gv[j]));
+            out[i] = v;
+            if (q) warp_q8(v, (u8*)q, n, base + i);
+        }
+    }
+}
+#endif
+
 // One block per group.
 extern "C" __global__ void rms_norm(const RmsNormParams p) {
+#ifdef EMBER_NORM_W_EARLY
+    if (norm_regs_fit(p)) {
+        norm_regs(p, 0);
+        return;
+    }
+#endif
     pdl_enter();
     __shared__ float scratch[32];
     float* x = (float*)p.x + (u64)blockIdx.x * p.g;
@@ -62,6 +132,12 @@ struct RmsNormQ8Params {
 };
 
 extern "C" __global__ void rms_norm_q8(const RmsNormQ8Params q) {
+#ifdef EMBER_NORM_W_EARLY
+    if (norm_regs_fit(q.r)) {
+        norm_regs(q.r, q.q);
+        return;
+    }
+#endif
     pdl_enter();
     const RmsNormParams& p = q.r;
     __shared__ float scratch[32];

@@ -38,3 +38,28 @@ fn a_compile_error_is_an_error_with_the_log() {
     let e = nvrtc.compile("bad", BAD, 90, OPTIONS).unwrap_err().to_string();
     assert!(e.contains("undefined_thing"), "{e}");
 }
+
+/// The kernels' compile-time A/B switches (`EMBER_KERNEL_DEFINES`), each with every kernel
+/// whose source names it, for sm_90: a switch that measurements turn on must compile.
+#[test]
+fn every_kernel_switch_compiles_for_sm90() {
+    const SWITCHES: [&str; 2] = ["EMBER_MMA_F32_DECODE", "EMBER_NORM_W_EARLY"];
+    let nvrtc = match Nvrtc::load(None) {
+        Ok(n) => n,
+        Err(e) if std::env::var_os("CI").is_none() => {
+            println!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("CI is set and NVRTC is missing: {e}"),
+    };
+    for name in SWITCHES {
+        let users: Vec<_> = ALL.iter().filter(|k| k.source().contains(name)).collect();
+        assert!(!users.is_empty(), "no kernel source names {name}");
+        for kernel in users {
+            let src = format!("#define {name} 1\n{}", kernel.source());
+            let image = nvrtc.compile(kernel.name, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(matches!(image, Image::Cubin(_)), "{} with {name}: PTX instead of a CUBIN", kernel.name);
+            println!("{} with {name}: compiles", kernel.name);
+        }
+    }
+}
