@@ -23,10 +23,19 @@ struct Q8Unit;
 template <>
 struct Q8Unit<TY_Q4_K> {
     static constexpr int L = 8, W = 256;
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+    // Unit c's two loads for lane t: the super-block's header (d, dmin, the packed scales and
+    // mins) and the lane's 16 bytes of codes (a kernel may issue them early: `dot_loaded`).
+    static __device__ __forceinline__ void load(const u8* row, int c, int t, uint4& h, uint4& q) {
         const u8* b = row + 144 * c;
-        const uint4 h = *(const uint4*)b;
-        const uint4 q = *(const uint4*)(b + 16 + 16 * t);
+        h = *(const uint4*)b;
+        q = *(const uint4*)(b + 16 + 16 * t);
+    }
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+        uint4 h, q;
+        load(row, c, t, h, q);
+        return dot_loaded(h, q, c, t, xq, xd);
+    }
+    static __device__ __forceinline__ float dot_loaded(const uint4 h, const uint4 q, int c, int t, const i8* xq, const float2* xd) {
         const int p = t / 2, i0 = 16 * (t % 2);
         const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
         const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
