@@ -61,11 +61,11 @@ __device__ __forceinline__ void gemv_q8_q4_k_early(const GemvQ8Params& p, u32 i,
     const int n_units = p.k / U::W;
     const bool valid = row < (int)p.n_rows[i];
     const u8* wrow = (const u8*)p.w[i] + (u64)(valid ? row : 0) * p.row_bytes[i];
-    uint4 h[GEMV_EARLY_UNITS], q[GEMV_EARLY_UNITS];
+    U::Regs w[GEMV_EARLY_UNITS];
 #pragma unroll
     for (int j = 0; j < GEMV_EARLY_UNITS; ++j) {
         const int u = wk + j * wr;
-        if (valid && u < n_units) U::load(wrow, u, t, h[j], q[j]);
+        if (valid && u < n_units) w[j] = U::load(wrow, u, t);
     }
     pdl_enter();
     const i8* xq = (const i8*)p.xq;
@@ -74,7 +74,7 @@ __device__ __forceinline__ void gemv_q8_q4_k_early(const GemvQ8Params& p, u32 i,
 #pragma unroll
     for (int j = 0; j < GEMV_EARLY_UNITS; ++j) {
         const int u = wk + j * wr;
-        if (valid && u < n_units) acc += U::dot_loaded(h[j], q[j], u, t, xq, xd);
+        if (valid && u < n_units) acc += U::dot_loaded(w[j], u, t, xq, xd);
     }
     for (int u = wk + GEMV_EARLY_UNITS * wr; valid && u < n_units; u += wr) acc += U::dot(wrow, u, t, xq, xd);
     acc = seg_sum(acc, seg, part);
