@@ -51,6 +51,9 @@
 #          sequences), alternating, ROUNDS rounds (LLAMA=0: ember only)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
+#   cpuab  ember against itself on this host's CPU (GPU hidden) with and without the environment
+#          CPU_AB (e.g. CPU_AB=EMBER_CPU_PAR_ZEROS=1), alternating, ROUNDS rounds, at each of
+#          CPU_THREADS (default 16,8): `ember bench --device cpu -t T -p 512 -n 128 -r 2`
 #   skip   what each decode kernel costs in the chain of a step: tg128 (`-p 0 -n 128 -r 3`) on the
 #          35B with each of SKIPS (`;`-separated `name:entry,entry`, default: every small kernel
 #          together, then the norms, the MoE's gate/up, its down, the projections' GEMVs, conv,
@@ -212,6 +215,19 @@ if has variants; then
             env "${envs[@]}" timeout 200 $E bench -m $F --device cuda ${VARIANT_ARGS:--p 512,2048,8192 -n 0} -r 2 -o json \
                 > "$O/variant-$name-$r.json" 2> "$O/variant-$name-$r.log"
             echo "variant $name round $r (${envs[*]}): exit $? $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/variant-$name-$r.json" 2>/dev/null)"
+        done
+    done
+fi
+if has cpuab; then
+    ensure_model
+    for th in $(echo "${CPU_THREADS:-16,8}" | tr , ' '); do
+        for r in $(seq 1 "$ROUNDS"); do
+            order="on off"; (( r % 2 == 0 )) && order="off on"
+            for v in $order; do
+                if [[ $v == on ]]; then envs=(${CPU_AB:?CPU_AB names the switch}); else envs=(); fi
+                env "${envs[@]}" CUDA_VISIBLE_DEVICES= timeout 300 $E bench -m $F --device cpu -t $th -p 512 -n 128 -r 2 -o json > "$O/cpuab-$th-$v-$r.json" 2> "$O/cpuab-$th-$v-$r.log"
+                echo "cpuab t$th round $r $v (${envs[*]}): exit $? $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/cpuab-$th-$v-$r.json" 2>/dev/null)"
+            done
         done
     done
 fi

@@ -165,6 +165,19 @@ impl Pool {
         });
     }
 
+    /// `len` zeros, written in parallel over the parts `bounds` gives (non-decreasing, first
+    /// 0, last `len`), into memory that is not cleared first: `vec![0.0; len]` clears memory
+    /// the allocator reuses on the calling thread alone.
+    pub fn zeroed(&self, len: usize, bounds: &[usize]) -> Vec<f32> {
+        let mut data: Vec<f32> = Vec::with_capacity(len);
+        self.split_mut(&mut data.spare_capacity_mut()[..len], bounds, |_, part| part.fill(std::mem::MaybeUninit::new(0.0)));
+        // SAFETY: split_mut checked that the bounds cover 0..len in non-decreasing steps and
+        // ran every part exactly once before returning (a panicking part is re-raised by `run`
+        // before this line), so each of the first len values was written.
+        unsafe { data.set_len(len) };
+        data
+    }
+
     /// [`Pool::split_mut`] over two slices at once: part `p` of each goes to the same call.
     pub fn split_mut2<A: Send, B: Send, F: Fn(usize, &mut [A], &mut [B]) + Sync>(
         &self,
@@ -427,6 +440,20 @@ mod tests {
                     assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn zeroed_is_all_zeros_over_any_parts() {
+        let pool = Pool::new(3);
+        for len in [0, 1, 1000, 300_001] {
+            let mut b = [0usize; MAX_PARTS + 1];
+            let parts = even_bounds(len, 7, 1024, &mut b);
+            // The allocator may hand back memory an earlier vector filled with non-zeros.
+            drop(vec![f32::NAN; len]);
+            let z = pool.zeroed(len, &b[..=parts]);
+            assert_eq!(z.len(), len);
+            assert!(z.iter().all(|&v| v.to_bits() == 0), "len {len}");
         }
     }
 

@@ -119,7 +119,7 @@ impl CpuOps {
         let bf = kn.has_bf16() && vc.ty != KvType::F32;
         let mut vf = if bf { Vec::new() } else { vec![0f32; n_blk * BLK * hd] };
         let mut vh = if bf { vec![0u16; n_blk * BLK * hd] } else { Vec::new() };
-        let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
+        let mut out = self.zeros(s.n_tok, s.n_head * hd);
         let mut bb = [0usize; MAX_PARTS + 1];
         let cparts = even_bounds(n_blk, parts_for(threads), 1, &mut bb);
         let vb = bb.map(|e| e * BLK * hd);

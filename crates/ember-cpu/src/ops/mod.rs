@@ -188,7 +188,7 @@ impl CpuOps {
     fn gemm<K: Kernels>(&self, k: K, ws: &[WeightView], x: &Mat, acts: &[ActRow]) -> Vec<Mat> {
         let n = x.n;
         let total: usize = ws.iter().map(|w| w.n_rows).sum();
-        let mut ys: Vec<Mat> = ws.iter().map(|w| Mat::zeros(n, w.n_rows)).collect();
+        let mut ys: Vec<Mat> = ws.iter().map(|w| self.zeros(n, w.n_rows)).collect();
         let mut b = [0usize; MAX_PARTS + 1];
         let parts = tapered_bounds(total, parts_for(self.n_threads()), ROW_TILE, &mut b);
         let src = Acts { x, q: acts };
@@ -502,7 +502,7 @@ impl CpuOps {
         }
         let g = weight.len();
         assert_eq!(x.d % g, 0, "rms_norm: width {} is not a multiple of the weight length {g}", x.d);
-        let mut out = Mat::zeros(x.n, x.d);
+        let mut out = self.zeros(x.n, x.d);
         // Split by groups across the workers for prompts (each group is computed alone, so the
         // split does not change results); one thread below a few thousand values.
         let n_groups = x.data.len() / g.max(1);
@@ -568,7 +568,7 @@ impl CpuOps {
         let hist = kernel - 1;
         // Input row i of [old state; x] (i < 0: the state's rows).
         let input = |i: isize| -> &[f32] { if i < 0 { &state[(hist as isize + i) as usize * c..][..c] } else { x.row(i as usize) } };
-        let mut out = Mat::zeros(x.n, c);
+        let mut out = self.zeros(x.n, c);
         if x.n < 8 || self.invariant() {
             // Decode: the taps in their stored order ([ch][j]), no transposed copy.
             for t in 0..x.n {
@@ -653,7 +653,7 @@ impl CpuOps {
                 oh.copy_from_slice(&reference::attention_head(s, hb[p] + i, q, k, v));
             }
         });
-        let mut out = Mat::zeros(s.n_tok, s.n_head * s.head_dim);
+        let mut out = self.zeros(s.n_tok, s.n_head * s.head_dim);
         for (n, o) in heads.chunks_exact(per).enumerate() {
             reference::scatter_head(&mut out, n, s.head_dim, o);
         }

@@ -110,7 +110,7 @@ impl CpuOps {
 
         // (3) down: output row r of token t = Σ_slots ω·(down_s row r · h_{s,t}).
         let n = x.n;
-        let mut y = Mat::zeros(n, d);
+        let mut y = self.zeros(n, d);
         let parts = tapered_bounds(d, parts_for(self.n_threads()), ROW_TILE, &mut b);
         let acts2 = &s.acts2;
         self.pool.split_cols(&mut [&mut y.data[..]], n, &b[..=parts], |p, mut out| {

@@ -11,7 +11,33 @@ use ember_ops::{AttnMats, AttnPrep, DeltaMats, DeltaPrep, ExpertId, Mat, RouteTa
 use super::{CpuOps, GATE_PARALLEL_MIN};
 use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 
+/// Fewest values for which [`CpuOps::zeros`] zeroes across the workers (1 MiB of f32).
+const ZERO_PARALLEL_MIN: usize = 256 * 1024;
+
+/// Whether [`CpuOps::zeros`] zeroes large outputs across the workers (`EMBER_CPU_PAR_ZEROS=1`;
+/// off by default: even on the 2-core VM, `ember bench` 294.6 against 294.7 t/s, and not yet
+/// measured on a 16-core host, where the caller's serial memset weighs ~8x more).
+fn parallel_zeros() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EMBER_CPU_PAR_ZEROS").is_ok_and(|v| v == "1"))
+}
+
 impl CpuOps {
+    /// A zeroed `n` x `d` matrix; with [`parallel_zeros`] the zeroing is split across the
+    /// workers from [`ZERO_PARALLEL_MIN`] values: a prompt step's outputs are tens of MB a
+    /// layer, and `Mat::zeros` (calloc) clears memory it reuses on the caller's thread alone
+    /// (a 512-token conv output, 16 MB: 1.4 ms on the 2-core VM; memset of fresh outputs was
+    /// 3.6 % of a 2-thread pp512's samples, all on the caller's thread, while the other waits).
+    pub fn zeros(&self, n: usize, d: usize) -> Mat {
+        let len = n * d;
+        if len < ZERO_PARALLEL_MIN || self.n_threads() == 1 || !parallel_zeros() {
+            return Mat::zeros(n, d);
+        }
+        let mut b = [0usize; MAX_PARTS + 1];
+        let parts = even_bounds(len, parts_for(self.n_threads()), 1024, &mut b);
+        Mat::from_vec(n, d, self.pool.zeroed(len, &b[..=parts]))
+    }
+
     /// Row bounds (in values of `width` a row) splitting `n` rows across the workers, one part
     /// below [`GATE_PARALLEL_MIN`] values; returns the part count.
     fn row_bounds(&self, n: usize, width: usize, b: &mut [usize; MAX_PARTS + 1]) -> usize {
@@ -24,7 +50,7 @@ impl CpuOps {
     /// `out` [n, w] ← columns c0..c0 + w of `x`, then `f` on each row of it, split across the
     /// workers by rows.
     fn cols_par(&self, x: &Mat, c0: usize, w: usize, f: impl Fn(&mut [f32]) + Sync) -> Mat {
-        let mut out = Mat::zeros(x.n, w);
+        let mut out = self.zeros(x.n, w);
         if w == 0 {
             return out;
         }
@@ -69,7 +95,7 @@ impl CpuOps {
     pub fn attn_prep_mats(&self, s: &AttnPrep, q_norm: &[f32], k_norm: &[f32], qg: &Mat, k: &Mat, pos: &[u32]) -> AttnMats {
         let (hd, nh) = (s.head_dim, s.n_head);
         let split = |half: usize| {
-            let mut out = Mat::zeros(qg.n, nh * hd);
+            let mut out = self.zeros(qg.n, nh * hd);
             if nh * hd == 0 {
                 return out;
             }

@@ -42,7 +42,7 @@ impl CpuOps {
                 lock(&outs)[h * per..(h + 1) * per].copy_from_slice(&o);
             }
         });
-        let mut out = Mat::zeros(s.n_tok, s.n_v_head * s.d_v);
+        let mut out = self.zeros(s.n_tok, s.n_v_head * s.d_v);
         for (h, o) in heads.chunks_exact(per).enumerate() {
             reference::scatter_head(&mut out, h, s.d_v, o);
         }
@@ -102,7 +102,7 @@ impl CpuOps {
                 }
             }
         });
-        let mut out = Mat::zeros(s.n_tok, s.n_v_head * dv);
+        let mut out = self.zeros(s.n_tok, s.n_v_head * dv);
         for (h, o) in heads.chunks_exact(per).enumerate() {
             reference::scatter_head(&mut out, h, dv, o);
         }
@@ -194,7 +194,7 @@ impl CpuOps {
                 }
             }
         });
-        let mut out = Mat::zeros(s.n_tok, s.n_head * hd);
+        let mut out = self.zeros(s.n_tok, s.n_head * hd);
         for (t, items) in ob.chunks_exact(n_split * slot).enumerate() {
             let dst = out.row_mut(t);
             if n_split == 1 {
