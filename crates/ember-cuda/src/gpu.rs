@@ -19,6 +19,7 @@ use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
 mod mailbox;
+mod skip;
 mod transfers;
 mod uploads;
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
@@ -171,7 +172,7 @@ pub struct Gpu {
     profile: Option<Mutex<Profile>>,
     /// Kernels left out of the run after their first launches (`EMBER_CUDA_SKIP`), for
     /// measuring what a kernel costs a step: wrong results, timing only.
-    skip: Option<Skip>,
+    skip: Option<skip::Skip>,
     /// Whether [`Gpu::begin_record`] records (`EMBER_CUDA_GRAPH=0` and the profile turn it off).
     graphs: AtomicBool,
     /// Launches go to `recorder` instead of the stream (between begin_record and end_record).
@@ -252,41 +253,6 @@ impl FlushTime {
             self.ms += a.elapsed_ms(&b).unwrap_or(0.0) as f64;
             self.n += 1;
         }
-    }
-}
-
-/// `EMBER_CUDA_SKIP=entry,entry,..`: those kernel entries stop being launched after their
-/// first `EMBER_CUDA_SKIP_AFTER` (default 2,000) launches, so that the buffers they write hold
-/// finite values from those launches and the kernels after them run on the same shapes. The
-/// step then runs without them: how much faster it gets is what each one costs in the chain of
-/// a step (launch, ramp and drain included), an upper bound on what fusing it away can save.
-/// The results are wrong; a diagnostic for benchmarks only.
-struct Skip {
-    names: Vec<String>,
-    after: u64,
-    seen: Mutex<HashMap<usize, u64>>,
-}
-
-impl Skip {
-    fn from_env() -> Option<Skip> {
-        let v = std::env::var("EMBER_CUDA_SKIP").ok().filter(|v| !v.is_empty())?;
-        let after = std::env::var("EMBER_CUDA_SKIP_AFTER").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
-        eprintln!("EMBER_CUDA_SKIP: leaving out {v} after {after} launches each (results are wrong: timing only)");
-        Some(Skip { names: v.split(',').map(str::to_owned).collect(), after, seen: Mutex::default() })
-    }
-
-    fn register(&self, entry: &str, f: usize) {
-        if self.names.iter().any(|n| n == entry) {
-            self.seen.lock().unwrap_or_else(|e| e.into_inner()).insert(f, 0);
-        }
-    }
-
-    fn skips(&self, f: usize) -> bool {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        seen.get_mut(&f).is_some_and(|n| {
-            *n += 1;
-            *n > self.after
-        })
     }
 }
 
@@ -377,7 +343,7 @@ impl Gpu {
             stage: Mutex::default(),
             small: Mutex::default(),
             lane: Mutex::default(),
-            skip: Skip::from_env(),
+            skip: skip::Skip::from_env(),
             profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             graphs: AtomicBool::new(graph::graphs_from_env()),
             recording: AtomicBool::new(false),
