@@ -21,6 +21,9 @@ const SWITCHES: &str = "EMBER_NORM_W_EARLY,EMBER_GEMV_W_EARLY,EMBER_MOE_DOWN_W_E
 /// index), k, tokens, shared expert (gate/up type, down type, n_ff)).
 type MoeCase = (GgmlType, GgmlType, usize, usize, usize, Option<Vec<u32>>, usize, usize, Option<(GgmlType, GgmlType, usize)>);
 
+/// A GEMV: weight type, k, rows, the weight's bytes, x.
+type GemvInputs = (GgmlType, usize, usize, Vec<u8>, Vec<f32>);
+
 /// The shared expert's gate, up and down bytes and its gate logit per token.
 type SharedInputs = (Vec<u8>, Vec<u8>, Vec<u8>, Vec<f32>);
 
@@ -44,17 +47,20 @@ struct Inputs {
     w_norm: Vec<f32>,
     w_head: Vec<f32>,
     w_big: Vec<f32>,
-    /// Q4_K GEMV weights (k, rows, bytes) and their x: the 35B's shapes, k of 17 super-blocks
-    /// over enough rows that each row gets one worker (units past the 8 a thread reads early)
-    /// and over few (16 workers a row), and a ragged one.
-    gemvs: Vec<(usize, usize, Vec<u8>, Vec<f32>)>,
+    /// K-quant GEMV weights (type, k, rows, bytes) and their x: the 35B's shapes, k of 17
+    /// super-blocks over enough rows that each row gets one worker (units past the 8 a thread
+    /// reads early) and over few (16 workers a row), and a ragged one; Q4_K and Q6_K.
+    gemvs: Vec<GemvInputs>,
     moes: Vec<MoeInputs>,
 }
 
 fn inputs(rng: &mut Rng) -> Inputs {
-    let gemvs = [(2048, 4096), (4096, 2048), (17 * 256, 9000), (17 * 256, 64), (256, 7)]
-        .map(|(k, rows)| (k, rows, quantised(GgmlType::Q4K, rng, k, rows), rng.vec(k, -2.0, 2.0)))
-        .into();
+    let shapes = [(2048, 4096), (4096, 2048), (17 * 256, 9000), (17 * 256, 64), (256, 7), (512, 2048)];
+    let gemvs = [GgmlType::Q4K, GgmlType::Q6K]
+        .into_iter()
+        .flat_map(|ty| shapes.map(|(k, rows)| (ty, k, rows)))
+        .map(|(ty, k, rows)| (ty, k, rows, quantised(ty, rng, k, rows), rng.vec(k, -2.0, 2.0)))
+        .collect();
     let miss = MOE_MISS;
     let cases: Vec<MoeCase> = vec![
         // The 35B Q4_K_M decode MoE with its shared expert; one token routed to an expert out of
@@ -124,8 +130,8 @@ fn run(g: &Gpu, inp: &Inputs) -> Vec<(String, Vec<u32>)> {
     let eps = 1e-6;
     let (wn, wh, wb) = (g.upload(&inp.w_norm).unwrap(), g.upload(&inp.w_head).unwrap(), g.upload(&inp.w_big).unwrap());
     // Int8 GEMVs that read each q8 norm's int8 copy from the scratch (k 2048 and 4096).
-    let (k2, r2, b2, _) = &inp.gemvs[0];
-    let (k4, r4, b4, _) = &inp.gemvs[1];
+    let (_, k2, r2, b2, _) = &inp.gemvs[0];
+    let (_, k4, r4, b4, _) = &inp.gemvs[1];
     let (w2, w4) = (g.upload_weight(GgmlType::Q4K, *k2, *r2, b2).unwrap(), g.upload_weight(GgmlType::Q4K, *k4, *r4, b4).unwrap());
     let read_q8 = |w: &ember_cuda::ops::DeviceWeight, k: usize, rows: usize| {
         let mut y = nan(rows);
@@ -178,12 +184,12 @@ fn run(g: &Gpu, inp: &Inputs) -> Vec<(String, Vec<u32>)> {
     g.rms_norm(&xb, 1, 8192, &wb, eps, &mut out).unwrap();
     outs.push(("rms_norm g=8192".into(), bits(&out)));
 
-    // Q4_K decode GEMVs.
-    for (k, rows, bytes, x) in &inp.gemvs {
-        let w = g.upload_weight(GgmlType::Q4K, *k, *rows, bytes).unwrap();
+    // K-quant decode GEMVs.
+    for (ty, k, rows, bytes, x) in &inp.gemvs {
+        let w = g.upload_weight(*ty, *k, *rows, bytes).unwrap();
         let mut y = nan(*rows);
         g.matmul_prec(w.all(), &g.upload(x).unwrap(), 1, &mut y, Precision::Fast).unwrap();
-        outs.push((format!("gemv Q4_K k={k} rows={rows}"), bits(&y)));
+        outs.push((format!("gemv {} k={k} rows={rows}", ty.name()), bits(&y)));
     }
 
     // Decode MoEs.
