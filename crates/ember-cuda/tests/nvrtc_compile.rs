@@ -5,16 +5,21 @@
 use ember_cuda::kernels::{ALL, OPTIONS};
 use ember_cuda::nvrtc::{Image, Nvrtc};
 
-#[test]
-fn every_kernel_compiles_for_sm75_sm86_sm90() {
-    let nvrtc = match Nvrtc::load(None) {
-        Ok(n) => n,
+/// NVRTC, or None (after saying why) where it is missing and `CI` is not set.
+fn nvrtc() -> Option<Nvrtc> {
+    match Nvrtc::load(None) {
+        Ok(n) => Some(n),
         Err(e) if std::env::var_os("CI").is_none() => {
             println!("skipped: {e}");
-            return;
+            None
         }
         Err(e) => panic!("CI is set and NVRTC is missing: {e}"),
-    };
+    }
+}
+
+#[test]
+fn every_kernel_compiles_for_sm75_sm86_sm90() {
+    let Some(nvrtc) = nvrtc() else { return };
     println!("NVRTC {:?} from {}", nvrtc.version(), nvrtc.path().display());
     for kernel in ALL {
         for cc in [75, 86, 90] {
@@ -44,14 +49,7 @@ fn a_compile_error_is_an_error_with_the_log() {
 #[test]
 fn every_kernel_switch_compiles_for_sm90() {
     const SWITCHES: [&str; 4] = ["EMBER_MMA_F32_DECODE", "EMBER_NORM_W_EARLY", "EMBER_GEMV_W_EARLY", "EMBER_MOE_DOWN_W_EARLY"];
-    let nvrtc = match Nvrtc::load(None) {
-        Ok(n) => n,
-        Err(e) if std::env::var_os("CI").is_none() => {
-            println!("skipped: {e}");
-            return;
-        }
-        Err(e) => panic!("CI is set and NVRTC is missing: {e}"),
-    };
+    let Some(nvrtc) = nvrtc() else { return };
     for name in SWITCHES {
         let users: Vec<_> = ALL.iter().filter(|k| k.source().contains(name)).collect();
         assert!(!users.is_empty(), "no kernel source names {name}");
