@@ -45,44 +45,6 @@ struct GemvQ8Params {
     u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
 };
 
-#ifdef EMBER_GEMV_W_EARLY
-// K-quant units a thread loads into registers before pdl_enter (k up to GEMV_EARLY_UNITS · wr ·
-// 256; the rest, if any, load after it as in the plain loop).
-#define GEMV_EARLY_UNITS 8
-
-// gemv_q8 on Q4_K or Q6_K with each thread's first GEMV_EARLY_UNITS units of weights loaded
-// into registers before pdl_enter (weights are never written by a kernel), so that after the
-// kernel ahead ends only x's loads (L2) stand between the wait and the sums; the plain form's
-// weights are only asked for in L2 there and still cross from L2 after the wait (14 MB for
-// DeltaNet's projections). The same sums in the same order: the same bits.
-template <int TY>
-__device__ __forceinline__ void gemv_q8_early(const GemvQ8Params& p, u32 i, int seg, int row, float* part) {
-    using U = Q8Unit<TY>;
-    const int tid = threadIdx.x, wk = (tid % seg) / U::L, t = tid % U::L, wr = p.wr[i];
-    const int n_units = p.k / U::W;
-    const bool valid = row < (int)p.n_rows[i];
-    const u8* wrow = (const u8*)p.w[i] + (u64)(valid ? row : 0) * p.row_bytes[i];
-    typename U::Regs w[GEMV_EARLY_UNITS];
-#pragma unroll
-    for (int j = 0; j < GEMV_EARLY_UNITS; ++j) {
-        const int u = wk + j * wr;
-        if (valid && u < n_units) w[j] = U::load(wrow, u, t);
-    }
-    pdl_enter();
-    const i8* xq = (const i8*)p.xq;
-    const float2* xd = (const float2*)(xq + p.k);
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < GEMV_EARLY_UNITS; ++j) {
-        const int u = wk + j * wr;
-        if (valid && u < n_units) acc += U::dot_loaded(w[j], u, t, xq, xd);
-    }
-    for (int u = wk + GEMV_EARLY_UNITS * wr; valid && u < n_units; u += wr) acc += U::dot(wrow, u, t, xq, xd);
-    acc = seg_sum(acc, seg, part);
-    if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
-}
-#endif
-
 template <int TY>
 __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     using U = Q8Unit<TY>;
@@ -95,12 +57,6 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
         const int nr = min(GEMV_Q8_THREADS / seg, (int)p.n_rows[i] - row0);
         prefetch_l2((const u8*)p.w[i] + (u64)row0 * p.row_bytes[i], (u64)nr * p.row_bytes[i]);
     }
-#ifdef EMBER_GEMV_W_EARLY
-    if constexpr (TY == TY_Q4_K || TY == TY_Q6_K) {
-        gemv_q8_early<TY>(p, i, seg, row, part);
-        return;
-    }
-#endif
     pdl_enter();
     const int wk = (tid % seg) / U::L, t = tid % U::L, wr = p.wr[i];
     const int n_units = p.k / U::W;

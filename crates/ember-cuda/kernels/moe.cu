@@ -224,71 +224,6 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     if (r0 < p.n_ff) moe_gu_quantize(q, hv, (u64)pair * p.n_ff + r0);
 }
 
-#ifdef EMBER_MOE_DOWN_W_EARLY
-// Items (expert, unit) of a row a thread loads into registers before pdl_enter (the 35B's down:
-// 8 experts × 2 units over 8 workers, 2 a thread); the rest, if any, load after it.
-#define MOE_DOWN_EARLY_ITEMS 4
-
-// moe_down_q8's routed sum with each thread's first MOE_DOWN_EARLY_ITEMS items of weights read
-// into registers before pdl_enter: the routing is complete there (the route kernel is at least
-// two launches back, as `prefetch` already relies on), so only h's loads (gate/up's output)
-// follow the wait. The same terms in the same order as the plain loop: the same bits.
-template <int TY>
-__device__ __forceinline__ float moe_down_q8_early(const MoeQ8Params& q, u32 t, int r, bool valid, int wk, int wr, int l, bool* nan) {
-    using U = Q8Unit<TY>;
-    const MoeParams& p = q.m;
-    const int n_units = p.n_ff / U::W, items = p.k_top * n_units;
-    typename U::Regs w[MOE_DOWN_EARLY_ITEMS];
-    u32 sv[MOE_DOWN_EARLY_ITEMS];
-#pragma unroll
-    for (int k = 0; k < MOE_DOWN_EARLY_ITEMS; ++k) {
-        const int it = wk + k * wr;
-        sv[k] = MOE_MISS;
-        if (!valid || it >= items) continue;
-        const int j = it / n_units, c = it - j * n_units;
-        const u32 e = ((const u32*)p.ids)[t * p.k_top + j];
-        if (e >= p.n_expert) {
-            sv[k] = MOE_MISS - 1;  // flags the NaN after the wait
-            continue;
-        }
-        sv[k] = moe_slot(p, e);
-        if (sv[k] != MOE_MISS) w[k] = U::load((const u8*)p.down + ((u64)sv[k] * p.d + r) * p.row_bytes_down, c, l);
-    }
-    pdl_enter();
-    float acc = 0.0f;
-#pragma unroll
-    for (int k = 0; k < MOE_DOWN_EARLY_ITEMS; ++k) {
-        const int it = wk + k * wr;
-        if (!valid || it >= items) continue;
-        if (sv[k] == MOE_MISS - 1) {
-            *nan = true;
-            continue;
-        }
-        if (sv[k] == MOE_MISS) continue;
-        const int j = it / n_units, c = it - j * n_units;
-        const u32 pair = t * p.k_top + j;
-        const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
-        const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
-        acc += ((const float*)p.weights)[pair] * U::dot_loaded(w[k], c, l, xq, xd);
-    }
-    for (int it = wk + MOE_DOWN_EARLY_ITEMS * wr; valid && it < items; it += wr) {
-        const int j = it / n_units, c = it - j * n_units;
-        const u32 pair = t * p.k_top + j, e = ((const u32*)p.ids)[pair];
-        if (e >= p.n_expert) {
-            *nan = true;
-            continue;
-        }
-        const u32 s = moe_slot(p, e);
-        if (s == MOE_MISS) continue;
-        const u8* row = (const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down;
-        const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
-        const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
-        acc += ((const float*)p.weights)[pair] * U::dot(row, c, l, xq, xd);
-    }
-    return acc;
-}
-#endif
-
 // grid (ceil(d / rows), n_tok), Q8_THREADS threads, rows = Q8_THREADS / (wr · L). With
 // `prefetch`, threads j < k_top ask for expert j's rows of this block (and thread k_top for the
 // shared expert's) before pdl_enter: the ids come from the route kernel, at least two launches
@@ -311,19 +246,6 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
             prefetch_l2((const u8*)q.sd + (u64)r0 * q.row_bytes_s_down, (u64)nr * q.row_bytes_s_down);
         }
     }
-#ifdef EMBER_MOE_DOWN_W_EARLY
-    if constexpr (TY == TY_Q4_K || TY == TY_Q6_K) {
-        if (q.prefetch) {
-            const bool valid = r < (int)p.d;
-            bool nan = false;
-            float acc = moe_down_q8_early<TY>(q, t, r, valid, wk, wr, l, &nan);
-            if (valid && q.sd) acc += sigmoid_f(((const float*)q.gs)[t]) * moe_shared_down(q, t, r, seg);
-            acc = seg_sum(nan ? MOE_NAN : acc, seg, part);
-            if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
-            return;
-        }
-    }
-#endif
     pdl_enter();
     const bool valid = r < (int)p.d;
     const int n_units = p.n_ff / U::W, items = p.k_top * n_units;

@@ -40,14 +40,15 @@ __device__ __forceinline__ float group_sum_sq(const RmsNormParams& p, float* x, 
     return block_sum(ss, scratch);
 }
 
-#ifdef EMBER_NORM_W_EARLY
 // The norm with each thread's values of its group in registers (g <= NORM_REGS · blockDim: the
 // model's 2,048-wide rows at 1,024 threads, 2 a thread): the weight's values are read before
 // pdl_enter (weights are never written by a kernel), x, the add and the gate together after it,
 // so the chain after the kernel ahead ends is one round trip, the block sum and the stores. The
-// plain path reads w and the gate (and x again) after the block sum: a second round trip, to
-// DRAM for w, whose 8 KB leave L2 while the rest of a token's weights stream through it. The
-// same arithmetic in the same order: the same bits. With `q`, also the int8 copy (rms_norm_q8).
+// two-pass path (wider rows) reads w and the gate (and x again) after the block sum: a second
+// round trip, to DRAM for w, whose 8 KB leave L2 while the rest of a token's weights stream
+// through it. The same arithmetic in the same order: the same bits. With `q`, also the int8 copy
+// (rms_norm_q8). Measured against the two-pass form on the 35B (H100, docs/perf.md g18): decode
+// tg128 +10 % (111 norms a token), prompts unchanged.
 #define NORM_REGS 4
 
 __device__ __forceinline__ bool norm_regs_fit(const RmsNormParams& p) { return p.g <= NORM_REGS * blockDim.x; }
@@ -102,16 +103,13 @@ __device__ __forceinline__ void norm_regs(const RmsNormParams& p, u64 q) {
         }
     }
 }
-#endif
 
 // One block per group.
 extern "C" __global__ void rms_norm(const RmsNormParams p) {
-#ifdef EMBER_NORM_W_EARLY
     if (norm_regs_fit(p)) {
         norm_regs(p, 0);
         return;
     }
-#endif
     pdl_enter();
     __shared__ float scratch[32];
     float* x = (float*)p.x + (u64)blockIdx.x * p.g;
@@ -132,12 +130,10 @@ struct RmsNormQ8Params {
 };
 
 extern "C" __global__ void rms_norm_q8(const RmsNormQ8Params q) {
-#ifdef EMBER_NORM_W_EARLY
     if (norm_regs_fit(q.r)) {
         norm_regs(q.r, q.q);
         return;
     }
-#endif
     pdl_enter();
     const RmsNormParams& p = q.r;
     __shared__ float scratch[32];

@@ -76,7 +76,9 @@ def source(name):
     # The shared parts: `const NAME: &str = include_str!("../kernels/FILE");`
     files = dict(re.findall(r'const (\w+): &str = include_str!\("\.\./kernels/([\w.]+)"\);', rs))
     parts = ["prelude.cuh"] + [files[p.strip()] for p in m.group(1).split(",") if p.strip()] + [name + ".cu"]
-    return "\n".join(open(os.path.join(CRATE, "kernels", p)).read() for p in parts)
+    # EMBER_KERNEL_DEFINES=A,B: the switches' `#define`s first, as kernels.rs adds them.
+    defines = "".join(f"#define {d.strip()} 1\n" for d in os.environ.get("EMBER_KERNEL_DEFINES", "").split(",") if d.strip())
+    return defines + "\n".join(open(os.path.join(CRATE, "kernels", p)).read() for p in parts)
 
 
 def ptx(lib, name, arch):

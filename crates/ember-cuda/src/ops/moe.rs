@@ -655,8 +655,7 @@ impl Gpu {
         // SAFETY: as above; h now holds its own int8 copy (n_hq values), written by gate/up.
         // Down must be launched right after gate/up, with nothing between: with `prefetch` its
         // blocks read the routing (ids, slot_of) before pdl_enter, which is safe only because
-        // the kernel that wrote the ids is then at least two launches back (and under
-        // EMBER_MOE_DOWN_W_EARLY those reads choose real loads, not only L2 hints).
+        // the kernel that wrote the ids is then at least two launches back.
         unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q) }
     }
 
