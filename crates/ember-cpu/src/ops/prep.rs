@@ -14,12 +14,13 @@ use crate::pool::{MAX_PARTS, even_bounds, parts_for};
 /// Fewest values for which [`CpuOps::zeros`] zeroes across the workers (1 MiB of f32).
 const ZERO_PARALLEL_MIN: usize = 256 * 1024;
 
-/// Whether [`CpuOps::zeros`] zeroes large outputs across the workers (`EMBER_CPU_PAR_ZEROS=1`;
-/// off by default: even on the 2-core VM, `ember bench` 294.6 against 294.7 t/s, and not yet
-/// measured on a 16-core host, where the caller's serial memset weighs ~8x more).
+/// Whether [`CpuOps::zeros`] zeroes large outputs across the workers (`EMBER_CPU_PAR_ZEROS=0`:
+/// on the caller's thread, as before). Even on the 2-core VM (`ember bench` 294.6 against 294.7
+/// t/s); on a 16-core host (docs/perf.md v20, two rounds alternating) pp512 283.3 / 267.0
+/// against 227.4 / 264.6 t/s at 16 threads and 201.7 / 189.8 against 170.6 / 146.2 at 8.
 fn parallel_zeros() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EMBER_CPU_PAR_ZEROS").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("EMBER_CPU_PAR_ZEROS").map_or(true, |v| v != "0"))
 }
 
 impl CpuOps {
