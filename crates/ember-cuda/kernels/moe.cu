@@ -111,6 +111,18 @@ struct MoeQ8Params {
 #define MOE_GU_ROWS 32
 #define MOE_GU_MAX_SEG 16
 
+// The routed gate/up loop's unroll: 2 (two rounds of loads a thread at the 35B's 8 units over 2
+// workers), or under EMBER_MOE_GU_UNROLL all 4 (every load of a thread in flight at once), with
+// the registers that needs (blocks of at most 32 · MOE_GU_MAX_SEG threads, so up to 128 a
+// thread instead of the 64 a 1,024-thread bound leaves).
+#ifdef EMBER_MOE_GU_UNROLL
+#define MOE_GU_UNROLL _Pragma("unroll 4")
+#define MOE_GU_BOUNDS __launch_bounds__(MOE_GU_ROWS * MOE_GU_MAX_SEG, 1)
+#else
+#define MOE_GU_UNROLL _Pragma("unroll 2")
+#define MOE_GU_BOUNDS
+#endif
+
 // Quantises the block's MOE_GU_ROWS values hv (rows r0.. of h, at h index `at`) to int8 into
 // the h buffer (values at `at`, (d, d·Σq) at n_hq + at / 32 float2s). Every thread calls it.
 __device__ __forceinline__ void moe_gu_quantize(const MoeQ8Params& q, const float* hv, u64 at) {
@@ -209,7 +221,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
         const i8* xq = (const i8*)q.xq + (u64)t * p.d;
         const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
         const int n_units = p.d / U::W;
-#pragma unroll 2
+MOE_GU_UNROLL
         for (int c = wk; c < n_units; c += wr) {
             g += U::dot((const u8*)p.gate + at, c, l, xq, xd);
             u += U::dot((const u8*)p.up + at, c, l, xq, xd);
@@ -274,7 +286,7 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
 
 // (Both call pdl_enter themselves, after their prefetches.)
 #define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
     extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
