@@ -1,9 +1,10 @@
 //! The kernels' compile-time switches that promise the plain kernels' bits (`EMBER_KERNEL_DEFINES`
 //! = `EMBER_ROUTE_REDUX`: the route's rounds by warp reductions; `EMBER_MOE_GU_UNROLL`: the
-//! decode MoE's gate/up loop unrolled whole; the same arithmetic in the same order): the same
-//! ops on two GPU handles, the second opened after the variable names the switches (so its
-//! kernels compile with them), give the same bits and ids: ties, NaN logits and out-of-range
-//! experts included.
+//! decode MoE's gate/up loop unrolled whole), and the run-time `EMBER_MOE_SHARED_FIRST=1` (the
+//! decode MoE's gate/up in two launches, the shared expert's first): the same arithmetic in the
+//! same order. The same ops on two GPU handles, the second opened after the variables name the
+//! switches (so its kernels compile with them and it reads the run-time one), give the same
+//! bits and ids: ties, NaN logits, out-of-range experts and misses included.
 //!
 //! One test alone in its binary: it sets an environment variable, which no other thread of this
 //! process reads meanwhile. With no NVIDIA driver it prints why and passes (CI has no GPU).
@@ -17,6 +18,7 @@ mod common;
 use common::quantised;
 
 const SWITCHES: &str = "EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL";
+const RUN_TIME: &str = "EMBER_MOE_SHARED_FIRST";
 
 /// A MoE case: (gate/up type, down type, d, n_ff, experts, slots (None: every expert at its own
 /// index), k, tokens, shared expert (gate/up type, down type, n_ff)).
@@ -67,6 +69,17 @@ fn inputs(rng: &mut Rng) -> Inputs {
         (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, None, 8, 1, Some((GgmlType::Q4K, GgmlType::Q6K, 512))),
         (GgmlType::Q4K, GgmlType::Q6K, 2048, 512, 16, None, 8, 2, None),
         (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 8, Some(vec![0, miss, 1, 2, miss, 3, miss, 4]), 3, 4, None),
+        (
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            512,
+            256,
+            8,
+            Some(vec![miss, 0, 1, miss, 2, 3, 4, miss]),
+            3,
+            3,
+            Some((GgmlType::Q4K, GgmlType::Q6K, 256)),
+        ),
         (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 6, None, 3, 5, None),
     ];
     let moes = cases
@@ -162,8 +175,8 @@ fn run(g: &Gpu, inp: &Inputs) -> Vec<(String, Vec<u32>)> {
 
 #[test]
 fn early_read_switches_give_the_plain_kernels_bits() {
-    if std::env::var_os("EMBER_KERNEL_DEFINES").is_some() {
-        println!("skipped: EMBER_KERNEL_DEFINES is set, so the first handle would not run the plain kernels");
+    if std::env::var_os("EMBER_KERNEL_DEFINES").is_some() || std::env::var_os(RUN_TIME).is_some() {
+        println!("skipped: EMBER_KERNEL_DEFINES or {RUN_TIME} is set, so the first handle would not run the plain kernels");
         return;
     }
     let plain = match Gpu::new(0) {
@@ -185,7 +198,10 @@ fn early_read_switches_give_the_plain_kernels_bits() {
     // SAFETY: this binary's only test runs here, and nothing else in the process reads or
     // writes the environment meanwhile (the plain handle is gone; the switched one is opened
     // after this line).
-    unsafe { std::env::set_var("EMBER_KERNEL_DEFINES", SWITCHES) };
+    unsafe {
+        std::env::set_var("EMBER_KERNEL_DEFINES", SWITCHES);
+        std::env::set_var(RUN_TIME, "1");
+    }
     let switched = Gpu::new(0).unwrap();
     let got = run(&switched, &inp);
     assert_eq!(got.len(), want.len());
@@ -194,7 +210,7 @@ fn early_read_switches_give_the_plain_kernels_bits() {
         let first = w.iter().zip(g).position(|(a, b)| a != b);
         assert!(
             first.is_none(),
-            "{what} with {SWITCHES}: [{}] {:08x} against the plain {:08x}",
+            "{what} with {SWITCHES} and {RUN_TIME}: [{}] {:08x} against the plain {:08x}",
             first.unwrap(),
             g[first.unwrap()],
             w[first.unwrap()]
@@ -205,5 +221,5 @@ fn early_read_switches_give_the_plain_kernels_bits() {
     }
     // The out-of-range expert's token must have come out NaN in both.
     assert!(nans > 0, "no NaN output: the out-of-range expert case did not flag");
-    println!("{} outputs, bit for bit with {SWITCHES} ({nans} NaN values, from the out-of-range expert)", want.len());
+    println!("{} outputs, bit for bit with {SWITCHES} and {RUN_TIME} ({nans} NaN values, from the out-of-range expert)", want.len());
 }
