@@ -6,6 +6,11 @@
 //! switches (so its kernels compile with them and it reads the run-time one), give the same
 //! bits and ids: ties, NaN logits, out-of-range experts and misses included.
 //!
+//! What this cannot see: whether a switch took effect (a misspelt define compiles the plain
+//! kernel, and below sm_80 the route falls back to it; the A/B timings show it), and races of
+//! the programmatic launches (these eager launches have no programmatic edges; the model tests
+//! under CUDA graphs do).
+//!
 //! One test alone in its binary: it sets an environment variable, which no other thread of this
 //! process reads meanwhile. With no NVIDIA driver it prints why and passes (CI has no GPU).
 
@@ -48,7 +53,9 @@ struct Inputs {
 fn inputs(rng: &mut Rng) -> Inputs {
     // The 35B's 256 experts, top 8: random logits over several tokens; a row of many equal
     // logits (ties to the lower id); a row with a NaN (every probability NaN); a narrower
-    // router; k over more experts than the registers' form holds (the shared-memory form).
+    // router; logits spread over ±60 with every expert taken (probabilities down to zero and
+    // through the denormals, ties among the zeros); k over more experts than the registers'
+    // form holds (the shared-memory form).
     let mut tied = rng.vec(256, -4.0, 4.0);
     for e in (3..256).step_by(5) {
         tied[e] = 5.0; // above every other: the top 8 are all ties
@@ -60,6 +67,7 @@ fn inputs(rng: &mut Rng) -> Inputs {
         ("tied", 1, 256, 8, tied),
         ("nan", 1, 256, 8, nan_row),
         ("random", 3, 100, 10, rng.vec(300, -6.0, 6.0)),
+        ("spread", 2, 64, 64, rng.vec(128, -60.0, 60.0)),
         ("random", 2, 512, 8, rng.vec(1024, -6.0, 6.0)),
     ];
     let miss = MOE_MISS;
@@ -81,6 +89,11 @@ fn inputs(rng: &mut Rng) -> Inputs {
             Some((GgmlType::Q4K, GgmlType::Q6K, 256)),
         ),
         (GgmlType::Q4K, GgmlType::Q4K, 512, 256, 6, None, 3, 5, None),
+        // With a shared expert wider than the routed experts and an id out of range; Q6_K and
+        // Q8_0 gate/up (the other unrolled entries), Q6_K at the 35B's width.
+        (GgmlType::Q4K, GgmlType::Q6K, 512, 256, 8, None, 3, 3, Some((GgmlType::Q4K, GgmlType::Q6K, 512))),
+        (GgmlType::Q6K, GgmlType::Q6K, 2048, 256, 6, None, 2, 2, Some((GgmlType::Q6K, GgmlType::Q6K, 256))),
+        (GgmlType::Q8_0, GgmlType::Q8_0, 256, 64, 4, None, 2, 2, Some((GgmlType::Q8_0, GgmlType::Q8_0, 64))),
     ];
     let moes = cases
         .into_iter()
@@ -97,7 +110,7 @@ fn inputs(rng: &mut Rng) -> Inputs {
                         taken.push(e);
                     }
                 }
-                if ci == 1 && t == 1 {
+                if (ci == 1 || ci == 5) && t == 1 {
                     taken[2] = n_expert as u32 + 3;
                 }
                 ids.extend(taken);
@@ -186,6 +199,7 @@ fn early_read_switches_give_the_plain_kernels_bits() {
             return;
         }
     };
+    // After the GPU check: the K-quant cases take ~45 s to quantise on the CI's two cores.
     let mut rng = Rng::new();
     let inp = inputs(&mut rng);
     let want = run(&plain, &inp);

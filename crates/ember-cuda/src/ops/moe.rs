@@ -654,7 +654,7 @@ impl Gpu {
         // and n_ff_s are multiples of 32 (checked), so each block's 32 rows are one int8 block
         // of h, and h's 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes). The split form
         // launches the same blocks in two grids (y0: the first block row of each).
-        if shared.is_some() && self.moe_shared_first() {
+        if shared.is_some() && pairs > 0 && self.moe_shared_first() {
             // The shared expert's blocks first, alone, then the routed ones: the kernel just
             // ahead of those is then the shared expert's, not whatever wrote the ids, so they may
             // read the routing and ask for their rows in L2 before pdl_enter (ids_early) while
