@@ -33,7 +33,9 @@
 #          launches after the first 10 of the kernels that lead each profile: a 512-token prompt's
 #          (the grouped MoE, the Q4_K tiles) and 16 sequences' decode (mmv, the per-pair int8
 #          MoE), on the 35B (EMBER_CUDA_GRAPH=0: ncu profiles launches, not graph nodes); logs
-#          ncu-pp512.txt, ncu-16seq.txt
+#          ncu-pp512.txt, ncu-16seq.txt. NCU_RUNS (`;`-separated `name:kernel regex:bench args`)
+#          replaces the two, e.g. one-token decode's GEMVs and MoE:
+#          NCU_RUNS='tg:gemv_q8_q|moe_gate_up_q8_q|moe_down_q8_q:-p 0 -n 4'
 #   profile  per-kernel GPU time of a decode step (ncu, durations only) on the 35B shape cut to 8
 #          layers: `ember run -n 1` and `-n 9` profiled, differenced by bench/gpu/ncu-diff.py
 #          (profile.md), then `ember bench` on that file
@@ -176,7 +178,8 @@ fi
 if has ncu; then
     ensure_model
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -n1)
-    for run in "pp512:moe_mma|matmul_mma:-p 512 -n 0" "16seq:matmul_mmv|moe_gate_up_q8|moe_down_q8:-p 0 -n 4 --n-seq 16"; do
+    IFS=';' read -ra RUNS <<< "${NCU_RUNS:-pp512:moe_mma|matmul_mma:-p 512 -n 0;16seq:matmul_mmv|moe_gate_up_q8|moe_down_q8:-p 0 -n 4 --n-seq 16}"
+    for run in "${RUNS[@]}"; do
         name=${run%%:*}; rest=${run#*:}; k=${rest%%:*}; args=${rest#*:}
         t0=$(date +%s)
         EMBER_CUDA_GRAPH=0 timeout 280 $NCU --kernel-name "regex:$k" --launch-skip 10 --launch-count ${NCU_COUNT:-12} \
