@@ -3,8 +3,9 @@
 # the switches, gpu, gemv_q8 and hybrid test binaries): the decode switches built in g18
 # (docs/perf.md), ~4-5 minutes. Their bits against the plain kernels (tests/switches.rs), then
 # tg128 on a 16-layer cut of the 35B shape (synthesised here, ~30 s) with each switch and all
-# together, alternating, ROUNDS rounds (default 2), then the route, MoE and tier tests with
-# them on. Logs under $OUT/ab.
+# together, and with DeltaNet's 13.8 MB Q6_K qkv on gemv_q8_rows (EMBER_GEMV_ROWS_MIN_MIB=8),
+# alternating, ROUNDS rounds (default 2), then the route, MoE and tier tests with them on. Logs
+# under $OUT/ab.
 set -uo pipefail
 O=${OUT:?}/ab; mkdir -p $O; M=/tmp/m; mkdir -p $M
 export EMBER_KERNEL_CACHE=/tmp/kc
@@ -23,7 +24,8 @@ echo "switches: exit $? $(grep -E '^test result|outputs' $O/test-switches.log | 
 [[ -n $SY ]] && wait $SY
 ALL=EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL
 V=("plain:" "route:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX" "unroll:EMBER_KERNEL_DEFINES=EMBER_MOE_GU_UNROLL"
-   "shared:EMBER_MOE_SHARED_FIRST=1" "all:EMBER_KERNEL_DEFINES=$ALL EMBER_MOE_SHARED_FIRST=1")
+   "shared:EMBER_MOE_SHARED_FIRST=1" "all:EMBER_KERNEL_DEFINES=$ALL EMBER_MOE_SHARED_FIRST=1"
+   "rows:EMBER_GEMV_ROWS_MIN_MIB=8")
 for r in $(seq 1 "${ROUNDS:-2}"); do
     for v in "${V[@]}"; do
         name=${v%%:*}; envs=(${v#*:})

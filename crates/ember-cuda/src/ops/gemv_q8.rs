@@ -39,8 +39,16 @@ fn threads_per_sm(ty: GgmlType) -> usize {
 pub(crate) const PREFETCH_MAX_BYTES: usize = 32 << 20;
 
 /// Weights of at least this many bytes (the output head) take gemv_q8_rows where their type
-/// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off.
+/// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off, `EMBER_GEMV_ROWS_MIN_MIB=N` moves
+/// the bound (measurements: DeltaNet's 13.8 MB Q6_K qkv falls below it).
 const ROWS_MIN_BYTES: usize = 64 << 20;
+
+fn rows_min_bytes() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("EMBER_GEMV_ROWS_MIN_MIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(ROWS_MIN_BYTES, |m| m << 20)
+    })
+}
 
 /// Rows per warp of gemv_q8_rows by type (`GEMV_Q8_ROWS_*`), and its warps per block.
 fn rows_per_warp(ty: GgmlType) -> Option<usize> {
@@ -223,7 +231,8 @@ impl Gpu {
         let (ty, rb) = (w.ty(), w.row_bytes());
         let (Some(r), Some(sfx)) = (rows_per_warp(ty), suffix(ty)) else { return Ok(false) };
         let smem = ROWS_WARPS * r * rb;
-        if !rows_kernel_on() || w.n_rows * rb < ROWS_MIN_BYTES || !rb.is_multiple_of(16) || !w.ptr().is_multiple_of(16) || smem > 48 << 10 {
+        if !rows_kernel_on() || w.n_rows * rb < rows_min_bytes() || !rb.is_multiple_of(16) || !w.ptr().is_multiple_of(16) || smem > 48 << 10
+        {
             return Ok(false);
         }
         need(OP, "y", y, w.n_rows)?;
