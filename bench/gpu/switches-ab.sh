@@ -22,9 +22,9 @@ fi
 timeout 120 /tmp/bin/switches --nocapture > $O/test-switches.log 2>&1
 echo "switches: exit $? $(grep -E '^test result|outputs' $O/test-switches.log | tr '\n' ' ')"
 [[ -n $SY ]] && wait $SY
-ALL=EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL
+ALL=EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL,EMBER_MOE_SHARED_FIRST
 V=("plain:" "route:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX" "unroll:EMBER_KERNEL_DEFINES=EMBER_MOE_GU_UNROLL"
-   "shared:EMBER_MOE_SHARED_FIRST=1" "all:EMBER_KERNEL_DEFINES=$ALL EMBER_MOE_SHARED_FIRST=1"
+   "shared:EMBER_KERNEL_DEFINES=EMBER_MOE_SHARED_FIRST" "all:EMBER_KERNEL_DEFINES=$ALL"
    "rows:EMBER_GEMV_ROWS_MIN_MIB=8")
 for r in $(seq 1 "${ROUNDS:-2}"); do
     for v in "${V[@]}"; do
@@ -35,7 +35,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
 done
 # t BINARY FILTER (empty: all its tests), with every switch on.
 t() { local n=$1 f=$2
-      EMBER_KERNEL_DEFINES=$ALL EMBER_MOE_SHARED_FIRST=1 timeout 150 /tmp/bin/$n $f --test-threads=1 --nocapture > $O/test-$n-on.log 2>&1
+      EMBER_KERNEL_DEFINES=$ALL timeout 150 /tmp/bin/$n $f --test-threads=1 --nocapture > $O/test-$n-on.log 2>&1
       echo "$n $f with every switch: exit $? $(grep '^test result' $O/test-$n-on.log)"; }
 t gpu route
 t gemv_q8 moe_q8

@@ -106,6 +106,8 @@ struct MoeQ8Params {
     u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
     u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s;
     u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
+    // Read only under EMBER_MOE_SHARED_FIRST (gate/up in two launches, the shared expert's
+    // first; the plain kernel is the one without them):
     u32 y0;          // gate/up: this launch's first block row (the shared expert's alone: n_tok · k_top)
     u32 ids_early;   // gate/up's routed blocks read the routing and ask for their rows in L2
                      // before pdl_enter (1 only when the route kernel is two launches back)
@@ -203,7 +205,11 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     __shared__ float part[MOE_GU_MAX_SEG];
     __shared__ float hv[MOE_GU_ROWS];
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
+#ifdef EMBER_MOE_SHARED_FIRST
     const u32 by = blockIdx.y + q.y0;
+#else
+    const u32 by = blockIdx.y;
+#endif
     if (by >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
         const u32 r0 = blockIdx.x * MOE_GU_ROWS;
         if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a kernel
@@ -214,6 +220,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
         moe_shared_gate_up(q, by - p.n_tok * p.k_top, seg, part, hv);
         return;
     }
+#ifdef EMBER_MOE_SHARED_FIRST
     if (q.ids_early && tid < 2) {  // the routing is complete here (see ids_early)
         const u32 e = ((const u32*)p.ids)[by], r0 = blockIdx.x * MOE_GU_ROWS;
         const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
@@ -222,6 +229,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
             prefetch_l2((const u8*)(tid ? p.up : p.gate) + ((u64)s * p.n_ff + r0) * p.row_bytes_gu, (u64)nr * p.row_bytes_gu);
         }
     }
+#endif
     pdl_enter();
     const u32 pair = by, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
     const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;

@@ -195,7 +195,7 @@ pub struct Gpu {
     /// Whether the automatic attention path may take the decode kernel (`EMBER_ATTN_DECODE=0`:
     /// no, the paths before it, for measuring it).
     attn_decode: bool,
-    /// `EMBER_MOE_SHARED_FIRST=1`: see [`Gpu::moe_shared_first`].
+    /// `EMBER_KERNEL_DEFINES` names `EMBER_MOE_SHARED_FIRST`: see [`Gpu::moe_shared_first`].
     moe_shared_first: bool,
     /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
     attn_mma: bool,
@@ -357,7 +357,7 @@ impl Gpu {
             first_flush: Mutex::default(),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
-            moe_shared_first: std::env::var_os("EMBER_MOE_SHARED_FIRST").is_some_and(|v| v == "1"),
+            moe_shared_first: kernels::defined("EMBER_MOE_SHARED_FIRST"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
@@ -383,9 +383,9 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::moe_q8`] with a shared expert launches its gate/up in two grids, the
-    /// shared expert's first (`EMBER_MOE_SHARED_FIRST=1`; off by default until measured): the
-    /// routed blocks' weights are then asked for in L2 while the shared expert's launch runs,
-    /// instead of after the ids arrive.
+    /// shared expert's first (the kernel define `EMBER_MOE_SHARED_FIRST`, which the gate/up
+    /// kernel needs for it; off by default until measured): the routed blocks' weights are then
+    /// asked for in L2 while the shared expert's launch runs, instead of after the ids arrive.
     pub(crate) fn moe_shared_first(&self) -> bool {
         self.moe_shared_first
     }

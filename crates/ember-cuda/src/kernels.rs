@@ -113,13 +113,24 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// `EMBER_MMA_F32_DECODE` (the tensor-core tiles decode K-quants in f32, as before the f16x2
 /// decoders). The cache key covers them, since they are part of the source.
 fn defines_from_env() -> String {
-    let Some(v) = std::env::var_os("EMBER_KERNEL_DEFINES") else { return String::new() };
+    define_names().into_iter().map(|n| format!("#define {n} 1\n")).collect()
+}
+
+/// The names in `EMBER_KERNEL_DEFINES` (see [`defines_from_env`]).
+fn define_names() -> Vec<String> {
+    let Some(v) = std::env::var_os("EMBER_KERNEL_DEFINES") else { return Vec::new() };
     v.to_string_lossy()
         .split(',')
         .map(str::trim)
         .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
-        .map(|n| format!("#define {n} 1\n"))
+        .map(str::to_owned)
         .collect()
+}
+
+/// Whether `EMBER_KERNEL_DEFINES` names `name` now: for a switch whose host side must follow
+/// its kernels (read when a [`crate::Gpu`] opens, as its kernels compile with the same value).
+pub(crate) fn defined(name: &str) -> bool {
+    define_names().iter().any(|n| n == name)
 }
 
 /// 128-bit FNV-1a: stable across Rust releases (std's hasher is not promised to be), and a cache

@@ -1,10 +1,10 @@
 //! The kernels' compile-time switches that promise the plain kernels' bits (`EMBER_KERNEL_DEFINES`
 //! = `EMBER_ROUTE_REDUX`: the route's rounds by warp reductions; `EMBER_MOE_GU_UNROLL`: the
-//! decode MoE's gate/up loop unrolled whole), and the run-time `EMBER_MOE_SHARED_FIRST=1` (the
-//! decode MoE's gate/up in two launches, the shared expert's first): the same arithmetic in the
-//! same order. The same ops on two GPU handles, the second opened after the variables name the
-//! switches (so its kernels compile with them and it reads the run-time one), give the same
-//! bits and ids: ties, NaN logits, out-of-range experts and misses included.
+//! decode MoE's gate/up loop unrolled whole; `EMBER_MOE_SHARED_FIRST`: the decode MoE's gate/up
+//! in two launches, the shared expert's first, which the handle reads when it opens): the same
+//! arithmetic in the same order. The same ops on two GPU handles, the second opened after the
+//! variable names the switches (so its kernels compile with them), give the same bits and ids:
+//! ties, NaN logits, out-of-range experts and misses included.
 //!
 //! What this cannot see: whether a switch took effect (a misspelt define compiles the plain
 //! kernel, and below sm_80 the route falls back to it; the A/B timings show it), and races of
@@ -22,8 +22,7 @@ use ember_testkit::Rng;
 mod common;
 use common::quantised;
 
-const SWITCHES: &str = "EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL";
-const RUN_TIME: &str = "EMBER_MOE_SHARED_FIRST";
+const SWITCHES: &str = "EMBER_ROUTE_REDUX,EMBER_MOE_GU_UNROLL,EMBER_MOE_SHARED_FIRST";
 
 /// A MoE case: (gate/up type, down type, d, n_ff, experts, slots (None: every expert at its own
 /// index), k, tokens, shared expert (gate/up type, down type, n_ff)).
@@ -188,8 +187,8 @@ fn run(g: &Gpu, inp: &Inputs) -> Vec<(String, Vec<u32>)> {
 
 #[test]
 fn early_read_switches_give_the_plain_kernels_bits() {
-    if std::env::var_os("EMBER_KERNEL_DEFINES").is_some() || std::env::var_os(RUN_TIME).is_some() {
-        println!("skipped: EMBER_KERNEL_DEFINES or {RUN_TIME} is set, so the first handle would not run the plain kernels");
+    if std::env::var_os("EMBER_KERNEL_DEFINES").is_some() {
+        println!("skipped: EMBER_KERNEL_DEFINES is set, so the first handle would not run the plain kernels");
         return;
     }
     let plain = match Gpu::new(0) {
@@ -212,10 +211,7 @@ fn early_read_switches_give_the_plain_kernels_bits() {
     // SAFETY: this binary's only test runs here, and nothing else in the process reads or
     // writes the environment meanwhile (the plain handle is gone; the switched one is opened
     // after this line).
-    unsafe {
-        std::env::set_var("EMBER_KERNEL_DEFINES", SWITCHES);
-        std::env::set_var(RUN_TIME, "1");
-    }
+    unsafe { std::env::set_var("EMBER_KERNEL_DEFINES", SWITCHES) };
     let switched = Gpu::new(0).unwrap();
     let got = run(&switched, &inp);
     assert_eq!(got.len(), want.len());
@@ -224,7 +220,7 @@ fn early_read_switches_give_the_plain_kernels_bits() {
         let first = w.iter().zip(g).position(|(a, b)| a != b);
         assert!(
             first.is_none(),
-            "{what} with {SWITCHES} and {RUN_TIME}: [{}] {:08x} against the plain {:08x}",
+            "{what} with {SWITCHES}: [{}] {:08x} against the plain {:08x}",
             first.unwrap(),
             g[first.unwrap()],
             w[first.unwrap()]
@@ -235,5 +231,5 @@ fn early_read_switches_give_the_plain_kernels_bits() {
     }
     // The out-of-range expert's token must have come out NaN in both.
     assert!(nans > 0, "no NaN output: the out-of-range expert case did not flag");
-    println!("{} outputs, bit for bit with {SWITCHES} and {RUN_TIME} ({nans} NaN values, from the out-of-range expert)", want.len());
+    println!("{} outputs, bit for bit with {SWITCHES} ({nans} NaN values, from the out-of-range expert)", want.len());
 }
