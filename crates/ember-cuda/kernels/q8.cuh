@@ -23,20 +23,10 @@ struct Q8Unit;
 template <>
 struct Q8Unit<TY_Q4_K> {
     static constexpr int L = 8, W = 256;
-    // Unit c's loads for lane t: the super-block's header (d, dmin, the packed scales and mins)
-    // and the lane's 16 bytes of codes (a kernel may issue them early: `dot_loaded`).
-    struct Regs {
-        uint4 h, q;
-    };
-    static __device__ __forceinline__ Regs load(const u8* row, int c, int t) {
-        const u8* b = row + 144 * c;
-        return Regs{*(const uint4*)b, *(const uint4*)(b + 16 + 16 * t)};
-    }
     static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        return dot_loaded(load(row, c, t), c, t, xq, xd);
-    }
-    static __device__ __forceinline__ float dot_loaded(const Regs& w, int c, int t, const i8* xq, const float2* xd) {
-        const uint4 h = w.h, q = w.q;
+        const u8* b = row + 144 * c;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q = *(const uint4*)(b + 16 + 16 * t);
         const int p = t / 2, i0 = 16 * (t % 2);
         const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
         const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
@@ -61,26 +51,13 @@ struct Q8Unit<TY_Q4_K> {
 template <>
 struct Q8Unit<TY_Q6_K> {
     static constexpr int L = 8, W = 256;
-    // Unit c's loads for lane t (see `dot_loaded`).
-    struct Regs {
-        uint2 qa, qb, qh;
-        u32 s4, s4b;  // scales 8n..8n+8
-        u16 d;
-    };
-    static __device__ __forceinline__ Regs load(const u8* row, int c, int t) {
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 210 * c;
         const int n = t / 4, l0 = 8 * (t % 4);
-        return Regs{ld_u64_a2(b + 64 * n + l0), ld_u64_a2(b + 64 * n + 32 + l0), ld_u64_a2(b + 128 + 32 * n + l0),
-                    ld_u32_a2(b + 192 + 8 * n), ld_u32_a2(b + 196 + 8 * n), ld_u16(b + 208)};
-    }
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        return dot_loaded(load(row, c, t), c, t, xq, xd);
-    }
-    static __device__ __forceinline__ float dot_loaded(const Regs& w, int c, int t, const i8* xq, const float2* xd) {
-        const int n = t / 4, l0 = 8 * (t % 4);
-        const uint2 qa = w.qa, qb = w.qb, qh = w.qh;
-        const u32 s4 = w.s4, s4b = w.s4b;
-        const float d = f16_to_f32(w.d);
+        const uint2 qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
+        const uint2 qh = ld_u64_a2(b + 128 + 32 * n + l0);
+        const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
+        const float d = f16_to_f32(ld_u16(b + 208));
         const i8* x = xq + 256 * c + 128 * n + l0;
         float r = 0.0f;
 #pragma unroll
