@@ -18,7 +18,7 @@ pub(super) struct StreamScratch {
 }
 
 impl CudaOps {
-    /// Which routed experts each MoE layer keeps on this GPU, for the next [`Ops::register`]:
+    /// Which routed experts each MoE layer keeps on this GPU, for the next [`ember_ops::Ops::register`]:
     /// per layer, None for all of them, or the list (then its MoE computes only the pairs
     /// routed to those; the others add nothing, and the caller adds their sum: the expert tier's
     /// misses). Layers past the list's end hold all their experts.
@@ -26,7 +26,7 @@ impl CudaOps {
         self.resident = layers;
     }
 
-    /// Which weights the next [`Ops::register`] uploads, by id (None: all of them): a part of a
+    /// Which weights the next [`ember_ops::Ops::register`] uploads, by id (None: all of them): a part of a
     /// layer split (`ember_plan::split::part_weights`) keeps its own layers' weights; an op that
     /// names a weight not kept is an error ("not registered").
     pub fn set_weights_kept(&mut self, kept: Option<Vec<bool>>) {

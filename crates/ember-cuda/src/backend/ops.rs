@@ -1,0 +1,474 @@
+//! [`CudaOps`]'s [`Ops`]: each op's shape checks, then its kernels (the module docs of the
+//! parent say how a step runs).
+
+use std::sync::Arc;
+
+use ember_ops::{
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvRows, LayerIdx, Mark, Mat, OpError,
+    OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
+};
+
+use crate::Buf;
+use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, KvPages, Precision, SeqRows};
+
+use super::read::CudaMark;
+use super::weights::DevWeights;
+use super::{CudaOps, GRAPH_MAX_ROWS, act_of, check_matmul, cuda, put, put_all, shape_of};
+
+impl Ops for CudaOps {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> DeviceId {
+        self.dev
+    }
+
+    fn keep_weights(&mut self, kept: Option<Vec<bool>>) {
+        self.set_weights_kept(kept);
+    }
+
+    fn register(&mut self, weights: Arc<WeightSet>) -> OpResult<()> {
+        // The old set's memory goes first.
+        self.weights = DevWeights::empty(self.dev);
+        // Every kernel compiles (or comes from the disk cache) while the weights go up.
+        let gpu = &self.gpu;
+        let up = gpu
+            .preparing_kernels(|| DevWeights::upload(gpu, self.dev, weights, &self.resident, self.kept.as_deref()))
+            .map_err(|e| OpError::new("register", self.dev, "", e.to_string()));
+        gpu.release_staging();
+        self.weights = up??;
+        Ok(())
+    }
+
+    fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
+        const OP: &str = "begin_step";
+        let dev = self.dev;
+        let graphs = self.gpu.graphs();
+        if let Some(t) = &mut self.times {
+            t.begin(batch.n_rows() == 1 && graphs);
+        }
+        self.store.collect();
+        ember_ops::check::batch(OP, dev, batch, |s| self.store.live_len(OP, s))?;
+        self.stepping = false;
+        self.arena.reset();
+        self.routes.reset();
+        self.q8_x = None;
+        self.batch.clone_from(batch);
+        self.spans = batch.spans();
+        self.slots = batch.seqs.iter().map(|s| s.slot).collect();
+        self.pos = batch.positions();
+        let row_slot: Vec<u32> = batch.seqs.iter().flat_map(|s| std::iter::repeat_n(s.slot.0, s.n)).collect();
+        let row0: Vec<u32> = self.spans.iter().map(|s| s.row0 as u32).collect();
+        let seq_n: Vec<u32> = self.spans.iter().map(|s| s.n as u32).collect();
+        let slot: Vec<u32> = self.slots.iter().map(|s| s.0).collect();
+        self.generation = self.generation.checked_add(1).unwrap_or(1);
+        let generation = [self.generation];
+        let (g, st) = (&self.gpu, &mut self.step);
+        let mut items = [
+            (&mut st.tokens, &batch.tokens[..]),
+            (&mut st.pos, &self.pos[..]),
+            (&mut st.row_slot, &row_slot[..]),
+            (&mut st.logit_rows, &batch.logit_rows[..]),
+            (&mut st.seq_row0, &row0[..]),
+            (&mut st.seq_n, &seq_n[..]),
+            (&mut st.seq_slot, &slot[..]),
+            (&mut st.generation, &generation[..]),
+        ];
+        put_all(g, &mut items).map_err(cuda(OP, dev))?;
+        // A small step's launches are recorded from here and replayed as CUDA graphs (in lists
+        // of 32, 64, .. 512 launches, and at the first call that touches the stream: `read`,
+        // an upload, a page table write; see crate::graph).
+        if batch.n_rows() <= GRAPH_MAX_ROWS {
+            g.begin_record();
+        }
+        if let Some(t) = &mut self.times {
+            t.recording();
+        }
+        self.stepping = true;
+        Ok(())
+    }
+
+    fn end_step(&mut self) -> OpResult<()> {
+        self.gpu.end_record().map_err(cuda("end_step", self.dev))?;
+        if std::mem::take(&mut self.stepping) {
+            for s in &self.batch.seqs {
+                self.store.advance(s.slot, s.n);
+            }
+        }
+        Ok(())
+    }
+
+    fn mark(&self) -> Mark {
+        self.arena.mark()
+    }
+
+    /// The buffers become the arena's spares: stream order keeps a later kernel's writes to a
+    /// reused buffer after every earlier kernel's reads of it.
+    fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        self.arena.free_since("free_since", mark, keep)
+    }
+
+    /// The copy is queued, not waited for ([`crate::Gpu::write_async`]; a large matrix waits).
+    fn upload(&mut self, x: &Mat) -> OpResult<Tensor> {
+        const OP: &str = "upload";
+        if x.data.len() != x.n * x.d {
+            return Err(OpError::new(OP, self.dev, format!("{}x{}", x.n, x.d), format!("{} values", x.data.len())));
+        }
+        let t = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (_, mut outs) = self.arena.split(t.id);
+        self.gpu.write_async(outs[0], &x.data).map_err(cuda(OP, self.dev))?;
+        Ok(t)
+    }
+
+    fn read(&mut self, x: Tensor) -> OpResult<Mat> {
+        self.read_rows(x)
+    }
+
+    /// See [`CudaOps::read_top_entries`].
+    fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
+        self.read_top_entries(x, k, extra)
+    }
+
+    fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
+        Ok(self.download_routing("read_routing", r, None)?.0)
+    }
+
+    /// See [`CudaOps::export_rows_at`].
+    fn export_rows(&mut self, x: Tensor) -> OpResult<Option<ember_ops::DeviceRows>> {
+        self.export_rows_at(x)
+    }
+
+    /// See [`CudaOps::import_rows_from`].
+    fn import_rows(&mut self, rows: &ember_ops::DeviceRows) -> OpResult<Option<(Tensor, ember_ops::QueueMark)>> {
+        self.import_rows_from(rows)
+    }
+
+    fn submit(&mut self) -> OpResult<()> {
+        self.gpu.flush().map_err(cuda("submit", self.dev))
+    }
+
+    fn overlaps(&self) -> bool {
+        true
+    }
+
+    fn wait_mark(&mut self, mark: &ember_ops::QueueMark) -> OpResult<()> {
+        match mark.downcast_ref::<CudaMark>() {
+            Some(m) => self.gpu.wait_event(&m.event).map_err(cuda("wait_mark", self.dev)),
+            None => Ok(()),
+        }
+    }
+
+    fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
+        const OP: &str = "embed";
+        let (info, dw) = self.weights.matrix(OP, w)?;
+        check::get_rows(OP, self.dev, info, &self.batch.tokens)?;
+        let n = self.batch.tokens.len();
+        let y = self.arena.alloc(&self.gpu, OP, n, info.k)?;
+        let (_, mut outs) = self.arena.split(y.id);
+        self.gpu.get_rows(dw, &self.step.tokens, n, outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+
+    fn matmul(&mut self, w: WeightId, x: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "matmul";
+        self.arena.check(OP, x)?;
+        let (info, dw) = self.weights.matrix(OP, w)?;
+        check_matmul(OP, self.dev, info, x)?;
+        let held = self.q8_holds(x) && self.gpu.uses_gemv_q8(dw.ty, dw.k, x.n, self.precision);
+        let y = self.arena.alloc(&self.gpu, OP, x.n, info.n_rows)?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        if held {
+            self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut outs[0]]).map_err(cuda(OP, self.dev))?;
+        } else {
+            self.gpu.matmul_prec(dw.all(), &ins[x.id as usize], x.n, outs[0], self.precision).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
+    }
+
+    fn matmul_many(&mut self, ws: &[WeightId], x: Tensor) -> OpResult<Vec<Tensor>> {
+        const OP: &str = "matmul_many";
+        self.arena.check(OP, x)?;
+        for &w in ws {
+            check_matmul(OP, self.dev, self.weights.matrix(OP, w)?.0, x)?;
+        }
+        let mut ys = Vec::with_capacity(ws.len());
+        for &w in ws {
+            let rows = self.weights.matrix(OP, w)?.0.n_rows;
+            ys.push(self.arena.alloc(&self.gpu, OP, x.n, rows)?);
+        }
+        let Some(first) = ys.first().map(|y| y.id) else { return Ok(ys) };
+        let held = self.q8_holds(x);
+        let (ins, mut outs) = self.arena.split(first);
+        let xb = &ins[x.id as usize];
+        let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
+        // Weights the GEMV runs go in launches of up to GEMV_MULTI of one type and k (a
+        // layer's projections of one input: one launch each type instead of one per weight);
+        // the rest one by one.
+        let mut done = vec![false; dws.len()];
+        // One-token Fast steps: x quantised to int8 once for every weight that takes the int8
+        // GEMV.
+        let q8 = |i: usize| self.gpu.uses_gemv_q8(dws[i].ty, dws[i].k, x.n, self.precision);
+        let mut quantized = false;
+        for j in 0..dws.len() {
+            if done[j] {
+                continue;
+            }
+            let (ty, k) = (dws[j].ty, dws[j].k);
+            if q8(j) {
+                let group: Vec<usize> =
+                    (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
+                let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
+                let mut ys_g: Vec<&mut Buf<f32>> =
+                    outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
+                if !quantized && !held {
+                    self.gpu.quantize_q8(xb, k).map_err(cuda(OP, self.dev))?;
+                }
+                quantized = true;
+                self.gpu.gemv_q8_quantized(&refs, k, &mut ys_g).map_err(cuda(OP, self.dev))?;
+                for &i in &group {
+                    done[i] = true;
+                }
+                continue;
+            }
+            if !self.gpu.uses_gemv(k, x.n, self.precision) {
+                self.gpu.matmul_prec(dws[j].all(), xb, x.n, outs[j], self.precision).map_err(cuda(OP, self.dev))?;
+                done[j] = true;
+                continue;
+            }
+            let group: Vec<usize> = (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_MULTI).collect();
+            let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
+            let mut ys_g: Vec<&mut Buf<f32>> =
+                outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
+            self.gpu.matmul_multi_prec(&refs, xb, x.n, &mut ys_g, self.precision).map_err(cuda(OP, self.dev))?;
+            for &i in &group {
+                done[i] = true;
+            }
+        }
+        Ok(ys)
+    }
+
+    fn rms_norm(&mut self, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        const OP: &str = "rms_norm";
+        self.arena.check(OP, x)?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        // One token under Fast: the int8 copy the next GEMVs read, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len() == x.d {
+            let generation = self.gpu.rms_norm_q8(&ins[x.id as usize], x.n, x.d, wv, eps, outs[0]).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.rms_norm(&ins[x.id as usize], x.n, x.d, wv, eps, outs[0]).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
+    }
+
+    fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()> {
+        self.in_place("add", h, x, |g, h, x, n| g.add(h, x, n))
+    }
+
+    fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
+        const OP: &str = "add_rms_norm";
+        if h.id == x.id {
+            self.add(h, x)?;
+            return self.rms_norm(h, w, eps);
+        }
+        self.arena.check(OP, h)?;
+        self.arena.check(OP, x)?;
+        check::same(OP, self.dev, &shape_of(h), &shape_of(x))?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
+        if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+            self.q8_x = None; // h changes: its int8 copy is stale
+        }
+        let y = self.arena.alloc(&self.gpu, OP, h.n, h.d)?;
+        let (hb, xb, yb) = self.arena.trio(h.id, x.id, y.id);
+        // As rms_norm: one token under Fast also gets the int8 copy.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, h.d, h.n, self.precision) && wv.len() == h.d {
+            let generation = self.gpu.add_rms_norm_q8(hb, xb, h.n, h.d, wv, eps, yb).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.add_rms_norm(hb, xb, h.n, h.d, wv, eps, yb).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
+    }
+
+    fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
+        const OP: &str = "attn_prep";
+        self.rows_check(OP, qg)?;
+        self.arena.check(OP, qg)?;
+        self.arena.check(OP, k)?;
+        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
+        check::attn_prep(OP, self.dev, &s, (qn.len(), kn.len()), &shape_of(qg), &shape_of(k), &self.pos)?;
+        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
+        let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
+        let shape =
+            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
+        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
+        self.gpu.attn_prep(shape, input, qb, gb, kb).map_err(cuda(OP, self.dev))?;
+        Ok(AttnIn { q, gate, k: ko })
+    }
+
+    fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
+        const OP: &str = "kv_append";
+        let dev = self.dev;
+        self.rows_check(OP, k)?;
+        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
+        self.arena.check(OP, k)?;
+        self.arena.check(OP, v)?;
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, k.n, self.spans.len())?;
+        check::same(OP, dev, &shape_of(k), &shape_of(v))?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for sp in &self.spans {
+            check::kv_append(OP, dev, &KvRows::new(ty, width), &Mat { n: sp.n, d: k.d, data: Vec::new() })?;
+        }
+        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
+        let at_pos0 = self.kv_at_pos0(a);
+        let before = self.store.grow(&self.gpu, OP, &self.slots, &ns, a)?;
+        self.store.sync_table(&self.gpu, OP)?;
+        if !at_pos0 {
+            let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
+            put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(OP, dev))?;
+        }
+        let st = &self.store;
+        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
+            return Err(OpError::new(OP, dev, "", "the store is not configured"));
+        };
+        let pages = KvPages {
+            pool,
+            table,
+            ty: ty.ggml(),
+            width,
+            n_pages: st.cap,
+            stride: st.stride,
+            n_kv: st.n_kv(),
+            n_slots: st.n_slots(),
+            layer: a,
+        };
+        let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
+        let (kb, vb) = (self.arena.buf(OP, k)?, self.arena.buf(OP, v)?);
+        self.gpu.kv_append(&pages, kb, vb, k.n, &self.step.row_slot, pos).map_err(cuda(OP, dev))
+    }
+
+    fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "attention";
+        let dev = self.dev;
+        self.rows_check(OP, q)?;
+        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
+        self.arena.check(OP, q)?;
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, q.n, self.spans.len())?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for (sp, slot) in self.spans.iter().zip(&self.slots) {
+            let rows = |kv| {
+                let mut r = KvRows::new(ty, width);
+                r.len = self.store.cache(*slot, a, kv).len;
+                r
+            };
+            check::attention(OP, dev, &h.shape(sp), &Mat { n: sp.n, d: q.d, data: Vec::new() }, &rows(0), &rows(1))?;
+        }
+        self.store.sync_table(&self.gpu, OP)?;
+        let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
+        let seq_rows: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let mut shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
+        shape.fast = self.precision == Precision::Fast;
+        // The output, then the scratch of the split over the keys (always allocated, so the
+        // handles that follow do not depend on the depth).
+        let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
+        self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
+        let st = &self.store;
+        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
+            return Err(OpError::new(OP, dev, "", "the store is not configured"));
+        };
+        let pages = KvPages {
+            pool,
+            table,
+            ty: ty.ggml(),
+            width,
+            n_pages: st.cap,
+            stride: st.stride,
+            n_kv: st.n_kv(),
+            n_slots: st.n_slots(),
+            layer: a,
+        };
+        let (ins, mut outs) = self.arena.split(y.id);
+        let [yb, sb, ..] = &mut outs[..] else { unreachable!("two buffers were just allocated") };
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let (row_slot, pos) = (&self.step.row_slot, &self.step.pos);
+        self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
+        Ok(y)
+    }
+
+    fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
+        self.conv_op(layer, x, w)
+    }
+
+    fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        self.prep_op(s, cu, b, alpha)
+    }
+
+    fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
+        self.rule_op(layer, h, x, mode)
+    }
+
+    fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
+        let act = act_of(act);
+        // One token under Fast: the int8 copy the next GEMV reads, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, y.d, y.n, self.precision) && y.id != g.id {
+            let mut generation = 0;
+            self.in_place("gate", y, g, |gpu, y, g, n| gpu.gate_q8(y, g, n, act).map(|gen_| generation = gen_))?;
+            self.q8_x = Some((y.id, generation));
+            return Ok(());
+        }
+        self.in_place("gate", y, g, |gpu, y, g, n| gpu.gate(y, g, n, act))
+    }
+
+    fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        const OP: &str = "rms_norm_gate";
+        self.arena.check(OP, x)?;
+        self.arena.check(OP, g)?;
+        check::same(OP, self.dev, &shape_of(x), &shape_of(g))?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(x), wv.len())?;
+        let act = act_of(act);
+        let y = self.arena.alloc(&self.gpu, OP, x.n, x.d)?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        let (xb, gb) = (&ins[x.id as usize], &ins[g.id as usize]);
+        // One token under Fast: the int8 copy the next GEMV reads, in the same launch.
+        if self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, x.d, x.n, self.precision) && wv.len().is_multiple_of(32) {
+            let generation = self.gpu.rms_norm_gate_q8(xb, x.n, x.d, wv, eps, gb, act, outs[0]).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((y.id, generation));
+        } else {
+            self.gpu.rms_norm_gate(xb, x.n, x.d, wv, eps, gb, act, outs[0]).map_err(cuda(OP, self.dev))?;
+        }
+        Ok(y)
+    }
+
+    fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
+        self.route_op(logits, k)
+    }
+
+    fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
+        self.moe_on(layer, x, routing, shared_gate, false)
+    }
+
+    fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
+        const OP: &str = "select_rows";
+        self.rows_check(OP, x)?;
+        self.arena.check(OP, x)?;
+        let rows: Vec<usize> = self.batch.logit_rows.iter().map(|&r| r as usize).collect();
+        check::select_rows(OP, self.dev, &shape_of(x), &rows)?;
+        let y = self.arena.alloc(&self.gpu, OP, rows.len(), x.d)?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        self.gpu.select_rows(&ins[x.id as usize], x.n, x.d, &self.step.logit_rows, rows.len(), outs[0]).map_err(cuda(OP, self.dev))?;
+        Ok(y)
+    }
+}
