@@ -111,3 +111,98 @@ extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
     delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t0, t1,
                  p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, threadIdx.x % 32);
 }
+
+// ---- delta_rule_seqs_prep: delta_prep and the scan in one launch ----
+// For steps whose sequences all take the scan (decode): each warp reads its rows of the conv
+// output `cu` itself, L2-normalises its key head's q and k (the sum of squares by lane, then a
+// warp sum: delta_prep's values up to the sum's order; q then times 1/sqrt(d_k)), and computes
+// its value head's β = sigmoid(b) and g = a·softplus(alpha + dt_bias) (threshold 20), as
+// delta_prep does; then the same column update as delta_column. No q, k, v, g, β buffers.
+
+struct DeltaSeqsPrepParams {
+    u64 cu;       // [n_rows, 2·nk·dk + nv·dv] f32
+    u64 b;        // [n_rows, nv] f32
+    u64 alpha;    // [n_rows, nv] f32
+    u64 a;        // [nv] f32
+    u64 dt_bias;  // [nv] f32
+    u64 state;    // the store's DeltaNet buffer, updated in place
+    u64 out;      // [n_rows, nv·dv] f32
+    u64 row0;     // [n_seq] u32
+    u64 n;        // [n_seq] u32
+    u64 slot;     // [n_seq] u32
+    u64 slot_stride, offset;  // floats
+    u32 n_k_head, d_k, n_v_head, d_v, n_slots;
+    float eps;
+};
+
+__device__ __forceinline__ float delta_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0, d_k <= 256.
+extern "C" __global__ void delta_rule_seqs_prep(const DeltaSeqsPrepParams p) {
+    const u32 col0 = blockIdx.x * (blockDim.x / 32);
+    if (threadIdx.x == 0 && col0 < p.n_v_head * p.d_v) {
+        const u32 slot = ((const u32*)p.slot)[blockIdx.y], nc = min(blockDim.x / 32, p.n_v_head * p.d_v - col0);
+        if (slot < p.n_slots) prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * nc * p.d_k);
+    }
+    pdl_enter();
+    const u32 col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, sq = blockIdx.y;
+    const u32 nk = p.n_k_head, dk = p.d_k, nv = p.n_v_head, dv = p.d_v;
+    if (col >= nv * dv) return;  // whole warps
+    const int lane = threadIdx.x % 32;
+    const u32 n = ((const u32*)p.n)[sq], t0 = ((const u32*)p.row0)[sq], t1 = t0 + n, slot = ((const u32*)p.slot)[sq];
+    if (slot >= p.n_slots) {
+        if (lane == 0)
+            for (u32 t = t0; t < t1; ++t) ((float*)p.out)[(u64)t * nv * dv + col] = __int_as_float(0x7fffffff);
+        return;
+    }
+    float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * dk;
+    const u32 h = col / dv, kh = h % nk, n_per = dk / 32, width = 2 * nk * dk + nv * dv;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    const float ah = ((const float*)p.a)[h], dtb = ((const float*)p.dt_bias)[h];
+    float s[DELTA_MAX_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) s[i] = i < (int)n_per ? st[32 * i + lane] : 0.0f;
+    for (u32 t = t0; t < t1; ++t) {
+        const float* row = (const float*)p.cu + (u64)t * width;
+        float kv[DELTA_MAX_PER_LANE], qv[DELTA_MAX_PER_LANE];
+        float qq = 0.0f, kk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
+            if (i < (int)n_per) {
+                qv[i] = row[kh * dk + 32 * i + lane];
+                kv[i] = row[nk * dk + kh * dk + 32 * i + lane];
+                qq += qv[i] * qv[i];
+                kk += kv[i] * kv[i];
+            }
+        }
+        const float vv = row[2 * nk * dk + col];
+        const float b = sigmoid_f(((const float*)p.b)[(u64)t * nv + h]);
+        const float decay = expf(ah * delta_softplus(((const float*)p.alpha)[(u64)t * nv + h] + dtb));
+        const float qs = 1.0f / sqrtf(warp_sum(qq) + p.eps), ks = 1.0f / sqrtf(warp_sum(kk) + p.eps);
+        float sk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
+            if (i < (int)n_per) {
+                qv[i] = qv[i] * qs * q_scale;
+                kv[i] = kv[i] * ks;
+                s[i] *= decay;
+                sk += s[i] * kv[i];
+            }
+        }
+        sk = warp_sum(sk);
+        const float delta = b * (vv - sk);
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
+            if (i < (int)n_per) {
+                s[i] += kv[i] * delta;
+                o += s[i] * qv[i];
+            }
+        }
+        o = warp_sum(o);
+        if (lane == 0) ((float*)p.out)[(u64)t * nv * dv + col] = o;
+    }
+#pragma unroll
+    for (int i = 0; i < DELTA_MAX_PER_LANE; ++i)
+        if (i < (int)n_per) st[32 * i + lane] = s[i];
+}

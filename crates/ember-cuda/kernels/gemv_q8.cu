@@ -78,6 +78,25 @@ extern "C" __global__ void gemv_q8_q4_k(const GemvQ8Params p) { gemv_q8<TY_Q4_K>
 extern "C" __global__ void gemv_q8_q6_k(const GemvQ8Params p) { gemv_q8<TY_Q6_K>(p); }
 extern "C" __global__ void gemv_q8_q8_0(const GemvQ8Params p) { gemv_q8<TY_Q8_0>(p); }
 
+// Weights of different types in one launch (a layer's projections of one input: DeltaNet's
+// Q6_K qkv beside its Q4_K gate and its a and b): weight i's blocks run gemv_q8<ty[i]>, so each
+// output is what that type's own kernel gives, bit for bit, and the second weight's rows no
+// longer wait for the first's launch to drain. ty[i]: TY_Q4_K, TY_Q6_K or TY_Q8_0.
+struct GemvQ8MixedParams {
+    GemvQ8Params g;
+    u32 ty[GEMV_Q8_MULTI];
+};
+
+extern "C" __global__ void gemv_q8_mixed(const GemvQ8MixedParams p) {
+    u32 i = 0;
+    while (i + 1 < p.g.n && blockIdx.x >= p.g.block0[i + 1]) ++i;
+    switch (p.ty[i]) {  // block-uniform
+        case TY_Q4_K: gemv_q8<TY_Q4_K>(p.g); break;
+        case TY_Q6_K: gemv_q8<TY_Q6_K>(p.g); break;
+        case TY_Q8_0: gemv_q8<TY_Q8_0>(p.g); break;
+    }
+}
+
 // ---- gemv_q8_rows_<type>: the same product for large weights (the output head) ----
 // A warp copies R whole rows into shared memory with 16-byte asynchronous copies (rows are
 // multiples of 16 bytes, whatever the block size: Q6_K's 210 and Q8_0's 34-byte blocks are

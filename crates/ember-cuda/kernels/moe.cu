@@ -106,27 +106,10 @@ struct MoeQ8Params {
     u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
     u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s;
     u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
-    // Read only under EMBER_MOE_SHARED_FIRST (gate/up in two launches, the shared expert's
-    // first; the plain kernel is the one without them):
-    u32 y0;          // gate/up: this launch's first block row (the shared expert's alone: n_tok · k_top)
-    u32 ids_early;   // gate/up's routed blocks read the routing and ask for their rows in L2
-                     // before pdl_enter (1 only when the route kernel is two launches back)
 };
 
 #define MOE_GU_ROWS 32
 #define MOE_GU_MAX_SEG 16
-
-// The routed gate/up loop's unroll: 2 (two rounds of loads a thread at the 35B's 8 units over 2
-// workers), or under EMBER_MOE_GU_UNROLL all 4 (every load of a thread in flight at once), with
-// the registers that needs (blocks of at most 32 · MOE_GU_MAX_SEG threads, so up to 128 a
-// thread instead of the 64 a 1,024-thread bound leaves).
-#ifdef EMBER_MOE_GU_UNROLL
-#define MOE_GU_UNROLL _Pragma("unroll 4")
-#define MOE_GU_BOUNDS __launch_bounds__(MOE_GU_ROWS * MOE_GU_MAX_SEG, 1)
-#else
-#define MOE_GU_UNROLL _Pragma("unroll 2")
-#define MOE_GU_BOUNDS
-#endif
 
 // Quantises the block's MOE_GU_ROWS values hv (rows r0.. of h, at h index `at`) to int8 into
 // the h buffer (values at `at`, (d, d·Σq) at n_hq + at / 32 float2s). Every thread calls it.
@@ -205,33 +188,18 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     __shared__ float part[MOE_GU_MAX_SEG];
     __shared__ float hv[MOE_GU_ROWS];
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
-#ifdef EMBER_MOE_SHARED_FIRST
-    const u32 by = blockIdx.y + q.y0;
-#else
-    const u32 by = blockIdx.y;
-#endif
-    if (by >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
+    if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
         const u32 r0 = blockIdx.x * MOE_GU_ROWS;
         if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a kernel
             const u32 rb = q.row_bytes_s_gu, nr = min((u32)MOE_GU_ROWS, q.n_ff_s - r0);
             prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)r0 * rb, (u64)nr * rb);
         }
         pdl_enter();
-        moe_shared_gate_up(q, by - p.n_tok * p.k_top, seg, part, hv);
+        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part, hv);
         return;
     }
-#ifdef EMBER_MOE_SHARED_FIRST
-    if (q.ids_early && tid < 2) {  // the routing is complete here (see ids_early)
-        const u32 e = ((const u32*)p.ids)[by], r0 = blockIdx.x * MOE_GU_ROWS;
-        const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
-        if (s != MOE_MISS && r0 < p.n_ff) {
-            const u32 nr = min((u32)MOE_GU_ROWS, p.n_ff - r0);
-            prefetch_l2((const u8*)(tid ? p.up : p.gate) + ((u64)s * p.n_ff + r0) * p.row_bytes_gu, (u64)nr * p.row_bytes_gu);
-        }
-    }
-#endif
     pdl_enter();
-    const u32 pair = by, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
+    const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
     const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)p.n_ff;
     const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
@@ -241,7 +209,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
         const i8* xq = (const i8*)q.xq + (u64)t * p.d;
         const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
         const int n_units = p.d / U::W;
-MOE_GU_UNROLL
+#pragma unroll 2
         for (int c = wk; c < n_units; c += wr) {
             g += U::dot((const u8*)p.gate + at, c, l, xq, xd);
             u += U::dot((const u8*)p.up + at, c, l, xq, xd);
@@ -306,7 +274,7 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
 
 // (Both call pdl_enter themselves, after their prefetches.)
 #define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
     extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)

@@ -43,32 +43,6 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
     u32* ids = (u32*)p.ids + (u64)t * p.k;
     float* w = (float*)p.weights + (u64)t * p.k;
     float sum = 0.0f;
-#if defined(EMBER_ROUTE_REDUX) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    // Each round's winner by two warp reductions (one instruction each on sm_80+) instead of
-    // five shuffle levels of (value, id) pairs: the largest probability as bits (probabilities
-    // are >= 0, so their bits order as they do; +1 leaves 0 for taken and absent experts), then
-    // the lowest id among the lanes holding it. The same winners in the same order: the same
-    // ids and weights; NaN probabilities (a NaN or infinite logit makes them all NaN) are never
-    // chosen, and a round with nothing left gives the other form's id 0x7fffffff and -2.
-    u32 key[ROUTE_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) key[i] = lane + 32 * i < e_n && v[i] >= 0.0f ? __float_as_uint(v[i]) + 1u : 0u;
-    for (u32 r = 0; r < p.k; ++r) {
-        u32 lk = 0, le = 0xffffffffu;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i)
-            if (key[i] > lk) lk = key[i], le = lane + 32 * i;  // ties in a lane: the lower id
-        const u32 m = __reduce_max_sync(0xffffffffu, lk);
-        const int best_e = m ? (int)__reduce_min_sync(0xffffffffu, lk == m ? le : 0xffffffffu) : 0x7fffffff;
-        const float best = m ? __uint_as_float(m - 1u) : -2.0f;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i)
-            if (lane + 32 * i == best_e) key[i] = 0u;
-        if (lane == 0) ids[r] = best_e;
-        if (lane == (int)(r % 32)) w[r] = best;
-        sum += best;
-    }
-#else
     for (u32 r = 0; r < p.k; ++r) {
         float best = -2.0f;
         int best_e = 0x7fffffff;
@@ -88,7 +62,6 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
         if (lane == (int)(r % 32)) w[r] = best;
         sum += best;
     }
-#endif
     const float norm = fmaxf(sum, p.sum_min);
     __syncwarp();
     for (u32 r = lane; r < p.k; r += 32) w[r] = w[r] / norm;

@@ -20,6 +20,7 @@ use crate::nvrtc::{Image, Nvrtc};
 
 mod mailbox;
 mod skip;
+mod trace;
 mod transfers;
 mod uploads;
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
@@ -173,6 +174,8 @@ pub struct Gpu {
     /// Kernels left out of the run after their first launches (`EMBER_CUDA_SKIP`), for
     /// measuring what a kernel costs a step: wrong results, timing only.
     skip: Option<skip::Skip>,
+    /// The in-GPU launch timeline (`EMBER_CUDA_TRACE`, see [`trace::Trace`]).
+    trace: Option<trace::Trace>,
     /// Whether [`Gpu::begin_record`] records (`EMBER_CUDA_GRAPH=0` and the profile turn it off).
     graphs: AtomicBool,
     /// Launches go to `recorder` instead of the stream (between begin_record and end_record).
@@ -195,8 +198,6 @@ pub struct Gpu {
     /// Whether the automatic attention path may take the decode kernel (`EMBER_ATTN_DECODE=0`:
     /// no, the paths before it, for measuring it).
     attn_decode: bool,
-    /// `EMBER_KERNEL_DEFINES` names `EMBER_MOE_SHARED_FIRST`: see [`Gpu::moe_shared_first`].
-    moe_shared_first: bool,
     /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
     attn_mma: bool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
@@ -305,6 +306,11 @@ impl Drop for Gpu {
         self.recorder.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.pending.any.store(false, Ordering::Release);
         graph::bury(&self.pending);
+        if let Some(t) = &self.trace
+            && let Err(e) = t.dump(&self.stream)
+        {
+            eprintln!("EMBER_CUDA_TRACE: {e}");
+        }
         if let Some(t) = &self.flush_time {
             let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
             t.collect();
@@ -334,6 +340,7 @@ impl Gpu {
         let info = info(&ctx)?;
         let mut recorder = Recorder::default();
         recorder.set_programmatic(info.sm() >= 90 && graph::programmatic_from_env());
+        let trace = trace::Trace::from_env(&stream)?;
         Ok(Gpu {
             ctx,
             stream,
@@ -346,6 +353,7 @@ impl Gpu {
             small: Mutex::default(),
             lane: Mutex::default(),
             skip: skip::Skip::from_env(),
+            trace,
             profile: std::env::var_os("EMBER_CUDA_PROFILE").filter(|v| !v.is_empty() && v != "0").map(|_| Mutex::default()),
             graphs: AtomicBool::new(graph::graphs_from_env()),
             recording: AtomicBool::new(false),
@@ -357,7 +365,6 @@ impl Gpu {
             first_flush: Mutex::default(),
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
-            moe_shared_first: kernels::defined("EMBER_MOE_SHARED_FIRST"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
@@ -380,14 +387,6 @@ impl Gpu {
     /// Whether one-token Fast matmuls may take the int8 GEMV (`EMBER_GEMV_Q8=0` turns it off).
     pub(crate) fn gemv_q8_on(&self) -> bool {
         self.gemv_q8
-    }
-
-    /// Whether [`Gpu::moe_q8`] with a shared expert launches its gate/up in two grids, the
-    /// shared expert's first (the kernel define `EMBER_MOE_SHARED_FIRST`, which the gate/up
-    /// kernel needs for it; off by default until measured): the routed blocks' weights are then
-    /// asked for in L2 while the shared expert's launch runs, instead of after the ids arrive.
-    pub(crate) fn moe_shared_first(&self) -> bool {
-        self.moe_shared_first
     }
 
     /// Whether [`crate::ops::AttentionPath::Auto`] may take the decode kernel
@@ -682,6 +681,9 @@ impl Gpu {
             Image::Ptx(s) => Ptx::from_src(s),
         };
         let m = self.ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
+        if let Some(t) = &self.trace {
+            t.attach(&self.stream, &m, kernel)?;
+        }
         self.modules.lock().unwrap_or_else(|e| e.into_inner()).insert(kernel.name, m.clone());
         Ok(m)
     }

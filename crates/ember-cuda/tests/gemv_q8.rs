@@ -163,6 +163,21 @@ fn gemv_q8_multi_equals_one_launch_per_weight() {
             assert_eq!(g.download(&ys[i]).unwrap(), g.download(&one).unwrap(), "{} weight {i}", ty.name());
         }
     }
+    // Weights of several types in one launch (gemv_q8_mixed: DeltaNet's Q6_K qkv with its Q4_K
+    // gate, a and b), each against its type's own launch.
+    let k = 2048;
+    let mixed = [(GgmlType::Q6K, 8192), (GgmlType::Q4K, 4096), (GgmlType::Q8_0, 32), (GgmlType::Q4K, 32)];
+    let ws: Vec<_> = mixed.iter().map(|&(ty, n)| g.upload_weight(ty, k, n, &quantised(ty, &mut rng, k, n)).unwrap()).collect();
+    let x = g.upload(&rng.vec(k, -2.0, 2.0)).unwrap();
+    let mut ys: Vec<Buf<f32>> = mixed.iter().map(|&(_, n)| g.upload(&vec![f32::NAN; n]).unwrap()).collect();
+    let refs: Vec<_> = ws.iter().map(|w| w.all()).collect();
+    let mut ys_mut: Vec<&mut Buf<f32>> = ys.iter_mut().collect();
+    g.gemv_q8(&refs, &x, &mut ys_mut).unwrap();
+    for (i, w) in ws.iter().enumerate() {
+        let mut one = g.upload(&vec![f32::NAN; mixed[i].1]).unwrap();
+        g.gemv_q8(&[w.all()], &x, &mut [&mut one]).unwrap();
+        assert_eq!(g.download(&ys[i]).unwrap(), g.download(&one).unwrap(), "mixed launch: {} weight {i}", mixed[i].0.name());
+    }
 }
 
 /// rms_norm_q8 writes what rms_norm writes, and an int8 copy the GEMV reads as it reads

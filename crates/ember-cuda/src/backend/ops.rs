@@ -216,8 +216,13 @@ impl Ops for CudaOps {
             }
             let (ty, k) = (dws[j].ty, dws[j].k);
             if q8(j) {
-                let group: Vec<usize> =
-                    (j..dws.len()).filter(|&i| !done[i] && dws[i].ty == ty && dws[i].k == k).take(GEMV_Q8_MULTI).collect();
+                // Weights of other int8 types join (one launch, gemv_q8_mixed) unless
+                // EMBER_GEMV_MIXED=0.
+                let mixed = crate::ops::gemv_q8_mixed_on();
+                let group: Vec<usize> = (j..dws.len())
+                    .filter(|&i| !done[i] && dws[i].k == k && (dws[i].ty == ty || mixed && q8(i)))
+                    .take(GEMV_Q8_MULTI)
+                    .collect();
                 let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();
                 let mut ys_g: Vec<&mut Buf<f32>> =
                     outs.iter_mut().take(dws.len()).enumerate().filter(|(i, _)| group.contains(i)).map(|(_, y)| &mut **y).collect();
@@ -417,6 +422,17 @@ impl Ops for CudaOps {
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.rule_op(layer, h, x, mode)
+    }
+    fn delta_prep_rule(
+        &mut self,
+        layer: LayerIdx,
+        s: DeltaPrep,
+        cu: Tensor,
+        b: Tensor,
+        alpha: Tensor,
+        mode: DeltaMode,
+    ) -> OpResult<Tensor> {
+        self.prep_rule_op(layer, s, cu, b, alpha, mode)
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {

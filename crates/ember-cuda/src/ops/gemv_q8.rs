@@ -39,16 +39,9 @@ fn threads_per_sm(ty: GgmlType) -> usize {
 pub(crate) const PREFETCH_MAX_BYTES: usize = 32 << 20;
 
 /// Weights of at least this many bytes (the output head) take gemv_q8_rows where their type
-/// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off, `EMBER_GEMV_ROWS_MIN_MIB=N` moves
-/// the bound (measurements: DeltaNet's 13.8 MB Q6_K qkv falls below it).
+/// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off. (DeltaNet's 13.8 MB Q6_K qkv on it
+/// measured no faster: docs/perf.md g19.)
 const ROWS_MIN_BYTES: usize = 64 << 20;
-
-fn rows_min_bytes() -> usize {
-    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| {
-        std::env::var("EMBER_GEMV_ROWS_MIN_MIB").ok().and_then(|v| v.parse::<usize>().ok()).map_or(ROWS_MIN_BYTES, |m| m << 20)
-    })
-}
 
 /// Rows per warp of gemv_q8_rows by type (`GEMV_Q8_ROWS_*`), and its warps per block.
 fn rows_per_warp(ty: GgmlType) -> Option<usize> {
@@ -59,6 +52,14 @@ fn rows_per_warp(ty: GgmlType) -> Option<usize> {
     }
 }
 const ROWS_WARPS: usize = 4;
+
+/// Whether a layer's one-token projections of one input go in one launch whatever their int8
+/// types (`gemv_q8_mixed`: DeltaNet's Q6_K qkv with its Q4_K gate, a and b in the Q4_K_M
+/// recipe); `EMBER_GEMV_MIXED=0`: one launch per type, as before.
+pub(crate) fn gemv_q8_mixed_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    super::switch(&ON, "EMBER_GEMV_MIXED")
+}
 
 fn rows_kernel_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -93,6 +94,16 @@ struct GemvQ8Params {
 // SAFETY: plain #[repr(C)] data matching `GemvQ8Params` in kernels/gemv_q8.cu (72 bytes of u64,
 // then 17 + 3 u32: 152 bytes, no padding in either language).
 unsafe impl DeviceRepr for GemvQ8Params {}
+
+#[repr(C)]
+struct GemvQ8MixedParams {
+    g: GemvQ8Params,
+    ty: [u32; GEMV_Q8_MULTI],
+}
+
+// SAFETY: plain #[repr(C)] data matching `GemvQ8MixedParams` in kernels/gemv_q8.cu (152 bytes,
+// then 4 u32: 168 bytes, a multiple of the 8-byte alignment; no padding in either language).
+unsafe impl DeviceRepr for GemvQ8MixedParams {}
 
 #[repr(C)]
 struct GemvQ8RowsParams {
@@ -164,23 +175,26 @@ impl Gpu {
         unsafe { self.launch(&f, (blocks(k / 32, 8), 1, 1), 256, 0, &p) }
     }
 
-    /// `ys[i] = x · ws[i]ᵀ` for one token, 1 to [`GEMV_Q8_MULTI`] weights of one type and k,
-    /// from the x that [`Gpu::quantize_q8`] last quantised (with this k).
+    /// `ys[i] = x · ws[i]ᵀ` for one token, 1 to [`GEMV_Q8_MULTI`] weights of one k, from the x
+    /// that [`Gpu::quantize_q8`] last quantised (with this k). Weights of one type take that
+    /// type's kernel; of several types, `gemv_q8_mixed`, whose outputs are the same bits.
     pub fn gemv_q8_quantized(&self, ws: &[WeightRef<'_>], k: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
         let n = ws.len();
         if n == 0 || n > GEMV_Q8_MULTI || ys.len() != n {
             return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_Q8_MULTI})", ys.len())));
         }
+        if let Some(w) = ws.iter().find(|w| w.k() != k) {
+            return Err(shape(OP, format!("weights of one launch share k = {k} (one has {})", w.k())));
+        }
+        for w in ws {
+            let ty = w.ty();
+            let Some((_, per_unit)) = unit(ty) else { return Err(shape(OP, format!("no int8 GEMV for {}", ty.name()))) };
+            if !k.is_multiple_of(per_unit) || k == 0 {
+                return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
+            }
+        }
         let ty = ws[0].ty();
-        if ws.iter().any(|w| w.ty() != ty || w.k() != k) {
-            return Err(shape(OP, format!("weights of one launch share their type and k = {k}")));
-        }
-        let (Some((lanes, per_unit)), Some(sfx)) = (unit(ty), suffix(ty)) else {
-            return Err(shape(OP, format!("no int8 GEMV for {}", ty.name())));
-        };
-        if !k.is_multiple_of(per_unit) || k == 0 {
-            return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
-        }
+        let mixed = ws.iter().any(|w| w.ty() != ty);
         let q = self.q8_scratch(q8_bytes(k))?;
         if n == 1 && self.gemv_q8_rows(&ws[0], k, q, ys[0])? {
             return Ok(());
@@ -199,9 +213,12 @@ impl Gpu {
             prefetch: if bytes <= PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
         };
         let mut total = 0u32;
+        let mut tys = [0u32; GEMV_Q8_MULTI];
         for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
             need(OP, "y", y, w.n_rows)?;
-            let wr = workers_per_row(ty, w.n_rows, k / per_unit, lanes, self.info().n_sm);
+            let Some((lanes, per_unit)) = unit(w.ty()) else { unreachable!("every type was checked above") };
+            let wr = workers_per_row(w.ty(), w.n_rows, k / per_unit, lanes, self.info().n_sm);
+            tys[i] = w.ty().id();
             p.w[i] = w.ptr();
             p.y[i] = y.ptr();
             p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
@@ -216,12 +233,19 @@ impl Gpu {
         if total == 0 {
             return Ok(());
         }
+        // SAFETY (both launches): every weight pointer addresses n_rows rows of row_bytes
+        // (WeightRef's range was checked), of whole blocks of its type (k % per_unit == 0 for
+        // each); each y holds n_rows floats (checked); the scratch holds q8_bytes(k). Alignment:
+        // Q4_K rows and blocks are multiples of 16 bytes (the kernel's 16-byte loads), Q6_K and
+        // Q8_0 are read 2 bytes at a time; the int8 x is read 16 (Q4_K) or 8 bytes at a time at
+        // multiples of that. gemv_q8_mixed's ty[i] is weight i's type, one the kernel has.
+        if mixed {
+            let f = self.function(&GEMV_Q8, "gemv_q8_mixed")?;
+            let p = GemvQ8MixedParams { g: p, ty: tys };
+            return unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) };
+        }
+        let Some(sfx) = suffix(ty) else { unreachable!("every type was checked above") };
         let f = self.function(&GEMV_Q8, &format!("gemv_q8_{sfx}"))?;
-        // SAFETY: every weight pointer addresses n_rows rows of row_bytes (WeightRef's range was
-        // checked), of whole blocks of its type (k % per_unit == 0); each y holds n_rows floats
-        // (checked); the scratch holds q8_bytes(k). Alignment: Q4_K rows and blocks are
-        // multiples of 16 bytes (the kernel's 16-byte loads), Q6_K and Q8_0 are read 2 bytes at
-        // a time; the int8 x is read 16 (Q4_K) or 8 bytes at a time at multiples of that.
         unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) }
     }
 
@@ -231,8 +255,7 @@ impl Gpu {
         let (ty, rb) = (w.ty(), w.row_bytes());
         let (Some(r), Some(sfx)) = (rows_per_warp(ty), suffix(ty)) else { return Ok(false) };
         let smem = ROWS_WARPS * r * rb;
-        if !rows_kernel_on() || w.n_rows * rb < rows_min_bytes() || !rb.is_multiple_of(16) || !w.ptr().is_multiple_of(16) || smem > 48 << 10
-        {
+        if !rows_kernel_on() || w.n_rows * rb < ROWS_MIN_BYTES || !rb.is_multiple_of(16) || !w.ptr().is_multiple_of(16) || smem > 48 << 10 {
             return Ok(false);
         }
         need(OP, "y", y, w.n_rows)?;

@@ -113,12 +113,10 @@ struct MoeQ8Params {
     row_bytes_s_down: u32,
     n_ff_s: u32,
     prefetch: u32,
-    y0: u32,
-    ids_early: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
-// bytes, a multiple of 8, then 5 u64 and 10 u32: no padding in either language).
+// bytes, a multiple of 8, then 5 u64 and 8 u32: no padding in either language).
 unsafe impl DeviceRepr for MoeQ8Params {}
 
 /// The shared expert, for [`Gpu::moe_q8`] to run inside the routed experts' two kernels: gate
@@ -630,8 +628,6 @@ impl Gpu {
             row_bytes_s_down: 0,
             n_ff_s: n_ff_s as u32,
             prefetch: if down_bytes <= super::gemv_q8::PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
-            y0: 0,
-            ids_early: 0,
         };
         if let Some(s) = shared {
             q.sg = s.gate.ptr();
@@ -644,31 +640,15 @@ impl Gpu {
             q.row_bytes_s_down = u32_of(OP, "row bytes", s.down.row_bytes)?;
         }
         let threads_gu = GU_ROWS * wr_gu * l_gu;
-        let grid_x = blocks(n_ff.max(n_ff_s), GU_ROWS);
-        // SAFETY (both forms): moe_params checked the stacked weight shapes and the sizes of x,
-        // ids, weights, h and out; the shared expert's shapes chain (`fits`), its gate logit
-        // holds n_tok and h its n_tok·n_ff_s more floats (checked); the int8 scratch holds x's
-        // quantisation (n_tok·d values, quantize_q8 above or the caller's); rows are whole
-        // blocks of their types (checked), whose loads q8.cuh aligns as gemv_q8 does; seg =
-        // wr·L is a multiple of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff
-        // and n_ff_s are multiples of 32 (checked), so each block's 32 rows are one int8 block
-        // of h, and h's 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes). The split form
-        // launches the same blocks in two grids (y0: the first block row of each).
-        if shared.is_some() && pairs > 0 && self.moe_shared_first() {
-            // The shared expert's blocks first, alone, then the routed ones: the kernel just
-            // ahead of those is then the shared expert's, not whatever wrote the ids, so they may
-            // read the routing and ask for their rows in L2 before pdl_enter (ids_early) while
-            // the shared expert's launch runs.
-            let pairs32 = u32_of(OP, "pairs", pairs)?;
-            let shared_q = MoeQ8Params { y0: pairs32, ..q };
-            let routed_q = MoeQ8Params { ids_early: q.prefetch, ..q };
-            unsafe {
-                self.launch(&f_gu, (grid_x, blocks_y - pairs32, 1), threads_gu as u32, 0, &shared_q)?;
-                self.launch(&f_gu, (grid_x, pairs32, 1), threads_gu as u32, 0, &routed_q)?;
-            }
-        } else {
-            unsafe { self.launch(&f_gu, (grid_x, blocks_y, 1), threads_gu as u32, 0, &q)? };
-        }
+        // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
+        // h and out; the shared expert's shapes chain (`fits`), its gate logit holds n_tok and h
+        // its n_tok·n_ff_s more floats (checked); the int8 scratch holds x's quantisation
+        // (n_tok·d values, quantize_q8 above or the caller's); rows are whole blocks of their
+        // types (checked), whose loads q8.cuh aligns as gemv_q8 does; seg = wr·L is a multiple
+        // of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff and n_ff_s are
+        // multiples of 32 (checked), so each block's 32 rows are one int8 block of h, and h's
+        // 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes).
+        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
         debug_assert!(q8_bytes(n_hq) <= 4 * n_hq);
         q.xq = h.ptr();
         q.wr = wr_dn as u32;
