@@ -113,11 +113,12 @@ extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
 }
 
 // ---- delta_rule_seqs_prep: delta_prep and the scan in one launch ----
-// For steps whose sequences all take the scan (decode): each warp reads its rows of the conv
-// output `cu` itself, L2-normalises its key head's q and k (the sum of squares by lane, then a
-// warp sum: delta_prep's values up to the sum's order; q then times 1/sqrt(d_k)), and computes
-// its value head's β = sigmoid(b) and g = a·softplus(alpha + dt_bias) (threshold 20), as
-// delta_prep does; then the same column update as delta_column. No q, k, v, g, β buffers.
+// For one-token steps (decode): each warp reads its rows of the conv output `cu` itself,
+// L2-normalises its key head's q and k (q then times 1/sqrt(d_k)) and computes its value head's
+// β = sigmoid(b) and g = a·softplus(alpha + dt_bias) (threshold 20), in the same operations
+// and the same order as delta_prep (whose sums of squares `delta_sq_sum` replays), so q, k, g
+// and β are delta_prep's bits; then the same column update as delta_column. No q, k, v, g, β
+// buffers.
 
 struct DeltaSeqsPrepParams {
     u64 cu;       // [n_rows, 2·nk·dk + nv·dv] f32
@@ -136,6 +137,21 @@ struct DeltaSeqsPrepParams {
 };
 
 __device__ __forceinline__ float delta_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Σ x² over a head's d_k values held as x[i] = element 32·i + lane (i < n_per), summed in
+// delta_prep's order: its 128 threads each add elements t, t + 128, .. in turn (block_sum's
+// thread t is warp t / 32, lane t % 32, so element 32·i + lane belongs to warp i % 4), each
+// warp's 32 sums then warp_sum'ed, and block_sum's second warp_sum of the four warps' sums
+// (lanes 0..3, zeros elsewhere: the xor tree adds lanes 0 and 2, 1 and 3, then the two) gives
+// (s0 + s2) + (s1 + s3). Every lane gets it.
+__device__ __forceinline__ float delta_sq_sum(const float* x, u32 n_per) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < DELTA_MAX_PER_LANE; ++i)
+        if (i < (int)n_per) acc[i % 4] += x[i] * x[i];
+    const float s0 = warp_sum(acc[0]), s1 = warp_sum(acc[1]), s2 = warp_sum(acc[2]), s3 = warp_sum(acc[3]);
+    return (s0 + s2) + (s1 + s3);
+}
 
 // blockDim 128 (4 columns per block); grid (ceil(nv·dv / 4), n_seq). d_k % 32 == 0, d_k <= 256.
 extern "C" __global__ void delta_rule_seqs_prep(const DeltaSeqsPrepParams p) {
@@ -165,20 +181,16 @@ extern "C" __global__ void delta_rule_seqs_prep(const DeltaSeqsPrepParams p) {
     for (u32 t = t0; t < t1; ++t) {
         const float* row = (const float*)p.cu + (u64)t * width;
         float kv[DELTA_MAX_PER_LANE], qv[DELTA_MAX_PER_LANE];
-        float qq = 0.0f, kk = 0.0f;
 #pragma unroll
         for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
-            if (i < (int)n_per) {
-                qv[i] = row[kh * dk + 32 * i + lane];
-                kv[i] = row[nk * dk + kh * dk + 32 * i + lane];
-                qq += qv[i] * qv[i];
-                kk += kv[i] * kv[i];
-            }
+            qv[i] = i < (int)n_per ? row[kh * dk + 32 * i + lane] : 0.0f;
+            kv[i] = i < (int)n_per ? row[nk * dk + kh * dk + 32 * i + lane] : 0.0f;
         }
         const float vv = row[2 * nk * dk + col];
         const float b = sigmoid_f(((const float*)p.b)[(u64)t * nv + h]);
-        const float decay = expf(ah * delta_softplus(((const float*)p.alpha)[(u64)t * nv + h] + dtb));
-        const float qs = 1.0f / sqrtf(warp_sum(qq) + p.eps), ks = 1.0f / sqrtf(warp_sum(kk) + p.eps);
+        const float g = ah * delta_softplus(((const float*)p.alpha)[(u64)t * nv + h] + dtb);  // delta_prep's g
+        const float decay = expf(g);
+        const float qs = 1.0f / sqrtf(delta_sq_sum(qv, n_per) + p.eps), ks = 1.0f / sqrtf(delta_sq_sum(kv, n_per) + p.eps);
         float sk = 0.0f;
 #pragma unroll
         for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {

@@ -248,8 +248,9 @@ fn delta_rule_chunked_bad_slot_gives_nan_rows() {
 /// `delta_rule_seqs_prep` (delta_prep and the scan in one launch, decode's form) against
 /// delta_prep then `delta_rule_seqs` on the same device: sequences of 1 and 3 tokens in slots out
 /// of order, states carried over two steps, and a slot out of range (NaN rows, no state
-/// written). Only the q and k norms' sums run in another order (lanes, then a warp sum, against
-/// delta_prep's block sum): bound 2e-5 relative, a few times the error measured (printed).
+/// written). The fused kernel replays delta_prep's operations in its order (the norms' sums
+/// too), so outputs and states must be the same bits: a sequence decoded alone (fused) then
+/// matches its decode inside a batch (not fused).
 #[test]
 fn delta_rule_seqs_prep_matches_prep_then_scan() {
     let Some(g) = gpu() else { return };
@@ -287,13 +288,15 @@ fn delta_rule_seqs_prep_matches_prep_then_scan() {
             assert!(got[bad..].iter().all(|x| x.is_nan()), "step {step}: the bad slot's row is NaN");
             let e = max_rel(&got[..bad], &want[..bad]);
             worst = worst.max(e);
-            assert!(e <= 2e-5, "{h:?} step {step}: max rel err {e:e}");
             let (sf, sp) = (g.download(&fused).unwrap(), g.download(&plain).unwrap());
             let es = max_rel(&sf, &sp);
             worst_state = worst_state.max(es);
-            assert!(es <= 2e-5, "{h:?} step {step}: state max rel err {es:e}");
+            println!("delta_rule_seqs_prep {h:?} step {step}: max rel diff {e:.2e} (outputs), {es:.2e} (states)");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got[..bad]), bits(&want[..bad]), "{h:?} step {step}: outputs");
+            assert_eq!(bits(&sf), bits(&sp), "{h:?} step {step}: states");
         }
-        println!("delta_rule_seqs_prep {h:?}: max rel err {worst:.2e} (outputs), {worst_state:.2e} (states)");
+        println!("delta_rule_seqs_prep {h:?}: the same bits as delta_prep then the scan (max rel diff {worst:.1e}, {worst_state:.1e})");
     }
 }
 

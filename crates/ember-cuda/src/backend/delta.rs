@@ -97,9 +97,9 @@ impl CudaOps {
 
     /// [`ember_ops::Ops::delta_prep_rule`]: with `EMBER_DELTA_PREP_FUSED=1`, a step of one token
     /// (one sequence's decode) in one launch (`delta_rule_seqs_prep`: reads the conv output,
-    /// writes the rule's output); otherwise the two ops. Off by default: its q and k norms
-    /// round differently from delta_prep's (a sequence decoded alone would not match its bits
-    /// inside a batch), and measured on the H100 with the 35B
+    /// writes the rule's output); otherwise the two ops. Off by default
+    /// ([`crate::ops::delta_prep_fused_on`]: its first form's q and k norms rounded differently
+    /// from delta_prep's), and measured on the H100 with the 35B
     /// (bench/results/20261206-0925-h100-fusions-vs-llama, docs/perf.md g19) it gains little
     /// for one sequence, while 16 sequences at depth 4096 decoded 1,506 t/s fused (for every
     /// step) against 1,607 not (each warp normalises its head's q and k again).

@@ -98,10 +98,11 @@ struct DeltaSeqsPrepParams {
 unsafe impl DeviceRepr for DeltaSeqsPrepParams {}
 
 /// Whether [`ember_ops::Ops::delta_prep_rule`] runs one-token steps in one launch
-/// (`delta_rule_seqs_prep`): only with `EMBER_DELTA_PREP_FUSED=1` (measurements), since its q
-/// and k norms sum in another order than delta_prep's, so a sequence decoded alone would not
-/// give the bits it gives inside a batch (tests/model.rs checks that it does); off: delta_prep,
-/// then the scan.
+/// (`delta_rule_seqs_prep`): only with `EMBER_DELTA_PREP_FUSED=1` for now; off: delta_prep,
+/// then the scan. The first form summed the q and k norms in another order than delta_prep, so
+/// a sequence decoded alone did not give the bits it gives inside a batch (tests/model.rs
+/// checks that it does); the kernel now replays delta_prep's order, which
+/// tests/delta_rule.rs checks bit for bit, not yet run on a GPU (docs/perf.md g19).
 pub(crate) fn delta_prep_fused_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("EMBER_DELTA_PREP_FUSED").is_ok_and(|v| v == "1"))
@@ -292,8 +293,8 @@ impl Gpu {
     /// [`Gpu::delta_prep`] and [`Gpu::delta_rule_seqs`] in one launch (`delta_rule_seqs_prep`:
     /// each warp normalises its head's q and k from the conv output itself, so there are no q,
     /// k, v, g, β buffers): every sequence takes the scan, whatever its length (the caller
-    /// keeps this for decode steps). The q and k norms' sums run in another order than
-    /// delta_prep's: the same values up to rounding.
+    /// keeps this for one-token steps). It replays delta_prep's operations in its order (the q
+    /// and k norms' sums too), so it gives the two launches' bits.
     #[allow(clippy::too_many_arguments)]
     pub fn delta_rule_seqs_prep(
         &self,
