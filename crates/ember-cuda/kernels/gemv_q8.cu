@@ -94,6 +94,7 @@ extern "C" __global__ void gemv_q8_mixed(const GemvQ8MixedParams p) {
         case TY_Q4_K: gemv_q8<TY_Q4_K>(p.g); break;
         case TY_Q6_K: gemv_q8<TY_Q6_K>(p.g); break;
         case TY_Q8_0: gemv_q8<TY_Q8_0>(p.g); break;
+        default: __trap();  // the launcher passes only these
     }
 }
 

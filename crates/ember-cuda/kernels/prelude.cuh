@@ -71,7 +71,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // visible, then lets the next kernel's blocks launch (they wait here in turn, so at most two
 // kernels overlap). Outside a programmatic launch, and before sm_90, it does nothing.
 //
-// Under the kernel define EMBER_TRACE (with EMBER_CUDA_TRACE set: src/trace.rs), block 0's
+// Under the kernel define EMBER_TRACE (with EMBER_CUDA_TRACE set: src/gpu/trace.rs), block 0's
 // thread 0 of every launch appends (%globaltimer once the wait is over, the module's number,
 // the grid) to a device buffer: when each kernel's predecessor finished, in launch order, from
 // inside CUDA graphs too. Timing only; the results are unchanged.
@@ -83,13 +83,14 @@ __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef EMBER_TRACE
-    if (ember_trace_buf && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0) {
+    if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0 && ember_trace_buf) {
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         const unsigned long long i = atomicAdd(ember_trace_buf, 1ull);
         if (i < ember_trace_buf[1]) {
             ember_trace_buf[2 + 2 * i] = t;
-            ember_trace_buf[3 + 2 * i] = ((unsigned long long)ember_trace_mod << 40) | ((unsigned long long)gridDim.y << 20) | gridDim.x;
+            ember_trace_buf[3 + 2 * i] = ((unsigned long long)ember_trace_mod << 40) |
+                                         ((unsigned long long)min(gridDim.y, 0xfffffu) << 20) | min(gridDim.x, 0xfffffu);
         }
     }
 #endif

@@ -340,7 +340,7 @@ impl Gpu {
         let info = info(&ctx)?;
         let mut recorder = Recorder::default();
         recorder.set_programmatic(info.sm() >= 90 && graph::programmatic_from_env());
-        let trace = trace::Trace::from_env(&stream)?;
+        let trace = trace::Trace::from_env(&stream, index)?;
         Ok(Gpu {
             ctx,
             stream,

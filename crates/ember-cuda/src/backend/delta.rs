@@ -98,7 +98,7 @@ impl CudaOps {
     /// [`ember_ops::Ops::delta_prep_rule`]: with `EMBER_DELTA_PREP_FUSED=1`, a step of one token
     /// (one sequence's decode) in one launch (`delta_rule_seqs_prep`: reads the conv output,
     /// writes the rule's output); otherwise the two ops. Off by default
-    /// ([`crate::ops::delta_prep_fused_on`]: its first form's q and k norms rounded differently
+    /// ([`CudaOps::set_delta_prep_fused`]: its first form's q and k norms rounded differently
     /// from delta_prep's), and measured on the H100 with the 35B
     /// (bench/results/20261206-0925-h100-fusions-vs-llama, docs/perf.md g19) it gains little
     /// for one sequence, while 16 sequences at depth 4096 decoded 1,506 t/s fused (for every
@@ -116,7 +116,7 @@ impl CudaOps {
         let dev = self.dev;
         let h = DeltaHeads { n_k_head: s.n_k_head, n_v_head: s.n_v_head, d_k: s.d_k, d_v: s.d_v };
         // One token always takes the scan (scan_below is at least 2).
-        if !crate::ops::delta_prep_fused_on() || cu.n != 1 {
+        if !self.delta_prep_fused || cu.n != 1 {
             let x = self.prep_op(s, cu, b, alpha)?;
             return self.rule_op(layer, h, x, mode);
         }

@@ -87,6 +87,9 @@ pub struct CudaOps {
     top: Option<TopBufs>,
     /// Where one-row steps' host time goes, when `EMBER_CUDA_STEP_TIMES` is set.
     times: Option<step_times::StepTimes>,
+    /// Whether one-token steps run `delta_prep_rule` in one launch
+    /// ([`CudaOps::set_delta_prep_fused`]; by default `EMBER_DELTA_PREP_FUSED=1`).
+    delta_prep_fused: bool,
 }
 
 impl Drop for CudaOps {
@@ -196,8 +199,16 @@ impl CudaOps {
             generation: 0,
             top: None,
             times: step_times::from_env(),
+            delta_prep_fused: crate::ops::delta_prep_fused_on(),
             gpu,
         })
+    }
+
+    /// Whether one-token steps run [`ember_ops::Ops::delta_prep_rule`] in one launch
+    /// (`delta_rule_seqs_prep`) or as delta_prep then the scan (tests run both; the default
+    /// follows `EMBER_DELTA_PREP_FUSED`).
+    pub fn set_delta_prep_fused(&mut self, on: bool) {
+        self.delta_prep_fused = on;
     }
 
     /// The GPU (device info, timings).

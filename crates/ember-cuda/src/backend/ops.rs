@@ -217,10 +217,12 @@ impl Ops for CudaOps {
             let (ty, k) = (dws[j].ty, dws[j].k);
             if q8(j) {
                 // Weights of other int8 types join (one launch, gemv_q8_mixed) unless
-                // EMBER_GEMV_MIXED=0.
-                let mixed = crate::ops::gemv_q8_mixed_on();
+                // EMBER_GEMV_MIXED=0; not those large enough for gemv_q8_rows, which takes a
+                // weight alone (the output head's size), nor others with them.
+                let small = |i: usize| dws[i].n_rows * dws[i].row_bytes < crate::ops::GEMV_Q8_ROWS_MIN_BYTES;
+                let mixed = crate::ops::gemv_q8_mixed_on() && small(j);
                 let group: Vec<usize> = (j..dws.len())
-                    .filter(|&i| !done[i] && dws[i].k == k && (dws[i].ty == ty || mixed && q8(i)))
+                    .filter(|&i| !done[i] && dws[i].k == k && (dws[i].ty == ty || mixed && q8(i) && small(i)))
                     .take(GEMV_Q8_MULTI)
                     .collect();
                 let refs: Vec<_> = group.iter().map(|&i| dws[i].all()).collect();

@@ -15,7 +15,9 @@ use crate::kernels::{self, Kernel};
 /// %globaltimer (ns), its module and its grid to a device buffer of `EMBER_CUDA_TRACE_CAP`
 /// (default 1,000,000) launches. Since a launch waits there for the one ahead to finish, the
 /// gap between launch i's time and launch i + 1's is what launch i costs the chain. Written to
-/// FILE when the GPU handle drops: one line a launch, `ns module grid_x grid_y`.
+/// FILE (FILE.N for GPU N > 0) when the GPU handle drops: one line a launch, `ns module grid_x
+/// grid_y` (grids past 2^20 - 1 shown as that; a module, not an entry: `gemv_q8_mixed` and
+/// `gemv_q8_q4_k` of one grid look alike).
 /// `bench/gpu/trace.py` sums it per kernel. Timing only: the results are unchanged.
 pub(super) struct Trace {
     buf: CudaSlice<u64>,
@@ -24,13 +26,17 @@ pub(super) struct Trace {
 }
 
 impl Trace {
-    pub(super) fn from_env(stream: &Arc<CudaStream>) -> Result<Option<Trace>> {
-        let Some(path) = std::env::var("EMBER_CUDA_TRACE").ok().filter(|v| !v.is_empty()) else { return Ok(None) };
+    pub(super) fn from_env(stream: &Arc<CudaStream>, ordinal: usize) -> Result<Option<Trace>> {
+        let Some(mut path) = std::env::var("EMBER_CUDA_TRACE").ok().filter(|v| !v.is_empty()) else { return Ok(None) };
+        if ordinal > 0 {
+            path = format!("{path}.{ordinal}"); // each GPU's handle its own file
+        }
         if !kernels::defined("EMBER_TRACE") {
             eprintln!("EMBER_CUDA_TRACE: no trace without the kernel define (EMBER_KERNEL_DEFINES=EMBER_TRACE)");
             return Ok(None);
         }
-        let cap = std::env::var("EMBER_CUDA_TRACE_CAP").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000usize);
+        // At most 2^26 launches (1 GiB of device memory).
+        let cap = std::env::var("EMBER_CUDA_TRACE_CAP").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000usize).clamp(1, 1 << 26);
         let mut head = vec![0u64; 2 + 2 * cap];
         head[1] = cap as u64;
         let buf = stream.clone_htod(&head).map_err(drv("cuMemcpyHtoD"))?;

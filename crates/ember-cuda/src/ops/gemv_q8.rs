@@ -41,7 +41,7 @@ pub(crate) const PREFETCH_MAX_BYTES: usize = 32 << 20;
 /// Weights of at least this many bytes (the output head) take gemv_q8_rows where their type
 /// has it (Q6_K, Q8_0); `EMBER_GEMV_ROWS=0` turns that off. (DeltaNet's 13.8 MB Q6_K qkv on it
 /// measured no faster: docs/perf.md g19.)
-const ROWS_MIN_BYTES: usize = 64 << 20;
+pub(crate) const ROWS_MIN_BYTES: usize = 64 << 20;
 
 /// Rows per warp of gemv_q8_rows by type (`GEMV_Q8_ROWS_*`), and its warps per block.
 fn rows_per_warp(ty: GgmlType) -> Option<usize> {

@@ -30,8 +30,8 @@ pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub(crate) use delta_rule::delta_prep_fused_on;
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
-pub(crate) use gemv_q8::gemv_q8_mixed_on;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
+pub(crate) use gemv_q8::{ROWS_MIN_BYTES as GEMV_Q8_ROWS_MIN_BYTES, gemv_q8_mixed_on};
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{
     DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMA8_MAX_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef,
