@@ -138,8 +138,7 @@ fn check_matmul(op: &'static str, dev: DeviceId, w: &WeightInfo, x: Tensor) -> O
 /// the same values (a decode step's row and sequence tables are the last step's) is not sent
 /// again: fewer copies between a step's read and its first kernel.
 fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<(u64, Vec<u32>)>) -> crate::Result<()> {
-    static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let skip_on = *SKIP.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_SKIP").is_some_and(|v| v == "1"));
+    let skip_on = upload_skip_on();
     for (buf, data) in items.iter_mut() {
         if buf.len() < data.len() {
             **buf = gpu.alloc(data.len().next_power_of_two())?;
@@ -167,6 +166,14 @@ fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<(u64
         gpu.sync()?;
     }
     Ok(())
+}
+
+/// `EMBER_STEP_UPLOAD_SKIP=1`: a step's small uploads leave out a buffer that already holds
+/// the same values ([`put_all`]; `read_top`'s extra-id tables, whose upload would otherwise
+/// send the recorded launches ahead as their own list and the top-k kernels after it alone).
+fn upload_skip_on() -> bool {
+    static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SKIP.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_SKIP").is_some_and(|v| v == "1"))
 }
 
 /// Writes `data` to the start of `buf`, growing it first if needed.
