@@ -53,8 +53,8 @@ struct StepBufs {
     kv_pos: Buf<u32>,
     /// One u32: the step's generation ([`CudaOps::generation`]), for the mailbox kernels.
     generation: Buf<u32>,
-    /// What `begin_step` last sent to each table, and where (see [`put_all`]).
-    sent: Vec<(u64, Vec<u32>)>,
+    /// What `begin_step` last sent to each table (see [`put_all`]).
+    sent: Vec<Sent>,
 }
 
 /// ember's ops on one CUDA GPU.
@@ -137,27 +137,23 @@ fn check_matmul(op: &'static str, dev: DeviceId, w: &WeightInfo, x: Tensor) -> O
 /// switch, off until measured), an item whose buffer is the one `sent` names for it and holds
 /// the same values (a decode step's row and sequence tables are the last step's) is not sent
 /// again: fewer copies between a step's read and its first kernel.
-fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<(u64, Vec<u32>)>) -> crate::Result<()> {
+fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<Sent>) -> crate::Result<()> {
     let skip_on = upload_skip_on();
     for (buf, data) in items.iter_mut() {
         if buf.len() < data.len() {
             **buf = gpu.alloc(data.len().next_power_of_two())?;
         }
     }
-    let same = |i: usize, buf: &Buf<u32>, data: &[u32]| skip_on && sent.get(i).is_some_and(|(p, v)| *p == buf.ptr() && v[..] == data[..]);
     let mut send: Vec<(&mut Buf<u32>, &[u32])> = Vec::with_capacity(items.len());
-    let mut skipped = vec![false; items.len()];
     for (i, (buf, data)) in items.iter_mut().enumerate() {
-        skipped[i] = same(i, buf, data);
-        send.push((&mut **buf, if skipped[i] { &[] } else { *data }));
+        let held = skip_on && sent.get(i).is_some_and(|s| s.holds(buf, data));
+        send.push((&mut **buf, if held { &[] } else { *data }));
     }
     gpu.write_each(&mut send)?;
     if skip_on {
         sent.resize_with(items.len(), Default::default);
         for ((buf, data), s) in items.iter().zip(sent.iter_mut()) {
-            s.0 = buf.ptr();
-            s.1.clear();
-            s.1.extend_from_slice(data);
+            s.note(buf, data);
         }
     }
     // `EMBER_STEP_UPLOAD_WAIT=1`: wait for the copies as before (an A/B switch).
@@ -174,6 +170,26 @@ fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<(u64
 fn upload_skip_on() -> bool {
     static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SKIP.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_SKIP").is_some_and(|v| v == "1"))
+}
+
+/// What a small upload last wrote to a buffer, and where: whether the buffer still holds
+/// `data` without sending it again (`EMBER_STEP_UPLOAD_SKIP`).
+#[derive(Default)]
+struct Sent {
+    ptr: u64,
+    data: Vec<u32>,
+}
+
+impl Sent {
+    fn holds(&self, buf: &Buf<u32>, data: &[u32]) -> bool {
+        self.ptr == buf.ptr() && self.data[..] == data[..]
+    }
+
+    fn note(&mut self, buf: &Buf<u32>, data: &[u32]) {
+        self.ptr = buf.ptr();
+        self.data.clear();
+        self.data.extend_from_slice(data);
+    }
 }
 
 /// Writes `data` to the start of `buf`, growing it first if needed.

@@ -9,7 +9,7 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, KvPages, Precision, SeqRows};
+use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
@@ -346,21 +346,7 @@ impl Ops for CudaOps {
             let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
             put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(OP, dev))?;
         }
-        let st = &self.store;
-        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
-            return Err(OpError::new(OP, dev, "", "the store is not configured"));
-        };
-        let pages = KvPages {
-            pool,
-            table,
-            ty: ty.ggml(),
-            width,
-            n_pages: st.cap,
-            stride: st.stride,
-            n_kv: st.n_kv(),
-            n_slots: st.n_slots(),
-            layer: a,
-        };
+        let pages = self.store.kv_pages(OP, dev, a)?;
         let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
         let (kb, vb) = (self.arena.buf(OP, k)?, self.arena.buf(OP, v)?);
         self.gpu.kv_append(&pages, kb, vb, k.n, &self.step.row_slot, pos).map_err(cuda(OP, dev))
@@ -392,21 +378,7 @@ impl Ops for CudaOps {
         // handles that follow do not depend on the depth).
         let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
         self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
-        let st = &self.store;
-        let (Some(pool), Some(table)) = (st.pool.as_ref(), st.dev_table.as_ref()) else {
-            return Err(OpError::new(OP, dev, "", "the store is not configured"));
-        };
-        let pages = KvPages {
-            pool,
-            table,
-            ty: ty.ggml(),
-            width,
-            n_pages: st.cap,
-            stride: st.stride,
-            n_kv: st.n_kv(),
-            n_slots: st.n_slots(),
-            layer: a,
-        };
+        let pages = self.store.kv_pages(OP, dev, a)?;
         let (ins, mut outs) = self.arena.split(y.id);
         let [yb, sb, ..] = &mut outs[..] else { unreachable!("two buffers were just allocated") };
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };

@@ -26,8 +26,8 @@ pub(super) struct TopBufs {
     /// zeroed when first needed.
     split: Option<(Buf<u32>, Buf<u32>, Buf<u32>)>,
     split_rows: usize,
-    /// What `extra` and `extra_at` were last sent, and where (`EMBER_STEP_UPLOAD_SKIP`).
-    sent: [(u64, Vec<u32>); 2],
+    /// What `extra` and `extra_at` were last sent (`EMBER_STEP_UPLOAD_SKIP`).
+    sent: [super::Sent; 2],
 }
 
 impl CudaOps {
@@ -125,12 +125,12 @@ impl CudaOps {
             // recorded launches ahead, leaving the top-k kernels a list of their own.
             let skip = super::upload_skip_on();
             for (i, (buf, data)) in [(&mut t.extra, &flat), (&mut t.extra_at, &at)].into_iter().enumerate() {
-                if skip && t.sent[i].0 == buf.ptr() && t.sent[i].1 == *data {
+                if skip && t.sent[i].holds(buf, data) {
                     continue;
                 }
                 g.write_async(buf, data)?;
                 if skip {
-                    t.sent[i] = (buf.ptr(), data.clone());
+                    t.sent[i].note(buf, data);
                 }
             }
             let scratch = t.split.as_ref().filter(|_| use_split).map(|(hist, counts, cand)| crate::ops::TopKScratch { hist, counts, cand });

@@ -73,6 +73,25 @@ fn cuda(op: &'static str, dev: DeviceId) -> impl Fn(crate::Error) -> OpError {
 }
 
 impl DevStore {
+    /// The KV pool's view for attention layer ordinal `layer` (kv_append, attention); an error
+    /// while the store is not configured.
+    pub(super) fn kv_pages(&self, op: &'static str, dev: DeviceId, layer: usize) -> OpResult<crate::ops::KvPages<'_>> {
+        let (Some(pool), Some(table)) = (self.pool.as_ref(), self.dev_table.as_ref()) else {
+            return Err(OpError::new(op, dev, "", "the store is not configured"));
+        };
+        Ok(crate::ops::KvPages {
+            pool,
+            table,
+            ty: self.layout.kv_type.ggml(),
+            width: self.layout.kv_width,
+            n_pages: self.cap,
+            stride: self.stride,
+            n_kv: self.n_kv(),
+            n_slots: self.n_slots(),
+            layer,
+        })
+    }
+
     pub fn new(dev: DeviceId) -> Self {
         let layout = StateLayout { layers: Vec::new(), kv_type: KvType::F16, kv_width: 0, conv: 0, rec: 0 };
         DevStore {
