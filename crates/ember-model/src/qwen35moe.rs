@@ -6,8 +6,8 @@ use std::sync::Arc;
 use ember_gguf::GgufFile;
 pub use ember_ops::DeltaMode;
 use ember_ops::{
-    AttnHeads, AttnPrep, Batch, DeltaPrep, Gate, GateUp, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing, StateLayout, Tensor, WeightId,
-    WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing, StateLayout, Tensor,
+    WeightId, WeightSet,
 };
 
 use crate::weights::Loader;
@@ -468,8 +468,9 @@ impl DeltaNet {
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
         let cu = ops.conv1d_silu(layer, u, self.conv)?; // causal conv + SiLU
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
-        // q, k (L2-normed), v, g = log-decay, β; then the gated delta rule: o [ΣT, nv·dv]
-        let o = ops.delta_prep_rule(layer, prep, cu, b, a, mode)?;
+        let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
+        let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
+        let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
         let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)
         Ok(ops.matmul(self.out, y)?) // [ΣT, D]
     }

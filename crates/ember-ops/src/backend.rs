@@ -482,17 +482,6 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         (**self).gated_delta_rule(layer, h, x, mode)
     }
-    fn delta_prep_rule(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        (**self).delta_prep_rule(layer, s, cu, b, alpha, mode)
-    }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         (**self).gate(y, g, act)
     }

@@ -468,14 +468,6 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 check(&mut r, "conv1d_silu".into(), max_rel(&got.data, &want.data), tol.rel);
                 let cu = p.up(&rng.mat(n, 2 * 2 * 32 + 4 * 48, 1.0));
                 let (b, al) = (p.up(&rng.mat(n, 4, 3.0)), p.up(&rng.mat(n, 4, 3.0)));
-                if layer == LayerIdx(3) {
-                    // The prep and the rule as one op (a backend may fuse them: decode steps),
-                    // against the reference's two.
-                    let y = p.both("delta_prep_rule", |o, i| o.delta_prep_rule(layer, dp, cu[i], b[i], al[i], mode));
-                    let (got, want) = p.read(y);
-                    check(&mut r, format!("delta_prep_rule {mode:?}"), max_rel(&got.data, &want.data), tol.rel);
-                    continue;
-                }
                 let [din, dref] = p.both("delta_prep", |o, i| o.delta_prep(dp, cu[i], b[i], al[i]));
                 for (name, t) in [
                     ("q", [din.q, dref.q]),

@@ -108,23 +108,6 @@ pub trait Ops: SeqStore + Send {
     /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;
 
-    /// [`Ops::delta_prep`], then [`Ops::gated_delta_rule`] on its outputs with the same heads. A
-    /// backend may do both in one pass (no q, k, v, g, β tensors); the results are those of the
-    /// two ops up to the q and k norms' rounding.
-    fn delta_prep_rule(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        let x = self.delta_prep(s, cu, b, alpha)?;
-        let h = DeltaHeads { n_k_head: s.n_k_head, n_v_head: s.n_v_head, d_k: s.d_k, d_v: s.d_v };
-        self.gated_delta_rule(layer, h, x, mode)
-    }
-
     /// `y ← y ⊙ act(g)` element by element (same shapes).
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()>;
 

@@ -567,24 +567,6 @@ impl Ops for Split {
         Ok(self.wrap(p, y))
     }
 
-    fn delta_prep_rule(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        const OP: &str = "delta_prep_rule";
-        let p = self.layer(OP, layer)?;
-        let cu = self.on(OP, cu, p)?;
-        let b = self.on(OP, b, p)?;
-        let alpha = self.on(OP, alpha, p)?;
-        let y = self.parts[p].delta_prep_rule(layer, s, cu, b, alpha, mode)?;
-        Ok(self.wrap(p, y))
-    }
-
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         let (p, yi) = self.handle("gate", y)?;
         let g = self.on("gate", g, p)?;

@@ -91,50 +91,6 @@ impl CudaOps {
             .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
         Ok(y)
     }
-
-    /// [`ember_ops::Ops::delta_prep_rule`]: with `EMBER_DELTA_PREP_FUSED=1`, a step of one token
-    /// (one sequence's decode) in one launch (`delta_rule_seqs_prep`: reads the conv output,
-    /// writes the rule's output); otherwise the two ops. Off by default
-    /// ([`CudaOps::set_delta_prep_fused`]: its first form's q and k norms rounded differently
-    /// from delta_prep's), and measured on the H100 with the 35B
-    /// (bench/results/20261206-0925-h100-fusions-vs-llama, docs/perf.md g19) it gains little
-    /// for one sequence, while 16 sequences at depth 4096 decoded 1,506 t/s fused (for every
-    /// step) against 1,607 not (each warp normalises its head's q and k again).
-    pub(super) fn prep_rule_op(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        const OP: &str = "delta_prep_rule";
-        let dev = self.dev;
-        let h = DeltaHeads { n_k_head: s.n_k_head, n_v_head: s.n_v_head, d_k: s.d_k, d_v: s.d_v };
-        // One token always takes the scan (scan_below is at least 2).
-        if !self.delta_prep_fused || cu.n != 1 {
-            let x = self.prep_op(s, cu, b, alpha)?;
-            return self.rule_op(layer, h, x, mode);
-        }
-        let (av, dt) = prep_inputs(OP, dev, &self.arena, &self.weights, &s, [cu, b, alpha])?;
-        self.rows_check(OP, cu)?;
-        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
-        // The rule's checks on the shapes delta_prep would have made.
-        let (n, nk, dk, nv, dv) = (cu.n, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
-        let mat = |n, d| Mat { n, d, data: Vec::new() };
-        let mats = DeltaMats { q: mat(n, nk * dk), k: mat(n, nk * dk), v: mat(n, nv * dv), g: mat(n, nv), beta: mat(n, nv) };
-        self.rule_check(OP, h, &mats)?;
-        let (_, at) = self.delta_at(d);
-        let y = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
-        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
-        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
-        let (ins, mut outs) = self.arena.split(y.id);
-        let prep = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
-        let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
-        self.gpu.delta_rule_seqs_prep(prep, input, seqs, state, at, outs[0]).map_err(cuda(OP, dev))?;
-        Ok(y)
-    }
 }
 
 /// Sequences of at least this many tokens take the chunked form under `mode`, the others the

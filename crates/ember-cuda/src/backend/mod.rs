@@ -53,8 +53,6 @@ struct StepBufs {
     kv_pos: Buf<u32>,
     /// One u32: the step's generation ([`CudaOps::generation`]), for the mailbox kernels.
     generation: Buf<u32>,
-    /// What `begin_step` last sent to each table (see [`put_all`]).
-    sent: Vec<Sent>,
 }
 
 /// ember's ops on one CUDA GPU.
@@ -89,9 +87,6 @@ pub struct CudaOps {
     top: Option<TopBufs>,
     /// Where one-row steps' host time goes, when `EMBER_CUDA_STEP_TIMES` is set.
     times: Option<step_times::StepTimes>,
-    /// Whether one-token steps run `delta_prep_rule` in one launch
-    /// ([`CudaOps::set_delta_prep_fused`]; by default `EMBER_DELTA_PREP_FUSED=1`).
-    delta_prep_fused: bool,
 }
 
 impl Drop for CudaOps {
@@ -133,63 +128,20 @@ fn check_matmul(op: &'static str, dev: DeviceId, w: &WeightInfo, x: Tensor) -> O
 }
 
 /// Writes each item's data to the start of its buffer (growing it first if needed), without
-/// waiting for the stream ([`Gpu::write_each`]). With `EMBER_STEP_UPLOAD_SKIP=1` (an A/B
-/// switch, off until measured), an item whose buffer is the one `sent` names for it and holds
-/// the same values (a decode step's row and sequence tables are the last step's) is not sent
-/// again: fewer copies between a step's read and its first kernel.
-fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])], sent: &mut Vec<Sent>) -> crate::Result<()> {
-    let skip_on = upload_skip_on();
+/// waiting for the stream ([`Gpu::write_each`]).
+fn put_all(gpu: &Gpu, items: &mut [(&mut Buf<u32>, &[u32])]) -> crate::Result<()> {
     for (buf, data) in items.iter_mut() {
         if buf.len() < data.len() {
             **buf = gpu.alloc(data.len().next_power_of_two())?;
         }
     }
-    let mut send: Vec<(&mut Buf<u32>, &[u32])> = Vec::with_capacity(items.len());
-    for (i, (buf, data)) in items.iter_mut().enumerate() {
-        let held = skip_on && sent.get(i).is_some_and(|s| s.holds(buf, data));
-        send.push((&mut **buf, if held { &[] } else { *data }));
-    }
-    gpu.write_each(&mut send)?;
-    if skip_on {
-        sent.resize_with(items.len(), Default::default);
-        for ((buf, data), s) in items.iter().zip(sent.iter_mut()) {
-            s.note(buf, data);
-        }
-    }
+    gpu.write_each(items)?;
     // `EMBER_STEP_UPLOAD_WAIT=1`: wait for the copies as before (an A/B switch).
     static WAIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *WAIT.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_WAIT").is_some_and(|v| v == "1")) {
         gpu.sync()?;
     }
     Ok(())
-}
-
-/// `EMBER_STEP_UPLOAD_SKIP=1`: a step's small uploads leave out a buffer that already holds
-/// the same values ([`put_all`]; `read_top`'s extra-id tables, whose upload would otherwise
-/// send the recorded launches ahead as their own list and the top-k kernels after it alone).
-fn upload_skip_on() -> bool {
-    static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SKIP.get_or_init(|| std::env::var_os("EMBER_STEP_UPLOAD_SKIP").is_some_and(|v| v == "1"))
-}
-
-/// What a small upload last wrote to a buffer, and where: whether the buffer still holds
-/// `data` without sending it again (`EMBER_STEP_UPLOAD_SKIP`).
-#[derive(Default)]
-struct Sent {
-    ptr: u64,
-    data: Vec<u32>,
-}
-
-impl Sent {
-    fn holds(&self, buf: &Buf<u32>, data: &[u32]) -> bool {
-        self.ptr == buf.ptr() && self.data[..] == data[..]
-    }
-
-    fn note(&mut self, buf: &Buf<u32>, data: &[u32]) {
-        self.ptr = buf.ptr();
-        self.data.clear();
-        self.data.extend_from_slice(data);
-    }
 }
 
 /// Writes `data` to the start of `buf`, growing it first if needed.
@@ -223,7 +175,6 @@ impl CudaOps {
             seq_slot: one()?,
             kv_pos: one()?,
             generation: one()?,
-            sent: Vec::new(),
         };
         Ok(CudaOps {
             dev,
@@ -245,16 +196,8 @@ impl CudaOps {
             generation: 0,
             top: None,
             times: step_times::from_env(),
-            delta_prep_fused: crate::ops::delta_prep_fused_on(),
             gpu,
         })
-    }
-
-    /// Whether one-token steps run [`ember_ops::Ops::delta_prep_rule`] in one launch
-    /// (`delta_rule_seqs_prep`) or as delta_prep then the scan (tests run both; the default
-    /// follows `EMBER_DELTA_PREP_FUSED`).
-    pub fn set_delta_prep_fused(&mut self, on: bool) {
-        self.delta_prep_fused = on;
     }
 
     /// The GPU (device info, timings).

@@ -65,7 +65,6 @@ impl Ops for CudaOps {
         self.generation = self.generation.checked_add(1).unwrap_or(1);
         let generation = [self.generation];
         let (g, st) = (&self.gpu, &mut self.step);
-        let sent = &mut st.sent;
         let mut items = [
             (&mut st.tokens, &batch.tokens[..]),
             (&mut st.pos, &self.pos[..]),
@@ -76,7 +75,7 @@ impl Ops for CudaOps {
             (&mut st.seq_slot, &slot[..]),
             (&mut st.generation, &generation[..]),
         ];
-        put_all(g, &mut items, sent).map_err(cuda(OP, dev))?;
+        put_all(g, &mut items).map_err(cuda(OP, dev))?;
         // A small step's launches are recorded from here and replayed as CUDA graphs (in lists
         // of 32, 64, .. 512 launches, and at the first call that touches the stream: `read`,
         // an upload, a page table write; see crate::graph).
@@ -397,17 +396,6 @@ impl Ops for CudaOps {
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.rule_op(layer, h, x, mode)
-    }
-    fn delta_prep_rule(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        self.prep_rule_op(layer, s, cu, b, alpha, mode)
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {

@@ -26,8 +26,6 @@ pub(super) struct TopBufs {
     /// zeroed when first needed.
     split: Option<(Buf<u32>, Buf<u32>, Buf<u32>)>,
     split_rows: usize,
-    /// What `extra` and `extra_at` were last sent (`EMBER_STEP_UPLOAD_SKIP`).
-    sent: [super::Sent; 2],
 }
 
 impl CudaOps {
@@ -88,9 +86,9 @@ impl CudaOps {
             }
         };
         let old = self.top.take();
-        let (oe, oa, oi, ov, mut split, mut split_rows, sent) = match old {
-            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals), t.split, t.split_rows, t.sent),
-            None => (None, None, None, None, None, 0, Default::default()),
+        let (oe, oa, oi, ov, mut split, mut split_rows) = match old {
+            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals), t.split, t.split_rows),
+            None => (None, None, None, None, None, 0),
         };
         // Long rows over many blocks (EMBER_TOPK_SPLIT=0: one block a row, for A/B runs).
         static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -116,23 +114,12 @@ impl CudaOps {
             vals,
             split,
             split_rows,
-            sent,
         };
         let b = self.arena.buf(OP, x)?;
         let times = &mut self.times;
         let run = (|| -> crate::Result<(Vec<u32>, Vec<f32>)> {
-            // Unchanged tables stay (EMBER_STEP_UPLOAD_SKIP=1): an upload here would flush the
-            // recorded launches ahead, leaving the top-k kernels a list of their own.
-            let skip = super::upload_skip_on();
-            for (i, (buf, data)) in [(&mut t.extra, &flat), (&mut t.extra_at, &at)].into_iter().enumerate() {
-                if skip && t.sent[i].holds(buf, data) {
-                    continue;
-                }
-                g.write_async(buf, data)?;
-                if skip {
-                    t.sent[i].note(buf, data);
-                }
-            }
+            g.write_async(&mut t.extra, &flat)?;
+            g.write_async(&mut t.extra_at, &at)?;
             let scratch = t.split.as_ref().filter(|_| use_split).map(|(hist, counts, cand)| crate::ops::TopKScratch { hist, counts, cand });
             g.top_k_rows(b, rows, n, k, &t.extra, &t.extra_at, cap, &mut t.ids, &mut t.vals, scratch)?;
             if let Some(st) = times.as_mut().filter(|st| st.timed()) {
@@ -152,7 +139,6 @@ impl CudaOps {
         if run.is_err() {
             t.split = None;
             t.split_rows = 0;
-            t.sent = Default::default();
         }
         self.top = Some(t);
         let (ids, vals) = run.map_err(cuda(OP, dev))?;

@@ -1,6 +1,6 @@
 use cudarc::driver::DeviceRepr;
 
-use super::{DeltaPrepIn, DeltaPrepShape, SeqRows, StateAt, blocks, need, u32_of};
+use super::{SeqRows, StateAt, blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{DELTA_CHUNKED, DELTA_RULE};
@@ -70,43 +70,6 @@ struct DeltaSeqsParams {
 
 // SAFETY: plain #[repr(C)] data matching `DeltaSeqsParams` in kernels/delta_rule.cu.
 unsafe impl DeviceRepr for DeltaSeqsParams {}
-
-#[repr(C)]
-struct DeltaSeqsPrepParams {
-    cu: u64,
-    b: u64,
-    alpha: u64,
-    a: u64,
-    dt_bias: u64,
-    state: u64,
-    out: u64,
-    row0: u64,
-    n: u64,
-    slot: u64,
-    slot_stride: u64,
-    offset: u64,
-    n_k_head: u32,
-    d_k: u32,
-    n_v_head: u32,
-    d_v: u32,
-    n_slots: u32,
-    eps: f32,
-}
-
-// SAFETY: plain #[repr(C)] data matching `DeltaSeqsPrepParams` in kernels/delta_rule.cu (12
-// u64, then 5 u32 and an f32: 120 bytes, a multiple of 8; no padding in either language).
-unsafe impl DeviceRepr for DeltaSeqsPrepParams {}
-
-/// Whether [`ember_ops::Ops::delta_prep_rule`] runs one-token steps in one launch
-/// (`delta_rule_seqs_prep`): only with `EMBER_DELTA_PREP_FUSED=1` for now; off: delta_prep,
-/// then the scan. The first form summed the q and k norms in another order than delta_prep, so
-/// a sequence decoded alone did not give the bits it gives inside a batch (tests/model.rs
-/// checks that it does); the kernel now replays delta_prep's order, which
-/// tests/delta_rule.rs checks bit for bit, not yet run on a GPU (docs/perf.md g19).
-pub(crate) fn delta_prep_fused_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EMBER_DELTA_PREP_FUSED").is_ok_and(|v| v == "1"))
-}
 
 /// Tokens per chunk of the chunked form (`DC` in kernels/delta_chunked.cu).
 pub const DELTA_CHUNK: usize = 32;
@@ -288,65 +251,6 @@ impl Gpu {
             self.launch(&prep, (chunks, nv as u32, seqs.n_seq as u32), 256, 0, &p)?;
             self.launch(&scan, (s.d_v.div_ceil(16) as u32, nv as u32, seqs.n_seq as u32), 256, 0, &p)
         }
-    }
-
-    /// [`Gpu::delta_prep`] and [`Gpu::delta_rule_seqs`] in one launch (`delta_rule_seqs_prep`:
-    /// each warp normalises its head's q and k from the conv output itself, so there are no q,
-    /// k, v, g, β buffers): every sequence takes the scan, whatever its length (the caller
-    /// keeps this for one-token steps). It replays delta_prep's operations in its order (the q
-    /// and k norms' sums too), so it gives the two launches' bits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn delta_rule_seqs_prep(
-        &self,
-        s: DeltaPrepShape,
-        i: DeltaPrepIn<'_>,
-        seqs: SeqRows<'_>,
-        state: &mut Buf<f32>,
-        at: StateAt,
-        out: &mut Buf<f32>,
-    ) -> Result<()> {
-        const OP: &str = "delta_rule_seqs_prep";
-        let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
-        if !dk.is_multiple_of(32) || dk > 256 || nk == 0 || at.len != nv * dv * dk {
-            return Err(shape(OP, format!("d_k = {dk} (a multiple of 32, at most 256), n_k_head = {nk}, state of {}", at.len)));
-        }
-        need(OP, "cu", i.cu, t * (2 * nk * dk + nv * dv))?;
-        need(OP, "b", i.b, t * nv)?;
-        need(OP, "alpha", i.alpha, t * nv)?;
-        need(OP, "a", i.a, nv)?;
-        need(OP, "dt_bias", i.dt_bias, nv)?;
-        need(OP, "out", out, t * nv * dv)?;
-        seqs.check(OP)?;
-        at.check(OP, state)?;
-        if nv * dv == 0 || seqs.n_seq == 0 {
-            return Ok(());
-        }
-        let p = DeltaSeqsPrepParams {
-            cu: i.cu.ptr(),
-            b: i.b.ptr(),
-            alpha: i.alpha.ptr(),
-            a: i.a.ptr(),
-            dt_bias: i.dt_bias.ptr(),
-            state: state.ptr(),
-            out: out.ptr(),
-            row0: seqs.row0.ptr(),
-            n: seqs.n.ptr(),
-            slot: seqs.slot.ptr(),
-            slot_stride: at.slot_stride as u64,
-            offset: at.offset as u64,
-            n_k_head: u32_of(OP, "n_k_head", nk)?,
-            d_k: dk as u32,
-            n_v_head: u32_of(OP, "n_v_head", nv)?,
-            d_v: u32_of(OP, "d_v", dv)?,
-            n_slots: u32_of(OP, "n_slots", at.n_slots)?,
-            eps: s.eps,
-        };
-        let f = self.function(&DELTA_RULE, "delta_rule_seqs_prep")?;
-        // SAFETY: cu, b, alpha and out hold what t rows need, a and dt_bias nv floats, the state
-        // n_slots slots with the layer's state inside each (checked above); the spans lie inside
-        // the rows (the caller's contract); the kernel skips slots >= n_slots; d_k / 32 <=
-        // DELTA_MAX_PER_LANE.
-        unsafe { self.launch(&f, (blocks(nv * dv, 4), seqs.n_seq as u32, 1), 128, 0, &p) }
     }
 
     /// The scan of the sequences of fewer than `below` tokens (checked by the caller).

@@ -27,7 +27,6 @@ pub use attention::{
 };
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
-pub(crate) use delta_rule::delta_prep_fused_on;
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};

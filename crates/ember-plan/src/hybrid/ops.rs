@@ -238,17 +238,6 @@ impl Ops for Hybrid {
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.gpu.gated_delta_rule(layer, h, x, mode)
     }
-    fn delta_prep_rule(
-        &mut self,
-        layer: LayerIdx,
-        s: DeltaPrep,
-        cu: Tensor,
-        b: Tensor,
-        alpha: Tensor,
-        mode: DeltaMode,
-    ) -> OpResult<Tensor> {
-        self.gpu.delta_prep_rule(layer, s, cu, b, alpha, mode)
-    }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         self.gpu.gate(y, g, act)
     }
