@@ -153,3 +153,126 @@ __device__ __forceinline__ void gemv_q8_rows(const GemvQ8RowsParams& p) {
 #define GEMV_Q8_ROWS_Q8_0 2
 extern "C" __global__ void gemv_q8_rows_q6_k(const GemvQ8RowsParams p) { pdl_enter(); gemv_q8_rows<TY_Q6_K, GEMV_Q8_ROWS_Q6_K>(p); }
 extern "C" __global__ void gemv_q8_rows_q8_0(const GemvQ8RowsParams p) { pdl_enter(); gemv_q8_rows<TY_Q8_0, GEMV_Q8_ROWS_Q8_0>(p); }
+
+// ---- gemv_q8_norm: a layer's input norm inside the projections that read it ----
+// gemv_q8_mixed on the int8 copy of RMSNorm(x + add) · w, which every block makes for itself in
+// shared memory, instead of reading what an rms_norm_q8 launch ahead of it wrote: one launch
+// (and its ~2.3-5 us in a decode step's chain) fewer a layer. The copy is rms_norm_q8's, bit for
+// bit: that kernel runs a group of g values on g / 2 threads (block_of in src/ops/rms_norm.rs:
+// thread t holds values t and t + g/2, adds their squares in that order, then the block sums
+// the warps' butterflies with one more butterfly over lanes), and here warp w of the block's 4
+// plays that kernel's warps w, w + 4, .. in turn with the same arithmetic. So the outputs are
+// gemv_q8_mixed's after rms_norm_q8, bit for bit. g: a multiple of 64, 256 to NORM_GEMV_MAX,
+// and the weights' k. Block 0 writes x + add to x_out when add is set (the residual's new value:
+// x itself is read by every block, so it cannot change in place).
+#define NORM_GEMV_MAX 2048
+#define NORM_GEMV_VW (NORM_GEMV_MAX / 64 / (GEMV_Q8_THREADS / 32))  // rms_norm warps a warp plays
+
+struct GemvQ8NormParams {
+    GemvQ8MixedParams m;  // m.g.xq unused
+    u64 x;      // [g] f32
+    u64 add;    // [g] f32, or 0
+    u64 w;      // [g] f32: the norm's weight
+    u64 x_out;  // [g] f32: x + add (block 0), or 0
+    u32 g;
+    float eps;
+};
+
+// warp_q8 of v into shared memory: xs[idx] and, from lane 0, ds[idx / 32] (idx = 32·b + lane).
+__device__ __forceinline__ void warp_q8_shared(float v, i8* xs, float2* ds, int idx) {
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const int qv = amax > 0.0f ? __float2int_rn(v / d) : 0;
+    int s = qv;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    xs[idx] = (i8)qv;
+    if (idx % 32 == 0) ds[idx / 32] = make_float2(d, d * (float)s);
+}
+
+template <int TY>
+__device__ __forceinline__ void gemv_q8_norm_ty(const GemvQ8NormParams& q, u32 i, i8* xs, float2* ds, float* part, float* sums) {
+    using U = Q8Unit<TY>;
+    const GemvQ8Params& p = q.m.g;
+    const int tid = threadIdx.x, seg = (int)p.wr[i] * U::L;  // lanes per row
+    const int row0 = (int)(blockIdx.x - p.block0[i]) * (GEMV_Q8_THREADS / seg), row = row0 + tid / seg;
+    if (p.prefetch && tid == 0 && row0 < (int)p.n_rows[i]) {
+        const int nr = min(GEMV_Q8_THREADS / seg, (int)p.n_rows[i] - row0);
+        prefetch_l2((const u8*)p.w[i] + (u64)row0 * p.row_bytes[i], (u64)nr * p.row_bytes[i]);
+    }
+    // The norm's weight before the wait (weights are never written by a kernel).
+    const int warp = tid / 32, lane = tid % 32, n_vw = (int)q.g / 64, half = (int)q.g / 2;
+    float wv[NORM_GEMV_VW][2], xv[NORM_GEMV_VW][2];
+#pragma unroll
+    for (int k = 0; k < NORM_GEMV_VW; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int vw = warp + 4 * k;
+            wv[k][j] = vw < n_vw ? ((const float*)q.w)[j * half + 32 * vw + lane] : 0.0f;
+        }
+    pdl_enter();
+    const float* x = (const float*)q.x;
+    const float* a = (const float*)q.add;
+#pragma unroll
+    for (int k = 0; k < NORM_GEMV_VW; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int vw = warp + 4 * k, at = j * half + 32 * vw + lane;
+            xv[k][j] = vw < n_vw ? x[at] : 0.0f;
+            if (a && vw < n_vw) xv[k][j] += a[at];
+        }
+#pragma unroll
+    for (int k = 0; k < NORM_GEMV_VW; ++k) {
+        const int vw = warp + 4 * k;
+        if (vw < n_vw) {  // warp-uniform
+            float ss = 0.0f;
+            ss += xv[k][0] * xv[k][0];
+            ss += xv[k][1] * xv[k][1];
+            ss = warp_sum(ss);
+            if (lane == 0) sums[vw] = ss;
+        }
+    }
+    __syncthreads();
+    const float total = warp_sum(lane < n_vw ? sums[lane] : 0.0f);
+    const float scale = 1.0f / sqrtf(total / (float)q.g + q.eps);
+#pragma unroll
+    for (int k = 0; k < NORM_GEMV_VW; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int vw = warp + 4 * k, at = j * half + 32 * vw + lane;
+            if (vw < n_vw) {  // warp-uniform
+                warp_q8_shared(xv[k][j] * scale * wv[k][j], xs, ds, at);
+                if (q.x_out && blockIdx.x == 0) ((float*)q.x_out)[at] = xv[k][j];
+            }
+        }
+    __syncthreads();
+    // gemv_q8's rows on the shared copy.
+    const int wk = (tid % seg) / U::L, t = tid % U::L, wr = p.wr[i];
+    const int n_units = p.k / U::W;
+    const bool valid = row < (int)p.n_rows[i];
+    float acc = 0.0f;
+    if (valid) {
+        const u8* wrow = (const u8*)p.w[i] + (u64)row * p.row_bytes[i];
+#pragma unroll 4
+        for (int u = wk; u < n_units; u += wr) acc += U::dot(wrow, u, t, xs, ds);
+    }
+    acc = seg_sum(acc, seg, part);
+    if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
+}
+
+// grid and block as gemv_q8_mixed's (GEMV_Q8_THREADS threads).
+extern "C" __global__ void __launch_bounds__(GEMV_Q8_THREADS, 9) gemv_q8_norm(const GemvQ8NormParams q) {
+    __shared__ __align__(16) i8 xs[NORM_GEMV_MAX];
+    __shared__ float2 ds[NORM_GEMV_MAX / 32];
+    __shared__ float part[GEMV_Q8_THREADS / 32];
+    __shared__ float sums[32];
+    const GemvQ8Params& p = q.m.g;
+    u32 i = 0;
+    while (i + 1 < p.n && blockIdx.x >= p.block0[i + 1]) ++i;
+    switch (q.m.ty[i]) {  // block-uniform
+        case TY_Q4_K: gemv_q8_norm_ty<TY_Q4_K>(q, i, xs, ds, part, sums); break;
+        case TY_Q6_K: gemv_q8_norm_ty<TY_Q6_K>(q, i, xs, ds, part, sums); break;
+        case TY_Q8_0: gemv_q8_norm_ty<TY_Q8_0>(q, i, xs, ds, part, sums); break;
+        default: __trap();  // the launcher passes only these
+    }
+}
