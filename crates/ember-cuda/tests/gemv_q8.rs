@@ -264,62 +264,6 @@ fn fused_q8_launches_match_the_unfused_ops() {
     }
 }
 
-/// gemv_q8_norm (a layer's input norm inside its projections' launch) gives what
-/// add_rms_norm_q8 (or rms_norm_q8) then gemv_q8_quantized give, bit for bit, for weights of one
-/// type and of several, with and without the residual add (whose sum it writes beside x).
-#[test]
-fn gemv_q8_norm_matches_the_norm_then_the_gemv() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    let groups: [&[(GgmlType, usize)]; 3] = [
-        &[(GgmlType::Q6K, 8192), (GgmlType::Q4K, 4096), (GgmlType::Q4K, 32), (GgmlType::Q4K, 32)],
-        &[(GgmlType::Q4K, 8192), (GgmlType::Q4K, 512), (GgmlType::Q4K, 512)],
-        &[(GgmlType::Q8_0, 96), (GgmlType::Q6K, 256)],
-    ];
-    for d in [2048, 1024, 256] {
-        let w = g.upload(&rng.vec(d, 0.5, 1.5)).unwrap();
-        let h0 = rng.vec(d, -3.0, 3.0);
-        let a = g.upload(&rng.vec(d, -1.0, 1.0)).unwrap();
-        for group in groups {
-            let ws: Vec<_> = group.iter().map(|&(ty, n)| g.upload_weight(ty, d, n, &quantised(ty, &mut rng, d, n)).unwrap()).collect();
-            let refs: Vec<_> = ws.iter().map(|w| w.all()).collect();
-            let nan = |n: usize| g.upload(&vec![f32::NAN; n]).unwrap();
-            for with_add in [false, true] {
-                // The two launches.
-                let mut h1 = g.upload(&h0).unwrap();
-                let mut o1 = g.alloc::<f32>(d).unwrap();
-                if with_add {
-                    g.add_rms_norm_q8(&mut h1, &a, 1, d, &w, 1e-6, &mut o1).unwrap();
-                } else {
-                    g.rms_norm_q8(&h1, 1, d, &w, 1e-6, &mut o1).unwrap();
-                }
-                let mut want: Vec<Buf<f32>> = group.iter().map(|&(_, n)| nan(n)).collect();
-                g.gemv_q8_quantized(&refs, d, &mut want.iter_mut().collect::<Vec<_>>()).unwrap();
-                // One launch.
-                let h2 = g.upload(&h0).unwrap();
-                let mut h_out = nan(d);
-                let mut got: Vec<Buf<f32>> = group.iter().map(|&(_, n)| nan(n)).collect();
-                let add = with_add.then_some((&a, &mut h_out));
-                g.gemv_q8_norm(&refs, d, &h2, add, &w, 1e-6, &mut got.iter_mut().collect::<Vec<_>>()).unwrap();
-                let what = format!("d={d} {:?} add={with_add}", group.iter().map(|(t, n)| format!("{}x{n}", t.name())).collect::<Vec<_>>());
-                for (i, (y, z)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(g.download(y).unwrap(), g.download(z).unwrap(), "{what}: weight {i}");
-                }
-                assert_eq!(g.download(&h2).unwrap(), h0, "{what}: x is not written");
-                if with_add {
-                    assert_eq!(g.download(&h_out).unwrap(), g.download(&h1).unwrap(), "{what}: x + add");
-                }
-            }
-        }
-    }
-    // What it does not take: a norm wider than the kernel's shared copy, or not whole warps.
-    let wt = g.upload_weight(GgmlType::Q8_0, 4096, 32, &quantised(GgmlType::Q8_0, &mut rng, 4096, 32)).unwrap();
-    let (x, w) = (g.upload(&vec![1.0; 4096]).unwrap(), g.upload(&vec![1.0; 4096]).unwrap());
-    let mut y = g.alloc::<f32>(32).unwrap();
-    assert!(g.gemv_q8_norm(&[wt.all()], 4096, &x, None, &w, 1e-6, &mut [&mut y]).is_err());
-    assert!(!ember_cuda::ops::norm_gemv_fits(4096) && !ember_cuda::ops::norm_gemv_fits(96) && ember_cuda::ops::norm_gemv_fits(2048));
-}
-
 /// The MoE on int8 activations (`Gpu::moe_q8`) against a host model of it: x quantised per
 /// token, h = silu(gate·xq) ⊙ up·xq, h quantised, out = Σ_j w_j·down_j·hq_j, in f64; with a
 /// shared expert in the same kernels, out also gets sigmoid(gs)·down_s·hq_s. Only the GPU's f32

@@ -343,16 +343,18 @@ impl Model {
         let h = ops.embed(self.tok_embd)?; // [ΣT, D]
         see(&mut tap, ops, "embd", 0, h)?;
         // Everything made from here on but the residual h lives for one layer: each layer frees
-        // what it made except its MoE output (which the next layer adds), so a step holds one layer's
+        // what it made except the next layer's input norm, so a step holds one layer's
         // activations (a few hundred KiB a token), not all 40 layers' (~9.5 MiB a token).
         let layer_mark = ops.mark();
         // Each residual add goes with the norm that reads h next (one pass on backends that fuse
-        // them): the mixer's with the post-norm; the MoE's with the next layer's input norm and
-        // its first projections (`LayerIn`), unless a tap reads h between layers.
-        let mut pending: Option<Tensor> = None; // the last MoE output, not yet added into h
+        // them): the mixer's with the post-norm, the MoE's with the next layer's input norm.
+        let mut x = match self.layers.first() {
+            Some(layer) => Some(ops.rms_norm(h, layer.attn_norm, c.rms_eps)?),
+            None => None,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let li = LayerIdx(i as u16);
-            let x_in = LayerIn { h, add: pending.take(), norm: layer.attn_norm };
+            let x_in = x.take().expect("every layer's input norm is made before it runs");
             let m = match &layer.mixer {
                 Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x_in, delta)?,
                 Mixer::Attention(at) => at.forward(c, ops, li, x_in)?,
@@ -365,13 +367,12 @@ impl Model {
                 t("route_ids", i, &Mat::from_vec(r.n_tok, k, r.ids.iter().map(|e| e.0 as f32).collect()));
                 t("route_weights", i, &Mat::from_vec(r.n_tok, k, r.weights.clone()));
             }
-            if tap.is_some() || i + 1 == self.layers.len() {
-                ops.add(h, y)?; // h += y now: read below, or the last layer's
-            } else {
-                pending = Some(y); // h += y with the next layer's input norm
+            match self.layers.get(i + 1) {
+                Some(next) => x = Some(ops.add_rms_norm(h, y, next.attn_norm, c.rms_eps)?), // h += y
+                None => ops.add(h, y)?,
             }
             see(&mut tap, ops, "layer_out", i, h)?;
-            ops.free_since(layer_mark, pending.as_slice())?;
+            ops.free_since(layer_mark, x.as_slice())?;
         }
 
         // Final norm and LM head on the requested rows of every sequence, in one matmul.
@@ -433,11 +434,11 @@ pub struct SeqBatch<'a> {
 }
 
 impl Attention {
-    /// Gated full attention, qwen35moe.md §6.3, over all rows of the layer's normed input `x`;
-    /// each sequence appends to and attends over its own KV rows.
-    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: LayerIn) -> Result<Tensor, Error> {
+    /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; each sequence appends
+    /// to and attends over its own KV rows.
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor) -> Result<Tensor, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
-        let [qg, k, v]: [Tensor; 3] = take(x.project(c, ops, &[self.wq, self.wk, self.wv])?); // one pass over x
+        let [qg, k, v]: [Tensor; 3] = take(ops.matmul_many(&[self.wq, self.wk, self.wv], x)?); // one pass over x
         // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
         let prep = AttnPrep {
             n_head: nh,
@@ -459,11 +460,11 @@ impl Attention {
 }
 
 impl DeltaNet {
-    /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of the layer's normed input `x`; the
-    /// conv and the delta rule continue each sequence's state.
-    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: LayerIn, mode: DeltaMode) -> Result<Tensor, Error> {
+    /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule
+    /// continue each sequence's state.
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor, mode: DeltaMode) -> Result<Tensor, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
-        let [u, z, b, a]: [Tensor; 4] = take(x.project(c, ops, &[self.qkv, self.gate, self.beta, self.alpha])?); // one pass over x
+        let [u, z, b, a]: [Tensor; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
         let cu = ops.conv1d_silu(layer, u, self.conv)?; // causal conv + SiLU
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
@@ -484,22 +485,6 @@ impl Moe {
         let routing = ops.route(logits, c.n_expert_used)?;
         let y = ops.moe(layer, f, routing, gs)?; // [T, D] = Σ_e w_e·y_e + σ(gs)·s
         Ok((y, routing))
-    }
-}
-
-/// A layer's input: RMSNorm(h + add) by the layer's input norm, with `add` (the MoE output of
-/// the layer before) not yet in the residual h. The mixer's first projections read it, and the
-/// add, the norm and those matmuls go to the backend as one op (one launch on CUDA).
-struct LayerIn {
-    h: Tensor,
-    add: Option<Tensor>,
-    norm: WeightId,
-}
-
-impl LayerIn {
-    /// `h ← h + add`, then the norm's rows times each of `ws`.
-    fn project(&self, c: &Config, ops: &mut dyn Ops, ws: &[WeightId]) -> Result<Vec<Tensor>, Error> {
-        Ok(ops.add_rms_norm_matmul_many(self.h, self.add, self.norm, c.rms_eps, ws)?)
     }
 }
 

@@ -461,16 +461,6 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
         (**self).add_rms_norm(h, x, w, eps)
     }
-    fn add_rms_norm_matmul_many(
-        &mut self,
-        h: Tensor,
-        add: Option<Tensor>,
-        w: WeightId,
-        eps: f32,
-        ws: &[WeightId],
-    ) -> OpResult<Vec<Tensor>> {
-        (**self).add_rms_norm_matmul_many(h, add, w, eps, ws)
-    }
     fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
         (**self).rms_norm_gate(x, w, eps, g, act)
     }

@@ -84,25 +84,6 @@ pub trait Ops: SeqStore + Send {
         self.rms_norm(h, w, eps)
     }
 
-    /// `h ← h + add` (when given), RMSNorm of `h` as [`Ops::rms_norm`], then
-    /// [`Ops::matmul_many`] of the normed rows by `ws`: a layer's input norm and the
-    /// projections that read it; the normed rows themselves are not returned. A backend may do
-    /// it in one pass; the results are those of the ops in turn.
-    fn add_rms_norm_matmul_many(
-        &mut self,
-        h: Tensor,
-        add: Option<Tensor>,
-        w: WeightId,
-        eps: f32,
-        ws: &[WeightId],
-    ) -> OpResult<Vec<Tensor>> {
-        let x = match add {
-            Some(a) => self.add_rms_norm(h, a, w, eps)?,
-            None => self.rms_norm(h, w, eps)?,
-        };
-        self.matmul_many(ws, x)
-    }
-
     /// Gated attention prep (qwen35moe.md §6.3 steps 1–4) at the step's positions: splits `qg`
     /// [T, n_head·2·head_dim] into q and gate, RMS-normalises q and `k` per head, NeoX RoPE.
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn>;

@@ -145,20 +145,6 @@ impl Arena {
         (Ins(lo), hi.iter_mut().map(live_mut).collect())
     }
 
-    /// Handles `a` and `b` (live, of one shape) trade buffers: what `b` held is now `a`'s value
-    /// (a result written beside a buffer that could not change in place), and `a`'s old buffer
-    /// goes with `b`, freed with it. Each step that swaps the same handles in the same order
-    /// gets the same addresses, as allocations do.
-    pub fn swap(&mut self, op: &'static str, a: Tensor, b: Tensor) -> OpResult<()> {
-        self.check(op, a)?;
-        self.check(op, b)?;
-        if (a.n, a.d) != (b.n, b.d) {
-            return Err(OpError::new(op, self.dev, format!("tensors {} and {}", a.id, b.id), "swap needs one shape"));
-        }
-        self.held.swap(a.id as usize, b.id as usize);
-        Ok(())
-    }
-
     /// Buffers `a` and `c` to write and buffer `b` to read (all different and live, `c` after
     /// both others: a buffer just allocated).
     pub fn trio(&mut self, a: u32, b: u32, c: u32) -> (&mut Buf<f32>, &Buf<f32>, &mut Buf<f32>) {

@@ -292,32 +292,6 @@ impl CudaOps {
         self.q8_x == Some((x.id, self.gpu.q8_generation()))
     }
 
-    /// Whether [`ember_ops::Ops::add_rms_norm_matmul_many`] runs as one `gemv_q8_norm` launch:
-    /// with `EMBER_NORM_GEMV=1` (an A/B switch, off by default until measured on a GPU), for one
-    /// token under Fast precision, a norm of the weights' k values that the kernel takes, and
-    /// 1 to GEMV_Q8_MULTI weights that all take the int8 GEMV in one launch (one type, or
-    /// several with gemv_q8_mixed on; none of the output head's size). Anything else (or a bad
-    /// handle, which the ops then report) runs as the norm and then matmul_many.
-    fn norm_gemv_takes(&self, h: Tensor, add: Option<Tensor>, w: ember_ops::WeightId, ws: &[ember_ops::WeightId]) -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("EMBER_NORM_GEMV").is_ok_and(|v| v == "1"));
-        const OP: &str = "add_rms_norm_matmul_many";
-        if !on || h.n != 1 || ws.is_empty() || ws.len() > crate::ops::GEMV_Q8_MULTI || add.is_some_and(|a| a.id == h.id) {
-            return false;
-        }
-        if !crate::ops::norm_gemv_fits(h.d) || self.weights.vector(OP, w).map_or(true, |v| v.len() != h.d) {
-            return false;
-        }
-        let Ok(dws) = ws.iter().map(|&wi| self.weights.matrix(OP, wi).map(|m| m.1)).collect::<OpResult<Vec<_>>>() else { return false };
-        let ty = dws[0].ty;
-        dws.iter().all(|d| {
-            d.k == h.d
-                && self.gpu.uses_gemv_q8(d.ty, d.k, h.n, self.precision)
-                && d.n_rows * d.row_bytes < crate::ops::GEMV_Q8_ROWS_MIN_BYTES
-                && (d.ty == ty || crate::ops::gemv_q8_mixed_on())
-        })
-    }
-
     fn in_place(
         &mut self,
         op: &'static str,

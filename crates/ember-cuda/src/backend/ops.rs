@@ -302,65 +302,6 @@ impl Ops for CudaOps {
         Ok(y)
     }
 
-    fn add_rms_norm_matmul_many(
-        &mut self,
-        h: Tensor,
-        add: Option<Tensor>,
-        w: WeightId,
-        eps: f32,
-        ws: &[WeightId],
-    ) -> OpResult<Vec<Tensor>> {
-        const OP: &str = "add_rms_norm_matmul_many";
-        if !self.norm_gemv_takes(h, add, w, ws) {
-            let x = match add {
-                Some(a) => self.add_rms_norm(h, a, w, eps)?,
-                None => self.rms_norm(h, w, eps)?,
-            };
-            return self.matmul_many(ws, x);
-        }
-        // One launch (gemv_q8_norm): every block makes the norm's int8 copy itself, the bits
-        // rms_norm_q8 would write. With `add`, h + add goes to a new buffer that h then takes
-        // (every block reads h, so it cannot change in place).
-        self.arena.check(OP, h)?;
-        if let Some(a) = add {
-            self.arena.check(OP, a)?;
-            check::same(OP, self.dev, &shape_of(h), &shape_of(a))?;
-        }
-        let wv = self.weights.vector(OP, w)?;
-        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
-        for &wi in ws {
-            check_matmul(OP, self.dev, self.weights.matrix(OP, wi)?.0, h)?;
-        }
-        if add.is_some() && self.q8_x.is_some_and(|(id, _)| id == h.id) {
-            self.q8_x = None; // h changes: its int8 copy is stale
-        }
-        let h_new = match add {
-            Some(_) => Some(self.arena.alloc(&self.gpu, OP, h.n, h.d)?),
-            None => None,
-        };
-        let mut ys = Vec::with_capacity(ws.len());
-        for &wi in ws {
-            let rows = self.weights.matrix(OP, wi)?.0.n_rows;
-            ys.push(self.arena.alloc(&self.gpu, OP, h.n, rows)?);
-        }
-        let first = h_new.map_or(ys[0].id, |t| t.id);
-        let dws = ws.iter().map(|&wi| Ok(self.weights.matrix(OP, wi)?.1.all())).collect::<OpResult<Vec<_>>>()?;
-        let (ins, mut outs) = self.arena.split(first);
-        let (x_out, ys_b) = match h_new {
-            Some(_) => {
-                let (o, rest) = outs.split_first_mut().expect("h's new buffer was just allocated");
-                (Some(&mut **o), rest)
-            }
-            None => (None, &mut outs[..]),
-        };
-        let add_b = add.zip(x_out).map(|(a, o)| (&ins[a.id as usize], o));
-        self.gpu.gemv_q8_norm(&dws, h.d, &ins[h.id as usize], add_b, wv, eps, ys_b).map_err(cuda(OP, self.dev))?;
-        if let Some(t) = h_new {
-            self.arena.swap(OP, h, t)?;
-        }
-        Ok(ys)
-    }
-
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
         const OP: &str = "attn_prep";
         self.rows_check(OP, qg)?;

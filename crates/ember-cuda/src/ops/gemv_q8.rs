@@ -106,21 +106,6 @@ struct GemvQ8MixedParams {
 unsafe impl DeviceRepr for GemvQ8MixedParams {}
 
 #[repr(C)]
-struct GemvQ8NormParams {
-    m: GemvQ8MixedParams,
-    x: u64,
-    add: u64,
-    w: u64,
-    x_out: u64,
-    g: u32,
-    eps: f32,
-}
-
-// SAFETY: plain #[repr(C)] data matching `GemvQ8NormParams` in kernels/gemv_q8.cu (168 bytes,
-// four u64 at 168, then two 4-byte fields: 208 bytes; no padding in either language).
-unsafe impl DeviceRepr for GemvQ8NormParams {}
-
-#[repr(C)]
 struct GemvQ8RowsParams {
     w: u64,
     y: u64,
@@ -167,36 +152,6 @@ pub(crate) fn workers_per_row(ty: GgmlType, n_rows: usize, n_units: usize, lanes
     want.min(units.max(1)).min(THREADS / lanes)
 }
 
-/// The widest norm `gemv_q8_norm` makes inside its blocks (`NORM_GEMV_MAX`).
-pub const NORM_GEMV_MAX: usize = 2048;
-
-/// Whether `gemv_q8_norm` takes a norm of k values: a multiple of 64 from 256 to
-/// [`NORM_GEMV_MAX`] (rms_norm_q8 runs such a group on k / 2 threads, which the kernel plays
-/// warp by warp).
-pub fn norm_gemv_fits(k: usize) -> bool {
-    (256..=NORM_GEMV_MAX).contains(&k) && k.is_multiple_of(64)
-}
-
-/// The checks of a gemv_q8 launch's weights and outputs: 1 to [`GEMV_Q8_MULTI`] of them, each
-/// of k columns of an int8 type in whole blocks; the first weight's type.
-fn check_group(ws: &[WeightRef<'_>], k: usize, ys: &[&mut Buf<f32>]) -> Result<GgmlType> {
-    let n = ws.len();
-    if n == 0 || n > GEMV_Q8_MULTI || ys.len() != n {
-        return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_Q8_MULTI})", ys.len())));
-    }
-    if let Some(w) = ws.iter().find(|w| w.k() != k) {
-        return Err(shape(OP, format!("weights of one launch share k = {k} (one has {})", w.k())));
-    }
-    for w in ws {
-        let ty = w.ty();
-        let Some((_, per_unit)) = unit(ty) else { return Err(shape(OP, format!("no int8 GEMV for {}", ty.name()))) };
-        if !k.is_multiple_of(per_unit) || k == 0 {
-            return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
-        }
-    }
-    Ok(ws[0].ty())
-}
-
 impl Gpu {
     /// Whether one-token matmuls of `ty` weights of `k` columns take the int8 GEMV at
     /// `precision` (Fast only: the activations' rounding is Fast's error).
@@ -224,15 +179,60 @@ impl Gpu {
     /// that [`Gpu::quantize_q8`] last quantised (with this k). Weights of one type take that
     /// type's kernel; of several types, `gemv_q8_mixed`, whose outputs are the same bits.
     pub fn gemv_q8_quantized(&self, ws: &[WeightRef<'_>], k: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
-        let ty = check_group(ws, k, ys)?;
         let n = ws.len();
+        if n == 0 || n > GEMV_Q8_MULTI || ys.len() != n {
+            return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_Q8_MULTI})", ys.len())));
+        }
+        if let Some(w) = ws.iter().find(|w| w.k() != k) {
+            return Err(shape(OP, format!("weights of one launch share k = {k} (one has {})", w.k())));
+        }
+        for w in ws {
+            let ty = w.ty();
+            let Some((_, per_unit)) = unit(ty) else { return Err(shape(OP, format!("no int8 GEMV for {}", ty.name()))) };
+            if !k.is_multiple_of(per_unit) || k == 0 {
+                return Err(shape(OP, format!("{} rows of k = {k} are not whole blocks of {per_unit}", ty.name())));
+            }
+        }
+        let ty = ws[0].ty();
         let mixed = ws.iter().any(|w| w.ty() != ty);
         let q = self.q8_scratch(q8_bytes(k))?;
         if n == 1 && self.gemv_q8_rows(&ws[0], k, q, ys[0])? {
             return Ok(());
         }
-        let Some((mut p, tys, total)) = self.group_params(ws, k, ys)? else { return Ok(()) };
-        p.xq = q;
+        let bytes: usize = ws.iter().map(|w| w.n_rows * w.row_bytes()).sum();
+        let mut p = GemvQ8Params {
+            w: [0; GEMV_Q8_MULTI],
+            y: [0; GEMV_Q8_MULTI],
+            xq: q,
+            n_rows: [0; GEMV_Q8_MULTI],
+            row_bytes: [0; GEMV_Q8_MULTI],
+            block0: [0; GEMV_Q8_MULTI + 1],
+            wr: [1; GEMV_Q8_MULTI],
+            k: u32_of(OP, "k", k)?,
+            n: n as u32,
+            prefetch: if bytes <= PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
+        };
+        let mut total = 0u32;
+        let mut tys = [0u32; GEMV_Q8_MULTI];
+        for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
+            need(OP, "y", y, w.n_rows)?;
+            let Some((lanes, per_unit)) = unit(w.ty()) else { unreachable!("every type was checked above") };
+            let wr = workers_per_row(w.ty(), w.n_rows, k / per_unit, lanes, self.info().n_sm);
+            tys[i] = w.ty().id();
+            p.w[i] = w.ptr();
+            p.y[i] = y.ptr();
+            p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
+            p.row_bytes[i] = u32_of(OP, "row_bytes", w.row_bytes())?;
+            p.wr[i] = wr as u32;
+            p.block0[i] = total;
+            total += blocks(w.n_rows, THREADS / (wr * lanes));
+        }
+        for b in &mut p.block0[n..] {
+            *b = total;
+        }
+        if total == 0 {
+            return Ok(());
+        }
         // SAFETY (both launches): every weight pointer addresses n_rows rows of row_bytes
         // (WeightRef's range was checked), of whole blocks of its type (k % per_unit == 0 for
         // each); each y holds n_rows floats (checked); the scratch holds q8_bytes(k). Alignment:
@@ -247,96 +247,6 @@ impl Gpu {
         let Some(sfx) = suffix(ty) else { unreachable!("every type was checked above") };
         let f = self.function(&GEMV_Q8, &format!("gemv_q8_{sfx}"))?;
         unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) }
-    }
-
-    /// `ys[i] = RMSNorm(x + add) · ws[i]ᵀ` for one token (`gemv_q8_norm`): the norm's int8 copy
-    /// made by every block for itself, the same bits as [`Gpu::add_rms_norm_q8`] (or
-    /// [`Gpu::rms_norm_q8`] without `add`) then [`Gpu::gemv_q8_quantized`], in one launch. With
-    /// `add`, `x_out` gets x + add (x itself is read by every block). `w` (the norm's weight)
-    /// holds k values; k a multiple of 64 from 256 to [`NORM_GEMV_MAX`] (see [`norm_gemv_fits`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_q8_norm(
-        &self,
-        ws: &[WeightRef<'_>],
-        k: usize,
-        x: &Buf<f32>,
-        add: Option<(&Buf<f32>, &mut Buf<f32>)>,
-        w: &Buf<f32>,
-        eps: f32,
-        ys: &mut [&mut Buf<f32>],
-    ) -> Result<()> {
-        check_group(ws, k, ys)?;
-        if !norm_gemv_fits(k) || w.len() != k {
-            return Err(shape(
-                OP,
-                format!("a norm of {} values inside a GEMV of k = {k} (k a multiple of 64, 256 to {NORM_GEMV_MAX})", w.len()),
-            ));
-        }
-        need(OP, "x", x, k)?;
-        if let Some((a, out)) = &add {
-            need(OP, "add", a, k)?;
-            need(OP, "x_out", out, k)?;
-        }
-        let Some((p, tys, total)) = self.group_params(ws, k, ys)? else { return Ok(()) };
-        let (add_ptr, out_ptr) = add.map_or((0, 0), |(a, o)| (a.ptr(), o.ptr()));
-        let q = GemvQ8NormParams {
-            m: GemvQ8MixedParams { g: p, ty: tys },
-            x: x.ptr(),
-            add: add_ptr,
-            w: w.ptr(),
-            x_out: out_ptr,
-            g: k as u32,
-            eps,
-        };
-        let f = self.function(&GEMV_Q8, "gemv_q8_norm")?;
-        // SAFETY: as gemv_q8_quantized's launches (group_params' weights and outputs), with the
-        // int8 x in each block's shared memory instead of the scratch; x, w, add and x_out hold
-        // k floats (checked), k is a multiple of 64 and at most the kernel's NORM_GEMV_MAX
-        // (its shared arrays and the g / 64 warps it plays).
-        unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &q) }
-    }
-
-    /// The parameters of one gemv_q8 launch over `ws` (xq unset), the weights' type ids and the
-    /// grid; None when there are no rows.
-    fn group_params(
-        &self,
-        ws: &[WeightRef<'_>],
-        k: usize,
-        ys: &mut [&mut Buf<f32>],
-    ) -> Result<Option<(GemvQ8Params, [u32; GEMV_Q8_MULTI], u32)>> {
-        let n = ws.len();
-        let bytes: usize = ws.iter().map(|w| w.n_rows * w.row_bytes()).sum();
-        let mut p = GemvQ8Params {
-            w: [0; GEMV_Q8_MULTI],
-            y: [0; GEMV_Q8_MULTI],
-            xq: 0,
-            n_rows: [0; GEMV_Q8_MULTI],
-            row_bytes: [0; GEMV_Q8_MULTI],
-            block0: [0; GEMV_Q8_MULTI + 1],
-            wr: [1; GEMV_Q8_MULTI],
-            k: u32_of(OP, "k", k)?,
-            n: n as u32,
-            prefetch: if bytes <= PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
-        };
-        let mut total = 0u32;
-        let mut tys = [0u32; GEMV_Q8_MULTI];
-        for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
-            need(OP, "y", y, w.n_rows)?;
-            let Some((lanes, per_unit)) = unit(w.ty()) else { unreachable!("check_group checked every type") };
-            let wr = workers_per_row(w.ty(), w.n_rows, k / per_unit, lanes, self.info().n_sm);
-            tys[i] = w.ty().id();
-            p.w[i] = w.ptr();
-            p.y[i] = y.ptr();
-            p.n_rows[i] = u32_of(OP, "n_rows", w.n_rows)?;
-            p.row_bytes[i] = u32_of(OP, "row_bytes", w.row_bytes())?;
-            p.wr[i] = wr as u32;
-            p.block0[i] = total;
-            total += blocks(w.n_rows, THREADS / (wr * lanes));
-        }
-        for b in &mut p.block0[n..] {
-            *b = total;
-        }
-        Ok((total > 0).then_some((p, tys, total)))
     }
 
     /// `y = x · wᵀ` by gemv_q8_rows when `w` is large and of a type it has, its rows whole

@@ -29,7 +29,7 @@ pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
-pub use gemv_q8::{GEMV_Q8_MULTI, NORM_GEMV_MAX, norm_gemv_fits, q8_bytes};
+pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub(crate) use gemv_q8::{ROWS_MIN_BYTES as GEMV_Q8_ROWS_MIN_BYTES, gemv_q8_mixed_on};
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{

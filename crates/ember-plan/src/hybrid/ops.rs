@@ -213,16 +213,6 @@ impl Ops for Hybrid {
     fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
         self.gpu.add_rms_norm(h, x, w, eps)
     }
-    fn add_rms_norm_matmul_many(
-        &mut self,
-        h: Tensor,
-        add: Option<Tensor>,
-        w: WeightId,
-        eps: f32,
-        ws: &[WeightId],
-    ) -> OpResult<Vec<Tensor>> {
-        self.gpu.add_rms_norm_matmul_many(h, add, w, eps, ws)
-    }
     fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
         self.gpu.rms_norm_gate(x, w, eps, g, act)
     }
