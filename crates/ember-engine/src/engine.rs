@@ -301,8 +301,12 @@ impl EngineHandle {
         }
         // Validate now so the caller gets the error, not the engine thread.
         Sampler::new(req.sampler.clone())?;
+        // Admitted while fewer than n_queue wait beyond the free slots: a burst that meets idle
+        // slots fills them and the queue (the engine thread moves a request to a slot only
+        // after it counts it active, so the sum is never seen short).
         let waiting = self.stats.n_waiting.fetch_add(1, Ordering::SeqCst);
-        if waiting >= self.cfg.n_queue {
+        let free = self.cfg.n_parallel.saturating_sub(self.stats.n_active.load(Ordering::SeqCst));
+        if waiting >= self.cfg.n_queue + free {
             self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::QueueFull { n_queue: self.cfg.n_queue });
         }

@@ -114,6 +114,31 @@ fn full_queue_is_refused_and_closed_sinks_free_their_slot() {
     assert_eq!(h.stats().n_cancelled.load(Ordering::SeqCst), 1);
 }
 
+/// A burst that meets idle slots fills them and the queue whatever the engine thread has taken
+/// so far: n_parallel + n_queue are admitted, the rest refused (a request counted only while it
+/// waited would let a burst in only n_queue deep: the CI flake of serve_load's overload test).
+#[test]
+fn a_burst_fills_the_free_slots_and_the_queue() {
+    for _ in 0..20 {
+        let cfg = EngineConfig { n_parallel: 2, n_queue: 1, n_ctx: 1 << 20, n_batch: 8, ..Default::default() };
+        let (h, _t) = ember_engine::start(script(&[7; 1 << 16]), cfg).unwrap();
+        let mut kept = Vec::new();
+        let mut refused = 0;
+        for _ in 0..6 {
+            let (s, rx, closed) = sink();
+            match h.submit(req(vec![1], usize::MAX, 1), s) {
+                Ok(()) => kept.push((rx, closed)),
+                Err(Error::QueueFull { n_queue: 1 }) => refused += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!((kept.len(), refused), (3, 3), "2 slots + 1 waiting admitted, the rest refused");
+        for (_, closed) in &kept {
+            closed.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
 /// A client that leaves between its last token and the finish: every token is taken, the
 /// finish is refused.
 struct LeavesBeforeFinish(mpsc::Sender<Event>);

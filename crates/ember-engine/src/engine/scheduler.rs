@@ -116,8 +116,11 @@ impl<B: Backend> Scheduler<B> {
                 // A request waits (busy) while the KV pages it may need are not free.
                 match self.room_for(job) {
                     Room::Yes(job) => {
-                        self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
+                        // Active before it stops waiting: submit's count of free slots never
+                        // sees it in neither.
                         self.admit(job);
+                        self.stats.n_active.store(self.active.len(), Ordering::SeqCst);
+                        self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
                     }
                     Room::Later(job) => {
                         pending.push_front(job);
