@@ -116,11 +116,13 @@ impl<B: Backend> Scheduler<B> {
                 // A request waits (busy) while the KV pages it may need are not free.
                 match self.room_for(job) {
                     Room::Yes(job) => {
-                        // Active before it stops waiting: submit's count of free slots never
-                        // sees it in neither.
+                        // Counted active before it stops waiting (submit's count of free slots
+                        // never sees it in neither), and both before admit tells its client
+                        // it started; then the true count (a client that left is not admitted).
+                        self.stats.n_active.store(self.active.len() + 1, Ordering::SeqCst);
+                        self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
                         self.admit(job);
                         self.stats.n_active.store(self.active.len(), Ordering::SeqCst);
-                        self.stats.n_waiting.fetch_sub(1, Ordering::SeqCst);
                     }
                     Room::Later(job) => {
                         pending.push_front(job);
