@@ -23,15 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "ck.cuh"
 
 enum Mode { PLAIN = 0, PDL = 1, FLAG = 2 };
 

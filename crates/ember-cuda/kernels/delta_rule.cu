@@ -35,34 +35,6 @@ struct DeltaSeqsParams {
     u32 n_k_head, d_k, n_v_head, d_v, n_slots, scan_below;
 };
 
-// One token's step of a column held in registers (s: the lane's n_per values of it) with the
-// token's k and q in kv and qv (the lane's values), whose i-th `prep(i)` makes ready first:
-// S ← e^g S (decay = e^g); δ = β (v − Sᵀk) with v read from `v`; S ← S + k δᵀ; returns
-// o = Sᵀ q (every lane gets it).
-template <class Prep>
-__device__ __forceinline__ float delta_token(float* s, float* kv, float* qv, u32 n_per, float decay, float b, const float* v, Prep prep) {
-    float sk = 0.0f;
-#pragma unroll
-    for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
-        if (i < (int)n_per) {
-            prep(i);
-            s[i] *= decay;
-            sk += s[i] * kv[i];
-        }
-    }
-    sk = warp_sum(sk);
-    const float delta = b * (*v - sk);
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
-        if (i < (int)n_per) {
-            s[i] += kv[i] * delta;
-            o += s[i] * qv[i];
-        }
-    }
-    return warp_sum(o);
-}
-
 // Column `col` (value head h, index jv) over rows t0..t1, the column `st` in registers.
 __device__ __forceinline__ void delta_column(const float* qp, const float* kp, const float* vp, const float* gp, const float* bp, float* st,
                                              float* outp, u32 t0, u32 t1, u32 nk, u32 dk, u32 nv, u32 dv, u32 col, int lane) {
@@ -77,10 +49,27 @@ __device__ __forceinline__ void delta_column(const float* qp, const float* kp, c
         const float decay = expf(gp[(u64)t * nv + h]);
         const float b = bp[(u64)t * nv + h];
         float kv[DELTA_MAX_PER_LANE], qv[DELTA_MAX_PER_LANE];
-        const float o = delta_token(s, kv, qv, n_per, decay, b, vp + (u64)t * nv * dv + col, [&](int i) {
-            kv[i] = k[32 * i + lane];
-            qv[i] = q[32 * i + lane];
-        });
+        float sk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
+            if (i < (int)n_per) {
+                kv[i] = k[32 * i + lane];
+                qv[i] = q[32 * i + lane];
+                s[i] *= decay;
+                sk += s[i] * kv[i];
+            }
+        }
+        sk = warp_sum(sk);
+        const float delta = b * (vp[(u64)t * nv * dv + col] - sk);
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_MAX_PER_LANE; ++i) {
+            if (i < (int)n_per) {
+                s[i] += kv[i] * delta;
+                o += s[i] * qv[i];
+            }
+        }
+        o = warp_sum(o);
         if (lane == 0) outp[(u64)t * nv * dv + col] = o;
     }
 #pragma unroll

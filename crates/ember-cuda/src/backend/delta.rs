@@ -1,13 +1,10 @@
 //! The DeltaNet ops on the device: the conv, prep and the delta rule.
 
 use ember_ops::{
-    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
+    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
 };
 
-use super::arena::Arena;
-use super::weights::DevWeights;
 use super::{CudaOps, cuda, shape_of};
-use crate::Buf;
 use crate::ops::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
 
 impl CudaOps {
@@ -38,7 +35,11 @@ impl CudaOps {
     /// [`ember_ops::Ops::delta_prep`].
     pub(super) fn prep_op(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
         const OP: &str = "delta_prep";
-        let (av, dt) = prep_inputs(OP, self.dev, &self.arena, &self.weights, &s, [cu, b, alpha])?;
+        for t in [cu, b, alpha] {
+            self.arena.check(OP, t)?;
+        }
+        let (av, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, self.dev, &s, (av.len(), dt.len()), &shape_of(cu), &shape_of(b), &shape_of(alpha))?;
         let (n, nk, dk, nv, dv) = (cu.n, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
         let q = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
         let k = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
@@ -62,12 +63,21 @@ impl CudaOps {
         for t in [x.q, x.k, x.v, x.g, x.beta] {
             self.arena.check(OP, t)?;
         }
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
         let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
-        self.rule_check(OP, h, &mats)?;
+        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
         let (_, at) = self.delta_at(d);
         let n = x.q.n;
         let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
-        let from = scan_below(shape, mode);
+        // Sequences of at least `from` tokens take the chunked form, the others the scan
+        // (always one token: decode).
+        let from = match mode {
+            _ if !shape.chunkable() => usize::MAX,
+            DeltaMode::Recurrent => usize::MAX,
+            DeltaMode::Chunked => 2,
+            DeltaMode::Auto => crate::ops::DELTA_AUTO_CHUNKED_FROM,
+        };
         let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
         let chunked = lens.iter().any(|&l| l >= from);
         // The output, then the chunked form's scratch (always allocated, so the handles that
@@ -91,43 +101,4 @@ impl CudaOps {
             .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
         Ok(y)
     }
-}
-
-/// Sequences of at least this many tokens take the chunked form under `mode`, the others the
-/// scan (one token always: decode).
-fn scan_below(shape: DeltaShape, mode: DeltaMode) -> usize {
-    match mode {
-        _ if !shape.chunkable() => usize::MAX,
-        DeltaMode::Recurrent => usize::MAX,
-        DeltaMode::Chunked => 2,
-        DeltaMode::Auto => crate::ops::DELTA_AUTO_CHUNKED_FROM,
-    }
-}
-
-impl CudaOps {
-    /// The delta rule's checks of the step for inputs of shapes `mats`: live slots, the spans,
-    /// the shapes against the heads and the layer's state.
-    fn rule_check(&self, op: &'static str, h: DeltaHeads, mats: &DeltaMats) -> OpResult<()> {
-        self.live_slots(op)?;
-        check::spans(op, self.dev, &self.spans, mats.q.n, self.spans.len())?;
-        check::delta_rule(op, self.dev, &h.shape(mats.q.n), mats, self.store.layout.rec)
-    }
-}
-
-/// delta_prep's checks (its tensors live, the shapes against the weights a and dt_bias), and
-/// those two weights.
-fn prep_inputs<'w>(
-    op: &'static str,
-    dev: DeviceId,
-    arena: &Arena,
-    weights: &'w DevWeights,
-    s: &DeltaPrep,
-    [cu, b, alpha]: [Tensor; 3],
-) -> OpResult<(&'w Buf<f32>, &'w Buf<f32>)> {
-    for t in [cu, b, alpha] {
-        arena.check(op, t)?;
-    }
-    let (av, dt) = (weights.vector(op, s.a)?, weights.vector(op, s.dt_bias)?);
-    check::delta_prep(op, dev, s, (av.len(), dt.len()), &shape_of(cu), &shape_of(b), &shape_of(alpha))?;
-    Ok((av, dt))
 }
