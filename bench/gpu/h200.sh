@@ -236,8 +236,8 @@ if has cpuab; then
 fi
 if has skip; then
     ensure_model
-    SM="rms_norm_q8,conv1d_silu_seqs,delta_prep,delta_rule_seqs,route,matmul_gemv_multi_f32,attn_prep,kv_append,attention_decode,gate"
-    IFS=';' read -ra SK <<< "${SKIPS:-base:;small:$SM;norm:rms_norm_q8;gateup:moe_gate_up_q8_q4_k;down:moe_down_q8_q4_k,moe_down_q8_q6_k;proj:gemv_q8_q4_k,gemv_q8_q6_k;conv:conv1d_silu_seqs;route:route;router:matmul_gemv_multi_f32;prep:delta_prep;rule:delta_rule_seqs;attn:attn_prep,kv_append,attention_decode,gate;base2:}"
+    SM="rms_norm_q8,conv1d_silu_seqs,delta_prep,delta_rule_seqs,route,matmul_gemv_multi_f32,attn_prep,kv_append,attention_decode_f16_h1,attention_decode_f16_h2,attention_decode_f16_h4,attention_decode_f16_h8,gate"
+    IFS=';' read -ra SK <<< "${SKIPS:-base:;small:$SM;norm:rms_norm_q8;gateup:moe_gate_up_q8_q4_k;down:moe_down_q8_q4_k,moe_down_q8_q6_k;proj:gemv_q8_q4_k,gemv_q8_q6_k;conv:conv1d_silu_seqs;route:route;router:matmul_gemv_multi_f32;prep:delta_prep;rule:delta_rule_seqs;attn:attn_prep,kv_append,attention_decode_f16_h1,attention_decode_f16_h2,attention_decode_f16_h4,attention_decode_f16_h8,gate;base2:}"
     for v in "${SK[@]}"; do
         name=${v%%:*}; entries=${v#*:}
         [[ $SECONDS -gt ${SKIP_BY:-560} ]] && { echo "skip $name: no time left"; continue; }

@@ -52,7 +52,26 @@ __host__ __device__ __forceinline__ u32 decode_keys_per_split(u32 n_keys, u32 sp
     return KV_PAGE * max(1u, (pages + splits - 1) / splits);
 }
 
-template <int TY, int HB>
+// The K and V rows of one group of AD_KG keys, as loaded (Row8: this lane's 8 dims of a row).
+template <int TY>
+struct KvGroup {
+    Row8<TY> k[AD_KG], v[AD_KG];
+};
+
+// Groups a warp of a `_pf` entry loads ahead of the one it computes (attend_decode's ring), as
+// measured on an H100 (docs/perf.md, GPU g21): F16 2, or 1 for 8 heads (8 heads' q and acc
+// hold 128 registers; an F16 row is 4 registers a key); F32 1, none for 8 heads (it spills);
+// Q8_0 none (two groups ahead were slower than none at depth 32768: 75 against 64 us).
+// EMBER_AD_PF0: none anywhere (for A/B runs).
+__host__ __device__ constexpr int ad_prefetch(int ty, int hb) {
+#ifdef EMBER_AD_PF0
+    return 0 * ty * hb;
+#else
+    return ty == KV_Q8_0 ? 0 : ty == KV_F32 ? (hb >= 8 ? 0 : 1) : (hb >= 8 ? 1 : 2);
+#endif
+}
+
+template <int TY, int HB, int PF>
 __device__ void attend_decode(const AttentionParams& p, float* sm) {
     constexpr int NV = AD_KG * HB;  // (key, head) pairs of a warp step
     constexpr int SH = NV == 32 ? 0 : NV == 16 ? 1 : NV == 8 ? 2 : NV == 4 ? 3 : 4;  // lane l holds pair l >> SH
@@ -95,27 +114,36 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
     // The running max and sum of this lane's head ((lane >> SH) % HB), equal on its lanes.
     float m_mine = ATT_NEG_INF, l_mine = 0.0f;
     const int pair = lane >> SH, key_of = pair / HB;
+    // The warp's groups: kb = kb0, kb0 + KS, ... below k1. A group's K and V rows are loaded
+    // AD_PF groups ahead of their use, into a ring of AD_PF + 1 groups in registers, so the warp
+    // has that many groups' loads in flight while it computes one (a step is otherwise a full
+    // round trip to memory, then the step's shuffles: one row at depth 32768 is 32 steps a warp).
     // A bad slot or a range past the table reads nothing (and gives NaN).
-    for (u32 kb = bad ? k1 : k0 + warp * AD_KG; kb < k1; kb += AD_WARPS * AD_KG) {
+    constexpr u32 KS = AD_WARPS * AD_KG;
+    const u32 kb0 = bad ? k1 : k0 + warp * AD_KG;
+    // kb is a multiple of AD_KG, so a group's keys share a page; keys past k1 are not read
+    // (zeros: their rows may hold anything, NaN included) and masked; a group past k1 loads nothing.
+    auto fetch = [&](KvGroup<TY>& g, u32 kb) {
+        if (kb >= k1) return;
         u32 pk = tk[kb / KV_PAGE], pv = tv[kb / KV_PAGE];
         if (pk >= p.n_pages || pv >= p.n_pages) {
             bad = true;
             pk = pv = 0;
         }
-        // kb is a multiple of AD_KG, so the group's keys share a page; keys past k1 are not
-        // read (zeros: their rows may hold anything, NaN included) and masked.
         const u8* kr = (const u8*)p.pool + ((u64)pk * KV_PAGE + kb % KV_PAGE) * p.row_bytes;
         const u8* vr = (const u8*)p.pool + ((u64)pv * KV_PAGE + kb % KV_PAGE) * p.row_bytes;
-        Row8<TY> kraw[AD_KG], vraw[AD_KG];
 #pragma unroll
-        for (int j = 0; j < AD_KG; ++j) kraw[j].load(kr + (u64)j * p.row_bytes, e0, on && kb + j < k1);
+        for (int j = 0; j < AD_KG; ++j) g.k[j].load(kr + (u64)j * p.row_bytes, e0, on && kb + j < k1);
 #pragma unroll
-        for (int j = 0; j < AD_KG; ++j) vraw[j].load(vr + (u64)j * p.row_bytes, e0, on && kb + j < k1);
+        for (int j = 0; j < AD_KG; ++j) g.v[j].load(vr + (u64)j * p.row_bytes, e0, on && kb + j < k1);
+    };
+    // One group's step: scores, the online softmax, the values.
+    auto step = [&](const KvGroup<TY>& g, u32 kb) {
         float x[NV];
 #pragma unroll
         for (int j = 0; j < AD_KG; ++j) {
             float kf[8];
-            kraw[j].get(kf);
+            g.k[j].get(kf);
 #pragma unroll
             for (int h = 0; h < HB; ++h) {
                 float d = 0.0f;
@@ -147,13 +175,25 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
 #pragma unroll
         for (int j = 0; j < AD_KG; ++j) {
             float vf[8];
-            vraw[j].get(vf);
+            g.v[j].get(vf);
 #pragma unroll
             for (int h = 0; h < HB; ++h) {
                 const float w = __shfl_sync(0xffffffffu, e, (j * HB + h) << SH);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(w, vf[i], acc[h][i]);
             }
+        }
+    };
+    KvGroup<TY> ring[PF + 1];
+#pragma unroll
+    for (int i = 0; i < PF; ++i) fetch(ring[i], kb0 + i * KS);
+    for (u32 kb = kb0; kb < k1; kb += (PF + 1) * KS) {
+#pragma unroll
+        for (int b = 0; b <= PF; ++b) {
+            const u32 kc = kb + b * KS;
+            if (kc >= k1) break;
+            fetch(ring[(b + PF) % (PF + 1)], kc + PF * KS);
+            step(ring[b], kc);
         }
     }
     // Every head's max and sum on every lane, then the warps merged pairwise.
@@ -212,23 +252,30 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
     }
 }
 
-// HB = p.heads_per_block (1, 2, 4 or 8; the launcher checks), the cache type from p.ty.
-template <int HB>
-__device__ __forceinline__ void attend_decode_ty(const AttentionParams& p, float* sm) {
-    switch (p.ty) {
-        case KV_F32: attend_decode<KV_F32, HB>(p, sm); break;
-        case KV_F16: attend_decode<KV_F16, HB>(p, sm); break;
-        default: attend_decode<KV_Q8_0, HB>(p, sm); break;
+// One entry for each cache type and HB (the launcher names the one for p.ty and
+// p.heads_per_block), each with the registers its own instance needs: the smaller ones are not
+// held to the 8-head one's count (240 registers in one entry: 2 blocks an SM). `_pf` entries
+// load ad_prefetch groups ahead, at the cost of registers (F16, 4 heads: 218 against 128, so 2
+// blocks an SM, not 4): the launcher takes them where a warp walks many groups.
+#define ATTENTION_DECODE_ENTRY(NAME, TY, HB, SUFFIX, PF)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attention_decode_##NAME##_h##HB##SUFFIX(const AttentionParams p) { \
+        pdl_enter();                                                                                  \
+        __shared__ __align__(16) float sm[AD_WARPS / 2 * HB * (ATT_MAX_PER_LANE * 32 + 2)];           \
+        attend_decode<TY, HB, PF>(p, sm);                                                             \
     }
-}
-
-extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attention_decode(const AttentionParams p) {
-    pdl_enter();
-    __shared__ __align__(16) float sm[AD_WARPS / 2 * 8 * (ATT_MAX_PER_LANE * 32 + 2)];
-    switch (p.heads_per_block) {
-        case 1: attend_decode_ty<1>(p, sm); break;
-        case 2: attend_decode_ty<2>(p, sm); break;
-        case 4: attend_decode_ty<4>(p, sm); break;
-        default: attend_decode_ty<8>(p, sm); break;
-    }
-}
+#define ATTENTION_DECODE_ENTRIES(NAME, TY) \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 1, , 0)    \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 2, , 0)    \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 4, , 0)    \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 8, , 0)
+#define ATTENTION_DECODE_PF_ENTRIES(NAME, TY)                    \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 1, _pf, ad_prefetch(TY, 1)) \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 2, _pf, ad_prefetch(TY, 2)) \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 4, _pf, ad_prefetch(TY, 4)) \
+    ATTENTION_DECODE_ENTRY(NAME, TY, 8, _pf, ad_prefetch(TY, 8))
+ATTENTION_DECODE_ENTRIES(f32, KV_F32)
+ATTENTION_DECODE_ENTRIES(f16, KV_F16)
+ATTENTION_DECODE_ENTRIES(q8_0, KV_Q8_0)
+// Q8_0 has no ring (ad_prefetch), so no _pf entries.
+ATTENTION_DECODE_PF_ENTRIES(f32, KV_F32)
+ATTENTION_DECODE_PF_ENTRIES(f16, KV_F16)

@@ -196,29 +196,32 @@ fn decode_matches_the_reference() {
 }
 
 /// The decode kernel at 1, 2, 3, 7, 40 and 128 key ranges per row against the rows path on one
-/// cache (the 35B shape, F16, 3,000 keys), and each row's result bit for bit the same when it
-/// runs alone as beside rows of other depths (a row's ranges depend on its own keys only) and
-/// on any number of query heads a block (which the launcher picks by the call's size).
+/// cache (the 35B shape, F16, F32 and Q8_0, 3,000 keys), and each row's result bit for bit the
+/// same when it runs alone as beside rows of other depths (a row's ranges depend on its own keys
+/// only), on any number of query heads a block (which the launcher picks by the call's size) and
+/// with or without the rows loaded ahead (the `_pf` entries, which the launcher takes by the
+/// call's deepest row: at 1-7 ranges the 3,000-key row's ranges take them, the shallow rows
+/// alone do not).
 #[test]
 fn decode_ranges_agree() {
     let Ok(g) = Gpu::new(0) else {
         println!("skipped: no GPU");
         return;
     };
+    for ty in [GgmlType::F16, GgmlType::F32, GgmlType::Q8_0] {
+        ranges_agree(&g, ty);
+    }
+}
+
+fn ranges_agree(g: &Gpu, ty: GgmlType) {
     let (nh, nkv, hd) = (16usize, 2usize, 256usize);
     let width = nkv * hd;
     let n_keys: usize = 3000;
     let n_pages = n_keys.div_ceil(KV_PAGE);
-    let rb = GgmlType::F16.row_bytes(width).unwrap();
+    let rb = ty.row_bytes(width).unwrap();
     // K pages then V pages, in reverse order (the table is followed, not assumed).
     let table: Vec<u32> = (0..2 * n_pages as u32).rev().collect();
-    let cache = Cache {
-        pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(),
-        table: g.upload(&table).unwrap(),
-        n_pages,
-        width,
-        ty: GgmlType::F16,
-    };
+    let cache = Cache { pool: g.zeros::<u8>(2 * n_pages * KV_PAGE * rb).unwrap(), table: g.upload(&table).unwrap(), n_pages, width, ty };
     let mut rng = Rng::new(3);
     {
         let (k, v) = (g.upload(&rng.mat(n_keys, width, 1.0).data).unwrap(), g.upload(&rng.mat(n_keys, width, 1.0).data).unwrap());
@@ -258,7 +261,7 @@ fn decode_ranges_agree() {
     for splits in [1, 2, 3, 7, 40, 128] {
         let y = run(&all, AttentionPath::Decode, splits, 0);
         let e = conformance::max_rel(&y, &rows_ref);
-        println!("decode, {splits:>3} ranges per row: rel {e:.2e} to the rows path");
+        println!("decode {ty:?}, {splits:>3} ranges per row: rel {e:.2e} to the rows path");
         assert!(e <= REL, "{splits} ranges: rel {e:e}");
         for heads in [8, 4, 2, 1] {
             assert!(run(&all, AttentionPath::Decode, splits, heads) == y, "{splits} ranges, {heads} heads a block: other bits");
@@ -418,6 +421,39 @@ fn bench_attention_tiles() {
                 "crossover depth {depth:>5} {n:>2} rows: rows {ms_rows:8.3} ms  tiles {ms_tiles:8.3} ms  tensor-core tiles {ms_mma:8.3} ms  decode {ms_dec:8.3} ms"
             );
         }
+    }
+}
+
+/// The tensor-core tiles alone at the 35B model's shape (16 query heads, 2 KV heads, head_dim
+/// 256, F16 cache): 512 rows at depths 0..32768, GPU ms per call and TFLOP/s, for A/B runs of
+/// the kernel's switches (`EMBER_KERNEL_DEFINES`); the tiles' agreement with the reference is
+/// `tiles_match_the_reference`'s.
+#[test]
+#[ignore]
+fn bench_attention_mma() {
+    let Ok(g) = Gpu::new(0) else { return };
+    let (nh, nkv, hd, n) = (16usize, 2usize, 256usize, 512usize);
+    let max_pos: usize = 32768 + n;
+    let mut rng = Rng::new(37);
+    let cache = Cache::filled(&g, GgmlType::F16, nkv * hd, max_pos, &mut rng);
+    let q_all = g.upload(&rng.mat(n, nh * hd, 1.0).data).unwrap();
+    let seq_row0 = g.zeros::<u32>(1).unwrap();
+    let slot0 = g.zeros::<u32>(1).unwrap();
+    let seq_n = g.upload(&[n as u32]).unwrap();
+    let seqs = SeqRows { row0: &seq_row0, n: &seq_n, slot: &slot0, n_seq: 1 };
+    let row_slot = g.zeros::<u32>(n).unwrap();
+    let mut out = g.zeros::<f32>(n * nh * hd).unwrap();
+    for depth in [0usize, 4096, 8192, 32768] {
+        let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &[n], depth + n);
+        s.path = AttentionPath::Tiles;
+        s.fast = true;
+        assert!(g.attention_uses_mma(&s));
+        let pos = g.upload(&(depth as u32..(depth + n) as u32).collect::<Vec<_>>()).unwrap();
+        let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+        let ms = gpu_ms(&g, 10, || g.attention(&cache.pages(), s, &q_all, &seqs, &row_slot, &pos, &mut out, &mut scratch));
+        let pairs: f64 = (0..n).map(|i| (depth + i + 1) as f64).sum();
+        let tflops = 4.0 * (nh * hd) as f64 * pairs / ms / 1e9;
+        println!("bench attention_mma {n} rows at depth {depth:>5}: {ms:8.3} ms ({tflops:6.1} TFLOP/s, {} ranges)", g.attention_splits(&s));
     }
 }
 

@@ -6,6 +6,7 @@ use super::{SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_PREFILL};
+use ember_gguf::GgmlType;
 
 const OP: &str = "attention";
 /// `ATT_MAX_PER_LANE` · 32 in kernels/attention.cuh.
@@ -43,6 +44,10 @@ const DECODE_MAX_HEADS: usize = 8;
 /// heads a block do not change a result's bits (kernels/attention_decode.cu), so the choice may
 /// follow the call's size.
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
+/// Keys of a decode range from which its warps load rows ahead (`_pf` entries): 16 groups of 4
+/// keys a warp. On an H100 (F16, docs/perf.md GPU g21) the ring saved 16-18 % of a row at depth
+/// 32768 (512-key ranges) and lost a little up to 8192 (64-128-key ranges: 4-8 groups a warp).
+const DECODE_RING_MIN_KEYS: usize = 256;
 
 /// Keys per range: [`ATTENTION_SPLIT_KEYS`], more when that would need over 65,535 ranges.
 fn split_keys(s: &AttentionShape) -> usize {
@@ -220,6 +225,28 @@ impl AttentionShape {
     }
 }
 
+/// The `attention_decode` entry for a cache of type `ty`, `heads` query heads a block (1, 2, 4
+/// or 8) and whether its warps load rows ahead (`ring`: the `_pf` entries; Q8_0 has none): one
+/// entry each, so each instance has the registers it needs alone.
+fn decode_entry(ty: GgmlType, heads: usize, ring: bool) -> &'static str {
+    const NAMES: [[&str; 4]; 5] = [
+        ["attention_decode_f32_h1", "attention_decode_f32_h2", "attention_decode_f32_h4", "attention_decode_f32_h8"],
+        ["attention_decode_f16_h1", "attention_decode_f16_h2", "attention_decode_f16_h4", "attention_decode_f16_h8"],
+        ["attention_decode_q8_0_h1", "attention_decode_q8_0_h2", "attention_decode_q8_0_h4", "attention_decode_q8_0_h8"],
+        ["attention_decode_f32_h1_pf", "attention_decode_f32_h2_pf", "attention_decode_f32_h4_pf", "attention_decode_f32_h8_pf"],
+        ["attention_decode_f16_h1_pf", "attention_decode_f16_h2_pf", "attention_decode_f16_h4_pf", "attention_decode_f16_h8_pf"],
+    ];
+    // The kernel reads any other type as Q8_0 (kv_append checks the cache's type).
+    let t = match (ty, ring) {
+        (GgmlType::F32, false) => 0,
+        (GgmlType::F16, false) => 1,
+        (GgmlType::F32, true) => 3,
+        (GgmlType::F16, true) => 4,
+        _ => 2,
+    };
+    NAMES[t][heads.clamp(1, DECODE_MAX_HEADS).ilog2() as usize]
+}
+
 /// Keys per range of a row of `n_keys` keys on the decode path (`decode_keys_per_split` in
 /// kernels/attention_decode.cu: whole pages, about `splits` ranges).
 pub fn decode_keys_per_split(n_keys: usize, splits: usize) -> usize {
@@ -268,6 +295,9 @@ struct Plan {
     keys_per_split: usize,
     /// Query heads of a decode block.
     decode_heads: usize,
+    /// Whether the decode kernel's warps load rows ahead (the `_pf` entries): where its deepest
+    /// row's ranges hold at least [`DECODE_RING_MIN_KEYS`] keys.
+    decode_ring: bool,
 }
 
 impl Gpu {
@@ -281,7 +311,15 @@ impl Gpu {
             let n_split = s.max_keys.div_ceil(KV_PAGE).clamp(1, splits);
             // The shape's own heads a block, else EMBER_ATTN_HEADS's, else the launcher's choice.
             let s = AttentionShape { decode_heads: if s.decode_heads > 0 { s.decode_heads } else { self.attn_heads() }, ..*s };
-            return Plan { kind, n_split, keys_per_split: splits, decode_heads: s.decode_heads_for(n_split, n_sm) };
+            let decode_ring = decode_keys_per_split(s.max_keys, splits) >= DECODE_RING_MIN_KEYS;
+            let mut decode_heads = s.decode_heads_for(n_split, n_sm);
+            // The launcher's own choice: without the ring, at most 4 heads (their 128 registers
+            // give 4 blocks an SM, 8 heads' 215 give 2; 16 rows at depth 1024-8192 on an H100:
+            // 4 heads 13-20 % faster, docs/perf.md GPU g21).
+            if s.decode_heads == 0 && !decode_ring {
+                decode_heads = decode_heads.min(4);
+            }
+            return Plan { kind, n_split, keys_per_split: splits, decode_heads, decode_ring };
         }
         if kind == AttentionPath::Tiles {
             // Enough blocks for the SMs (2 resident each): the key range count that minimises
@@ -292,10 +330,10 @@ impl Gpu {
             let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
             let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
             let keys_per_split = s.max_keys.div_ceil(n_split).next_multiple_of(KV_PAGE).max(KV_PAGE);
-            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split, decode_heads: 0 };
+            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split, decode_heads: 0, decode_ring: false };
         }
         let n_split = if s.n_rows * s.n_head >= 2 * n_sm { 1 } else { s.max_keys.div_ceil(split_keys(s)).max(1) };
-        Plan { kind, n_split, keys_per_split: split_keys(s), decode_heads: 0 }
+        Plan { kind, n_split, keys_per_split: split_keys(s), decode_heads: 0, decode_ring: false }
     }
 
     /// Key ranges [`Gpu::attention`] splits each row's keys into. The rows path: one pass when
@@ -442,7 +480,7 @@ impl Gpu {
         // divides n_head / n_head_kv).
         unsafe {
             if plan.kind == AttentionPath::Decode {
-                let f = self.function(&ATTENTION_DECODE, "attention_decode")?;
+                let f = self.function(&ATTENTION_DECODE, decode_entry(pages.ty, plan.decode_heads, plan.decode_ring))?;
                 let groups = u32_of(OP, "head groups", nh / plan.decode_heads)?;
                 self.launch(&f, (groups, p.n_rows, p.n_split), 32 * DECODE_WARPS, 0, &p)?;
                 return if plan.n_split > 1 { merge(self) } else { Ok(()) };
