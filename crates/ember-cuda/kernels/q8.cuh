@@ -16,6 +16,7 @@ __device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u
 template <int TY>
 struct Q8Unit;
 
+#ifndef EMBER_Q4K_L4
 // Q4_K: lane t reads qs[16t..+16]: low nibbles are weights 64p + i0.. of sub-block 2p, high
 // nibbles the same positions of sub-block 2p + 1 (p = t / 2, i0 = 16·(t % 2)). A weight is
 // d·sc·q − dmin·mn, so a sub-block's sum is d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx): the even lane of
@@ -44,6 +45,37 @@ struct Q8Unit<TY_Q4_K> {
         return r;
     }
 };
+#else
+// Q4_K on 4 lanes (EMBER_Q4K_L4, an A/B switch; the host's unit() follows it): lane t reads
+// qs[32t..+32], sub-blocks 2t (low nibbles) and 2t + 1 (high nibbles) whole, so it decodes the
+// header's scales once for 64 weights, not 32, and adds both min terms itself.
+template <>
+struct Q8Unit<TY_Q4_K> {
+    static constexpr int L = 4, W = 256;
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+        const u8* b = row + 144 * c;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q0 = *(const uint4*)(b + 16 + 32 * t), q1 = *(const uint4*)(b + 32 + 32 * t);
+        const i8* x = xq + 256 * c + 64 * t;
+        const int4 xl0 = *(const int4*)x, xl1 = *(const int4*)(x + 16);
+        const int4 xh0 = *(const int4*)(x + 32), xh1 = *(const int4*)(x + 48);
+        int sl = dp4a(q0.x & 0x0F0F0F0F, xl0.x, 0), sh = dp4a((q0.x >> 4) & 0x0F0F0F0F, xh0.x, 0);
+        sl = dp4a(q0.y & 0x0F0F0F0F, xl0.y, sl), sh = dp4a((q0.y >> 4) & 0x0F0F0F0F, xh0.y, sh);
+        sl = dp4a(q0.z & 0x0F0F0F0F, xl0.z, sl), sh = dp4a((q0.z >> 4) & 0x0F0F0F0F, xh0.z, sh);
+        sl = dp4a(q0.w & 0x0F0F0F0F, xl0.w, sl), sh = dp4a((q0.w >> 4) & 0x0F0F0F0F, xh0.w, sh);
+        sl = dp4a(q1.x & 0x0F0F0F0F, xl1.x, sl), sh = dp4a((q1.x >> 4) & 0x0F0F0F0F, xh1.x, sh);
+        sl = dp4a(q1.y & 0x0F0F0F0F, xl1.y, sl), sh = dp4a((q1.y >> 4) & 0x0F0F0F0F, xh1.y, sh);
+        sl = dp4a(q1.z & 0x0F0F0F0F, xl1.z, sl), sh = dp4a((q1.z >> 4) & 0x0F0F0F0F, xh1.z, sh);
+        sl = dp4a(q1.w & 0x0F0F0F0F, xl1.w, sl), sh = dp4a((q1.w >> 4) & 0x0F0F0F0F, xh1.w, sh);
+        int sc0, mn0, sc1, mn1;
+        scale_min_k4_words(2 * t, h.y, h.z, h.w, &sc0, &mn0);
+        scale_min_k4_words(2 * t + 1, h.y, h.z, h.w, &sc1, &mn1);
+        const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
+        const float2 a = xd[8 * c + 2 * t], e = xd[8 * c + 2 * t + 1];
+        return d * ((float)sc0 * a.x * (float)sl + (float)sc1 * e.x * (float)sh) - dmin * ((float)mn0 * a.y + (float)mn1 * e.y);
+    }
+};
+#endif
 
 // Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
 // low and high nibbles), ql[64n + 32 + l0..+8] (quarters 1 and 3) and qh[32n + l0..+8] (bits
