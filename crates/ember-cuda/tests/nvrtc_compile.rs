@@ -61,3 +61,20 @@ fn every_kernel_switch_compiles_for_sm90() {
         }
     }
 }
+
+/// Every `attention_decode` entry the launcher names (`ATTENTION_DECODE_ENTRIES`: one per cache
+/// type, heads a block and ring, made by the kernel file's macros) is in the compiled image: a
+/// name the macros do not make would otherwise show only on a GPU, as a missing function.
+#[test]
+fn every_attention_decode_entry_the_launcher_names_exists() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let kernel = &ember_cuda::kernels::ATTENTION_DECODE;
+    let Image::Cubin(bytes) = nvrtc.compile(kernel.name, &kernel.source(), 90, OPTIONS).unwrap_or_else(|e| panic!("{e}")) else {
+        panic!("PTX instead of a CUBIN")
+    };
+    for name in ember_cuda::ops::ATTENTION_DECODE_ENTRIES.iter().flatten() {
+        // The symbol table holds each entry's name, NUL-terminated.
+        let sym = format!("{name}\0");
+        assert!(bytes.windows(sym.len()).any(|w| w == sym.as_bytes()), "{name} is not in attention_decode's image");
+    }
+}

@@ -182,6 +182,21 @@ impl AttentionShape {
         hb
     }
 
+    /// The decode kernel's ranges a row, heads a block and whether its warps load rows ahead
+    /// (the `_pf` entries), on `n_sm` SMs. The ranges of a row depend on its keys only: at most
+    /// `decode_splits`, or one per page (a row with fewer leaves the rest empty). The ring where
+    /// the deepest row's ranges hold at least [`DECODE_RING_MIN_KEYS`] keys; heads a block by
+    /// [`AttentionShape::decode_heads_for`], at most 4 without the ring when the launcher chooses
+    /// (their 128 registers give 4 blocks an SM, 8 heads' 215 give 2; 16 rows at depth
+    /// 1024-8192 on an H100: 4 heads 13-20 % faster, docs/perf.md GPU g21).
+    pub fn decode_plan(&self, n_sm: usize) -> (usize, usize, bool) {
+        let splits = self.decode_splits.min(65535);
+        let n_split = self.max_keys.div_ceil(KV_PAGE).clamp(1, splits.max(1));
+        let ring = decode_keys_per_split(self.max_keys, splits) >= DECODE_RING_MIN_KEYS;
+        let heads = self.decode_heads_for(n_split, n_sm);
+        (n_split, if self.decode_heads == 0 && !ring { heads.min(4) } else { heads }, ring)
+    }
+
     /// Floats of partial results the decode kernel needs for this shape (0: one range a row).
     fn decode_scratch(&self) -> usize {
         match self.max_keys.div_ceil(KV_PAGE).clamp(1, self.decode_splits.clamp(1, 65535)) {
@@ -229,13 +244,6 @@ impl AttentionShape {
 /// or 8) and whether its warps load rows ahead (`ring`: the `_pf` entries; Q8_0 has none): one
 /// entry each, so each instance has the registers it needs alone.
 fn decode_entry(ty: GgmlType, heads: usize, ring: bool) -> &'static str {
-    const NAMES: [[&str; 4]; 5] = [
-        ["attention_decode_f32_h1", "attention_decode_f32_h2", "attention_decode_f32_h4", "attention_decode_f32_h8"],
-        ["attention_decode_f16_h1", "attention_decode_f16_h2", "attention_decode_f16_h4", "attention_decode_f16_h8"],
-        ["attention_decode_q8_0_h1", "attention_decode_q8_0_h2", "attention_decode_q8_0_h4", "attention_decode_q8_0_h8"],
-        ["attention_decode_f32_h1_pf", "attention_decode_f32_h2_pf", "attention_decode_f32_h4_pf", "attention_decode_f32_h8_pf"],
-        ["attention_decode_f16_h1_pf", "attention_decode_f16_h2_pf", "attention_decode_f16_h4_pf", "attention_decode_f16_h8_pf"],
-    ];
     // The kernel reads any other type as Q8_0 (kv_append checks the cache's type).
     let t = match (ty, ring) {
         (GgmlType::F32, false) => 0,
@@ -244,8 +252,18 @@ fn decode_entry(ty: GgmlType, heads: usize, ring: bool) -> &'static str {
         (GgmlType::F16, true) => 4,
         _ => 2,
     };
-    NAMES[t][heads.clamp(1, DECODE_MAX_HEADS).ilog2() as usize]
+    ATTENTION_DECODE_ENTRIES[t][heads.clamp(1, DECODE_MAX_HEADS).ilog2() as usize]
 }
+
+/// The `attention_decode` entries the launcher names (kernels/attention_decode.cu's macros make
+/// them): F32, F16, Q8_0, then F32 and F16 with the ring; 1, 2, 4 and 8 heads a block.
+pub const ATTENTION_DECODE_ENTRIES: [[&str; 4]; 5] = [
+    ["attention_decode_f32_h1", "attention_decode_f32_h2", "attention_decode_f32_h4", "attention_decode_f32_h8"],
+    ["attention_decode_f16_h1", "attention_decode_f16_h2", "attention_decode_f16_h4", "attention_decode_f16_h8"],
+    ["attention_decode_q8_0_h1", "attention_decode_q8_0_h2", "attention_decode_q8_0_h4", "attention_decode_q8_0_h8"],
+    ["attention_decode_f32_h1_pf", "attention_decode_f32_h2_pf", "attention_decode_f32_h4_pf", "attention_decode_f32_h8_pf"],
+    ["attention_decode_f16_h1_pf", "attention_decode_f16_h2_pf", "attention_decode_f16_h4_pf", "attention_decode_f16_h8_pf"],
+];
 
 /// Keys per range of a row of `n_keys` keys on the decode path (`decode_keys_per_split` in
 /// kernels/attention_decode.cu: whole pages, about `splits` ranges).
@@ -305,21 +323,10 @@ impl Gpu {
         let n_sm = self.info().n_sm.max(1) as usize;
         let kind = s.kind(self.attn_decode_on(), self.mma_wanted(s));
         if kind == AttentionPath::Decode {
-            // The ranges of a row depend on its keys only: at most `decode_splits`, or one per
-            // page; a row with fewer ranges leaves the rest empty.
-            let splits = s.decode_splits.min(65535);
-            let n_split = s.max_keys.div_ceil(KV_PAGE).clamp(1, splits);
             // The shape's own heads a block, else EMBER_ATTN_HEADS's, else the launcher's choice.
             let s = AttentionShape { decode_heads: if s.decode_heads > 0 { s.decode_heads } else { self.attn_heads() }, ..*s };
-            let decode_ring = decode_keys_per_split(s.max_keys, splits) >= DECODE_RING_MIN_KEYS;
-            let mut decode_heads = s.decode_heads_for(n_split, n_sm);
-            // The launcher's own choice: without the ring, at most 4 heads (their 128 registers
-            // give 4 blocks an SM, 8 heads' 215 give 2; 16 rows at depth 1024-8192 on an H100:
-            // 4 heads 13-20 % faster, docs/perf.md GPU g21).
-            if s.decode_heads == 0 && !decode_ring {
-                decode_heads = decode_heads.min(4);
-            }
-            return Plan { kind, n_split, keys_per_split: splits, decode_heads, decode_ring };
+            let (n_split, decode_heads, decode_ring) = s.decode_plan(n_sm);
+            return Plan { kind, n_split, keys_per_split: s.decode_splits.min(65535), decode_heads, decode_ring };
         }
         if kind == AttentionPath::Tiles {
             // Enough blocks for the SMs (2 resident each): the key range count that minimises
@@ -542,6 +549,34 @@ mod tests {
         let mut s = AttentionShape::new(6, 2, 64, 0.125, &[1], 100);
         s.decode_heads = 8;
         assert_eq!(s.decode_heads_for(1, 132), 1);
+    }
+
+    /// The decode plan on 132 SMs: the ring from 256-key ranges (64 ranges a row: from 12,289
+    /// keys, 193 pages), at most 4 heads a block without it unless the shape asks for more; and
+    /// the entry each (type, heads, ring) names.
+    #[test]
+    fn decode_plan_takes_the_ring_for_deep_ranges() {
+        // (rows, keys of the deepest row, heads asked, (ranges, heads, ring))
+        let cases = [
+            (1, 32768, 0, (64, 4, true)),
+            (1, 12288, 0, (64, 4, false)),
+            (1, 12289, 0, (64, 4, true)),
+            (1, 1024, 0, (16, 1, false)),
+            (16, 4096, 0, (64, 4, false)),
+            (16, 4096, 8, (64, 8, false)),
+            (16, 32768, 0, (64, 8, true)),
+        ];
+        for (rows, keys, heads, want) in cases {
+            let mut s = shape(256, &vec![1; rows], keys);
+            s.decode_heads = heads;
+            assert_eq!(s.decode_plan(132), want, "{rows} rows at {keys} keys, {heads} heads asked");
+        }
+        assert_eq!(decode_entry(GgmlType::F16, 4, true), "attention_decode_f16_h4_pf");
+        assert_eq!(decode_entry(GgmlType::F16, 8, false), "attention_decode_f16_h8");
+        assert_eq!(decode_entry(GgmlType::F32, 1, true), "attention_decode_f32_h1_pf");
+        // Q8_0 has no ring: its plain entries either way.
+        assert_eq!(decode_entry(GgmlType::Q8_0, 2, true), "attention_decode_q8_0_h2");
+        assert_eq!(decode_entry(GgmlType::Q8_0, 8, false), "attention_decode_q8_0_h8");
     }
 
     /// Auto's choice, with the decode kernel and tensor cores (Fast) or without (Exact).

@@ -22,8 +22,8 @@ mod select_rows;
 mod top_k;
 
 pub use attention::{
-    ATTENTION_DECODE_SPLITS, ATTENTION_MMA_MIN_ROW_KEYS, ATTENTION_MMA_MIN_ROWS, ATTENTION_SPLIT_KEYS, ATTENTION_TILE_MIN_KEYS,
-    ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape, decode_keys_per_split,
+    ATTENTION_DECODE_ENTRIES, ATTENTION_DECODE_SPLITS, ATTENTION_MMA_MIN_ROW_KEYS, ATTENTION_MMA_MIN_ROWS, ATTENTION_SPLIT_KEYS,
+    ATTENTION_TILE_MIN_KEYS, ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape, decode_keys_per_split,
 };
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
