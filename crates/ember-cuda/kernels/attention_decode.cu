@@ -115,7 +115,7 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
     float m_mine = ATT_NEG_INF, l_mine = 0.0f;
     const int pair = lane >> SH, key_of = pair / HB;
     // The warp's groups: kb = kb0, kb0 + KS, ... below k1. A group's K and V rows are loaded
-    // AD_PF groups ahead of their use, into a ring of AD_PF + 1 groups in registers, so the warp
+    // PF groups ahead of their use, into a ring of PF + 1 groups in registers, so the warp
     // has that many groups' loads in flight while it computes one (a step is otherwise a full
     // round trip to memory, then the step's shuffles: one row at depth 32768 is 32 steps a warp).
     // A bad slot or a range past the table reads nothing (and gives NaN).
