@@ -224,7 +224,6 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 2) attention_tiles(cons
 #define ATM_THREADS 128
 #define ATM_SMEM (3 * 64 * ATM_LD * 2)
 
-#ifdef EMBER_ATM_LEAN
 // e^x as ex2.approx.ftz of x·log2(e): two instructions, where expf adds a range check and a
 // slow path (~16 with its branch). Relative error ~2^-22 plus x·2^-24 from the product.
 __device__ __forceinline__ float exp_fast(float x) {
@@ -232,7 +231,6 @@ __device__ __forceinline__ float exp_fast(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
     return y;
 }
-#endif
 
 __device__ __forceinline__ uint4 pack8(const float* x) {
     uint4 v;
@@ -285,7 +283,6 @@ __device__ __forceinline__ void stage_one(u16* buf, const u8* page, u32 row_byte
 
 template <int TY>
 __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 d8s) {
-#ifdef EMBER_ATM_LEAN
     // d8s a power of two (head_dim 16, 32, 64, 128, 256): each thread keeps its 8 dims and steps
     // keys by ATM_THREADS / d8s, with no division by d8s (~40 instructions a copy otherwise).
     if ((d8s & (d8s - 1)) == 0) {
@@ -295,7 +292,6 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
         cp_async_commit();
         return;
     }
-#endif
     for (u32 u = threadIdx.x; u < AT_N * d8s; u += ATM_THREADS) stage_one<TY>(buf, page, row_bytes, e0, nk, u / d8s, u % d8s * 8);
     cp_async_commit();  // a group even when empty, so the waits below count pages
 }
@@ -326,12 +322,10 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         const u32 row = (16 * warp + g + 8 * a) / hb;
         lim[a] = row < nr ? (int)pos[r0 + row] : -1;
     }
-#ifdef EMBER_ATM_LEAN
     // The lowest causal limit of the warp's rows (-1 where one is not a row of the tile).
     int lim_lo = min(lim[0], lim[1]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) lim_lo = min(lim_lo, __shfl_xor_sync(0xffffffffu, lim_lo, o));
-#endif
     const u32 slot = ((const u32*)p.row_slot)[r0];
     const u32 k_lo = blockIdx.z * p.keys_per_split;
     u32 k_hi = min(kend, k_lo + p.keys_per_split);
@@ -408,10 +402,8 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
             cp_async_commit();
         }
         // Online softmax of rows g and g + 8 (a quad of lanes shares a row); sc becomes P.
-#ifdef EMBER_ATM_LEAN
         // A page every row of the warp sees whole needs no mask (warp-uniform).
         const bool whole = kb + AT_N <= k_hi && (int)(kb + AT_N - 1) <= lim_lo;
-#endif
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
             float mt = ATT_NEG_INF;
@@ -420,41 +412,27 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const u32 key = kb + 8 * j + 2 * t + c;
-#ifdef EMBER_ATM_LEAN
                     if (!whole && (key >= k_hi || (int)key > lim[a])) sc[j][2 * a + c] = ATT_NEG_INF;
-#else
-                    if (key >= k_hi || (int)key > lim[a]) sc[j][2 * a + c] = ATT_NEG_INF;
-#endif
                     mt = fmaxf(mt, sc[j][2 * a + c]);
                 }
             mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
             mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
             const float m_new = fmaxf(m[a], mt);
             const bool none = m_new == ATT_NEG_INF;
-#ifdef EMBER_ATM_LEAN
             // ex2.approx of x·log2(e) (P is rounded to f16 next: its error is far below that).
             const float corr = none ? 1.0f : exp_fast(m[a] - m_new);
-#else
-            const float corr = none ? 1.0f : expf(m[a] - m_new);
-#endif
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-#ifdef EMBER_ATM_LEAN
                     const float e = none ? 0.0f : exp_fast(sc[j][2 * a + c] - m_new);
-#else
-                    const float e = none ? 0.0f : expf(sc[j][2 * a + c] - m_new);
-#endif
                     sc[j][2 * a + c] = e;
                     sum += e;
                 }
             l[a] = l[a] * corr + sum;  // this thread's keys; the quad's are added at the end
             m[a] = m_new;
-#ifdef EMBER_ATM_LEAN
             if (__all_sync(0xffffffffu, corr == 1.0f)) continue;  // no row's max moved
-#endif
 #pragma unroll
             for (int n = 0; n < 32; ++n) {
                 o[n][2 * a] *= corr;

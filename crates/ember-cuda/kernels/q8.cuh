@@ -16,16 +16,6 @@ __device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u
 template <int TY>
 struct Q8Unit;
 
-// Q4_K's 16 bytes of nibbles q against the int8 x at their low (xl) and high (xh) nibbles'
-// positions, added to the sums sl and sh.
-__device__ __forceinline__ void q4k_dots(uint4 q, int4 xl, int4 xh, int& sl, int& sh) {
-    sl = dp4a(q.x & 0x0F0F0F0F, xl.x, sl), sh = dp4a((q.x >> 4) & 0x0F0F0F0F, xh.x, sh);
-    sl = dp4a(q.y & 0x0F0F0F0F, xl.y, sl), sh = dp4a((q.y >> 4) & 0x0F0F0F0F, xh.y, sh);
-    sl = dp4a(q.z & 0x0F0F0F0F, xl.z, sl), sh = dp4a((q.z >> 4) & 0x0F0F0F0F, xh.z, sh);
-    sl = dp4a(q.w & 0x0F0F0F0F, xl.w, sl), sh = dp4a((q.w >> 4) & 0x0F0F0F0F, xh.w, sh);
-}
-
-#ifndef EMBER_Q4K_L4
 // Q4_K: lane t reads qs[16t..+16]: low nibbles are weights 64p + i0.. of sub-block 2p, high
 // nibbles the same positions of sub-block 2p + 1 (p = t / 2, i0 = 16·(t % 2)). A weight is
 // d·sc·q − dmin·mn, so a sub-block's sum is d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx): the even lane of
@@ -40,8 +30,10 @@ struct Q8Unit<TY_Q4_K> {
         const int p = t / 2, i0 = 16 * (t % 2);
         const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
         const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
-        int sl = 0, sh = 0;
-        q4k_dots(q, xl, xh, sl, sh);
+        int sl = dp4a(q.x & 0x0F0F0F0F, xl.x, 0), sh = dp4a((q.x >> 4) & 0x0F0F0F0F, xh.x, 0);
+        sl = dp4a(q.y & 0x0F0F0F0F, xl.y, sl), sh = dp4a((q.y >> 4) & 0x0F0F0F0F, xh.y, sh);
+        sl = dp4a(q.z & 0x0F0F0F0F, xl.z, sl), sh = dp4a((q.z >> 4) & 0x0F0F0F0F, xh.z, sh);
+        sl = dp4a(q.w & 0x0F0F0F0F, xl.w, sl), sh = dp4a((q.w >> 4) & 0x0F0F0F0F, xh.w, sh);
         int sc0, mn0, sc1, mn1;
         scale_min_k4_words(2 * p, h.y, h.z, h.w, &sc0, &mn0);
         scale_min_k4_words(2 * p + 1, h.y, h.z, h.w, &sc1, &mn1);
@@ -52,32 +44,6 @@ struct Q8Unit<TY_Q4_K> {
         return r;
     }
 };
-#else
-// Q4_K on 4 lanes (EMBER_Q4K_L4, an A/B switch; the host's unit() follows it): lane t reads
-// qs[32t..+32], sub-blocks 2t (low nibbles) and 2t + 1 (high nibbles) whole, so it decodes the
-// header's scales once for 64 weights, not 32, and adds both min terms itself.
-template <>
-struct Q8Unit<TY_Q4_K> {
-    static constexpr int L = 4, W = 256;
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        const u8* b = row + 144 * c;
-        const uint4 h = *(const uint4*)b;
-        const uint4 q0 = *(const uint4*)(b + 16 + 32 * t), q1 = *(const uint4*)(b + 32 + 32 * t);
-        const i8* x = xq + 256 * c + 64 * t;
-        const int4 xl0 = *(const int4*)x, xl1 = *(const int4*)(x + 16);
-        const int4 xh0 = *(const int4*)(x + 32), xh1 = *(const int4*)(x + 48);
-        int sl = 0, sh = 0;
-        q4k_dots(q0, xl0, xh0, sl, sh);
-        q4k_dots(q1, xl1, xh1, sl, sh);
-        int sc0, mn0, sc1, mn1;
-        scale_min_k4_words(2 * t, h.y, h.z, h.w, &sc0, &mn0);
-        scale_min_k4_words(2 * t + 1, h.y, h.z, h.w, &sc1, &mn1);
-        const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
-        const float2 a = xd[8 * c + 2 * t], e = xd[8 * c + 2 * t + 1];
-        return d * ((float)sc0 * a.x * (float)sl + (float)sc1 * e.x * (float)sh) - dmin * ((float)mn0 * a.y + (float)mn1 * e.y);
-    }
-};
-#endif
 
 // Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
 // low and high nibbles), ql[64n + 32 + l0..+8] (quarters 1 and 3) and qh[32n + l0..+8] (bits

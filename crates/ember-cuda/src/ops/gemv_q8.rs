@@ -121,13 +121,9 @@ struct GemvQ8RowsParams {
 unsafe impl DeviceRepr for GemvQ8RowsParams {}
 
 /// Lanes and weights per unit of work (`Q8Unit<TY>::L`, `::W`) of the types the kernel has.
-/// Q4_K's lanes follow the kernels' A/B switch `EMBER_Q4K_L4` (4 lanes a unit; read once, as
-/// the kernels compile once).
 pub(crate) fn unit(ty: GgmlType) -> Option<(usize, usize)> {
-    static Q4K_LANES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     match ty {
-        GgmlType::Q4K => Some((*Q4K_LANES.get_or_init(|| if crate::kernels::defined("EMBER_Q4K_L4") { 4 } else { 8 }), 256)),
-        GgmlType::Q6K => Some((8, 256)),
+        GgmlType::Q4K | GgmlType::Q6K => Some((8, 256)),
         GgmlType::Q8_0 => Some((4, 32)),
         _ => None,
     }
