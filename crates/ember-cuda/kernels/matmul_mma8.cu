@@ -66,11 +66,6 @@ __device__ __forceinline__ void matmul_mma8s(const MatmulMma8Params& p) {
         mma8_commit();  // a group even when empty, so the waits count super-blocks
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    bool ok[NJ][2];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) ok[j][c] = 8 * j + 2 * t + c < (int)n;
     float acc[NJ][4];
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
@@ -84,7 +79,8 @@ __device__ __forceinline__ void matmul_mma8s(const MatmulMma8Params& p) {
         const u8* st = stages + (sb % C::STAGES) * C::STAGE_BYTES;
         const u8* w0 = st + (16 * warp + g) * 144;
         const u8* xst = st + C::W_BYTES;
-        q4k_mma8_superblock<NJ>(w0, w0 + 8 * 144, xst, MM8_XLD, (const float2*)(xst + C::X_BYTES), TOK + 1, g, t, ok, acc);
+        // Every n-tile, the last block's tokens past n_tok too (zeros; not written out).
+        q4k_mma8_superblock<NJ, NJ>(w0, w0 + 8 * 144, xst, MM8_XLD, (const float2*)(xst + C::X_BYTES), TOK + 1, 1, g, t, acc);
     }
     mma8_wait<0>();
     float* y = (float*)p.y;

@@ -43,17 +43,23 @@ __device__ __forceinline__ void mma8_wait() {
 
 // Q4_K against int8 activations, one super-block (256 weights) of k, everything in shared
 // memory: w0 / w1 the lane's rows g and g + 8 of its warp's 16 (144-byte blocks as in the file),
-// xst the 8·NJ (default 32) vectors' int8 values of this super-block (vector v at xst + v·x_pitch), xss their 8
-// block scales (d, d·Σq) of this super-block (block b of vector v at xss[b·s_pitch + v]), ok[j][c]
-// whether vector 8j + 2t + c exists. Adds into acc[j][c] (c < 2: row g, vectors 8j + 2t + c;
-// c >= 2: row g + 8, vectors 8j + 2t + c − 2): per sub-block of 32 weights,
+// xst the 8·NJ vectors' int8 values of this super-block (vector v at xst + v·x_pitch), xss their
+// 8 block scales (d, d·Σq) of this super-block (block b of vector v at xss[b·xs_b + v·xs_v]). The
+// first NA n-tiles (vectors 0 .. 8·NA) are computed, the rest left alone: a caller passes the
+// tiles that hold vectors. Adds into acc[j][c] (c < 2: row g, vectors 8j + 2t + c; c >= 2: row
+// g + 8, vectors 8j + 2t + c − 2): per sub-block of 32 weights,
 // Σ_k w_k·x_k = dx·(d1·Σ q·xq) − m1·(dx·Σxq), d1 = d·sc and m1 = dmin·m of the row's sub-block.
 // The weights' 4-bit values go to `mma.m16n8k32.s8` as they are (a lane's A register is one
-// 32-bit load of 8 nibbles, masked to 4 bytes). A warp's loads hit 32 distinct banks when
-// x_pitch and the rows' pitch are 16 mod 32 bytes (144, 272, 304, ...).
-template <int NJ = 4>
-__device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, const u8* xst, u32 x_pitch, const float2* xss, u32 s_pitch,
-                                                    int g, int t, const bool ok[NJ][2], float acc[NJ][4]) {
+// 32-bit load of 8 nibbles, masked to 4 bytes). A sub-block's NA mmas are issued together,
+// their sums scaled after: no branch between them (a vector past the caller's count gets sums
+// too, from the zeros its copy left, and is never written out), so their latencies overlap,
+// where a branch per vector around each mma's scaling had ptxas issue one mma at a time into
+// the same registers. A warp's loads hit 32 distinct banks when x_pitch and the rows' pitch are
+// 16 mod 32 bytes (144, 272, 304, ...).
+template <int NJ, int NA>
+__device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, const u8* xst, u32 x_pitch, const float2* xss, u32 xs_b,
+                                                    u32 xs_v, int g, int t, float acc[NJ][4]) {
+    static_assert(NA >= 1 && NA <= NJ, "1 to NJ active n-tiles");
     const u32 hd[2] = {*(const u32*)w0, *(const u32*)w1};
     const u32 hs[2][3] = {{*(const u32*)(w0 + 4), *(const u32*)(w0 + 8), *(const u32*)(w0 + 12)},
                           {*(const u32*)(w1 + 4), *(const u32*)(w1 + 8), *(const u32*)(w1 + 12)}};
@@ -70,6 +76,13 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
             u32 a[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) a[i] = (raw[i] >> (4 * h)) & 0x0F0F0F0Fu;
+            int ci[NA][4];
+#pragma unroll
+            for (int j = 0; j < NA; ++j) {
+                // B: column g of n-tile j (vector 8j + g), k 4t..4t+3 and 16+4t..16+4t+3.
+                const u8* xr = xst + (8 * j + g) * x_pitch + 32 * (sub + h) + 4 * t;
+                mma8_k32(a, *(const u32*)xr, *(const u32*)(xr + 16), ci[j]);
+            }
             float d1[2], m1[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -79,20 +92,72 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
                 m1[i] = dm[i] * mn;
             }
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                // B: column g of n-tile j (pair 8j + g), k 4t..4t+3 and 16+4t..16+4t+3.
-                const u8* xr = xst + (8 * j + g) * x_pitch + 32 * (sub + h) + 4 * t;
-                int ci[4];
-                mma8_k32(a, *(const u32*)xr, *(const u32*)(xr + 16), ci);
+            for (int j = 0; j < NA; ++j)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    if (!ok[j][c]) continue;
-                    const float2 xd = xss[(sub + h) * s_pitch + 8 * j + 2 * t + c];
-                    const float s0 = __int_as_float(ci[c]) - MMA8_BIAS, s1 = __int_as_float(ci[2 + c]) - MMA8_BIAS;
+                    const float2 xd = xss[(sub + h) * xs_b + (8 * j + 2 * t + c) * xs_v];
+                    const float s0 = __int_as_float(ci[j][c]) - MMA8_BIAS, s1 = __int_as_float(ci[j][2 + c]) - MMA8_BIAS;
                     acc[j][c] = fmaf(xd.x * d1[0], s0, fmaf(-m1[0], xd.y, acc[j][c]));
                     acc[j][2 + c] = fmaf(xd.x * d1[1], s1, fmaf(-m1[1], xd.y, acc[j][2 + c]));
                 }
+        }
+    }
+}
+
+// Q6_K against int8 activations, one super-block (256 weights, a 210-byte block, 2-byte
+// aligned) of k from shared memory, as q4k_mma8_superblock (the same operands, NA of NJ n-tiles,
+// the mmas of a step issued together): a scale per 16 weights, so one m16n8k16 per 16 (two a
+// k-step of 32), Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq. Group s (0..15) of a super-block is
+// weights 16s..16s+15: half n = s / 8, quarter r = s % 8 / 2, offset l = 16·(s % 2); its 4-bit
+// values are ql[64n + 32(r & 1) + l..] (high nibbles for r >= 2), its 2-bit ones
+// qh[32n + l..] >> 2r, its scale sc[s] (kernels/dequant.cuh).
+template <int NJ, int NA>
+__device__ __forceinline__ void q6k_mma8_superblock(const u8* w0, const u8* w1, const u8* xst, u32 x_pitch, const float2* xss, u32 xs_b,
+                                                    u32 xs_v, int g, int t, float acc[NJ][4]) {
+    static_assert(NA >= 1 && NA <= NJ, "1 to NJ active n-tiles");
+    const u8* const rows[2] = {w0, w1};
+    const float dr[2] = {f16_to_f32(ld_u16(w0 + 208)), f16_to_f32(ld_u16(w1 + 208))};
+#pragma unroll 2
+    for (u32 step = 0; step < 8; ++step) {
+        const u32 s0 = 2 * step, n = s0 / 8, r = (s0 % 8) / 2;
+        u32 bx[NA][2];
+#pragma unroll
+        for (int j = 0; j < NA; ++j) {
+            const u8* xr = xst + (8 * j + g) * x_pitch + 32 * step + 4 * t;
+            bx[j][0] = *(const u32*)xr, bx[j][1] = *(const u32*)(xr + 16);
+        }
+        float dl[2][2];
+        u32 a[2][2];  // [group of the step][row]
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u8* b = rows[i];
+            const u32 sc2 = ld_u16(b + 192 + s0);  // the scales of groups s0 and s0 + 1
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 l = 16 * h + 4 * t;
+                const u32 lq = ld_u32_a2(b + 64 * n + 32 * (r & 1) + l), hq = ld_u32_a2(b + 128 + 32 * n + l);
+                u32 v = ((lq >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((hq >> (2 * r)) & 0x03030303u) << 4);
+                // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and
+                // the byte is negative: set bits 6 and 7 too.
+                v ^= 0x20202020u;
+                a[h][i] = v | (v & 0x20202020u) * 6;
+                dl[h][i] = dr[i] * (float)(i8)((sc2 >> (8 * h)) & 0xFF);
             }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int ci[NA][4];
+#pragma unroll
+            for (int j = 0; j < NA; ++j) mma8_k16(a[h][0], a[h][1], bx[j][h], ci[j]);
+#pragma unroll
+            for (int j = 0; j < NA; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float dx = xss[step * xs_b + (8 * j + 2 * t + c) * xs_v].x;
+                    const float s_0 = __int_as_float(ci[j][c]) - MMA8_BIAS, s_1 = __int_as_float(ci[j][2 + c]) - MMA8_BIAS;
+                    acc[j][c] = fmaf(dx * dl[h][0], s_0, acc[j][c]);
+                    acc[j][2 + c] = fmaf(dx * dl[h][1], s_1, acc[j][2 + c]);
+                }
         }
     }
 }

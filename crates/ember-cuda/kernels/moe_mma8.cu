@@ -370,11 +370,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
     const bool is_up = warp >= 4;
     const int r_w = 16 * (warp % 4);  // the warp's first row of the block's 64
     const u32 wrow = (is_up ? MOE8_ROWS : 0) + r_w + g;  // the lane's first row in a stage
-    bool ok[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) ok[j][c] = 8 * j + 2 * t + c < (int)n;
+    const u32 na = (n + 7) / 8;  // n-tiles that hold pairs (1..4)
     float acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -390,7 +386,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
         const u8* w1 = w0 + 8 * 144;
         const u8* xst = st + MOE8S_W_BYTES;
         const float2* xss = (const float2*)(xst + MOE8S_X_BYTES);
-        q4k_mma8_superblock(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, g, t, ok, acc);
+        switch (na) {  // block-uniform
+        case 1: q4k_mma8_superblock<4, 1>(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, 1, g, t, acc); break;
+        case 2: q4k_mma8_superblock<4, 2>(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, 1, g, t, acc); break;
+        case 3: q4k_mma8_superblock<4, 3>(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, 1, g, t, acc); break;
+        default: q4k_mma8_superblock<4, 4>(w0, w1, xst, MOE8S_XLD, xss, MOE_BM + 1, 1, g, t, acc); break;
+        }
     }
     mma8_wait<0>();
     __syncthreads();  // every warp is done with the stages: the up sums take their place
@@ -414,10 +415,20 @@ struct Moe8sDown;
 template <>
 struct Moe8sDown<TY_Q4_K> {
     static constexpr u32 SB = 144, PITCH = 304;  // 2·144 + 16: rows g and g + 8 of a warp's 8 on distinct banks
+    // Super-block sb of the lane's two rows against the tile's h (hsb: its 256 values of sb a
+    // pair, pitch MOE8SD_HLD; hss: its block scales, MOE8SD_SLD a pair), NA n-tiles.
+    template <int NA>
+    static __device__ __forceinline__ void superblock(const u8* w0, const u8* w1, const u8* hsb, const float2* hss, int g, int t, float acc[4][4]) {
+        q4k_mma8_superblock<4, NA>(w0, w1, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
+    }
 };
 template <>
 struct Moe8sDown<TY_Q6_K> {
     static constexpr u32 SB = 210, PITCH = 432;  // 2·210 + 12
+    template <int NA>
+    static __device__ __forceinline__ void superblock(const u8* w0, const u8* w1, const u8* hsb, const float2* hss, int g, int t, float acc[4][4]) {
+        q6k_mma8_superblock<4, NA>(w0, w1, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
+    }
 };
 
 // grid (d / MOE8D_ROWS, max_tiles), 256 threads, 128·PITCH + 32·MOE8SD_HLD + 32·MOE8SD_SLD·8
@@ -472,17 +483,7 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u32 r_w = 16 * warp;  // the warp's first row of the block's 128
-    u32 bt[4], ct[4][2];
-    bool ct_ok[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        bt[j] = 8 * j + g;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            ct[j][c] = 8 * j + 2 * t + c;
-            ct_ok[j][c] = ct[j][c] < n;
-        }
-    }
+    const u32 na = (n + 7) / 8;  // n-tiles that hold pairs (1..4)
     float acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -496,7 +497,13 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
         }
         __syncthreads();  // every thread's pieces of super-block sb
         const u8* const rows[2] = {ws + (r_w + g) * C::PITCH + C::SB * sb, ws + (r_w + g + 8) * C::PITCH + C::SB * sb};
-        Mma8Rows<TY>::run(rows, 8, (const i8*)hst + 256 * sb, hss + 8 * sb, MOE8SD_HLD, MOE8SD_SLD, bt, ct, ct_ok, t, acc);
+        const u8* hsb = hst + 256 * sb;
+        switch (na) {  // block-uniform
+        case 1: Moe8sDown<TY>::template superblock<1>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
+        case 2: Moe8sDown<TY>::template superblock<2>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
+        case 3: Moe8sDown<TY>::template superblock<3>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
+        default: Moe8sDown<TY>::template superblock<4>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
+        }
     }
     float* part = (float*)q.part;
     const float* wt = (const float*)p.weights;
@@ -504,8 +511,9 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            if (!ct_ok[j][c & 1]) continue;
-            const u32 pr = pair[ct[j][c & 1]];
+            const u32 m = 8 * j + 2 * t + (c & 1);
+            if (m >= n) continue;
+            const u32 pr = pair[m];
             part[(u64)pr * p.d + r_blk + r_w + g + (c >= 2 ? 8 : 0)] = wt[pr] * acc[j][c];
         }
 #endif
