@@ -65,10 +65,10 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
                           {*(const u32*)(w1 + 4), *(const u32*)(w1 + 8), *(const u32*)(w1 + 12)}};
     const float dd[2] = {f16_to_f32((u16)(hd[0] & 0xFFFF)), f16_to_f32((u16)(hd[1] & 0xFFFF))};
     const float dm[2] = {f16_to_f32((u16)(hd[0] >> 16)), f16_to_f32((u16)(hd[1] >> 16))};
-#ifdef EMBER_Q4K_SHFL
     // The four lanes of a quad share rows g and g + 8: lane t decodes sub-blocks t and t + 4 of
-    // both (scale_min_k4_words's fields, the same products), the others take them by shuffles,
-    // where each lane decoded all eight itself.
+    // both (scale_min_k4_words's fields, the same products), the others take them by shuffles
+    // (each lane decoding all eight cost the staged gate/up ~340 more SASS instructions; g22:
+    // pp512 +3 % with the shuffles).
     float d1q[2][2], m1q[2][2];  // [row][0: sub-block t, 1: t + 4]
     {
         const u32 sh = 8 * t;
@@ -81,7 +81,6 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
             d1q[i][1] = dd[i] * sc_hi, m1q[i][1] = dm[i] * mn_hi;
         }
     }
-#endif
 #pragma unroll  // (rolled: pp512 -2.4 %, H100)
     for (u32 sub = 0; sub < 8; sub += 2) {
         // A: rows g and g + 8, weights 4t..4t+3 and 16+4t..16+4t+3 of sub-blocks sub, sub + 1.
@@ -103,16 +102,9 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
             float d1[2], m1[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-#ifdef EMBER_Q4K_SHFL
                 const int s = sub + h, src = 4 * g + s % 4;  // the quad's lane that decoded s
                 d1[i] = __shfl_sync(0xffffffffu, d1q[i][s / 4], src);
                 m1[i] = __shfl_sync(0xffffffffu, m1q[i][s / 4], src);
-#else
-                int sc, mn;
-                scale_min_k4_words(sub + h, hs[i][0], hs[i][1], hs[i][2], &sc, &mn);
-                d1[i] = dd[i] * sc;
-                m1[i] = dm[i] * mn;
-#endif
             }
 #pragma unroll
             for (int j = 0; j < NA; ++j)

@@ -161,13 +161,13 @@ pub enum MatmulKernel {
     Mma8 { tile_tokens: usize },
 }
 
-/// Tokens up to which [`MatmulKernel::Mma8`] replaces the f16 tiles: its blocks take 32 tokens
-/// and read their weights again per 32, where the tiles take up to 128. H100, 35B-A3B Q4_K_M
-/// (`bench/results/20261206-0205-h100-int8-prompts/`): pp512 9,415 / 9,434 t/s with it against
-/// 8,677 without (+8.5 %), pp2048 11,022 against 11,234 (-1.9 %), pp8192 even;
-/// `bench_matmul_prompt` at 512 tokens: Q4_K 2048 x 4096 0.092 against 0.115 ms (the tiles'
-/// best), 4096 x 2048 0.096 against 0.174, 2048 x 8192 0.176 against 0.152.
-pub const MMA8_MAX_TOKENS: usize = 512;
+/// Tokens up to which [`MatmulKernel::Mma8`] replaces the f16 tiles: every prompt size since
+/// its mmas are issued together (g22). H100, 35B-A3B Q4_K_M, 64-token blocks, one call
+/// (`bench/results/20261206-1640-h100-final/`, two rounds): pp2048 13,852 / 13,912 t/s against
+/// 12,840 / 12,878 with the f16 tiles above 512 tokens, pp8192 14,132 / 14,140 against 12,825 /
+/// 12,830; `bench_matmul_prompt`, DeltaNet's qkv (2048 x 8192): 0.427 against 0.666 ms at 2048
+/// tokens, 1.659 against 2.705 at 8192. (g16, before that change, it lost above 512 tokens.)
+pub const MMA8_MAX_TOKENS: usize = usize::MAX;
 
 /// Dynamic shared memory of `matmul_mma8s_q4_k` (32 tokens a block) and `..._64`
 /// (kernels/matmul_mma8.cu `Mm8`): 3 and 2 stages of 128 rows' super-block (144 bytes each), the
@@ -192,11 +192,22 @@ fn mma8_max_tokens() -> usize {
     *N.get_or_init(|| std::env::var("EMBER_MATMUL_MMA8_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA8_MAX_TOKENS))
 }
 
-/// The tokens a block of [`MatmulKernel::Mma8`] takes: 32, or 64 with `EMBER_MATMUL_MMA8_64=1`
-/// (built 2026-12-06, not yet measured: the weights read half as often, 2 stages instead of 3).
-fn mma8_tile_tokens() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| if std::env::var_os("EMBER_MATMUL_MMA8_64").is_some_and(|v| v == "1") { 64 } else { 32 })
+/// The tokens a block of [`MatmulKernel::Mma8`] takes for `n_tok` tokens of a weight of
+/// `n_rows` rows: 64 (the weights read from L2 half as often as at 32) where that still makes a
+/// wave of blocks, else 32. `bench_matmul_prompt` (H100, call n of g22): 64 against 32 tokens a
+/// block, Q4_K 2048 x 8192 at 512 tokens 0.112 against 0.132 ms, 2048 x 4096 0.061 against
+/// 0.070, 4096 x 2048 (128 blocks of 64) 0.071 against 0.074; 4096 x 2048 at 128 tokens (32
+/// blocks of 64) 0.064 against 0.042. In the model (call p, every Q4_K matmul at 64, two
+/// rounds): pp512 11,320 / 11,299 against 11,027 / 11,013. `EMBER_MATMUL_MMA8_64=0` or `=1`
+/// fixes it at 32 or 64.
+fn mma8_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
+    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| match std::env::var("EMBER_MATMUL_MMA8_64").as_deref() {
+        Ok("1") => Some(64),
+        Ok("0") => Some(32),
+        _ => None,
+    });
+    fixed.unwrap_or(if n_tok.div_ceil(64) * n_rows.div_ceil(128) >= n_sm as usize { 64 } else { 32 })
 }
 
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
@@ -323,7 +334,7 @@ impl Gpu {
         } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
         } else if self.uses_mma8(w, n_tok, precision) {
-            MatmulKernel::Mma8 { tile_tokens: mma8_tile_tokens() }
+            MatmulKernel::Mma8 { tile_tokens: mma8_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else if fast && n_tok > GEMV_MAX_TOKENS {
             MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else {
@@ -680,6 +691,22 @@ pub(crate) fn mma_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 64-token int8 blocks where they still make a wave on the GPU (132 SMs: the H100's),
+    /// 32-token ones below (the cases `mma8_tile_tokens`'s comment measured).
+    #[test]
+    fn int8_tiles_take_64_tokens_where_they_fill_the_gpu() {
+        if std::env::var_os("EMBER_MATMUL_MMA8_64").is_some() {
+            return; // fixed by the environment for measuring
+        }
+        assert_eq!(mma8_tile_tokens(512, 8192, 132), 64);
+        assert_eq!(mma8_tile_tokens(512, 4096, 132), 64); // 8 x 32 blocks
+        assert_eq!(mma8_tile_tokens(512, 2048, 132), 32); // 8 x 16 = 128 blocks of 64
+        assert_eq!(mma8_tile_tokens(128, 2048, 132), 32);
+        assert_eq!(mma8_tile_tokens(2048, 2048, 132), 64);
+        assert_eq!(mma8_tile_tokens(8192, 512, 132), 64);
+        assert_eq!(mma8_tile_tokens(41, 512, 132), 32);
+    }
 
     /// [`mm8_smem`] against kernels/matmul_mma8.cu's `Mm8` layout: `STAGES` stages of 128 rows'
     /// super-block, the tokens' values at MM8_XLD and their block scales.
