@@ -382,6 +382,9 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         float sc[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#ifdef EMBER_ATM_PIPE
+#pragma unroll 2  // the next 16 dims' loads issued before this step's mmas
+#endif
         for (u32 k0 = 0; k0 < hd; k0 += 16) {
             u32 a[4];
             a[0] = *(const u32*)(qa + k0);
@@ -442,6 +445,31 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         cp_async_wait<1>();  // this page's V (the next page's K may still be in flight)
         __syncthreads();
         // O += P·V: 4 steps of 16 keys, head_dim / 16 pairs of 8-dim tiles.
+#ifdef EMBER_ATM_PIPE
+        // Pairs of tiles outside, the 4 key steps inside: one head_dim test a pair instead of
+        // one a step and pair, and a pair's 4 ldmatrix issued together ahead of its 8 mmas. Each
+        // o[n] still adds the steps 0..3 in order (the same bits).
+        u32 pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_f16x2(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 32; n += 2) {
+            if (8 * n >= (int)hd) break;
+            u32 b[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) ldmatrix_x4_trans(b[kk], vl + 16 * kk * ATM_LD + 8 * n);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                mma_16816(o[n], pa[kk], b[kk]);
+                mma_16816(o[n + 1], pa[kk], b[kk] + 2);
+            }
+        }
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             u32 a[4];
@@ -458,6 +486,7 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
                 mma_16816(o[n + 1], a, b + 2);
             }
         }
+#endif
         __syncthreads();  // every warp is done with V: the next page's V loads meanwhile
         if (nk_next > 0) {
             stage_page<TY>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
