@@ -1,6 +1,6 @@
 // mma8.cuh: int8 tensor-core pieces the grouped MoE (moe_mma8.cu) and the dense prompt matmul
 // (matmul_mma8.cu) share: the s8 mma with its sums read back as floats, cp.async, and one
-// super-block of Q4_K rows against staged int8 activations.
+// super-block of Q4_K (or Q6_K) rows against staged int8 activations.
 
 #define MMA8_BIAS_BITS 0x4B400000
 #define MMA8_BIAS 12582912.0f

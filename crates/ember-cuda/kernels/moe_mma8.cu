@@ -400,7 +400,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
 }
 
 // ---- down on int8 tensor cores, staged through shared memory (Q4_K, Q6_K; sm_80+) ----
-// moe_mma8_down's tiles and sums (Mma8Rows over the same operands in the same order) with the
+// moe_mma8_down's tiles and sums (the same operands in the same order as its Mma8Rows, here
+// through q4k_ / q6k_mma8_superblock, only the n-tiles that hold pairs) with the
 // block's 128 rows of down (all of k = n_ff <= 512), the tile's 32 int8 h rows and their block
 // scales copied into shared memory by cp.async first, one group a super-block, so the first
 // super-block's products start while the second's bytes land. Q6_K rows are 210 bytes a

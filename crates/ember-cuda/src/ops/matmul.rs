@@ -193,13 +193,15 @@ fn mma8_max_tokens() -> usize {
 }
 
 /// The tokens a block of [`MatmulKernel::Mma8`] takes for `n_tok` tokens of a weight of
-/// `n_rows` rows: 64 (the weights read from L2 half as often as at 32) where that still makes a
-/// wave of blocks, else 32. `bench_matmul_prompt` (H100, call n of g22): 64 against 32 tokens a
-/// block, Q4_K 2048 x 8192 at 512 tokens 0.112 against 0.132 ms, 2048 x 4096 0.061 against
-/// 0.070, 4096 x 2048 (128 blocks of 64) 0.071 against 0.074; 4096 x 2048 at 128 tokens (32
-/// blocks of 64) 0.064 against 0.042. In the model (call p, every Q4_K matmul at 64, two
-/// rounds): pp512 11,320 / 11,299 against 11,027 / 11,013. `EMBER_MATMUL_MMA8_64=0` or `=1`
-/// fixes it at 32 or 64.
+/// `n_rows` rows: 64 (the weights read from L2 half as often as at 32) where its blocks still
+/// give every SM one (two fit an SM: 128 registers, 80 KB of shared memory), else 32.
+/// `bench_matmul_prompt` (H100, 132 SMs, call n of g22), 64 against 32 tokens a block: Q4_K
+/// 2048 x 8192 at 512 tokens (512 blocks of 64) 0.112 against 0.132 ms, 2048 x 4096 (256)
+/// 0.061 against 0.070, 4096 x 2048 (128) 0.071 against 0.074, 2048 x 8192 at 128 tokens (128)
+/// 0.034 against 0.036; but 4096 x 2048 at 128 tokens (32 blocks of 64) 0.064 against 0.042.
+/// The line at half the SMs' count falls between those. In the model (call p, every Q4_K
+/// matmul at 64, two rounds): pp512 11,320 / 11,299 against 11,027 / 11,013.
+/// `EMBER_MATMUL_MMA8_64=0` or `=1` fixes it at 32 or 64.
 fn mma8_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
     static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let fixed = *FIXED.get_or_init(|| match std::env::var("EMBER_MATMUL_MMA8_64").as_deref() {
@@ -207,7 +209,7 @@ fn mma8_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
         Ok("0") => Some(32),
         _ => None,
     });
-    fixed.unwrap_or(if n_tok.div_ceil(64) * n_rows.div_ceil(128) >= n_sm as usize { 64 } else { 32 })
+    fixed.unwrap_or(if 2 * n_tok.div_ceil(64) * n_rows.div_ceil(128) >= n_sm as usize { 64 } else { 32 })
 }
 
 /// Tokens up to which the GEMV kernel is used (it re-reads the weight once per 8 tokens).
@@ -692,8 +694,8 @@ pub(crate) fn mma_tile_tokens(n_tok: usize, n_rows: usize, n_sm: u32) -> usize {
 mod tests {
     use super::*;
 
-    /// 64-token int8 blocks where they still make a wave on the GPU (132 SMs: the H100's),
-    /// 32-token ones below (the cases `mma8_tile_tokens`'s comment measured).
+    /// 64-token int8 blocks where they give every SM of the GPU one (132 SMs: the H100's), 32
+    /// below (the cases `mma8_tile_tokens`'s comment measured).
     #[test]
     fn int8_tiles_take_64_tokens_where_they_fill_the_gpu() {
         if std::env::var_os("EMBER_MATMUL_MMA8_64").is_some() {
@@ -701,10 +703,11 @@ mod tests {
         }
         assert_eq!(mma8_tile_tokens(512, 8192, 132), 64);
         assert_eq!(mma8_tile_tokens(512, 4096, 132), 64); // 8 x 32 blocks
-        assert_eq!(mma8_tile_tokens(512, 2048, 132), 32); // 8 x 16 = 128 blocks of 64
-        assert_eq!(mma8_tile_tokens(128, 2048, 132), 32);
+        assert_eq!(mma8_tile_tokens(512, 2048, 132), 64); // 8 x 16 = 128 blocks of 64
+        assert_eq!(mma8_tile_tokens(128, 8192, 132), 64); // 2 x 64
+        assert_eq!(mma8_tile_tokens(128, 2048, 132), 32); // 2 x 16 = 32 blocks of 64
+        assert_eq!(mma8_tile_tokens(256, 2048, 132), 32); // 64 blocks of 64
         assert_eq!(mma8_tile_tokens(2048, 2048, 132), 64);
-        assert_eq!(mma8_tile_tokens(8192, 512, 132), 64);
         assert_eq!(mma8_tile_tokens(41, 512, 132), 32);
     }
 
