@@ -252,6 +252,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 n) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
 }
+// The same to a shared-memory address already converted (smem_addr).
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* src, u32 n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
@@ -281,12 +285,49 @@ __device__ __forceinline__ void stage_one(u16* buf, const u8* page, u32 row_byte
     }
 }
 
+#ifdef EMBER_ATM_STAGE
+// N copies of 16 bytes of F16 rows for keys key0 + i·step (head_dim 256: 16, 128: 8), page
+// whole (nk = AT_N) or not.
+template <int N>
+__device__ __forceinline__ void stage_f16(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 step, u32 key0, u32 d8) {
+    const u8* src0 = page + 2 * (u64)(e0 + d8);
+    const u8* src = src0 + (u64)key0 * row_bytes;
+    const u64 src_step = (u64)step * row_bytes;
+    const u32 dst = smem_addr(buf + key0 * ATM_LD + d8), dst_step = step * ATM_LD * 2;
+    if (nk == AT_N) {
+#pragma unroll
+        for (int i = 0; i < N; ++i, src += src_step) cp_async16_at(dst + i * dst_step, src, 16);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i, src += src_step) {
+            const bool in = key0 + i * step < nk;
+            cp_async16_at(dst + i * dst_step, in ? src : src0, in ? 16 : 0);
+        }
+    }
+}
+#endif
+
 template <int TY>
 __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 d8s) {
     // d8s a power of two (head_dim 16, 32, 64, 128, 256): each thread keeps its 8 dims and steps
     // keys by ATM_THREADS / d8s, with no division by d8s (~40 instructions a copy otherwise).
     if ((d8s & (d8s - 1)) == 0) {
         const u32 sh = __ffs(d8s) - 1, d8 = (threadIdx.x & (d8s - 1)) * 8;
+#ifdef EMBER_ATM_STAGE
+        // F16 rows: the thread's N = AT_N / step copies at constant strides from its first key,
+        // unrolled whole, not each address computed again (stage_one: ~19 SASS instructions a
+        // 16-byte copy, 32 copies a thread a page at head_dim 256); a whole page needs no bound
+        // test. Keys past nk copy nothing from key 0's row (zeros), as stage_one.
+        if (TY == KV_F16 && (sh == 5 || sh == 4)) {
+            if (sh == 5) {
+                stage_f16<AT_N / (ATM_THREADS >> 5)>(buf, page, row_bytes, e0, nk, ATM_THREADS >> 5, threadIdx.x >> 5, d8);
+            } else {
+                stage_f16<AT_N / (ATM_THREADS >> 4)>(buf, page, row_bytes, e0, nk, ATM_THREADS >> 4, threadIdx.x >> 4, d8);
+            }
+            cp_async_commit();
+            return;
+        }
+#endif
 #pragma unroll 4
         for (u32 key = threadIdx.x >> sh; key < AT_N; key += ATM_THREADS >> sh) stage_one<TY>(buf, page, row_bytes, e0, nk, key, d8);
         cp_async_commit();
