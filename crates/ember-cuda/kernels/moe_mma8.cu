@@ -345,6 +345,29 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
     // 8-byte ones, 7.5 a thread.
     auto load = [&](u32 sb, u32 s) {
         u8* st = stages + s * MOE8S_STAGE_BYTES;
+#ifdef EMBER_MMA8_LOADS
+        // Two lanes a row (the block's 64 gate rows, then its 64 up rows), lane h = tid & 1
+        // taking pieces h, h + 2, .. of its 9 (a lane pair reads whole 32-byte sectors); one
+        // address a thread and the copies at fixed offsets from it, where the loop below
+        // divides by 9 and computes both addresses again for every copy.
+        {
+            const u32 row = threadIdx.x >> 1, h = threadIdx.x & 1, r = row % MOE8_ROWS;
+            const u8* w = (const u8*)(row < MOE8_ROWS ? p.gate : p.up) + ((u64)e * p.n_ff + r0 + r) * p.row_bytes_gu + 144 * sb + 16 * h;
+            u8* d = st + row * 144 + 16 * h;
+#pragma unroll
+            for (u32 j = 0; j < 4; ++j) mma8_cp16(d + 32 * j, w + 32 * j, 16);
+            if (h == 0) mma8_cp16(d + 128, w + 128, 16);
+        }
+        u8* xst = st + MOE8S_W_BYTES;
+        {
+            const u32 m = threadIdx.x >> 3, piece = 2 * (threadIdx.x & 7);  // 8 lanes a pair, 2 pieces each
+            const i8* x = xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece;
+            u8* d = xst + m * MOE8S_XLD + 16 * piece;
+            const u32 bytes = m < n ? 16 : 0;
+            mma8_cp16(d, x, bytes);
+            mma8_cp16(d + 16, x + 16, bytes);
+        }
+#else
         for (u32 i = threadIdx.x; i < 2 * MOE8_ROWS * 9; i += 256) {
             const u32 row = i / 9, piece = i % 9, r = row % MOE8_ROWS;
             const u8* w = (const u8*)(row < MOE8_ROWS ? p.gate : p.up) + ((u64)e * p.n_ff + r0 + r) * p.row_bytes_gu;
@@ -355,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
             const u32 m = i / 16, piece = i % 16;
             mma8_cp16(xst + m * MOE8S_XLD + 16 * piece, xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece, m < n ? 16 : 0);
         }
+#endif
         float2* xss = (float2*)(xst + MOE8S_X_BYTES);
         {
             const u32 m = threadIdx.x / 8, b = threadIdx.x % 8;  // 256 threads: 32 pairs x 8 blocks
