@@ -119,13 +119,32 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
     }
 }
 
+// One row's part of a Q6_K k-step of 32 (groups s0 = 2·step and s0 + 1 of the 210-byte block
+// b): the lane's A words (weights 16h + 4t .. + 3 of group s0 + h, q − 32 as int8) and their
+// scales dr·sc[s0 + h], for h = 0, 1. Group s (0..15) is weights 16s..16s+15: half n = s / 8,
+// quarter r = s % 8 / 2, offset l = 16·(s % 2); its 4-bit values are
+// ql[64n + 32(r & 1) + l..] (high nibbles for r >= 2), its 2-bit ones qh[32n + l..] >> 2r, its
+// scale sc[s] (kernels/dequant.cuh).
+__device__ __forceinline__ void q6k_mma8_step(const u8* b, u32 step, int t, float dr, u32 a[2], float dl[2]) {
+    const u32 s0 = 2 * step, n = s0 / 8, r = (s0 % 8) / 2;
+    const u32 sc2 = ld_u16(b + 192 + s0);  // the scales of groups s0 and s0 + 1
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 l = 16 * h + 4 * t;
+        const u32 lq = ld_u32_a2(b + 64 * n + 32 * (r & 1) + l), hq = ld_u32_a2(b + 128 + 32 * n + l);
+        u32 v = ((lq >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((hq >> (2 * r)) & 0x03030303u) << 4);
+        // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and the byte
+        // is negative: set bits 6 and 7 too.
+        v ^= 0x20202020u;
+        a[h] = v | (v & 0x20202020u) * 6;
+        dl[h] = dr * (float)(i8)((sc2 >> (8 * h)) & 0xFF);
+    }
+}
+
 // Q6_K against int8 activations, one super-block (256 weights, a 210-byte block, 2-byte
 // aligned) of k from shared memory, as q4k_mma8_superblock (the same operands, NA of NJ n-tiles,
 // the mmas of a step issued together): a scale per 16 weights, so one m16n8k16 per 16 (two a
-// k-step of 32), Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq. Group s (0..15) of a super-block is
-// weights 16s..16s+15: half n = s / 8, quarter r = s % 8 / 2, offset l = 16·(s % 2); its 4-bit
-// values are ql[64n + 32(r & 1) + l..] (high nibbles for r >= 2), its 2-bit ones
-// qh[32n + l..] >> 2r, its scale sc[s] (kernels/dequant.cuh).
+// k-step of 32), Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq (q6k_mma8_step).
 template <int NJ, int NA>
 __device__ __forceinline__ void q6k_mma8_superblock(const u8* w0, const u8* w1, const u8* xst, u32 x_pitch, const float2* xss, u32 xs_b,
                                                     u32 xs_v, int g, int t, float acc[NJ][4]) {
@@ -134,44 +153,29 @@ __device__ __forceinline__ void q6k_mma8_superblock(const u8* w0, const u8* w1, 
     const float dr[2] = {f16_to_f32(ld_u16(w0 + 208)), f16_to_f32(ld_u16(w1 + 208))};
 #pragma unroll 2
     for (u32 step = 0; step < 8; ++step) {
-        const u32 s0 = 2 * step, n = s0 / 8, r = (s0 % 8) / 2;
         u32 bx[NA][2];
 #pragma unroll
         for (int j = 0; j < NA; ++j) {
             const u8* xr = xst + (8 * j + g) * x_pitch + 32 * step + 4 * t;
             bx[j][0] = *(const u32*)xr, bx[j][1] = *(const u32*)(xr + 16);
         }
-        float dl[2][2];
-        u32 a[2][2];  // [group of the step][row]
+        float dl[2][2];  // [row][group of the step]
+        u32 a[2][2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const u8* b = rows[i];
-            const u32 sc2 = ld_u16(b + 192 + s0);  // the scales of groups s0 and s0 + 1
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const u32 l = 16 * h + 4 * t;
-                const u32 lq = ld_u32_a2(b + 64 * n + 32 * (r & 1) + l), hq = ld_u32_a2(b + 128 + 32 * n + l);
-                u32 v = ((lq >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((hq >> (2 * r)) & 0x03030303u) << 4);
-                // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and
-                // the byte is negative: set bits 6 and 7 too.
-                v ^= 0x20202020u;
-                a[h][i] = v | (v & 0x20202020u) * 6;
-                dl[h][i] = dr[i] * (float)(i8)((sc2 >> (8 * h)) & 0xFF);
-            }
-        }
+        for (int i = 0; i < 2; ++i) q6k_mma8_step(rows[i], step, t, dr[i], a[i], dl[i]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int ci[NA][4];
 #pragma unroll
-            for (int j = 0; j < NA; ++j) mma8_k16(a[h][0], a[h][1], bx[j][h], ci[j]);
+            for (int j = 0; j < NA; ++j) mma8_k16(a[0][h], a[1][h], bx[j][h], ci[j]);
 #pragma unroll
             for (int j = 0; j < NA; ++j)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const float dx = xss[step * xs_b + (8 * j + 2 * t + c) * xs_v].x;
                     const float s_0 = __int_as_float(ci[j][c]) - MMA8_BIAS, s_1 = __int_as_float(ci[j][2 + c]) - MMA8_BIAS;
-                    acc[j][c] = fmaf(dx * dl[h][0], s_0, acc[j][c]);
-                    acc[j][2 + c] = fmaf(dx * dl[h][1], s_1, acc[j][2 + c]);
+                    acc[j][c] = fmaf(dx * dl[0][h], s_0, acc[j][c]);
+                    acc[j][2 + c] = fmaf(dx * dl[1][h], s_1, acc[j][2 + c]);
                 }
         }
     }

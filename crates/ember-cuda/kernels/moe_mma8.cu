@@ -97,10 +97,8 @@ struct Mma8Rows<TY_Q4_K> {
 };
 
 // Q6_K: a scale per 16 weights, so one m16n8k16 per 16 (two a k-step of 32):
-// Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq. Group s (0..15) of a super-block is weights 16s..16s+15:
-// half n = s / 8, quarter r = s % 8 / 2, offset l = 16·(s % 2); its 4-bit values are
-// ql[64n + 32(r & 1) + l..] (high nibbles for r >= 2), its 2-bit ones qh[32n + l..] >> 2r, its
-// scale sc[s] (kernels/dequant.cuh). Rows are 210-byte blocks: words are loaded 2-aligned.
+// Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq, a step's A words and scales from q6k_mma8_step (mma8.cuh).
+// Rows are 210-byte blocks: words are loaded 2-aligned.
 template <>
 struct Mma8Rows<TY_Q6_K> {
     static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, u32 x_pitch, u32 s_pitch,
@@ -121,38 +119,23 @@ struct Mma8Rows<TY_Q6_K> {
                     bx[j][0] = *(const u32*)xr, bx[j][1] = *(const u32*)(xr + 16);
                 }
             }
-            const u32 n = s0 / 8, r = (s0 % 8) / 2;
-            float dl[2][2];
-            u32 a[2][2];  // [group of the step][row]
+            float dl[2][2];  // [row][group of the step]
+            u32 a[2][2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const u8* b = rows[i] + 210 * sb;
-                const u32 sc2 = ld_u16(b + 192 + s0);  // the scales of groups s0 and s0 + 1
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 l = 16 * h + 4 * t;
-                    const u32 lq = ld_u32_a2(b + 64 * n + 32 * (r & 1) + l), hq = ld_u32_a2(b + 128 + 32 * n + l);
-                    u32 v = ((lq >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((hq >> (2 * r)) & 0x03030303u) << 4);
-                    // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and
-                    // the byte is negative: set bits 6 and 7 too.
-                    v ^= 0x20202020u;
-                    a[h][i] = v | (v & 0x20202020u) * 6;
-                    dl[h][i] = dr[i] * (float)(i8)((sc2 >> (8 * h)) & 0xFF);
-                }
-            }
+            for (int i = 0; i < 2; ++i) q6k_mma8_step(rows[i] + 210 * sb, step % 8, t, dr[i], a[i], dl[i]);
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     int ci[4];
-                    mma8_k16(a[h][0], a[h][1], bx[j][h], ci);
+                    mma8_k16(a[0][h], a[1][h], bx[j][h], ci);
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         if (!ct_ok[j][c]) continue;
                         const float dx = xs[(u64)ct[j][c] * s_pitch + step].x;
                         const float s_0 = __int_as_float(ci[c]) - MMA8_BIAS, s_1 = __int_as_float(ci[2 + c]) - MMA8_BIAS;
-                        acc[j][c] = fmaf(dx * dl[h][0], s_0, acc[j][c]);
-                        acc[j][2 + c] = fmaf(dx * dl[h][1], s_1, acc[j][2 + c]);
+                        acc[j][c] = fmaf(dx * dl[0][h], s_0, acc[j][c]);
+                        acc[j][2 + c] = fmaf(dx * dl[1][h], s_1, acc[j][2 + c]);
                     }
                 }
         }
