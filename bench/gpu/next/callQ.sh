@@ -3,7 +3,7 @@
 # spent): every GPU test binary and serve-check at the final tree (llama.cpp building, the 35B
 # being written); the tests that cover each off switch with it on (EMBER_ATM_PIPE and
 # EMBER_ATM_STAGE: attention, conformance, model; EMBER_MMA8_LOADS: gpu, matmul, conformance,
-# model); bench_attention_mma with each attention switch; ember's prompt variants (base, pipe,
+# model; EMBER_ROUTE_REDUX: gpu, model); bench_attention_mma with each attention switch; ember's prompt variants (base, pipe,
 # stage, both, loads) at pp512 / pp8192 and pp512 at depth 32768; issue 19's table against
 # llama.cpp at the defaults. Run from the repo root with .gpu carried (bench/gpu/pack.sh).
 set -uo pipefail
@@ -15,6 +15,9 @@ tar -C /tmp -xJf .gpu/bin.tar.xz
   done; done
   for t in gpu matmul conformance model; do
     EMBER_KERNEL_CACHE=/tmp/kc-loads EMBER_KERNEL_DEFINES=EMBER_MMA8_LOADS timeout 240 /tmp/bin/$t --test-threads=1 > $O/test-EMBER_MMA8_LOADS-$t.log 2>&1 &
+  done
+  for t in gpu model; do
+    EMBER_KERNEL_CACHE=/tmp/kc-route EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX timeout 240 /tmp/bin/$t --test-threads=1 > $O/test-EMBER_ROUTE_REDUX-$t.log 2>&1 &
   done; wait ) &
 SW=$!
 OUT=$O LLAMA=1 SKIP_TESTS=nvrtc_compile STAGES=tests,serve ./bench/gpu/h200.sh
@@ -24,6 +27,10 @@ for f in $O/test-EMBER_*.log; do echo "$(basename $f): $(grep -E '^test result' 
 for sw in "" EMBER_ATM_PIPE EMBER_ATM_STAGE EMBER_ATM_PIPE,EMBER_ATM_STAGE; do
   EMBER_KERNEL_DEFINES=$sw timeout 60 /tmp/bin/attention --ignored --test-threads=1 --nocapture --exact bench_attention_mma > "$O/micro-atm-${sw:-base}.log" 2>&1
   echo "micro ${sw:-base}: $(grep -E 'depth 32768' "$O/micro-atm-${sw:-base}.log")"
+done
+for sw in "" EMBER_ROUTE_REDUX; do
+  EMBER_KERNEL_DEFINES=$sw timeout 60 /tmp/bin/gpu --ignored --test-threads=1 --nocapture --exact bench_ops > "$O/micro-ops-${sw:-base}.log" 2>&1
+  echo "ops ${sw:-base}: $(grep -E 'route' "$O/micro-ops-${sw:-base}.log")"
 done
 echo "micro done at $SECONDS s"
 R=1; (( SECONDS < 200 )) && R=2  # ~25 s a variant run (depth 32768 prefilled twice)

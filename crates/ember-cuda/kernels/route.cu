@@ -43,6 +43,34 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
     u32* ids = (u32*)p.ids + (u64)t * p.k;
     float* w = (float*)p.weights + (u64)t * p.k;
     float sum = 0.0f;
+#if defined(EMBER_ROUTE_REDUX) && __CUDA_ARCH__ >= 800
+    // Each round's warp argmax as two redux.sync instead of five rounds of two shuffles: a
+    // probability p >= 0 as the key bits(p) + 1 (monotone in p; 0 for a taken or absent
+    // expert), the warp's largest key, then the lowest expert id holding it. The same choice
+    // (largest p, ties to the lower id) and the same sums: the same results.
+    u32 key[ROUTE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) key[i] = v[i] >= 0.0f ? __float_as_uint(v[i]) + 1u : 0u;
+    for (u32 r = 0; r < p.k; ++r) {
+        u32 kl = 0;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) kl = max(kl, key[i]);
+        const u32 kmax = __reduce_max_sync(0xffffffffu, kl);
+        u32 mine = 0xffffffffu;
+#pragma unroll
+        for (int i = ROUTE_PER_LANE - 1; i >= 0; --i)
+            if (key[i] == kmax) mine = lane + 32 * i;
+        // kmax 0 (no expert left, or NaN probabilities): what the shuffle form gives then.
+        const u32 best_e = kmax ? __reduce_min_sync(0xffffffffu, mine) : 0x7fffffffu;
+        const float best = kmax ? __uint_as_float(kmax - 1u) : -2.0f;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i)
+            if (lane + 32 * i == (int)best_e) key[i] = 0u;
+        if (lane == 0) ids[r] = best_e;
+        if (lane == (int)(r % 32)) w[r] = best;
+        sum += best;
+    }
+#else
     for (u32 r = 0; r < p.k; ++r) {
         float best = -2.0f;
         int best_e = 0x7fffffff;
@@ -62,6 +90,7 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
         if (lane == (int)(r % 32)) w[r] = best;
         sum += best;
     }
+#endif
     const float norm = fmaxf(sum, p.sum_min);
     __syncwarp();
     for (u32 r = lane; r < p.k; r += 32) w[r] = w[r] / norm;

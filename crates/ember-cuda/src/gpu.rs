@@ -222,6 +222,9 @@ pub struct Gpu {
     /// The same for the staged int8 down (`EMBER_MOE_MMA8_DOWN_MAX_PAIRS`; ops/moe.rs
     /// MOE8SD_MAX_PAIRS by default).
     pub(crate) moe_mma8s_down_max_pairs: usize,
+    /// Tokens above which Fast MoE calls group by expert (`EMBER_MOE_MMA_MIN_TOKENS` overrides
+    /// [`crate::ops::MOE_MMA_MIN_TOKENS`]).
+    pub(crate) moe_mma_min_tokens: usize,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
@@ -379,6 +382,10 @@ impl Gpu {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(crate::ops::MOE8SD_MAX_PAIRS),
+            moe_mma_min_tokens: std::env::var("EMBER_MOE_MMA_MIN_TOKENS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(crate::ops::MOE_MMA_MIN_TOKENS),
             q8: Mutex::default(),
             q8_gen: Default::default(),
         })

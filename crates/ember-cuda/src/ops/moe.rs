@@ -317,9 +317,10 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::moe_prec`] groups the pairs by expert on tensor cores for this batch
-    /// (then it needs [`moe_scratch_len`] floats of scratch).
+    /// (then it needs [`moe_scratch_len`] floats of scratch): Fast batches of more than
+    /// [`MOE_MMA_MIN_TOKENS`] tokens (`EMBER_MOE_MMA_MIN_TOKENS` overrides it).
     pub fn moe_grouped(&self, n_tok: usize, n_expert: usize, precision: Precision) -> bool {
-        precision == Precision::Fast && n_tok > MOE_MMA_MIN_TOKENS && self.has_mma() && n_expert <= MOE_MAX_EXPERTS
+        precision == Precision::Fast && n_tok > self.moe_mma_min_tokens && self.has_mma() && n_expert <= MOE_MAX_EXPERTS
     }
 
     /// [`Gpu::moe`] at `precision`: under [`Precision::Fast`], batches of more than
