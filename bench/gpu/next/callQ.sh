@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The next session's first call, written at the end of 2026-12-06's (whose device time was
 # spent): every GPU test binary and serve-check at the final tree (llama.cpp building, the 35B
-# being written); the tests that cover each off switch with it on (EMBER_ATM_PIPE and
-# EMBER_ATM_STAGE: attention, conformance, model; EMBER_MMA8_LOADS: gpu, matmul, conformance,
+# being written); the tests that cover each off switch with it on (EMBER_ATM_PIPE,
+# EMBER_ATM_STAGE and EMBER_ATM_LDSM: attention, conformance, model; EMBER_MMA8_LOADS: gpu, matmul, conformance,
 # model; EMBER_ROUTE_REDUX: gpu, model); bench_attention_mma with each attention switch; ember's prompt variants (base, pipe,
 # stage, both, loads) at pp512 / pp8192 and pp512 at depth 32768; issue 19's table against
 # llama.cpp at the defaults. Run from the repo root with .gpu carried (bench/gpu/pack.sh).
@@ -10,7 +10,7 @@ set -uo pipefail
 O=${OUT:?}/q; mkdir -p $O
 export EMBER_KERNEL_CACHE=/tmp/kc
 tar -C /tmp -xJf .gpu/bin.tar.xz
-( for sw in EMBER_ATM_PIPE EMBER_ATM_STAGE; do for t in attention conformance model; do
+( for sw in EMBER_ATM_PIPE EMBER_ATM_STAGE EMBER_ATM_LDSM; do for t in attention conformance model; do
     EMBER_KERNEL_CACHE=/tmp/kc-$sw EMBER_KERNEL_DEFINES=$sw timeout 240 /tmp/bin/$t --test-threads=1 > $O/test-$sw-$t.log 2>&1 &
   done; done
   for t in gpu matmul conformance model; do
@@ -24,7 +24,7 @@ OUT=$O LLAMA=1 SKIP_TESTS=nvrtc_compile STAGES=tests,serve ./bench/gpu/h200.sh
 echo "tests+serve done at $SECONDS s"
 wait $SW
 for f in $O/test-EMBER_*.log; do echo "$(basename $f): $(grep -E '^test result' $f | tail -1)"; done
-for sw in "" EMBER_ATM_PIPE EMBER_ATM_STAGE EMBER_ATM_PIPE,EMBER_ATM_STAGE; do
+for sw in "" EMBER_ATM_PIPE EMBER_ATM_STAGE EMBER_ATM_PIPE,EMBER_ATM_STAGE EMBER_ATM_LDSM EMBER_ATM_LDSM,EMBER_ATM_PIPE EMBER_ATM_LDSM,EMBER_ATM_PIPE,EMBER_ATM_STAGE; do
   EMBER_KERNEL_DEFINES=$sw timeout 60 /tmp/bin/attention --ignored --test-threads=1 --nocapture --exact bench_attention_mma > "$O/micro-atm-${sw:-base}.log" 2>&1
   echo "micro ${sw:-base}: $(grep -E 'depth 32768' "$O/micro-atm-${sw:-base}.log")"
 done

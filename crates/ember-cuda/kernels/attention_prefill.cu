@@ -263,6 +263,16 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
+#ifdef EMBER_ATM_LDSM
+// Four 8x8 f16 matrices: lanes 8q .. 8q + 8 give the row addresses of matrix q; lane l gets
+// row l / 4, columns 2(l % 4) and + 1 of each (the A and B fragment layout of mma.m16n8k16).
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+#endif
+
 // Four 8x8 f16 matrices, transposed: lanes 8q .. 8q + 8 give the row addresses of matrix q.
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -410,10 +420,20 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     m[0] = m[1] = ATT_NEG_INF;
     l[0] = l[1] = 0.0f;
+#ifndef EMBER_ATM_LDSM
     const u16* qa = qs + (16 * warp + g) * ATM_LD + 2 * t;
+#endif
     // ldmatrix rows of this lane for P·V: matrix q = lane / 8 is keys 8(q & 1) .. + 8 of a
     // 16-key step at dims 8(q >> 1) .. + 8 of a pair of 8-dim tiles.
     const u16* vl = vs + ((lane >> 3 & 1) * 8 + (lane & 7)) * ATM_LD + (lane >> 4) * 8;
+#ifdef EMBER_ATM_LDSM
+    // ldmatrix rows of this lane for Q·Kᵀ. Q (A, 16 x 16 at k0): matrix q is rows 8(q & 1) .. + 8
+    // of the warp's tile at dims k0 + 8(q >> 1): a[0..3] in the fragment's order. K (B of two
+    // 8-key tiles j, j + 1): matrix q is keys 8j + 8(q >> 1) .. + 8 at dims k0 + 8(q & 1): b[0..1]
+    // of tile j, then b[0..1] of tile j + 1. The same operands as the 4-byte loads: the same bits.
+    const u16* ql = qs + (16 * warp + (lane >> 3 & 1) * 8 + (lane & 7)) * ATM_LD + (lane >> 4) * 8;
+    const u16* kl = ks + ((lane >> 4) * 8 + (lane & 7)) * ATM_LD + (lane >> 3 & 1) * 8;
+#endif
 
     for (u32 kb = k_lo; kb < k_hi; kb += AT_N) {
         const u32 next = kb + AT_N, nk_next = next < k_hi ? min((u32)AT_N, k_hi - next) : 0;
@@ -428,6 +448,16 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 #endif
         for (u32 k0 = 0; k0 < hd; k0 += 16) {
             u32 a[4];
+#ifdef EMBER_ATM_LDSM
+            ldmatrix_x4(a, ql + k0);
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                u32 b[4];
+                ldmatrix_x4(b, kl + 8 * j * ATM_LD + k0);
+                mma_16816(sc[j], a, b);
+                mma_16816(sc[j + 1], a, b + 2);
+            }
+#else
             a[0] = *(const u32*)(qa + k0);
             a[1] = *(const u32*)(qa + 8 * ATM_LD + k0);
             a[2] = *(const u32*)(qa + k0 + 8);
@@ -438,6 +468,7 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
                 const u32 b[2] = {*(const u32*)kr, *(const u32*)(kr + 8)};
                 mma_16816(sc[j], a, b);
             }
+#endif
         }
         __syncthreads();  // every warp is done with K: the next page's K loads meanwhile
         if (nk_next > 0) {
