@@ -210,12 +210,15 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 2) attention_tiles(cons
 // and f32 sums and softmax. 4 warps; warp w owns query vectors 16w .. 16w + 16 of the tile
 // and every head dim of O (head_dim / 8 accumulator tiles of 16 x 8 in registers). Shared
 // memory (dynamic, ATM_SMEM bytes = 99 KiB, what sm_86 allows a block): Q, the page's K and
-// its V, each [64][ATM_LD] f16 (row stride 132 words: the 32 lanes of a fragment load, row g
-// and word t, hit 32 banks; ldmatrix's 8 rows of 16 bytes hit distinct bank groups). An F16
-// cache is copied to shared memory as it is, by cp.async, one page ahead: the next page's K
-// loads while this page's softmax and P·V run, its V while the next S runs; other cache
-// types are converted by the threads. The B fragments of P·V come from V [key][dim] by
-// ldmatrix.trans. head_dim a multiple of 16, at most 256; the thread with lane l holds rows
+// its V, each [64][ATM_LD] f16 (row stride 132 words: ldmatrix's 8 rows of 16 bytes hit
+// distinct bank groups). An F16 cache is copied to shared memory as it is, by cp.async, one
+// page ahead: the next page's K loads while this page's softmax and P·V run, its V while the
+// next S runs; other cache types are converted by the threads. Every fragment comes by
+// ldmatrix.x4: Q's A and K's B (two 8-key tiles a load) for S, V's B by ldmatrix.trans for
+// P·V; the S loop is unrolled by two 16-dim steps and P·V takes a pair of 8-dim tiles over the
+// page's 4 key steps at a time, so loads go out ahead of the mmas that use them (H100,
+// bench_attention_mma at depth 32768: 2.121 -> 1.668 ms, 131 -> 166 TFLOP/s; docs/perf.md
+// g23). head_dim a multiple of 16, at most 256; the thread with lane l holds rows
 // g = l / 4 and g + 8 of its warp's tile and keys / dims 2t, 2t + 1 (t = l % 4) of each
 // 8-wide tile: the accumulator layout of the mma, which is also the A layout of P for P·V
 // (PTX ISA, "Matrix Fragments for mma.m16n8k16").
@@ -263,7 +266,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-#ifdef EMBER_ATM_LDSM
 // Four 8x8 f16 matrices: lanes 8q .. 8q + 8 give the row addresses of matrix q; lane l gets
 // row l / 4, columns 2(l % 4) and + 1 of each (the A and B fragment layout of mma.m16n8k16).
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
@@ -271,7 +273,6 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
-#endif
 
 // Four 8x8 f16 matrices, transposed: lanes 8q .. 8q + 8 give the row addresses of matrix q.
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
@@ -295,7 +296,6 @@ __device__ __forceinline__ void stage_one(u16* buf, const u8* page, u32 row_byte
     }
 }
 
-#ifdef EMBER_ATM_STAGE
 // N copies of 16 bytes of F16 rows for keys key0 + i·step (head_dim 256: 16, 128: 8), page
 // whole (nk = AT_N) or not.
 template <int N>
@@ -315,7 +315,6 @@ __device__ __forceinline__ void stage_f16(u16* buf, const u8* page, u32 row_byte
         }
     }
 }
-#endif
 
 template <int TY>
 __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 d8s) {
@@ -323,7 +322,6 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
     // keys by ATM_THREADS / d8s, with no division by d8s (~40 instructions a copy otherwise).
     if ((d8s & (d8s - 1)) == 0) {
         const u32 sh = __ffs(d8s) - 1, d8 = (threadIdx.x & (d8s - 1)) * 8;
-#ifdef EMBER_ATM_STAGE
         // F16 rows: the thread's N = AT_N / step copies at constant strides from its first key,
         // unrolled whole, not each address computed again (stage_one: ~19 SASS instructions a
         // 16-byte copy, 32 copies a thread a page at head_dim 256); a whole page needs no bound
@@ -337,7 +335,6 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
             cp_async_commit();
             return;
         }
-#endif
 #pragma unroll 4
         for (u32 key = threadIdx.x >> sh; key < AT_N; key += ATM_THREADS >> sh) stage_one<TY>(buf, page, row_bytes, e0, nk, key, d8);
         cp_async_commit();
@@ -420,20 +417,15 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     for (int n = 0; n < 32; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     m[0] = m[1] = ATT_NEG_INF;
     l[0] = l[1] = 0.0f;
-#ifndef EMBER_ATM_LDSM
-    const u16* qa = qs + (16 * warp + g) * ATM_LD + 2 * t;
-#endif
     // ldmatrix rows of this lane for P·V: matrix q = lane / 8 is keys 8(q & 1) .. + 8 of a
     // 16-key step at dims 8(q >> 1) .. + 8 of a pair of 8-dim tiles.
     const u16* vl = vs + ((lane >> 3 & 1) * 8 + (lane & 7)) * ATM_LD + (lane >> 4) * 8;
-#ifdef EMBER_ATM_LDSM
     // ldmatrix rows of this lane for Q·Kᵀ. Q (A, 16 x 16 at k0): matrix q is rows 8(q & 1) .. + 8
     // of the warp's tile at dims k0 + 8(q >> 1): a[0..3] in the fragment's order. K (B of two
     // 8-key tiles j, j + 1): matrix q is keys 8j + 8(q >> 1) .. + 8 at dims k0 + 8(q & 1): b[0..1]
-    // of tile j, then b[0..1] of tile j + 1. The same operands as the 4-byte loads: the same bits.
+    // of tile j, then b[0..1] of tile j + 1.
     const u16* ql = qs + (16 * warp + (lane >> 3 & 1) * 8 + (lane & 7)) * ATM_LD + (lane >> 4) * 8;
     const u16* kl = ks + ((lane >> 4) * 8 + (lane & 7)) * ATM_LD + (lane >> 3 & 1) * 8;
-#endif
 
     for (u32 kb = k_lo; kb < k_hi; kb += AT_N) {
         const u32 next = kb + AT_N, nk_next = next < k_hi ? min((u32)AT_N, k_hi - next) : 0;
@@ -443,12 +435,9 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         float sc[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-#ifdef EMBER_ATM_PIPE
 #pragma unroll 2  // the next 16 dims' loads issued before this step's mmas
-#endif
         for (u32 k0 = 0; k0 < hd; k0 += 16) {
             u32 a[4];
-#ifdef EMBER_ATM_LDSM
             ldmatrix_x4(a, ql + k0);
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
@@ -457,18 +446,6 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
                 mma_16816(sc[j], a, b);
                 mma_16816(sc[j + 1], a, b + 2);
             }
-#else
-            a[0] = *(const u32*)(qa + k0);
-            a[1] = *(const u32*)(qa + 8 * ATM_LD + k0);
-            a[2] = *(const u32*)(qa + k0 + 8);
-            a[3] = *(const u32*)(qa + 8 * ATM_LD + k0 + 8);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const u16* kr = ks + (8 * j + g) * ATM_LD + k0 + 2 * t;
-                const u32 b[2] = {*(const u32*)kr, *(const u32*)(kr + 8)};
-                mma_16816(sc[j], a, b);
-            }
-#endif
         }
         __syncthreads();  // every warp is done with K: the next page's K loads meanwhile
         if (nk_next > 0) {
@@ -517,7 +494,6 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         cp_async_wait<1>();  // this page's V (the next page's K may still be in flight)
         __syncthreads();
         // O += P·V: 4 steps of 16 keys, head_dim / 16 pairs of 8-dim tiles.
-#ifdef EMBER_ATM_PIPE
         // Pairs of tiles outside, the 4 key steps inside: one head_dim test a pair instead of
         // one a step and pair, and a pair's 4 ldmatrix issued together ahead of its 8 mmas. Each
         // o[n] still adds the steps 0..3 in order (the same bits).
@@ -541,24 +517,6 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
                 mma_16816(o[n + 1], pa[kk], b[kk] + 2);
             }
         }
-#else
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            u32 a[4];
-            a[0] = pack_f16x2(sc[2 * kk][0], sc[2 * kk][1]);
-            a[1] = pack_f16x2(sc[2 * kk][2], sc[2 * kk][3]);
-            a[2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            a[3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-#pragma unroll
-            for (int n = 0; n < 32; n += 2) {
-                if (8 * n >= (int)hd) break;
-                u32 b[4];
-                ldmatrix_x4_trans(b, vl + 16 * kk * ATM_LD + 8 * n);
-                mma_16816(o[n], a, b);
-                mma_16816(o[n + 1], a, b + 2);
-            }
-        }
-#endif
         __syncthreads();  // every warp is done with V: the next page's V loads meanwhile
         if (nk_next > 0) {
             stage_page<TY>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);

@@ -44,28 +44,6 @@ __device__ __forceinline__ void matmul_mma8s(const MatmulMma8Params& p) {
     // zeros (neither is written out).
     auto load = [&](u32 sb, u32 s) {
         u8* st = stages + s * C::STAGE_BYTES;
-#ifdef EMBER_MMA8_LOADS
-        // As moe_mma8s_gate_up_q4_k's: two lanes a row, pieces h, h + 2, .. at fixed offsets
-        // from one address; TOK / 16 adjacent pieces of a token's x a lane.
-        {
-            const u32 row = threadIdx.x >> 1, h = threadIdx.x & 1;
-            const u8* w = (const u8*)p.w + (u64)min(r0 + row, p.n_rows - 1) * p.row_bytes + 144 * sb + 16 * h;
-            u8* d = st + row * 144 + 16 * h;
-#pragma unroll
-            for (u32 j = 0; j < 4; ++j) mma8_cp16(d + 32 * j, w + 32 * j, 16);
-            if (h == 0) mma8_cp16(d + 128, w + 128, 16);
-        }
-        u8* xst = st + C::W_BYTES;
-        {
-            constexpr u32 PER = TOK / 16;  // pieces a lane: 256 lanes over TOK x 16 pieces
-            const u32 m = threadIdx.x / (16 / PER), piece = PER * (threadIdx.x % (16 / PER)), tok = t0 + min(m, n - 1);
-            const i8* x = xq + (u64)tok * p.k + 256 * sb + 16 * piece;
-            u8* d = xst + m * MM8_XLD + 16 * piece;
-            const u32 bytes = m < n ? 16 : 0;
-#pragma unroll
-            for (u32 j = 0; j < PER; ++j) mma8_cp16(d + 16 * j, x + 16 * j, bytes);
-        }
-#else
         for (u32 i = threadIdx.x; i < MM8_ROWS * 9; i += 256) {
             const u32 row = i / 9, piece = i % 9;
             const u8* w = (const u8*)p.w + (u64)min(r0 + row, p.n_rows - 1) * p.row_bytes;
@@ -76,7 +54,6 @@ __device__ __forceinline__ void matmul_mma8s(const MatmulMma8Params& p) {
             const u32 m = i / 16, piece = i % 16, tok = t0 + min(m, n - 1);
             mma8_cp16(xst + m * MM8_XLD + 16 * piece, xq + (u64)tok * p.k + 256 * sb + 16 * piece, m < n ? 16 : 0);
         }
-#endif
         float2* xss = (float2*)(xst + C::X_BYTES);
         for (u32 i = threadIdx.x; i < TOK * 8; i += 256) {
             const u32 m = i / 8, b = i % 8, tok = t0 + min(m, n - 1);

@@ -328,29 +328,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
     // 8-byte ones, 7.5 a thread.
     auto load = [&](u32 sb, u32 s) {
         u8* st = stages + s * MOE8S_STAGE_BYTES;
-#ifdef EMBER_MMA8_LOADS
-        // Two lanes a row (the block's 64 gate rows, then its 64 up rows), lane h = tid & 1
-        // taking pieces h, h + 2, .. of its 9 (a lane pair reads whole 32-byte sectors); one
-        // address a thread and the copies at fixed offsets from it, where the loop below
-        // divides by 9 and computes both addresses again for every copy.
-        {
-            const u32 row = threadIdx.x >> 1, h = threadIdx.x & 1, r = row % MOE8_ROWS;
-            const u8* w = (const u8*)(row < MOE8_ROWS ? p.gate : p.up) + ((u64)e * p.n_ff + r0 + r) * p.row_bytes_gu + 144 * sb + 16 * h;
-            u8* d = st + row * 144 + 16 * h;
-#pragma unroll
-            for (u32 j = 0; j < 4; ++j) mma8_cp16(d + 32 * j, w + 32 * j, 16);
-            if (h == 0) mma8_cp16(d + 128, w + 128, 16);
-        }
-        u8* xst = st + MOE8S_W_BYTES;
-        {
-            const u32 m = threadIdx.x >> 3, piece = 2 * (threadIdx.x & 7);  // 8 lanes a pair, 2 pieces each
-            const i8* x = xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece;
-            u8* d = xst + m * MOE8S_XLD + 16 * piece;
-            const u32 bytes = m < n ? 16 : 0;
-            mma8_cp16(d, x, bytes);
-            mma8_cp16(d + 16, x + 16, bytes);
-        }
-#else
         for (u32 i = threadIdx.x; i < 2 * MOE8_ROWS * 9; i += 256) {
             const u32 row = i / 9, piece = i % 9, r = row % MOE8_ROWS;
             const u8* w = (const u8*)(row < MOE8_ROWS ? p.gate : p.up) + ((u64)e * p.n_ff + r0 + r) * p.row_bytes_gu;
@@ -361,7 +338,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
             const u32 m = i / 16, piece = i % 16;
             mma8_cp16(xst + m * MOE8S_XLD + 16 * piece, xq + (u64)tok[m] * p.d + 256 * sb + 16 * piece, m < n ? 16 : 0);
         }
-#endif
         float2* xss = (float2*)(xst + MOE8S_X_BYTES);
         {
             const u32 m = threadIdx.x / 8, b = threadIdx.x % 8;  // 256 threads: 32 pairs x 8 blocks
@@ -466,36 +442,6 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     const float2* hs = (const float2*)(hq + (u64)p.n_tok * p.k_top * p.n_ff);
     const u8* wbase = (const u8*)p.down + ((u64)e * p.d + r_blk) * p.row_bytes_down;
     for (u32 sb = 0; sb < n_sb; ++sb) {
-#ifdef EMBER_MMA8_LOADS
-        // The copies below without a division and with their addresses stepped: Q6_K, warp w's
-        // 16 rows one after another, its lanes on consecutive words of a row; Q4_K two lanes a
-        // row (pieces h, h + 2, ..); h 8 lanes a pair, 2 pieces each. The same bytes to the
-        // same places.
-        if (TY == TY_Q6_K) {
-            const u32 w0 = sb == 0 ? 0 : 53, nw = sb == 0 ? 53 : 52, lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
-            const u8* src = wbase + (u64)row0 * p.row_bytes_down + 4 * (w0 + lane);
-            u8* dst = ws + row0 * C::PITCH + 4 * (w0 + lane);
-#pragma unroll
-            for (u32 r = 0; r < 16; ++r, src += p.row_bytes_down) {
-                mma8_cp4(dst + r * C::PITCH, src);
-                if (lane + 32 < nw) mma8_cp4(dst + r * C::PITCH + 128, src + 128);
-            }
-        } else {
-            const u32 row = threadIdx.x >> 1, h = threadIdx.x & 1;
-            const u8* src = wbase + (u64)row * p.row_bytes_down + 144 * sb + 16 * h;
-            u8* dst = ws + row * C::PITCH + 144 * sb + 16 * h;
-#pragma unroll
-            for (u32 j = 0; j < 4; ++j) mma8_cp16(dst + 32 * j, src + 32 * j, 16);
-            if (h == 0) mma8_cp16(dst + 128, src + 128, 16);
-        }
-        {
-            const u32 m = threadIdx.x >> 3, at = 256 * sb + 32 * (threadIdx.x & 7);
-            const u32 bytes = m < n ? 16 : 0;
-            const i8* src = hq + (u64)pair[m] * p.n_ff + at;
-            mma8_cp16(hst + m * MOE8SD_HLD + at, src, bytes);
-            mma8_cp16(hst + m * MOE8SD_HLD + at + 16, src + 16, bytes);
-        }
-#else
         if (TY == TY_Q6_K) {
             // Words 0..52 of a row (bytes 0..211: the first super-block) then 53..104.
             const u32 w0 = sb == 0 ? 0 : 53, nw = sb == 0 ? 53 : 52;
@@ -513,7 +459,6 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
             const u32 m = i / 16, at = 256 * sb + 16 * (i % 16);
             mma8_cp16(hst + m * MOE8SD_HLD + at, hq + (u64)pair[m] * p.n_ff + at, m < n ? 16 : 0);
         }
-#endif
         {
             const u32 m = threadIdx.x / 8, b = 8 * sb + threadIdx.x % 8;  // 256 threads: 32 pairs x 8 blocks
             mma8_cp8(hss + m * MOE8SD_SLD + b, hs + (u64)pair[m] * n_blk + b, m < n ? 8 : 0);

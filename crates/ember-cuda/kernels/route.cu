@@ -43,11 +43,13 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
     u32* ids = (u32*)p.ids + (u64)t * p.k;
     float* w = (float*)p.weights + (u64)t * p.k;
     float sum = 0.0f;
-#if defined(EMBER_ROUTE_REDUX) && __CUDA_ARCH__ >= 800
-    // Each round's warp argmax as two redux.sync instead of five rounds of two shuffles: a
-    // probability p >= 0 as the key bits(p) + 1 (monotone in p; 0 for a taken or absent
+#if __CUDA_ARCH__ >= 800
+    // Each round's warp argmax as two redux.sync, not five rounds of two shuffles (below, before
+    // sm_80): a probability p >= 0 as the key bits(p) + 1 (monotone in p; 0 for a taken or absent
     // expert), the warp's largest key, then the lowest expert id holding it. The same choice
-    // (largest p, ties to the lower id) and the same sums: the same results.
+    // (largest p, ties to the lower id) and the same sums: the same results. H100, the 35B's
+    // decode (docs/perf.md g23): the route 4.95 -> 4.67 us a call alone, 4.6 -> 3.85 us in the
+    // step's chain; tg128 +1.6 % (three rounds).
     u32 key[ROUTE_PER_LANE];
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; ++i) key[i] = v[i] >= 0.0f ? __float_as_uint(v[i]) + 1u : 0u;

@@ -238,7 +238,7 @@ impl Ops for CudaOps {
                 }
                 continue;
             }
-            if !self.gpu.uses_gemv(k, x.n, self.precision) || self.gpu.uses_mma8(dws[j].all(), x.n, self.precision) {
+            if !self.gpu.uses_gemv(k, x.n, self.precision) {
                 self.gpu.matmul_prec(dws[j].all(), xb, x.n, outs[j], self.precision).map_err(cuda(OP, self.dev))?;
                 done[j] = true;
                 continue;

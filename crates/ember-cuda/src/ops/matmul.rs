@@ -192,14 +192,6 @@ fn mma8_max_tokens() -> usize {
     *N.get_or_init(|| std::env::var("EMBER_MATMUL_MMA8_MAX_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA8_MAX_TOKENS))
 }
 
-/// The fewest tokens [`MatmulKernel::Mma8`] takes: above [`MMA_MIN_TOKENS`], where the GEMVs
-/// stop (`EMBER_MATMUL_MMA8_MIN_TOKENS` moves it down, for measuring batched decode; at least 2:
-/// one token is the int8 GEMV's).
-fn mma8_min_tokens() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| std::env::var("EMBER_MATMUL_MMA8_MIN_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA_MIN_TOKENS + 1).max(2))
-}
-
 /// The tokens a block of [`MatmulKernel::Mma8`] takes for `n_tok` tokens of a weight of
 /// `n_rows` rows: 64 (the weights read from L2 half as often as at 32) where its blocks still
 /// give every SM one (two fit an SM: 128 registers, 80 KB of shared memory), else 32.
@@ -339,14 +331,12 @@ impl Gpu {
         }
         let fast = precision == Precision::Fast && self.has_mma();
         let gemv_max = if fast { MMA_MIN_TOKENS } else { GEMV_MAX_TOKENS };
-        // (Mma8 first: its token range starts above the GEMVs' unless EMBER_MATMUL_MMA8_MIN_TOKENS
-        // moves it down.)
-        let kernel = if self.uses_mma8(w, n_tok, precision) {
-            MatmulKernel::Mma8 { tile_tokens: mma8_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
-        } else if self.uses_mmv(w.w.k, n_tok, precision) || self.uses_mmv_prompt(w.w.k, w.n_rows, n_tok, precision) {
+        let kernel = if self.uses_mmv(w.w.k, n_tok, precision) || self.uses_mmv_prompt(w.w.k, w.n_rows, n_tok, precision) {
             MatmulKernel::Mmv
         } else if n_tok <= gemv_max && w.w.k.is_multiple_of(8) {
             MatmulKernel::Gemv
+        } else if self.uses_mma8(w, n_tok, precision) {
+            MatmulKernel::Mma8 { tile_tokens: mma8_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else if fast && n_tok > GEMV_MAX_TOKENS {
             MatmulKernel::Mma { tile_tokens: mma_tile_tokens(n_tok, w.n_rows, self.info().n_sm) }
         } else {
@@ -356,13 +346,12 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::matmul_prec`] takes [`MatmulKernel::Mma8`] for `w` on `n_tok` tokens:
-    /// Fast, more than [`MMA_MIN_TOKENS`] (`EMBER_MATMUL_MMA8_MIN_TOKENS`) and at most
-    /// [`MMA8_MAX_TOKENS`] tokens, not
+    /// Fast, more than [`MMA_MIN_TOKENS`] and at most [`MMA8_MAX_TOKENS`] tokens, not
     /// [`Gpu::uses_mmv_prompt`] (few rows), Q4_K, k % 256 == 0, rows 16-byte aligned, sm_80+
     /// (`EMBER_MATMUL_MMA8=0` turns it off).
     pub fn uses_mma8(&self, w: WeightRef<'_>, n_tok: usize, precision: Precision) -> bool {
         precision == Precision::Fast
-            && (mma8_min_tokens()..=mma8_max_tokens()).contains(&n_tok)
+            && (MMA_MIN_TOKENS + 1..=mma8_max_tokens()).contains(&n_tok)
             && !self.uses_mmv_prompt(w.k(), w.n_rows, n_tok, precision)
             && w.ty() == GgmlType::Q4K
             && w.k().is_multiple_of(256)

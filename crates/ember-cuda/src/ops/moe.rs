@@ -263,10 +263,15 @@ const MOE_BM: usize = 32;
 /// Weight rows and threads per tensor-core block (`MMA_BN`, `MMA_THREADS` in kernels/mma.cuh).
 const MOE_ROWS: usize = 128;
 const MOE_THREADS: u32 = 256;
-/// Tokens above which [`Precision::Fast`] groups the MoE by expert ([`Gpu::moe_mma`]).
-/// Measured on the H200 (35B-A3B layer: 256 experts, top-8, Q4_K/Q6_K, 2026-12-03): per-pair
-/// kernels 0.53 / 1.81 / 6.90 ms at 32 / 128 / 512 tokens, grouped 0.60 / 1.11 / 1.19 ms.
-pub const MOE_MMA_MIN_TOKENS: usize = 48;
+/// Tokens above which [`Precision::Fast`] groups the MoE by expert ([`Gpu::moe_mma`]; since
+/// g14-g22 its kernels are int8 and staged). H100, the 35B's batched decode at depth 0
+/// (`ember bench --n-seq N -p 0 -n 32`, aggregate t/s, two rounds, per-pair against grouped;
+/// docs/perf.md g23): 2 sequences 437 / 442 against 419 / 417, 4: 744 / 746 against 709 / 705,
+/// 5: 796 / 795 against 875 / 869, 6: 940 / 940 against 1,041 / 1,026, 8: 1,197 / 1,198 against
+/// 1,276 / 1,273, 16: 1,794 / 1,778 against 2,022 / 2,014 (at depth 4096: 1,659 against 1,865).
+/// The per-pair kernels read an expert's rows once per pair, the grouped ones once per expert.
+/// (2026-12-03, H200, when the grouped kernels were f16 tiles: 48.)
+pub const MOE_MMA_MIN_TOKENS: usize = 4;
 /// Most experts the grouped plan handles (its per-expert counters live in shared memory).
 const MOE_MAX_EXPERTS: usize = 4096;
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The calls after call q (callQ.sh), each on the same warm H100, as sent (the repo root, .gpu
+# carried; /tmp/bin, /tmp/m/35b.gguf and /tmp/llama left there by call q). One function a call.
+r() {  # the new settings together against the defaults: tg128 at depth 0 and 32768; 16 sequences vs llama.cpp
+O=$OUT/r; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; [ -x /tmp/bin/ember ] || tar -C /tmp -xJf .gpu/bin.tar.xz; NEW="EMBER_KERNEL_DEFINES=EMBER_ATM_PIPE,EMBER_ATM_STAGE,EMBER_ATM_LDSM,EMBER_ROUTE_REDUX EMBER_CUDA_GRAPH_FIRST=8 EMBER_MOE_MMA_MIN_TOKENS=8"; OUT=$O VARIANTS="base:;new:$NEW" VARIANT_ARGS='-p 0 -n 128 -d 0,32768' ROUNDS=2 STAGES=variants LLAMA=0 timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'; echo "variants at $SECONDS"; env $NEW OUT=$O NSEQ=16 BDEPTH=4096 ROUNDS=1 STAGES=batched timeout $(( 380 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'; echo "batched at $SECONDS"; (cd $OUT && tar czf r.tgz r && rm -rf r)
+}
+s() {  # decode: the route's redux and a first list of 8 launches, three rounds; 16 sequences vs llama.cpp again
+O=$OUT/s; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; OUT=$O VARIANTS="base:;redux:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX;first8:EMBER_CUDA_GRAPH_FIRST=8;both:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX EMBER_CUDA_GRAPH_FIRST=8" VARIANT_ARGS='-p 0 -n 128' ROUNDS=3 STAGES=variants LLAMA=0 timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'; echo "variants at $SECONDS"; env EMBER_KERNEL_DEFINES=EMBER_ATM_PIPE,EMBER_ATM_STAGE,EMBER_ATM_LDSM,EMBER_ROUTE_REDUX EMBER_CUDA_GRAPH_FIRST=8 EMBER_MOE_MMA_MIN_TOKENS=8 OUT=$O NSEQ=16 BDEPTH=4096 ROUNDS=1 STAGES=batched timeout $(( 270 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'; echo "batched at $SECONDS"; (cd $OUT && tar czf s.tgz s && rm -rf s)
+}
+t() {  # issue 19's table, two rounds, with the settings made default after the calls
+O=$OUT/t; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; env EMBER_KERNEL_DEFINES=EMBER_ATM_PIPE,EMBER_ATM_STAGE,EMBER_ATM_LDSM,EMBER_ROUTE_REDUX EMBER_MOE_MMA_MIN_TOKENS=8 OUT=$O ROUNDS=2 PROMPTS=512,8192 DEPTHS=32768 STAGES=bench timeout 200 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'; echo "bench at $SECONDS"; (cd $OUT && tar czf t.tgz t && rm -rf t)
+}
+v() {  # the decode chain from inside (EMBER_CUDA_TRACE): one token, and 16 sequences at depth 4096
+O=$OUT/v; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; E=/tmp/bin/ember; F=$(ls /tmp/m/35b.gguf 2>/dev/null || ls /tmp/*/35b*.gguf | head -1); echo "model $F"; T="EMBER_TRACE,EMBER_ROUTE_REDUX"; env EMBER_KERNEL_DEFINES=$T EMBER_CUDA_TRACE=$O/tr-tg64.txt timeout 60 $E bench -m $F --device cuda -p 0 -n 64 -r 1 > $O/tg.log 2>&1; echo "tg exit $?"; env EMBER_KERNEL_DEFINES=$T EMBER_MOE_MMA_MIN_TOKENS=8 EMBER_CUDA_TRACE=$O/tr-16seq.txt timeout 90 $E bench -m $F --device cuda --n-seq 16 -p 0 -n 32 -d 4096 -r 1 > $O/b.log 2>&1; echo "16seq exit $?"; for t in tg64 16seq; do python3 bench/gpu/trace.py $O/tr-$t.txt > $O/tr-$t.md 2>&1; echo "== $t"; head -40 $O/tr-$t.md; done; xz -T4 $O/tr-*.txt; (cd $OUT && tar czf v.tgz v && rm -rf v)
+}
+w() {  # where the grouped MoE starts paying: 2-16 sequences, grouped above 48 (the old default) or above 1 token
+O=$OUT/w; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; E=/tmp/bin/ember; F=/tmp/m/35b.gguf; for r in 1 2; do for v in 48 1; do env EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX EMBER_MOE_MMA_MIN_TOKENS=$v timeout 60 $E bench -m $F --device cuda --n-seq 2,4,8,16 -p 0 -n 32 -d 0 -r 1 -o json > $O/min$v-$r.json 2> $O/min$v-$r.log; echo "min $v round $r: $(python3 -c "import json,sys; print(' '.join('%s %.1f' % (x['name'], x['avg_ts']) for x in json.load(open(sys.argv[1]))))" $O/min$v-$r.json) at $SECONDS s"; done; done; (cd $OUT && tar czf w.tgz w && rm -rf w)
+}
+x() {  # the same at 4-6 sequences (grouped above 3)
+O=$OUT/x; mkdir -p $O; export EMBER_KERNEL_CACHE=/tmp/kc; E=/tmp/bin/ember; F=/tmp/m/35b.gguf; for r in 1 2; do for v in 48 3; do env EMBER_KERNEL_DEFINES=EMBER_ROUTE_REDUX EMBER_MOE_MMA_MIN_TOKENS=$v timeout 60 $E bench -m $F --device cuda --n-seq 4,5,6 -p 0 -n 32 -d 0 -r 1 -o json > $O/min$v-$r.json 2> $O/min$v-$r.log; echo "min $v round $r: $(python3 -c "import json,sys; print(' '.join('%s %.1f' % (x['name'], x['avg_ts']) for x in json.load(open(sys.argv[1]))))" $O/min$v-$r.json) at $SECONDS s"; done; done; (cd $OUT && tar czf x.tgz x && rm -rf x)
+}
+"$@"
