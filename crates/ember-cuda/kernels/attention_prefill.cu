@@ -316,10 +316,10 @@ __device__ __forceinline__ void stage_f16(u16* buf, const u8* page, u32 row_byte
     }
 }
 
-template <int TY>
+template <int TY, int THREADS>
 __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 d8s) {
     // d8s a power of two (head_dim 16, 32, 64, 128, 256): each thread keeps its 8 dims and steps
-    // keys by ATM_THREADS / d8s, with no division by d8s (~40 instructions a copy otherwise).
+    // keys by THREADS / d8s, with no division by d8s (~40 instructions a copy otherwise).
     if ((d8s & (d8s - 1)) == 0) {
         const u32 sh = __ffs(d8s) - 1, d8 = (threadIdx.x & (d8s - 1)) * 8;
         // F16 rows: the thread's N = AT_N / step copies at constant strides from its first key,
@@ -328,29 +328,31 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
         // test. Keys past nk copy nothing from key 0's row (zeros), as stage_one.
         if (TY == KV_F16 && (sh == 5 || sh == 4)) {
             if (sh == 5) {
-                stage_f16<AT_N / (ATM_THREADS >> 5)>(buf, page, row_bytes, e0, nk, ATM_THREADS >> 5, threadIdx.x >> 5, d8);
+                stage_f16<AT_N / (THREADS >> 5)>(buf, page, row_bytes, e0, nk, THREADS >> 5, threadIdx.x >> 5, d8);
             } else {
-                stage_f16<AT_N / (ATM_THREADS >> 4)>(buf, page, row_bytes, e0, nk, ATM_THREADS >> 4, threadIdx.x >> 4, d8);
+                stage_f16<AT_N / (THREADS >> 4)>(buf, page, row_bytes, e0, nk, THREADS >> 4, threadIdx.x >> 4, d8);
             }
             cp_async_commit();
             return;
         }
 #pragma unroll 4
-        for (u32 key = threadIdx.x >> sh; key < AT_N; key += ATM_THREADS >> sh) stage_one<TY>(buf, page, row_bytes, e0, nk, key, d8);
+        for (u32 key = threadIdx.x >> sh; key < AT_N; key += THREADS >> sh) stage_one<TY>(buf, page, row_bytes, e0, nk, key, d8);
         cp_async_commit();
         return;
     }
-    for (u32 u = threadIdx.x; u < AT_N * d8s; u += ATM_THREADS) stage_one<TY>(buf, page, row_bytes, e0, nk, u / d8s, u % d8s * 8);
+    for (u32 u = threadIdx.x; u < AT_N * d8s; u += THREADS) stage_one<TY>(buf, page, row_bytes, e0, nk, u / d8s, u % d8s * 8);
     cp_async_commit();  // a group even when empty, so the waits below count pages
 }
 #endif
 
-template <int TY>
+// W warps: a tile of M = 16·W query vectors (attention_mma: 4, attention_mma_w8: 8).
+template <int TY, int W>
 __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 #if __CUDA_ARCH__ >= 800
-    u16 *ks = qs + 64 * ATM_LD, *vs = ks + 64 * ATM_LD;
+    constexpr int M = 16 * W, THREADS = 32 * W;
+    u16 *ks = qs + M * ATM_LD, *vs = ks + 64 * ATM_LD;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane >> 2, t = lane & 3;
-    const u32 hd = p.head_dim, hb = p.heads_per_block, tr = AT_M / hb, d8s = hd / 8;
+    const u32 hd = p.head_dim, hb = p.heads_per_block, tr = M / hb, d8s = hd / 8;
     const u32* seq_n = (const u32*)p.seq_n;
     u32 ti = blockIdx.x, s = 0;
     for (; s < p.n_seq; ++s) {
@@ -392,11 +394,11 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     };
     const u32 e0 = kvh * hd;
     if (k_lo < k_hi) {
-        stage_page<TY>(ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
-        stage_page<TY>(vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+        stage_page<TY, THREADS>(ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+        stage_page<TY, THREADS>(vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
     }
     // Q: vector i = (row i / hb, head h0 + i % hb), scaled, as f16; zeros past the tile's rows.
-    for (u32 u = tid; u < AT_M * d8s; u += ATM_THREADS) {
+    for (u32 u = tid; u < M * d8s; u += THREADS) {
         const u32 i = u / d8s, d8 = u % d8s * 8, row = i / hb;
         float x[8];
         if (row < nr) {
@@ -449,7 +451,7 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         }
         __syncthreads();  // every warp is done with K: the next page's K loads meanwhile
         if (nk_next > 0) {
-            stage_page<TY>(ks, page(tk, next), p.row_bytes, e0, nk_next, d8s);
+            stage_page<TY, THREADS>(ks, page(tk, next), p.row_bytes, e0, nk_next, d8s);
         } else {
             cp_async_commit();
         }
@@ -519,7 +521,7 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         }
         __syncthreads();  // every warp is done with V: the next page's V loads meanwhile
         if (nk_next > 0) {
-            stage_page<TY>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
+            stage_page<TY, THREADS>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
         } else {
             cp_async_commit();
         }
@@ -561,8 +563,23 @@ extern "C" __global__ void __launch_bounds__(ATM_THREADS, 2) attention_mma(const
     pdl_enter();
     extern __shared__ __align__(16) u16 atm_sm[];
     switch (p.ty) {
-        case KV_F32: attend_mma<KV_F32>(p, atm_sm); break;
-        case KV_F16: attend_mma<KV_F16>(p, atm_sm); break;
-        default: attend_mma<KV_Q8_0>(p, atm_sm); break;
+        case KV_F32: attend_mma<KV_F32, 4>(p, atm_sm); break;
+        case KV_F16: attend_mma<KV_F16, 4>(p, atm_sm); break;
+        default: attend_mma<KV_Q8_0, 4>(p, atm_sm); break;
+    }
+}
+
+// attention_mma on tiles of 128 query vectors, 8 warps (EMBER_ATTN_MMA_WIDE=1, measuring): each
+// K/V page staged in shared memory serves twice the query vectors, so a chunk's tiles stream
+// the cache half as often. One block an SM: ATM_SMEM_W8 bytes (Q 128 rows, K and V 64 each:
+// 132 KiB, sm_80 and sm_90 allow it); grid (tiles of 128 / heads_per_block rows, ...).
+#define ATM_SMEM_W8 ((128 + 2 * 64) * ATM_LD * 2)
+extern "C" __global__ void __launch_bounds__(2 * ATM_THREADS, 1) attention_mma_w8(const AttentionParams p) {
+    pdl_enter();
+    extern __shared__ __align__(16) u16 atm_sm[];
+    switch (p.ty) {
+        case KV_F32: attend_mma<KV_F32, 8>(p, atm_sm); break;
+        case KV_F16: attend_mma<KV_F16, 8>(p, atm_sm); break;
+        default: attend_mma<KV_Q8_0, 8>(p, atm_sm); break;
     }
 }

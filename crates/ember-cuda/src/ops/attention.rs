@@ -25,6 +25,9 @@ pub const ATTENTION_DECODE_SPLITS: usize = 64;
 /// (`ATM_SMEM`: the Q tile, a K page and a V page as f16; 99 KiB, what sm_86 allows a block).
 const MMA_THREADS: u32 = 128;
 const MMA_SMEM: u32 = 3 * 64 * 264 * 2;
+/// The same for `attention_mma_w8` (`ATM_SMEM_W8`: a Q tile of 128 rows; 132 KiB).
+const MMA_W8_THREADS: u32 = 256;
+const MMA_W8_SMEM: u32 = (128 + 2 * 64) * 264 * 2;
 /// Warps of an `attention_merge` block (`ATT_MERGE_WARPS`).
 const MERGE_WARPS: u32 = 8;
 /// Floats of partial results [`AttentionPath::Auto`] lets the decode kernel take (128 MiB: 16
@@ -114,6 +117,8 @@ pub struct AttentionShape {
     pub max_seq_rows: usize,
     /// Blocks of query rows over all sequences: Σ ceil(rows / [`AttentionShape::tile_rows`]).
     pub n_tiles: usize,
+    /// The same for tiles of twice the rows (`attention_mma_w8`).
+    pub n_tiles_wide: usize,
     pub path: AttentionPath,
     /// Key ranges per row the decode path aims at ([`ATTENTION_DECODE_SPLITS`]).
     pub decode_splits: usize,
@@ -139,6 +144,7 @@ impl AttentionShape {
             max_keys,
             max_seq_rows: seq_rows.iter().copied().max().unwrap_or(0),
             n_tiles: 0,
+            n_tiles_wide: 0,
             path: AttentionPath::Auto,
             decode_splits: ATTENTION_DECODE_SPLITS,
             decode_heads: 0,
@@ -146,6 +152,7 @@ impl AttentionShape {
         };
         let tr = s.tile_rows();
         s.n_tiles = seq_rows.iter().map(|n| n.div_ceil(tr)).sum();
+        s.n_tiles_wide = seq_rows.iter().map(|n| n.div_ceil(2 * tr)).sum();
         s
     }
 
@@ -329,10 +336,11 @@ impl Gpu {
             return Plan { kind, n_split, keys_per_split: s.decode_splits.min(65535), decode_heads, decode_ring };
         }
         if kind == AttentionPath::Tiles {
-            // Enough blocks for the SMs (2 resident each): the key range count that minimises
-            // the waves of blocks times each block's share of the keys.
-            let blocks = s.n_tiles * (s.n_head / s.heads_per_tile());
-            let slots = 2 * n_sm;
+            // Enough blocks for the SMs (2 resident each, 1 of the wide tiles): the key range
+            // count that minimises the waves of blocks times each block's share of the keys.
+            let wide = self.attention_mma_wide(s);
+            let blocks = if wide { s.n_tiles_wide } else { s.n_tiles } * (s.n_head / s.heads_per_tile());
+            let slots = if wide { n_sm } else { 2 * n_sm };
             let cap = s.max_keys.div_ceil(TILE_SPLIT_MIN_KEYS).clamp(1, 64);
             let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
             let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
@@ -371,6 +379,19 @@ impl Gpu {
         // A GPU whose blocks cannot have that much shared memory keeps the f32 tiles.
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         Ok(f.set_attribute(attr, MMA_SMEM as i32).is_ok().then_some(f))
+    }
+
+    /// `attention_mma_w8` with its shared memory allowed, for [`Gpu::attention_mma_wide`].
+    fn attention_mma_w8_function(&self) -> Result<Option<CudaFunction>> {
+        let f = self.function(&ATTENTION_PREFILL, "attention_mma_w8")?;
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        Ok(f.set_attribute(attr, MMA_W8_SMEM as i32).is_ok().then_some(f))
+    }
+
+    /// Whether the tensor-core tiles of `s` take 128 query vectors a block: `EMBER_ATTN_MMA_WIDE=1`,
+    /// the tiles on tensor cores, and the GPU allows the 132 KiB of shared memory (sm_80, sm_90).
+    fn attention_mma_wide(&self, s: &AttentionShape) -> bool {
+        self.attn_mma_wide_on() && self.mma_wanted(s) && matches!(self.attention_mma_w8_function(), Ok(Some(_)))
     }
 
     fn mma_wanted(&self, s: &AttentionShape) -> bool {
@@ -495,6 +516,13 @@ impl Gpu {
             if plan.kind == AttentionPath::Tiles {
                 let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
                 let tiles = u32_of(OP, "tiles", s.n_tiles)?;
+                if self.attention_mma_wide(&s)
+                    && let Some(f) = self.attention_mma_w8_function()?
+                {
+                    let tiles = u32_of(OP, "tiles", s.n_tiles_wide)?;
+                    self.launch(&f, (tiles, groups, p.n_split), MMA_W8_THREADS, MMA_W8_SMEM, &p)?;
+                    return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+                }
                 if let Some(f) = self.attention_mma_function(&s)? {
                     self.launch(&f, (tiles, groups, p.n_split), MMA_THREADS, MMA_SMEM, &p)?;
                     return if plan.n_split > 1 { merge(self) } else { Ok(()) };
@@ -528,6 +556,16 @@ mod tests {
     /// deepest row seeing `keys` keys.
     fn shape(hd: usize, rows: &[usize], keys: usize) -> AttentionShape {
         AttentionShape::new(16, 2, hd, 0.0625, rows, keys)
+    }
+
+    /// Tiles of 64 and of 128 query vectors (8 heads a tile: 8 and 16 rows), counted per
+    /// sequence as the kernels walk them (`attention_mma`, `attention_mma_w8`).
+    #[test]
+    fn tiles_are_counted_per_sequence() {
+        for (rows, tiles, wide) in [(vec![512], 64, 32), (vec![5, 9], 3, 2), (vec![16, 17, 1], 6, 4), (vec![1; 4], 4, 4)] {
+            let s = shape(256, &rows, 40_000);
+            assert_eq!((s.tile_rows(), s.n_tiles, s.n_tiles_wide), (8, tiles, wide), "{rows:?}");
+        }
     }
 
     /// The decode kernel's heads a block on 132 SMs (the H100's and H200's count): the most
