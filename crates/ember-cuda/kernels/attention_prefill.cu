@@ -558,28 +558,24 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 #endif
 }
 
-// grid and parameters as attention_tiles; dynamic shared memory ATM_SMEM bytes.
-extern "C" __global__ void __launch_bounds__(ATM_THREADS, 2) attention_mma(const AttentionParams p) {
+// attend_mma for the call's cache type (after the wait for the kernel ahead).
+template <int W>
+__device__ __forceinline__ void attend_mma_entry(const AttentionParams& p) {
     pdl_enter();
     extern __shared__ __align__(16) u16 atm_sm[];
     switch (p.ty) {
-        case KV_F32: attend_mma<KV_F32, 4>(p, atm_sm); break;
-        case KV_F16: attend_mma<KV_F16, 4>(p, atm_sm); break;
-        default: attend_mma<KV_Q8_0, 4>(p, atm_sm); break;
+        case KV_F32: attend_mma<KV_F32, W>(p, atm_sm); break;
+        case KV_F16: attend_mma<KV_F16, W>(p, atm_sm); break;
+        default: attend_mma<KV_Q8_0, W>(p, atm_sm); break;
     }
 }
+
+// grid and parameters as attention_tiles; dynamic shared memory ATM_SMEM bytes.
+extern "C" __global__ void __launch_bounds__(ATM_THREADS, 2) attention_mma(const AttentionParams p) { attend_mma_entry<4>(p); }
 
 // attention_mma on tiles of 128 query vectors, 8 warps (EMBER_ATTN_MMA_WIDE=1, measuring): each
 // K/V page staged in shared memory serves twice the query vectors, so a chunk's tiles stream
 // the cache half as often. One block an SM: ATM_SMEM_W8 bytes (Q 128 rows, K and V 64 each:
 // 132 KiB, sm_80 and sm_90 allow it); grid (tiles of 128 / heads_per_block rows, ...).
 #define ATM_SMEM_W8 ((128 + 2 * 64) * ATM_LD * 2)
-extern "C" __global__ void __launch_bounds__(2 * ATM_THREADS, 1) attention_mma_w8(const AttentionParams p) {
-    pdl_enter();
-    extern __shared__ __align__(16) u16 atm_sm[];
-    switch (p.ty) {
-        case KV_F32: attend_mma<KV_F32, 8>(p, atm_sm); break;
-        case KV_F16: attend_mma<KV_F16, 8>(p, atm_sm); break;
-        default: attend_mma<KV_Q8_0, 8>(p, atm_sm); break;
-    }
-}
+extern "C" __global__ void __launch_bounds__(2 * ATM_THREADS, 1) attention_mma_w8(const AttentionParams p) { attend_mma_entry<8>(p); }

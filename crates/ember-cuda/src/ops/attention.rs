@@ -323,6 +323,8 @@ struct Plan {
     /// Whether the decode kernel's warps load rows ahead (the `_pf` entries): where its deepest
     /// row's ranges hold at least [`DECODE_RING_MIN_KEYS`] keys.
     decode_ring: bool,
+    /// The tiles take 128 query vectors a block (`attention_mma_w8`; [`Gpu::attention_mma_wide`]).
+    wide: bool,
 }
 
 impl Gpu {
@@ -333,7 +335,7 @@ impl Gpu {
             // The shape's own heads a block, else EMBER_ATTN_HEADS's, else the launcher's choice.
             let s = AttentionShape { decode_heads: if s.decode_heads > 0 { s.decode_heads } else { self.attn_heads() }, ..*s };
             let (n_split, decode_heads, decode_ring) = s.decode_plan(n_sm);
-            return Plan { kind, n_split, keys_per_split: s.decode_splits.min(65535), decode_heads, decode_ring };
+            return Plan { kind, n_split, keys_per_split: s.decode_splits.min(65535), decode_heads, decode_ring, wide: false };
         }
         if kind == AttentionPath::Tiles {
             // Enough blocks for the SMs (2 resident each, 1 of the wide tiles): the key range
@@ -345,10 +347,17 @@ impl Gpu {
             let cost = |n: usize| (blocks * n).div_ceil(slots) as f64 / n as f64 * if n > 1 { 1.05 } else { 1.0 };
             let n_split = (1..=cap).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).unwrap_or(1);
             let keys_per_split = s.max_keys.div_ceil(n_split).next_multiple_of(KV_PAGE).max(KV_PAGE);
-            return Plan { kind, n_split: s.max_keys.div_ceil(keys_per_split).max(1), keys_per_split, decode_heads: 0, decode_ring: false };
+            return Plan {
+                kind,
+                n_split: s.max_keys.div_ceil(keys_per_split).max(1),
+                keys_per_split,
+                decode_heads: 0,
+                decode_ring: false,
+                wide,
+            };
         }
         let n_split = if s.n_rows * s.n_head >= 2 * n_sm { 1 } else { s.max_keys.div_ceil(split_keys(s)).max(1) };
-        Plan { kind, n_split, keys_per_split: split_keys(s), decode_heads: 0, decode_ring: false }
+        Plan { kind, n_split, keys_per_split: split_keys(s), decode_heads: 0, decode_ring: false, wide: false }
     }
 
     /// Key ranges [`Gpu::attention`] splits each row's keys into. The rows path: one pass when
@@ -516,7 +525,7 @@ impl Gpu {
             if plan.kind == AttentionPath::Tiles {
                 let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
                 let tiles = u32_of(OP, "tiles", s.n_tiles)?;
-                if self.attention_mma_wide(&s)
+                if plan.wide
                     && let Some(f) = self.attention_mma_w8_function()?
                 {
                     let tiles = u32_of(OP, "tiles", s.n_tiles_wide)?;
