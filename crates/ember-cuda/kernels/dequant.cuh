@@ -18,19 +18,7 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* s, int* sc, int* m
 
 // scale_min_k4 from the scale bytes as three little-endian words s0 = bytes 0..4, s1 = 4..8,
 // s2 = 8..12.
-// EMBER_K4_SEL (off): both cases computed and one selected, no branch. Where j depends on the
-// lane (q8.cuh's Q4_K unit: j < 4 for lanes 0-3 of 8) the branch splits the warp at every
-// unit, and the loads of a loop's next units cannot be issued above it.
 __device__ __forceinline__ void scale_min_k4_words(int j, u32 s0, u32 s1, u32 s2, int* sc, int* mn) {
-#ifdef EMBER_K4_SEL
-    const int i = 8 * (j & 3);  // 8j below 4, 8(j - 4) from 4
-    const int sc_lo = (s0 >> i) & 63, mn_lo = (s1 >> i) & 63;
-    const int sc_hi = ((s2 >> i) & 0xF) | (((s0 >> (i + 6)) & 3) << 4);
-    const int mn_hi = ((s2 >> (i + 4)) & 0xF) | (((s1 >> (i + 6)) & 3) << 4);
-    *sc = j < 4 ? sc_lo : sc_hi;
-    *mn = j < 4 ? mn_lo : mn_hi;
-    return;
-#endif
     if (j < 4) {
         *sc = (s0 >> (8 * j)) & 63;
         *mn = (s1 >> (8 * j)) & 63;

@@ -111,67 +111,6 @@ struct MoeQ8Params {
 #define MOE_GU_ROWS 32
 #define MOE_GU_MAX_SEG 16
 
-// EMBER_Q8_BATCH (off): a worker asks for the weights of up to MOE_GU_NB of its units of gate and
-// of up at once, then computes: one memory round trip a block instead of one per unit (the warp
-// stalls at a unit's first use of its loads, and the compiler does not hoist the next unit's
-// loads above it), with the token's int8 x staged in shared memory meanwhile (moe_gu_dots).
-// At the 35B's decode (8 units a row, wr = 2): two rounds of 2 units, both matrices, at most 64
-// registers a thread (MOE_GU_BOUNDS); EMBER_Q8_BATCH4 (off): one round of 4, 128 registers, so
-// one block an SM and the blocks past the SM count run after (144 on the H100's 132).
-#ifdef EMBER_Q8_BATCH4
-#define EMBER_Q8_BATCH 1
-#define MOE_GU_NB 4
-#else
-#define MOE_GU_NB 2
-#endif
-
-// Token t's int8 x (d bytes), then its d/32 (d, d·Σq) pairs, into shared memory, 4 bytes a
-// thread at a time. Every thread of the block calls it.
-__device__ __forceinline__ void moe_stage_x(const MoeQ8Params& q, u32 t, u32* xs) {
-    const MoeParams& p = q.m;
-    const u32* xq = (const u32*)((const i8*)q.xq + (u64)t * p.d);
-    const u32* xd = (const u32*)((const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32));
-    const u32 nq = p.d / 4, nd = p.d / 16;
-    for (u32 i = threadIdx.x; i < nq + nd; i += blockDim.x) xs[i] = i < nq ? xq[i] : xd[i - nq];
-}
-
-// g += gate · x_t, u += up · x_t over this worker's units (wk, wk + wr, ..; the unrolled loop's
-// order) of one row, loads first (see EMBER_Q8_BATCH). `on`: this thread's row is computed (every
-// thread calls it: it holds a barrier). Shared memory: d + d/4 bytes.
-template <class U>
-__device__ __forceinline__ void moe_gu_dots(const MoeQ8Params& q, u32 t, const u8* gate, const u8* up, bool on, int wk, int wr,
-                                            int l, float& g, float& u) {
-    extern __shared__ u32 moe_xs[];
-    const int n_units = q.m.d / U::W;
-    typename U::Raw rg[MOE_GU_NB], ru[MOE_GU_NB];
-#pragma unroll
-    for (int b = 0; b < MOE_GU_NB; ++b) {
-        const int c = wk + b * wr;
-        if (on && c < n_units) rg[b] = U::load(gate, c, l), ru[b] = U::load(up, c, l);
-    }
-    moe_stage_x(q, t, moe_xs);
-    __syncthreads();
-    const i8* xq = (const i8*)moe_xs;
-    const float2* xd = (const float2*)(xq + q.m.d);
-    for (int c0 = wk;;) {
-#pragma unroll
-        for (int b = 0; b < MOE_GU_NB; ++b) {
-            const int c = c0 + b * wr;
-            if (on && c < n_units) {
-                g += U::dot_raw(rg[b], c, l, xq, xd);
-                u += U::dot_raw(ru[b], c, l, xq, xd);
-            }
-        }
-        c0 += MOE_GU_NB * wr;
-        if (c0 >= n_units) break;
-#pragma unroll
-        for (int b = 0; b < MOE_GU_NB; ++b) {
-            const int c = c0 + b * wr;
-            if (on && c < n_units) rg[b] = U::load(gate, c, l), ru[b] = U::load(up, c, l);
-        }
-    }
-}
-
 // Quantises the block's MOE_GU_ROWS values hv (rows r0.. of h, at h index `at`) to int8 into
 // the h buffer (values at `at`, (d, d·Σq) at n_hq + at / 32 float2s). Every thread calls it.
 __device__ __forceinline__ void moe_gu_quantize(const MoeQ8Params& q, const float* hv, u64 at) {
@@ -188,13 +127,7 @@ __device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 
     const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)q.n_ff_s;
     float g = 0.0f, u = 0.0f;
-#ifdef EMBER_Q8_BATCH
-    const u64 at_s = (u64)(valid ? r : 0) * q.row_bytes_s_gu;
-    moe_gu_dots<U>(q, t, (const u8*)q.sg + at_s, (const u8*)q.su + at_s, valid, wk, wr, l, g, u);
-    if (false) {
-#else
     if (valid) {
-#endif
         const u64 at = (u64)r * q.row_bytes_s_gu;
         const i8* xq = (const i8*)q.xq + (u64)t * p.d;
         const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
@@ -271,14 +204,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     const bool valid = r < (int)p.n_ff;
     const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
     float g = 0.0f, u = 0.0f;
-#ifdef EMBER_Q8_BATCH
-    const bool on = valid && s != MOE_MISS;
-    const u64 at_r = on ? ((u64)s * p.n_ff + r) * p.row_bytes_gu : 0;
-    moe_gu_dots<U>(q, t, (const u8*)p.gate + at_r, (const u8*)p.up + at_r, on, wk, wr, l, g, u);
-    if (false) {
-#else
     if (valid && s != MOE_MISS) {
-#endif
         const u64 at = ((u64)s * p.n_ff + r) * p.row_bytes_gu;
         const i8* xq = (const i8*)q.xq + (u64)t * p.d;
         const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)t * (p.d / 32);
@@ -347,15 +273,8 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
 }
 
 // (Both call pdl_enter themselves, after their prefetches.)
-// Gate/up's blocks have at most 32 · MOE_GU_MAX_SEG threads; at most 64 registers a thread keeps
-// two resident on an SM (the 35B's decode runs 144 blocks of 512 threads on the H100's 132 SMs).
-#if defined(EMBER_Q8_BATCH) && !defined(EMBER_Q8_BATCH4)
-#define MOE_GU_BOUNDS __launch_bounds__(MOE_GU_ROWS * MOE_GU_MAX_SEG, 2)
-#else
-#define MOE_GU_BOUNDS
-#endif
 #define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void MOE_GU_BOUNDS moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
     extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)

@@ -120,23 +120,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u64 n) {
 // l the value at `idx` = 32·b + l); q holds the n int8 values, then a float2 (d, d·Σq) per
 // block at q + n. Every lane of the warp calls it.
 __device__ __forceinline__ void warp_q8(float v, u8* q, u64 n, u64 idx) {
-#if defined(EMBER_Q8_REDUX) && __CUDA_ARCH__ >= 800
-    // The block's max |v| and Σq by one redux.sync each instead of five shuffle rounds each:
-    // |v|'s bits order as |v| does, so the max is fmaxf's for any values without a NaN (a NaN
-    // now makes d NaN, where fmaxf skipped it and its q came out 0: the NaN reaches the sums),
-    // and the integer sum is exact either way.
-    const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
-    const float d = amax / 127.0f;
-    const int qv = amax > 0.0f ? __float2int_rn(v / d) : 0;
-    const int s = (int)__reduce_add_sync(0xffffffffu, (u32)qv);
-#else
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.0f;
     const int qv = amax > 0.0f ? __float2int_rn(v / d) : 0;
     int s = qv;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-#endif
     ((i8*)q)[idx] = (i8)qv;
     if (idx % 32 == 0) ((float2*)(q + n))[idx / 32] = make_float2(d, d * (float)s);
 }

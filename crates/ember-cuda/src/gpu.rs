@@ -200,9 +200,10 @@ pub struct Gpu {
     attn_decode: bool,
     /// Whether Fast prompt attention may take the tensor-core tiles (`EMBER_ATTN_MMA=0`: no).
     attn_mma: bool,
-    /// `EMBER_ATTN_MMA_WIDE=1`: the tensor-core tiles of 128 query vectors (`attention_mma_w8`)
-    /// where the GPU allows their shared memory (measuring).
-    attn_mma_wide: bool,
+    /// `EMBER_ATTN_MMA_WIDE`: 1 the tensor-core tiles of 128 query vectors (`attention_mma_w8`)
+    /// at every depth where the GPU allows their shared memory, 0 never; unset (None): from
+    /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
+    attn_mma_wide: Option<bool>,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -372,7 +373,7 @@ impl Gpu {
             gemv_q8: std::env::var_os("EMBER_GEMV_Q8").is_none_or(|v| v != "0"),
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
-            attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").is_some_and(|v| v == "1"),
+            attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -412,8 +413,9 @@ impl Gpu {
         self.attn_mma
     }
 
-    /// Whether the tensor-core tiles may take 128 query vectors a block (`EMBER_ATTN_MMA_WIDE=1`).
-    pub(crate) fn attn_mma_wide_on(&self) -> bool {
+    /// Whether the tensor-core tiles take 128 query vectors a block by `EMBER_ATTN_MMA_WIDE`
+    /// (None: unset, the launcher chooses by depth).
+    pub(crate) fn attn_mma_wide_on(&self) -> Option<bool> {
         self.attn_mma_wide
     }
 

@@ -327,6 +327,13 @@ struct Plan {
     wide: bool,
 }
 
+/// Keys of a row from which prompt tiles take 128 query vectors a block (`attention_mma_w8`):
+/// each staged K/V page then serves twice the rows, at one block an SM instead of two. Measured
+/// on an H100 (bench_attention_mma, 512 rows, docs/perf.md GPU g24): 0.044 -> 0.054 ms at depth 0,
+/// 0.225 -> 0.218 at 4096, 0.390 -> 0.376 at 8192, 1.660 -> 1.655 at 32768; the 35B's pp8192 at
+/// depth 32768 +1.4 % (two rounds), pp512 and pp8192 at depth 0 within 0.4 %.
+pub const ATTN_MMA_WIDE_MIN_KEYS: usize = 4096;
+
 impl Gpu {
     fn attention_plan(&self, s: &AttentionShape) -> Plan {
         let n_sm = self.info().n_sm.max(1) as usize;
@@ -397,10 +404,13 @@ impl Gpu {
         Ok(f.set_attribute(attr, MMA_W8_SMEM as i32).is_ok().then_some(f))
     }
 
-    /// Whether the tensor-core tiles of `s` take 128 query vectors a block: `EMBER_ATTN_MMA_WIDE=1`,
-    /// the tiles on tensor cores, and the GPU allows the 132 KiB of shared memory (sm_80, sm_90).
+    /// Whether the tensor-core tiles of `s` take 128 query vectors a block: rows of at least
+    /// [`ATTN_MMA_WIDE_MIN_KEYS`] keys (`EMBER_ATTN_MMA_WIDE=1`: always, `=0`: never), the tiles on
+    /// tensor cores, and the GPU allows the 132 KiB of shared memory (sm_80, sm_90).
     fn attention_mma_wide(&self, s: &AttentionShape) -> bool {
-        self.attn_mma_wide_on() && self.mma_wanted(s) && matches!(self.attention_mma_w8_function(), Ok(Some(_)))
+        self.attn_mma_wide_on().unwrap_or(s.max_keys >= ATTN_MMA_WIDE_MIN_KEYS)
+            && self.mma_wanted(s)
+            && matches!(self.attention_mma_w8_function(), Ok(Some(_)))
     }
 
     fn mma_wanted(&self, s: &AttentionShape) -> bool {

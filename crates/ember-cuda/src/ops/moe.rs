@@ -654,10 +654,7 @@ impl Gpu {
         // of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff and n_ff_s are
         // multiples of 32 (checked), so each block's 32 rows are one int8 block of h, and h's
         // 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes).
-        // (Shared memory: a token's int8 x and its scales, d + d/4 bytes, for the kernels built
-        // with EMBER_Q8_BATCH; the others take none.)
-        let smem_gu = (d + d / 4) as u32;
-        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, smem_gu, &q)? };
+        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
         debug_assert!(q8_bytes(n_hq) <= 4 * n_hq);
         q.xq = h.ptr();
         q.wr = wr_dn as u32;
