@@ -111,3 +111,64 @@ __device__ __forceinline__ float seg_sum(float v, int seg, float* part) {
 }
 
 #define Q8_THREADS 128
+
+// ---- The next norm, by the block that finishes last (NormTail) ----
+// A launch that makes a one-token vector y of n values (gemv_q8 of the mixers' output
+// projections, moe_down_q8) may end with what add_rms_norm_q8 (rms_norm.cu) would do next:
+// h ← h + y, out = h / sqrt(mean(h²) + eps) · w, and out's int8 copy (quantize_q8's layout), by
+// whichever block counts itself last on a device counter. That takes the norm's own launch out
+// of a decode step's chain (one block, ~3.8 us of the chain each on the H100, 80 a token). The
+// sum of squares runs over this block's threads, not rms_norm's 1,024: another order, the same
+// tolerance (not the same bits).
+struct NormTail {
+    u64 h;      // [n] f32, the residual, h += y (0: no tail)
+    u64 w;      // [n] f32, the norm's weight
+    u64 out;    // [n] f32
+    u64 q;      // out's int8 copy: n int8, then n/32 float2 (d, d·Σq)
+    u64 count;  // u32, 0 before the launch and after it (the last block puts it back)
+    u32 n;      // a multiple of 32
+    float eps;
+};
+
+// Every thread of every block calls it once its block's values of y are written (it holds
+// barriers; blockDim a multiple of 32). The last block copies h, y and w into its dynamic shared
+// memory (3·n floats, 16 bytes a copy, all in flight at once: cp.async reads L2, where the other
+// blocks' y is) and works from there: the launching kernel's registers stay as they were.
+__device__ __forceinline__ void norm_tail(const NormTail& t, const float* y) {
+    extern __shared__ float4 tail_smem[];
+    __shared__ u32 tail_last;
+    __shared__ float tail_scratch[32];
+    __threadfence();  // this block's y, device-wide, before its count
+    __syncthreads();
+    if (threadIdx.x == 0) tail_last = atomicAdd((u32*)t.count, 1u) == gridDim.x * gridDim.y * gridDim.z - 1;
+    __syncthreads();
+    if (!tail_last) return;
+    __threadfence();  // every block counted after writing its y
+    const u32 nt = blockDim.x, n = t.n, n4 = n / 4;
+    float* sh = (float*)tail_smem;
+    float* sy = sh + n;
+    float* sw = sy + n;
+    for (u32 c = threadIdx.x; c < 3 * n4; c += nt) {
+        const u32 part = c / n4, at = c - part * n4;
+        const float* src = part == 0 ? (const float*)t.h : part == 1 ? y : (const float*)t.w;
+        copy16_async(tail_smem + c, src + 4 * at);
+    }
+    copy_async_wait();
+    __syncthreads();
+    float* h = (float*)t.h;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < n; i += nt) {
+        const float x = sh[i] + sy[i];
+        sh[i] = x;
+        h[i] = x;
+        ss += x * x;
+    }
+    ss = block_sum(ss, tail_scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)n + t.eps);
+    for (u32 i = threadIdx.x; i < n; i += nt) {  // whole warps (n and blockDim multiples of 32)
+        const float o = sh[i] * scale * sw[i];
+        ((float*)t.out)[i] = o;
+        warp_q8(o, (u8*)t.q, n, i);
+    }
+    if (threadIdx.x == 0) *(volatile u32*)t.count = 0;
+}

@@ -204,6 +204,8 @@ pub struct Gpu {
     /// at every depth where the GPU allows their shared memory, 0 never; unset (None): from
     /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
     attn_mma_wide: Option<bool>,
+    /// Whether one-token launches may end in the next norm (`EMBER_NORM_TAIL=0`: no).
+    norm_tail: bool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -231,6 +233,9 @@ pub struct Gpu {
     pub(crate) moe_mma_min_tokens: usize,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
+    /// The counter of the launches that end in a norm (`NormTail`, kernels/q8.cuh): zeroed once,
+    /// put back to zero by each such launch's last block.
+    tail_count: Mutex<Option<Buf<u32>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
     q8_gen: std::sync::atomic::AtomicU64,
 }
@@ -374,6 +379,7 @@ impl Gpu {
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
+            norm_tail: crate::ops::switch_now("EMBER_NORM_TAIL"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -392,6 +398,7 @@ impl Gpu {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(crate::ops::MOE_MMA_MIN_TOKENS),
             q8: Mutex::default(),
+            tail_count: Mutex::default(),
             q8_gen: Default::default(),
         })
     }
@@ -425,6 +432,12 @@ impl Gpu {
         self.attn_heads
     }
 
+    /// Whether a one-token projection or MoE may end its launch with the norm that reads its
+    /// output next (`NormTail`, kernels/q8.cuh; `EMBER_NORM_TAIL=0` turns it off).
+    pub(crate) fn norm_tail_on(&self) -> bool {
+        self.norm_tail
+    }
+
     /// Whether a one-token int8 MoE may run the shared expert in its kernels
     /// (`EMBER_MOE_SHARED=0` turns it off).
     pub(crate) fn moe_shared_on(&self) -> bool {
@@ -444,6 +457,18 @@ impl Gpu {
                 Ok(ptr)
             }
         }
+    }
+
+    /// The device address of the norm tails' counter (allocated zeroed on first use).
+    pub(crate) fn tail_count(&self) -> Result<u64> {
+        let mut c = self.tail_count.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = &*c {
+            return Ok(b.ptr());
+        }
+        let b = self.zeros::<u32>(1)?;
+        let ptr = b.ptr();
+        *c = Some(b);
+        Ok(ptr)
     }
 
     /// Which write of the int8 scratch it holds now: a caller that quantised a tensor there

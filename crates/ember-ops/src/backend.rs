@@ -461,6 +461,21 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
         (**self).add_rms_norm(h, x, w, eps)
     }
+    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
+        (**self).matmul_add_rms_norm(w, x, h, norm, eps)
+    }
+    fn moe_add_rms_norm(
+        &mut self,
+        layer: LayerIdx,
+        x: Tensor,
+        routing: Routing,
+        shared_gate: Tensor,
+        h: Tensor,
+        norm: WeightId,
+        eps: f32,
+    ) -> OpResult<Tensor> {
+        (**self).moe_add_rms_norm(layer, x, routing, shared_gate, h, norm, eps)
+    }
     fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
         (**self).rms_norm_gate(x, w, eps, g, act)
     }

@@ -84,6 +84,33 @@ pub trait Ops: SeqStore + Send {
         self.rms_norm(h, w, eps)
     }
 
+    /// `h ← h + W·x`, then RMSNorm of `h`: a layer's output projection, its residual add and
+    /// the norm that reads h next ([`Ops::matmul`] then [`Ops::add_rms_norm`]). A backend may end
+    /// the projection's launch with the norm; the results are those of the ops, within the
+    /// norm's tolerance.
+    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
+        let y = self.matmul(w, x)?;
+        self.add_rms_norm(h, y, norm, eps)
+    }
+
+    /// [`Ops::moe`], then `h ← h + y` and RMSNorm of `h` ([`Ops::add_rms_norm`]): the MoE, its
+    /// residual add and the next layer's input norm. A backend may end the MoE's last launch
+    /// with the norm; the results are those of the ops, within the norm's tolerance.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_add_rms_norm(
+        &mut self,
+        layer: LayerIdx,
+        x: Tensor,
+        routing: Routing,
+        shared_gate: Tensor,
+        h: Tensor,
+        norm: WeightId,
+        eps: f32,
+    ) -> OpResult<Tensor> {
+        let y = self.moe(layer, x, routing, shared_gate)?;
+        self.add_rms_norm(h, y, norm, eps)
+    }
+
     /// Gated attention prep (qwen35moe.md §6.3 steps 1–4) at the step's positions: splits `qg`
     /// [T, n_head·2·head_dim] into q and gate, RMS-normalises q and `k` per head, NeoX RoPE.
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn>;

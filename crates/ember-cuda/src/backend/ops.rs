@@ -9,7 +9,7 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
+use crate::ops::{AddNorm, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
@@ -302,6 +302,63 @@ impl Ops for CudaOps {
         Ok(y)
     }
 
+    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
+        const OP: &str = "matmul_add_rms_norm";
+        self.arena.check(OP, x)?;
+        self.arena.check(OP, h)?;
+        let (info, dw) = self.weights.matrix(OP, w)?;
+        check_matmul(OP, self.dev, info, x)?;
+        let wv = self.weights.vector(OP, norm)?;
+        // One token under Fast with x's int8 copy at hand: the GEMV's last block adds and
+        // normalises (AddNorm); otherwise the two ops.
+        let fused = self.gpu.norm_tail_on()
+            && x.n == 1
+            && h.n == 1
+            && h.id != x.id
+            && info.n_rows == h.d
+            && self.q8_holds(x)
+            && self.gpu.uses_gemv_q8(dw.ty, dw.k, 1, self.precision);
+        if !fused {
+            let y = self.matmul(w, x)?;
+            return self.add_rms_norm(h, y, norm, eps);
+        }
+        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
+        let y = self.arena.alloc(&self.gpu, OP, 1, info.n_rows)?;
+        let f = self.arena.alloc(&self.gpu, OP, 1, h.d)?;
+        let (_, hb, mut outs) = self.arena.split_taking(y.id, h.id);
+        let [yb, fb, ..] = &mut outs[..] else { unreachable!("two outputs were just allocated") };
+        let add_norm = AddNorm { h: hb, w: wv, eps, out: fb };
+        if !add_norm.fits(yb, h.d) {
+            self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut **yb]).map_err(cuda(OP, self.dev))?;
+            let (hb, yb, fb) = self.arena.trio(h.id, y.id, f.id);
+            let generation = self.gpu.add_rms_norm_q8(hb, yb, 1, h.d, wv, eps, fb).map_err(cuda(OP, self.dev))?;
+            self.q8_x = Some((f.id, generation));
+            return Ok(f);
+        }
+        let generation = self.gpu.gemv_q8_add_norm(dw.all(), dw.k, yb, add_norm).map_err(cuda(OP, self.dev))?;
+        self.q8_x = Some((f.id, generation));
+        Ok(f)
+    }
+
+    fn moe_add_rms_norm(
+        &mut self,
+        layer: LayerIdx,
+        x: Tensor,
+        routing: Routing,
+        shared_gate: Tensor,
+        h: Tensor,
+        norm: WeightId,
+        eps: f32,
+    ) -> OpResult<Tensor> {
+        let wv = self.weights.vector("moe_add_rms_norm", norm)?;
+        check::rms_norm("moe_add_rms_norm", self.dev, &shape_of(h), wv.len())?;
+        let (y, fused) = self.moe_on(layer, x, routing, shared_gate, false, Some((h, norm, eps)))?;
+        match fused {
+            Some(f) => Ok(f),
+            None => self.add_rms_norm(h, y, norm, eps),
+        }
+    }
+
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
         const OP: &str = "attn_prep";
         self.rows_check(OP, qg)?;
@@ -436,7 +493,7 @@ impl Ops for CudaOps {
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
-        self.moe_on(layer, x, routing, shared_gate, false)
+        Ok(self.moe_on(layer, x, routing, shared_gate, false, None)?.0)
     }
 
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {

@@ -72,6 +72,74 @@ impl Extra<'_> {
     }
 }
 
+/// The norm that reads a one-token launch's output y next, done by that launch's last block
+/// (`NormTail` in kernels/q8.cuh): `h ← h + y`, then [`Gpu::add_rms_norm_q8`]'s output into `out`
+/// and the int8 scratch: what `add_rms_norm_q8(h, y, 1, n, w, eps, out)` gives, up to the order
+/// of the sum of squares (the tail's block of 128 threads against the norm's 1,024). For
+/// [`Gpu::gemv_q8_add_norm`] and [`Gpu::moe_q8`].
+pub struct AddNorm<'a> {
+    pub h: &'a mut Buf<f32>,
+    pub w: &'a Buf<f32>,
+    pub eps: f32,
+    pub out: &'a mut Buf<f32>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct NormTail {
+    h: u64,
+    w: u64,
+    out: u64,
+    q: u64,
+    count: u64,
+    n: u32,
+    eps: f32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `NormTail` in kernels/q8.cuh (5 u64, a u32 and an f32: 48
+// bytes, no padding in either language).
+unsafe impl DeviceRepr for NormTail {}
+
+/// The most values a tail normalises: its last block stages h, y and w (12 bytes a value) in
+/// the 48 KiB of shared memory a launch gets without opting in.
+pub(crate) const NORM_TAIL_MAX: usize = 4096;
+
+impl AddNorm<'_> {
+    /// Whether a launch writing `n` values to y can end in this norm: n a multiple of 32 and at
+    /// most [`NORM_TAIL_MAX`], the weight n long, h, y and w at 16-byte addresses (the tail's
+    /// 16-byte copies).
+    pub fn fits(&self, y: &Buf<f32>, n: usize) -> bool {
+        n > 0
+            && n.is_multiple_of(32)
+            && n <= NORM_TAIL_MAX
+            && self.w.len() == n
+            && [self.h.ptr(), y.ptr(), self.w.ptr()].iter().all(|p| p.is_multiple_of(16))
+    }
+
+    /// The tail's parameters for an output of `n` values from a launch that reads `k` int8
+    /// values of x from the scratch (which the tail then overwrites: every block has read its x
+    /// before the last one counts itself), and the launch's dynamic shared memory; the scratch
+    /// generation of the tail's int8 copy.
+    pub(crate) fn tail(&self, gpu: &Gpu, y: &Buf<f32>, n: usize, k: usize) -> Result<(NormTail, u32, u64)> {
+        const OP: &str = "add_rms_norm";
+        if !self.fits(y, n) {
+            return Err(shape(
+                OP,
+                format!(
+                    "a norm after the launch: {n} values (a multiple of 32, at most {NORM_TAIL_MAX}), weight {}, h, y and w at 16-byte addresses",
+                    self.w.len()
+                ),
+            ));
+        }
+        need(OP, "h", self.h, n)?;
+        need(OP, "out", self.out, n)?;
+        let q = gpu.q8_scratch(super::q8_bytes(n.max(k)))?;
+        let count = gpu.tail_count()?;
+        let t = NormTail { h: self.h.ptr(), w: self.w.ptr(), out: self.out.ptr(), q, count, n: n as u32, eps: self.eps };
+        Ok((t, (12 * n) as u32, gpu.bump_q8_generation()))
+    }
+}
+
 /// Threads per group of `g` values, the same for every norm kernel (their block sums then add in
 /// the same order, so the fused and int8 forms give the plain form's bits). A row of the model's
 /// width (2,048) in one pass of 1,024 threads: the norm is a latency chain (load, block sum,
