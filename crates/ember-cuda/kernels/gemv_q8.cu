@@ -43,9 +43,9 @@ struct GemvQ8Params {
     u32 wr[GEMV_Q8_MULTI];  // workers per row: a power of two, wr·L <= GEMV_Q8_THREADS
     u32 k, n;
     u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
-    u32 pad;
     NormTail tail;  // tail.h != 0: one weight (n = 1), and its y goes on into the norm (q8.cuh)
 };
+static_assert(sizeof(GemvQ8Params) == 200, "GemvQ8Params: the layout src/ops/gemv_q8.rs passes");
 
 template <int TY>
 __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {

@@ -108,6 +108,7 @@ struct MoeQ8Params {
     u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
     NormTail tail;   // tail.h != 0 (n_tok = 1): down's out goes on into the norm (q8.cuh)
 };
+static_assert(sizeof(MoeQ8Params) == 224, "MoeQ8Params: the layout src/ops/moe.rs passes");
 
 #define MOE_GU_ROWS 32
 #define MOE_GU_MAX_SEG 16

@@ -129,6 +129,7 @@ struct NormTail {
     u32 n;      // a multiple of 32
     float eps;
 };
+static_assert(sizeof(NormTail) == 48, "NormTail: the layout src/ops/rms_norm.rs passes");
 
 // Every thread of every block calls it once its block's values of y are written (it holds
 // barriers; blockDim a multiple of 32). The last block copies h, y and w into its dynamic shared

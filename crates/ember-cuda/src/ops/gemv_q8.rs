@@ -95,6 +95,7 @@ struct GemvQ8Params {
 // SAFETY: plain #[repr(C)] data matching `GemvQ8Params` in kernels/gemv_q8.cu (72 bytes of u64,
 // then 17 + 3 u32, then the 48-byte NormTail at 152: 200 bytes, no padding in either language).
 unsafe impl DeviceRepr for GemvQ8Params {}
+const _: () = assert!(std::mem::size_of::<GemvQ8Params>() == 200);
 
 #[repr(C)]
 struct GemvQ8MixedParams {

@@ -120,6 +120,7 @@ struct MoeQ8Params {
 // bytes, a multiple of 8, then 5 u64 and 8 u32, then the 48-byte NormTail at 176: no padding in
 // either language).
 unsafe impl DeviceRepr for MoeQ8Params {}
+const _: () = assert!(std::mem::size_of::<MoeQ8Params>() == 224);
 
 /// The shared expert, for [`Gpu::moe_q8`] to run inside the routed experts' two kernels: gate
 /// and up [n_ff_s rows of d] of one int8 type, down [d rows of n_ff_s], and its gate logit per

@@ -99,6 +99,7 @@ pub(crate) struct NormTail {
 // SAFETY: plain #[repr(C)] data matching `NormTail` in kernels/q8.cuh (5 u64, a u32 and an f32: 48
 // bytes, no padding in either language).
 unsafe impl DeviceRepr for NormTail {}
+const _: () = assert!(std::mem::size_of::<NormTail>() == 48);
 
 /// The most values a tail normalises: its last block stages h, y and w (12 bytes a value) in
 /// the 48 KiB of shared memory a launch gets without opting in.
