@@ -204,7 +204,8 @@ pub struct Gpu {
     /// at every depth where the GPU allows their shared memory, 0 never; unset (None): from
     /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
     attn_mma_wide: Option<bool>,
-    /// Whether one-token launches may end in the next norm (`EMBER_NORM_TAIL=0`: no).
+    /// Whether one-token launches end in the next norm (`EMBER_NORM_TAIL=1`; off until it has
+    /// run on a GPU: built 2026-12-06 when the session's device time ran out).
     norm_tail: bool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
@@ -379,7 +380,7 @@ impl Gpu {
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
-            norm_tail: crate::ops::switch_now("EMBER_NORM_TAIL"),
+            norm_tail: std::env::var_os("EMBER_NORM_TAIL").is_some_and(|v| v == "1"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -432,8 +433,8 @@ impl Gpu {
         self.attn_heads
     }
 
-    /// Whether a one-token projection or MoE may end its launch with the norm that reads its
-    /// output next (`NormTail`, kernels/q8.cuh; `EMBER_NORM_TAIL=0` turns it off).
+    /// Whether a one-token projection or MoE ends its launch with the norm that reads its output
+    /// next (`NormTail`, kernels/q8.cuh; `EMBER_NORM_TAIL=1` turns it on, for measuring).
     pub(crate) fn norm_tail_on(&self) -> bool {
         self.norm_tail
     }
