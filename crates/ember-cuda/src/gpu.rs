@@ -207,6 +207,9 @@ pub struct Gpu {
     /// Whether one-token launches end in the next norm (`EMBER_NORM_TAIL=1`; off until it has
     /// run on a GPU: built 2026-12-06 when the session's device time ran out).
     norm_tail: bool,
+    /// Whether a one-token router GEMV ends with the routing (`EMBER_ROUTE_TAIL=1`; off until it
+    /// has run on a GPU, as norm_tail).
+    route_tail: bool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -381,6 +384,7 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
             norm_tail: std::env::var_os("EMBER_NORM_TAIL").is_some_and(|v| v == "1"),
+            route_tail: std::env::var_os("EMBER_ROUTE_TAIL").is_some_and(|v| v == "1"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -437,6 +441,12 @@ impl Gpu {
     /// next (`NormTail`, kernels/q8.cuh; `EMBER_NORM_TAIL=1` turns it on, for measuring).
     pub(crate) fn norm_tail_on(&self) -> bool {
         self.norm_tail
+    }
+
+    /// Whether a one-token router GEMV ends with the routing (`RouteTail`, kernels/matmul.cu;
+    /// `EMBER_ROUTE_TAIL=1` turns it on, for measuring).
+    pub(crate) fn route_tail_on(&self) -> bool {
+        self.route_tail
     }
 
     /// Whether a one-token int8 MoE may run the shared expert in its kernels

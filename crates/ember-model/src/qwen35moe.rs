@@ -488,9 +488,10 @@ impl Moe {
     /// and the shared expert's gate logit [T, 1], for [`Ops::moe`] (or
     /// [`Ops::moe_add_rms_norm`]: y = Σ_e w_e·y_e + σ(gs)·s, [T, D]).
     fn route(&self, c: &Config, ops: &mut dyn Ops, f: Tensor) -> Result<(Routing, Tensor), Error> {
-        let [logits, gs]: [Tensor; 2] = take(ops.matmul_many(&[self.router, self.shared_gate_inp], f)?);
-        // logits [T, E] (F32 router), gs [T, 1]: scalar gate of the shared expert
-        Ok((ops.route(logits, c.n_expert_used)?, gs))
+        // logits [T, E] (F32 router) into the routing; gs [T, 1]: scalar gate of the shared expert
+        let (routing, ys) = ops.matmul_many_route(&[self.router, self.shared_gate_inp], f, c.n_expert_used)?;
+        let [_, gs]: [Tensor; 2] = take(ys);
+        Ok((routing, gs))
     }
 }
 

@@ -506,6 +506,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
         (**self).moe(layer, x, routing, shared_gate)
     }
+    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
+        (**self).matmul_many_route(ws, x, k)
+    }
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
         (**self).select_rows(x)
     }

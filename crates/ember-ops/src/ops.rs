@@ -142,6 +142,17 @@ pub trait Ops: SeqStore + Send {
     /// id), renormalised.
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing>;
 
+    /// [`Ops::matmul_many`], then [`Ops::route`] of its first output (the router's logits, the
+    /// other weights reading the same input beside it). A backend may end the matmul's launch
+    /// with the routing; the results are those of the two ops.
+    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
+        let ys = self.matmul_many(ws, x)?;
+        let Some(&logits) = ys.first() else {
+            return Err(OpError::new("matmul_many_route", self.device(), "no weights", "a router's logits to route"));
+        };
+        Ok((self.route(logits, k)?, ys))
+    }
+
     /// The mixture of experts of `layer` on `routing` plus the gated shared expert
     /// (qwen35moe.md §6.6 steps 4–7); `shared_gate` [N, 1]. Returns [N, D].
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor>;

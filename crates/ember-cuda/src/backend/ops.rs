@@ -9,7 +9,9 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{AddNorm, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
+use crate::ops::{
+    AddNorm, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, ROUTE_TAIL_MAX_EXPERTS, SeqRows,
+};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
@@ -490,6 +492,50 @@ impl Ops for CudaOps {
 
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         self.route_op(logits, k)
+    }
+
+    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
+        const OP: &str = "matmul_many_route";
+        self.arena.check(OP, x)?;
+        let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
+        // One token whose weights (a float router and what reads the same input) take one GEMV
+        // launch: its last warp routes (RouteTail); otherwise the two ops.
+        let one_launch = dws.first().is_some_and(|d0| {
+            dws.len() <= GEMV_MULTI
+                && dws.iter().all(|d| d.ty == d0.ty && d.k == d0.k)
+                && matches!(d0.ty, ember_gguf::GgmlType::F32 | ember_gguf::GgmlType::F16 | ember_gguf::GgmlType::BF16)
+                && d0.n_rows <= ROUTE_TAIL_MAX_EXPERTS
+                && self.gpu.uses_gemv(d0.k, 1, self.precision)
+        });
+        if !(self.gpu.route_tail_on() && x.n == 1 && one_launch) {
+            let ys = self.matmul_many(ws, x)?;
+            let Some(&logits) = ys.first() else { return Err(OpError::new(OP, self.dev, "no weights", "a router's logits to route")) };
+            return Ok((self.route(logits, k)?, ys));
+        }
+        for &w in ws {
+            check_matmul(OP, self.dev, self.weights.matrix(OP, w)?.0, x)?;
+        }
+        let n_expert = dws[0].n_rows;
+        let mut ys = Vec::with_capacity(ws.len());
+        for d in &dws {
+            ys.push(self.arena.alloc(&self.gpu, OP, 1, d.n_rows)?);
+        }
+        check::route(OP, self.dev, &shape_of(ys[0]), k)?;
+        let (r, rb) = self.routes.alloc(&self.gpu, OP, 1, k, n_expert)?;
+        let (ins, mut outs) = self.arena.split(ys[0].id);
+        let xb = &ins[x.id as usize];
+        let refs: Vec<_> = dws.iter().map(|d| d.all()).collect();
+        let mut ys_b: Vec<&mut Buf<f32>> = outs.iter_mut().take(dws.len()).map(|y| &mut **y).collect();
+        let (gpu, precision) = (&self.gpu, self.precision);
+        let mut run = || -> crate::Result<()> {
+            if !gpu.matmul_multi_route(&refs, xb, &mut ys_b, precision, k, &mut rb.ids, &mut rb.weights)? {
+                gpu.matmul_multi_prec(&refs, xb, 1, &mut ys_b, precision)?;
+                gpu.route(ys_b[0], 1, n_expert, k, &mut rb.ids, &mut rb.weights)?;
+            }
+            Ok(())
+        };
+        run().map_err(cuda(OP, self.dev))?;
+        Ok((r, ys))
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {

@@ -296,11 +296,34 @@ struct MatmulMultiParams {
     n: u32,
     ksplit: [u32; GEMV_MULTI],
     prefetch: u32,
+    rt: RouteTail,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulMultiParams` in kernels/matmul.cu (u64 arrays
-// first, then u32s: no padding on either side).
+// first, then u32s, 160 bytes, then the 40-byte RouteTail: no padding on either side).
 unsafe impl DeviceRepr for MatmulMultiParams {}
+const _: () = assert!(std::mem::size_of::<MatmulMultiParams>() == 200);
+
+/// The routing at the end of the router's GEMV (`RouteTail` in kernels/matmul.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct RouteTail {
+    ids: u64,
+    weights: u64,
+    count: u64,
+    n_expert: u32,
+    k: u32,
+    sum_min: f32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `RouteTail` in kernels/matmul.cu (3 u64, 4 4-byte
+// fields: 40 bytes, no padding).
+unsafe impl DeviceRepr for RouteTail {}
+const _: () = assert!(std::mem::size_of::<RouteTail>() == 40);
+
+/// The most experts the GEMV's last warp routes (route.cuh's registers: 8 a lane).
+pub const ROUTE_TAIL_MAX_EXPERTS: usize = 256;
 
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
@@ -411,6 +434,56 @@ impl Gpu {
         ys: &mut [&mut Buf<f32>],
         precision: Precision,
     ) -> Result<()> {
+        self.matmul_multi_launch(ws, x, n_tok, ys, precision, RouteTail::default())
+    }
+
+    /// [`Gpu::matmul_multi_prec`] of one token whose first weight's outputs (a router's logits)
+    /// go on into [`Gpu::route`]'s routing (top `k`, into `ids` and `weights`) in the same
+    /// launch, by the warp that writes the last logit: the same ids and weights as the route
+    /// kernel on those logits. False, with nothing launched, where it does not apply (weights
+    /// not of a float type, more than [`ROUTE_TAIL_MAX_EXPERTS`] experts, k not in 1..=experts):
+    /// the caller launches the two then.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_multi_route(
+        &self,
+        ws: &[WeightRef<'_>],
+        x: &Buf<f32>,
+        ys: &mut [&mut Buf<f32>],
+        precision: Precision,
+        k: usize,
+        ids: &mut Buf<u32>,
+        weights: &mut Buf<f32>,
+    ) -> Result<bool> {
+        let Some(first) = ws.first() else { return Ok(false) };
+        let n_expert = first.n_rows;
+        let float_ty = matches!(first.w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if !float_ty || n_expert > ROUTE_TAIL_MAX_EXPERTS || k == 0 || k > n_expert || self.uses_mmv(first.w.k, 1, precision) {
+            return Ok(false);
+        }
+        need(OP, "ids", ids, k)?;
+        need(OP, "weights", weights, k)?;
+        let rt = RouteTail {
+            ids: ids.ptr(),
+            weights: weights.ptr(),
+            count: self.tail_count()?,
+            n_expert: n_expert as u32,
+            k: k as u32,
+            sum_min: super::ROUTE_SUM_MIN,
+            pad: 0,
+        };
+        self.matmul_multi_launch(ws, x, 1, ys, precision, rt)?;
+        Ok(true)
+    }
+
+    fn matmul_multi_launch(
+        &self,
+        ws: &[WeightRef<'_>],
+        x: &Buf<f32>,
+        n_tok: usize,
+        ys: &mut [&mut Buf<f32>],
+        precision: Precision,
+        rt: RouteTail,
+    ) -> Result<()> {
         let n = ws.len();
         if n == 0 || n > GEMV_MULTI || ys.len() != n {
             return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_MULTI})", ys.len())));
@@ -437,6 +510,7 @@ impl Gpu {
             n: n as u32,
             ksplit: [1; GEMV_MULTI],
             prefetch: 0,
+            rt,
         };
         if ws.iter().map(|w| w.n_rows * w.w.row_bytes).sum::<usize>() <= super::gemv_q8::PREFETCH_MAX_BYTES {
             p.prefetch = super::l2_prefetch();
@@ -462,7 +536,9 @@ impl Gpu {
         // SAFETY (both launches): `p` is the kernel's parameter struct; every weight pointer
         // addresses its rows (WeightRef's range was checked), x holds n_tok·k values and each y
         // n_tok·n_rows (checked above); matmul_mmv's 16-byte activation loads need k % 64 == 0
-        // (uses_mmv).
+        // (uses_mmv). A route tail (matmul_multi_route: one token, the GEMV, a float type, at
+        // most 256 experts, ids and weights holding k, checked) reads weight 0's y and counts
+        // on the tail counter, zero between launches.
         if mmv {
             let aligned = ws.iter().all(|w| w.ptr().is_multiple_of(16));
             let (f, grid, smem) = self.mmv_function("matmul_mmv_multi", ty, k, ws[0].w.row_bytes, aligned, n_tok, blocks_so_far)?;
