@@ -115,11 +115,11 @@ impl CudaOps {
     }
 
     /// The MoE op with the layer's own experts, or (`streamed`) with the experts
-    /// [`CudaOps::moe_streamed`] just put in the stream scratch.
-    /// The MoE of `layer` (the streamed experts' scratch with `streamed`). With `tail` = (h,
-    /// norm, eps), one token's int8 path (the shared expert in the routed kernels) ends its down
-    /// launch with `h ← h + y` and h's norm ([`AddNorm`]) and returns that too; `None` beside y
-    /// when another path ran, for the caller's [`ember_ops::Ops::add_rms_norm`].
+    /// [`CudaOps::moe_streamed`] just put in the stream scratch. With `tail` = (h, norm, eps),
+    /// one token's int8 path (the shared expert in the routed kernels, every expert resident:
+    /// with some on the host, their part is added to y after this op) ends its down launch with
+    /// `h ← h + y` and h's norm ([`AddNorm`]) and returns that too; `None` beside y when another
+    /// path ran, for the caller's [`ember_ops::Ops::add_rms_norm`].
     pub(super) fn moe_on(
         &mut self,
         layer: LayerIdx,
@@ -234,7 +234,7 @@ impl CudaOps {
                 if gpu.moe_shared_on() && shared.fits(experts, x.d) {
                     // The shared expert in the routed experts' kernels: three launches in all,
                     // the last ending in the next norm when asked for and it fits.
-                    if let (Some((_, w, eps)), Some(h_buf), [fb, ..]) = (tail_w, h_buf.as_deref_mut(), &mut *rest) {
+                    if let (Some((_, w, eps)), Some(h_buf), [fb, ..], None) = (tail_w, h_buf.as_deref_mut(), &mut *rest, slots) {
                         let add_norm = AddNorm { h: h_buf, w, eps, out: fb };
                         if add_norm.fits(ob, d_out) {
                             fused = Some(gpu.moe_q8_add_norm(experts, Some(shared), xb, routed, hb, ob, true, add_norm)?);

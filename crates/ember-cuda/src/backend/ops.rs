@@ -331,11 +331,9 @@ impl Ops for CudaOps {
         let [yb, fb, ..] = &mut outs[..] else { unreachable!("two outputs were just allocated") };
         let add_norm = AddNorm { h: hb, w: wv, eps, out: fb };
         if !add_norm.fits(yb, h.d) {
+            // (A norm weight of another length, or buffers off 16-byte alignment: the two ops.)
             self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut **yb]).map_err(cuda(OP, self.dev))?;
-            let (hb, yb, fb) = self.arena.trio(h.id, y.id, f.id);
-            let generation = self.gpu.add_rms_norm_q8(hb, yb, 1, h.d, wv, eps, fb).map_err(cuda(OP, self.dev))?;
-            self.q8_x = Some((f.id, generation));
-            return Ok(f);
+            return self.add_rms_norm(h, y, norm, eps);
         }
         let generation = self.gpu.gemv_q8_add_norm(dw.all(), dw.k, yb, add_norm).map_err(cuda(OP, self.dev))?;
         self.q8_x = Some((f.id, generation));
