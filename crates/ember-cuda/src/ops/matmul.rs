@@ -3,6 +3,7 @@ use cudarc::driver::{CudaFunction, DeviceRepr};
 use ember_gguf::GgmlType;
 
 use super::gemv_q8::q8_bytes;
+use super::route::RouteTail;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
@@ -304,27 +305,6 @@ struct MatmulMultiParams {
 unsafe impl DeviceRepr for MatmulMultiParams {}
 const _: () = assert!(std::mem::size_of::<MatmulMultiParams>() == 200);
 
-/// The routing at the end of the router's GEMV (`RouteTail` in kernels/matmul.cu).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct RouteTail {
-    ids: u64,
-    weights: u64,
-    count: u64,
-    n_expert: u32,
-    k: u32,
-    sum_min: f32,
-    pad: u32,
-}
-
-// SAFETY: plain #[repr(C)] data matching `RouteTail` in kernels/matmul.cu (3 u64, 4 4-byte
-// fields: 40 bytes, no padding).
-unsafe impl DeviceRepr for RouteTail {}
-const _: () = assert!(std::mem::size_of::<RouteTail>() == 40);
-
-/// The most experts the GEMV's last warp routes (route.cuh's registers: 8 a lane).
-pub const ROUTE_TAIL_MAX_EXPERTS: usize = 256;
-
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
     pub fn upload_weight(&self, ty: GgmlType, k: usize, n_rows: usize, data: &[u8]) -> Result<DeviceWeight> {
@@ -437,45 +417,7 @@ impl Gpu {
         self.matmul_multi_launch(ws, x, n_tok, ys, precision, RouteTail::default())
     }
 
-    /// [`Gpu::matmul_multi_prec`] of one token whose first weight's outputs (a router's logits)
-    /// go on into [`Gpu::route`]'s routing (top `k`, into `ids` and `weights`) in the same
-    /// launch, by the warp that writes the last logit: the same ids and weights as the route
-    /// kernel on those logits. False, with nothing launched, where it does not apply (weights
-    /// not of a float type, more than [`ROUTE_TAIL_MAX_EXPERTS`] experts, k not in 1..=experts):
-    /// the caller launches the two then.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_multi_route(
-        &self,
-        ws: &[WeightRef<'_>],
-        x: &Buf<f32>,
-        ys: &mut [&mut Buf<f32>],
-        precision: Precision,
-        k: usize,
-        ids: &mut Buf<u32>,
-        weights: &mut Buf<f32>,
-    ) -> Result<bool> {
-        let Some(first) = ws.first() else { return Ok(false) };
-        let n_expert = first.n_rows;
-        let float_ty = matches!(first.w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
-        if !float_ty || n_expert > ROUTE_TAIL_MAX_EXPERTS || k == 0 || k > n_expert || self.uses_mmv(first.w.k, 1, precision) {
-            return Ok(false);
-        }
-        need(OP, "ids", ids, k)?;
-        need(OP, "weights", weights, k)?;
-        let rt = RouteTail {
-            ids: ids.ptr(),
-            weights: weights.ptr(),
-            count: self.tail_count()?,
-            n_expert: n_expert as u32,
-            k: k as u32,
-            sum_min: super::ROUTE_SUM_MIN,
-            pad: 0,
-        };
-        self.matmul_multi_launch(ws, x, 1, ys, precision, rt)?;
-        Ok(true)
-    }
-
-    fn matmul_multi_launch(
+    pub(super) fn matmul_multi_launch(
         &self,
         ws: &[WeightRef<'_>],
         x: &Buf<f32>,

@@ -33,14 +33,13 @@ pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub(crate) use gemv_q8::{ROWS_MIN_BYTES as GEMV_Q8_ROWS_MIN_BYTES, gemv_q8_mixed_on};
 pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{
-    DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMA8_MAX_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision,
-    ROUTE_TAIL_MAX_EXPERTS, WeightRef,
+    DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMA8_MAX_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef,
 };
 pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 pub(crate) use moe::{MOE8S_MAX_PAIRS, MOE8SD_MAX_PAIRS};
 pub use rms_norm::AddNorm;
 pub(crate) use rms_norm::NormTail;
-pub use route::ROUTE_SUM_MIN;
+pub use route::{ROUTE_SUM_MIN, ROUTE_TAIL_MAX_EXPERTS};
 pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 
 use crate::error::{Result, shape};
