@@ -19,11 +19,14 @@ use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
 mod mailbox;
+mod profile;
 mod skip;
 mod trace;
 mod transfers;
 mod uploads;
+
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
+use profile::{FlushTime, Profile};
 pub use transfers::Download;
 use transfers::{Small, Stage};
 pub(crate) use uploads::UploadDone;
@@ -242,78 +245,6 @@ pub struct Gpu {
     tail_count: Mutex<Option<Buf<u32>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
     q8_gen: std::sync::atomic::AtomicU64,
-}
-
-/// GPU time from an event pair around every flush (`EMBER_CUDA_GRAPH_STATS=1`): with graphs on,
-/// the GPU time of the step's kernels (the stream is idle when a flush starts, so the pair spans
-/// the graph's start to its end); printed with the [`GraphStats`] when the [`Gpu`] is dropped.
-///
-/// Also the host's side of the recorded steps: wall time from [`Gpu::begin_record`] to the start
-/// of the step's last flush that sent launches (the model's ops recorded; the logits' read
-/// flushes the end of the step and waits), so a step's wall time splits into the host's
-/// recording, what the GPU ran and what it waited for.
-#[derive(Default)]
-struct FlushTime {
-    pending: Vec<(CudaEvent, CudaEvent)>,
-    n: u64,
-    ms: f64,
-    record_start: Option<std::time::Instant>,
-    last_flush: Option<std::time::Instant>,
-    record_ms: f64,
-    steps: u64,
-}
-
-impl FlushTime {
-    fn collect(&mut self) {
-        if let Some((_, end)) = self.pending.last() {
-            let _ = end.synchronize();
-        }
-        for (a, b) in self.pending.drain(..) {
-            self.ms += a.elapsed_ms(&b).unwrap_or(0.0) as f64;
-            self.n += 1;
-        }
-    }
-}
-
-/// GPU time per kernel entry from an event pair around every launch (`EMBER_CUDA_PROFILE=1`),
-/// read back in batches; the totals go to stderr when the [`Gpu`] is dropped. The events cost
-/// host time per launch, so wall-clock figures of a profiled run are not the engine's.
-#[derive(Default)]
-struct Profile {
-    names: HashMap<usize, String>,
-    pending: Vec<(String, CudaEvent, CudaEvent)>,
-    spare: Vec<(CudaEvent, CudaEvent)>,
-    totals: HashMap<String, (u64, f64)>,
-}
-
-impl Profile {
-    /// Adds every pending pair's time to the totals (waits for the last one).
-    fn flush(&mut self) {
-        if let Some((_, _, end)) = self.pending.last() {
-            let _ = end.synchronize();
-        }
-        for (name, a, b) in self.pending.drain(..) {
-            let ms = a.elapsed_ms(&b).unwrap_or(0.0) as f64;
-            let t = self.totals.entry(name).or_default();
-            t.0 += 1;
-            t.1 += ms;
-            self.spare.push((a, b));
-        }
-    }
-
-    fn report(&mut self) -> String {
-        self.flush();
-        let mut rows: Vec<_> = self.totals.iter().collect();
-        rows.sort_by(|a, b| b.1.1.total_cmp(&a.1.1));
-        let total: f64 = rows.iter().map(|r| r.1.1).sum();
-        let calls: u64 = rows.iter().map(|r| r.1.0).sum();
-        let mut out = format!("GPU time per kernel (EMBER_CUDA_PROFILE): {total:.1} ms in {calls} launches\n");
-        out += &format!("{:<40} {:>9} {:>11} {:>9} {:>7}\n", "kernel", "calls", "total ms", "us/call", "share");
-        for (name, (n, ms)) in rows {
-            out += &format!("{name:<40} {n:>9} {ms:>11.2} {:>9.2} {:>6.1}%\n", 1e3 * ms / *n as f64, 100.0 * ms / total.max(1e-9));
-        }
-        out
-    }
 }
 
 impl Drop for Gpu {
