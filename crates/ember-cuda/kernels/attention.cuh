@@ -28,6 +28,13 @@ struct AttentionParams {
     float scale;
 };
 
+// Keys of each range of a decode row of n_keys keys (attention_decode.cu,
+// attention_decode_mma.cu): whole pages, about `splits` ranges, a function of the row's own keys.
+__host__ __device__ __forceinline__ u32 decode_keys_per_split(u32 n_keys, u32 splits) {
+    const u32 pages = (n_keys + KV_PAGE - 1) / KV_PAGE;
+    return KV_PAGE * max(1u, (pages + splits - 1) / splits);
+}
+
 // Value `e` of a cache row.
 __device__ __forceinline__ float kv_at(const u8* row, u32 ty, u32 e) {
     if (ty == KV_F32) return ((const float*)row)[e];

@@ -47,11 +47,6 @@ __device__ __forceinline__ float transpose_sum(float* x, int lane) {
     return x[0];
 }
 
-__host__ __device__ __forceinline__ u32 decode_keys_per_split(u32 n_keys, u32 splits) {
-    const u32 pages = (n_keys + KV_PAGE - 1) / KV_PAGE;
-    return KV_PAGE * max(1u, (pages + splits - 1) / splits);
-}
-
 // The K and V rows of one group of AD_KG keys, as loaded (Row8: this lane's 8 dims of a row).
 template <int TY>
 struct KvGroup {

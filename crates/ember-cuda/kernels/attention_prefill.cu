@@ -227,14 +227,6 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS, 2) attention_tiles(cons
 #define ATM_THREADS 128
 #define ATM_SMEM (3 * 64 * ATM_LD * 2)
 
-// e^x as ex2.approx.ftz of x·log2(e): two instructions, where expf adds a range check and a
-// slow path (~16 with its branch). Relative error ~2^-22 plus x·2^-24 from the product.
-__device__ __forceinline__ float exp_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-    return y;
-}
-
 __device__ __forceinline__ uint4 pack8(const float* x) {
     uint4 v;
     v.x = pack_f16x2(x[0], x[1]);
@@ -245,42 +237,6 @@ __device__ __forceinline__ uint4 pack8(const float* x) {
 }
 
 #if __CUDA_ARCH__ >= 800
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16 bytes global -> shared, asynchronously; n = 0 writes zeros.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
-}
-// The same to a shared-memory address already converted (smem_addr).
-__device__ __forceinline__ void cp_async16_at(u32 dst, const void* src, u32 n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-// Four 8x8 f16 matrices: lanes 8q .. 8q + 8 give the row addresses of matrix q; lane l gets
-// row l / 4, columns 2(l % 4) and + 1 of each (the A and B fragment layout of mma.m16n8k16).
-__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-// Four 8x8 f16 matrices, transposed: lanes 8q .. 8q + 8 give the row addresses of matrix q.
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
 // One K or V page (keys [0, nk) of it; zeros past them) into buf [64][ATM_LD] as f16.
 template <int TY>
 __device__ __forceinline__ void stage_one(u16* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 key, u32 d8) {

@@ -17,6 +17,7 @@ const ATTN: &str = include_str!("../kernels/attention.cuh");
 const MOE_H: &str = include_str!("../kernels/moe.cuh");
 const MMA8: &str = include_str!("../kernels/mma8.cuh");
 const ROUTE_H: &str = include_str!("../kernels/route.cuh");
+const ASYNC: &str = include_str!("../kernels/async.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -65,7 +66,8 @@ kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention", ATTN);
 kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
-kernel!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ATTN);
+kernel!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, ATTN);
+kernel!(ATTENTION_DECODE_MMA, "attention_decode_mma", DEQUANT, MMA, ASYNC, ATTN);
 
 /// Every kernel source (the NVRTC compile test walks this).
 pub static ALL: &[&Kernel] = &[
@@ -92,6 +94,7 @@ pub static ALL: &[&Kernel] = &[
     &ATTENTION,
     &ATTENTION_DECODE,
     &ATTENTION_PREFILL,
+    &ATTENTION_DECODE_MMA,
 ];
 
 /// NVRTC options for every kernel. No `--use_fast_math`: the kernels are checked against the

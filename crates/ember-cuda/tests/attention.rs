@@ -15,6 +15,8 @@
 //! heads, 2 KV heads, head_dim 256, F16 cache) at depths up to 32768 on the three paths, their
 //! agreement, and GPU times. `bench_attention_decode_heads`: the decode kernel at that shape on
 //! 1, 2, 4 and 8 query heads a block and the launcher's choice, depths 16..32768.
+//! `decode_mma_matches_the_decode_kernel`: the decode path on tensor cores (Fast, F16) against
+//! the scalar decode kernel; `bench_attention_decode_mma` times the two.
 //!
 //! With no NVIDIA driver every test prints why and passes (CI has no GPU).
 
@@ -276,6 +278,75 @@ fn ranges_agree(g: &Gpu, ty: GgmlType) {
     }
 }
 
+/// `attention_decode_mma` (the decode path on tensor cores: Fast, an F16 cache) against the
+/// scalar decode kernel over the same cache: head_dims 64, 128 and 256, GQA ratios 1, 2, 3, 8
+/// and 16 (8 heads a block: two blocks), rows whose range ends before a 16-key tile, on it and
+/// past it, 1, 3, 64 and 128 ranges a row; and a row's result bit for bit the same alone as
+/// beside the other rows (its ranges depend on its own keys).
+#[test]
+fn decode_mma_matches_the_decode_kernel() {
+    let Ok(g) = Gpu::new(0) else {
+        println!("skipped: no GPU");
+        return;
+    };
+    if !g.has_mma() {
+        println!("skipped: no tensor cores (sm_80+)");
+        return;
+    }
+    let mut probe = AttentionShape::new(16, 2, 256, 0.0625, &[1], 64);
+    (probe.path, probe.fast) = (AttentionPath::Decode, true);
+    if !g.attention_decode_uses_mma(&probe, GgmlType::F16) {
+        println!("skipped: the tensor-core decode kernel is off (EMBER_ATTN_DECODE_MMA)");
+        return;
+    }
+    let mut rng = Rng::new(41);
+    let positions = [0u32, 14, 15, 16, 63, 64, 700, 1000, 4999];
+    let all: Vec<usize> = (0..positions.len()).collect();
+    let mut worst_all = 0f32;
+    for (hd, nh, nkv) in [(64usize, 4usize, 4usize), (128, 4, 2), (256, 16, 2), (128, 12, 4), (64, 16, 1)] {
+        let cache = Cache::filled(&g, GgmlType::F16, nkv * hd, 5000, &mut rng);
+        let q = rng.mat(positions.len(), nh * hd, 2.0).data;
+        let per = nh * hd;
+        let run = |rows: &[usize], splits: usize, mma: bool| -> Vec<f32> {
+            let n = rows.len();
+            let max_keys = rows.iter().map(|&i| positions[i] as usize + 1).max().unwrap();
+            let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / (hd as f32).sqrt(), &vec![1; n], max_keys);
+            s.path = AttentionPath::Decode;
+            s.fast = true;
+            s.decode_mma = mma;
+            s.decode_splits = splits;
+            assert_eq!(g.attention_decode_uses_mma(&s, GgmlType::F16), mma, "{hd}x{nh}/{nkv}");
+            let qs: Vec<f32> = rows.iter().flat_map(|&i| q[i * per..(i + 1) * per].to_vec()).collect();
+            let qb = g.upload(&qs).unwrap();
+            let row0 = g.upload(&(0..n as u32).collect::<Vec<_>>()).unwrap();
+            let (seq_n, slot) = (g.upload(&vec![1u32; n]).unwrap(), g.zeros::<u32>(n).unwrap());
+            let seqs = SeqRows { row0: &row0, n: &seq_n, slot: &slot, n_seq: n };
+            let pos = g.upload(&rows.iter().map(|&i| positions[i]).collect::<Vec<_>>()).unwrap();
+            let mut out = g.zeros::<f32>(n * per).unwrap();
+            let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+            g.attention(&cache.pages(), s, &qb, &seqs, &slot, &pos, &mut out, &mut scratch).unwrap();
+            g.download(&out).unwrap()
+        };
+        let mut worst = 0f32;
+        for splits in [1, 3, 64, 128] {
+            let y = run(&all, splits, true);
+            let e = conformance::max_rel(&y, &run(&all, splits, false));
+            assert!(e <= REL_FAST, "{hd}x{nh}/{nkv}, {splits} ranges: rel {e:e} to the scalar decode kernel");
+            worst = worst.max(e);
+            for i in [0, 3, 8] {
+                assert!(
+                    run(&[i], splits, true) == y[i * per..(i + 1) * per],
+                    "{hd}x{nh}/{nkv}, {splits} ranges: row at {} alone differs",
+                    positions[i]
+                );
+            }
+        }
+        println!("decode on tensor cores, head_dim {hd:>3} heads {nh:>2}/{nkv}: max rel {worst:.2e} to the scalar kernel");
+        worst_all = worst_all.max(worst);
+    }
+    println!("decode on tensor cores vs the scalar kernel: max rel {worst_all:.2e}");
+}
+
 /// A one-sequence, one-layer paged cache on the device: `n_pages` pages for K then as many for
 /// V, in the table's order.
 struct Cache {
@@ -501,6 +572,61 @@ fn bench_attention_decode_heads() {
                 }
                 println!("{line}");
             }
+        }
+    }
+}
+
+/// The decode path on tensor cores (`attention_decode_mma`, the entry `EMBER_ATTN_DECODE_MMA`
+/// picks) against the scalar decode kernel (the launcher's heads a block) at the 35B model's
+/// shape (16 query heads, 2 KV heads, head_dim 256, F16 cache): GPU us per call (kernel and
+/// merge) and the K/V read rate for 1, 4 and 16 rows at depths 256..32768, and their agreement.
+#[test]
+#[ignore]
+fn bench_attention_decode_mma() {
+    let Ok(g) = Gpu::new(0) else { return };
+    let mut probe = AttentionShape::new(16, 2, 256, 0.0625, &[1], 64);
+    (probe.path, probe.fast) = (AttentionPath::Decode, true);
+    if !g.attention_decode_uses_mma(&probe, GgmlType::F16) {
+        println!("skipped: no tensor cores or EMBER_ATTN_DECODE_MMA=0");
+        return;
+    }
+    let (nh, nkv, hd) = (16usize, 2usize, 256usize);
+    let width = nkv * hd;
+    let rb = GgmlType::F16.row_bytes(width).unwrap();
+    let max_pos: usize = 32768 + 16;
+    let mut rng = Rng::new(38);
+    let cache = Cache::filled(&g, GgmlType::F16, width, max_pos, &mut rng);
+    let pages = cache.pages();
+    let q_all = g.upload(&rng.mat(16, nh * hd, 1.0).data).unwrap();
+    let mut out = g.zeros::<f32>(16 * nh * hd).unwrap();
+    let entry = std::env::var("EMBER_ATTN_DECODE_MMA").unwrap_or_else(|_| "default".into());
+    for depth in [256usize, 1024, 4096, 8192, 16384, 32768] {
+        for n in [1usize, 4, 16] {
+            let row0 = g.upload(&(0..n as u32).collect::<Vec<_>>()).unwrap();
+            let (seq_n, slot) = (g.upload(&vec![1u32; n]).unwrap(), g.zeros::<u32>(n).unwrap());
+            let seqs = SeqRows { row0: &row0, n: &seq_n, slot: &slot, n_seq: n };
+            let pos = g.upload(&vec![depth as u32 - 1; n]).unwrap();
+            let mut time = |mma: bool| {
+                let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &vec![1; n], depth);
+                s.path = AttentionPath::Decode;
+                s.fast = true;
+                s.decode_mma = mma;
+                assert_eq!(g.attention_decode_uses_mma(&s, GgmlType::F16), mma);
+                let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+                let ms = gpu_ms(&g, 20, || g.attention(&pages, s, &q_all, &seqs, &slot, &pos, &mut out, &mut scratch));
+                (ms * 1e3, g.download_range(&out, 0, n * nh * hd).unwrap())
+            };
+            let (us, y) = time(false);
+            let (us_mma, y_mma) = time(true);
+            let e = conformance::max_rel(&y_mma, &y);
+            assert!(e <= REL_FAST, "{n} rows at {depth}: rel {e:e}");
+            let gbs = |us: f64| (n * depth * 2 * rb) as f64 / us / 1e3;
+            println!(
+                "decode mma ({entry}) {n:>2} rows at depth {depth:>5}: scalar {us:7.1} us ({:5.0} GB/s)  tensor cores {us_mma:7.1} us ({:5.0} GB/s)  {:4.2}x  rel {e:.2e}",
+                gbs(us),
+                gbs(us_mma),
+                us / us_mma
+            );
         }
     }
 }

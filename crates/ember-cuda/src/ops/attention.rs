@@ -5,7 +5,7 @@ use super::kv_append::{KV_PAGE, KvPages};
 use super::{SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_PREFILL};
+use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_DECODE_MMA, ATTENTION_PREFILL};
 use ember_gguf::GgmlType;
 
 const OP: &str = "attention";
@@ -47,6 +47,30 @@ const DECODE_MAX_HEADS: usize = 8;
 /// heads a block do not change a result's bits (kernels/attention_decode.cu), so the choice may
 /// follow the call's size.
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
+/// Whether the decode path runs on tensor cores where it can (`attention_decode_mma`;
+/// `EMBER_ATTN_DECODE_MMA=1` or `=0` overrides). Off until it has run on a GPU: built
+/// 2026-12-07 while no device machine could be had (docs/perf.md GPU g25).
+const DECODE_MMA_DEFAULT: bool = false;
+/// Warps and ring stages of `attention_decode_mma`'s head_dim 256 entry (`EMBER_ATTN_DECODE_MMA`
+/// = `w4s2`, `w4s3`, `w2s2` or `w2s3` picks another for measuring; `0`: the scalar decode kernel).
+const DECODE_MMA_256: (u32, u32) = (4, 2);
+/// Keys of a tile of `attention_decode_mma` (`ADM_KT`).
+const DECODE_MMA_KT: u32 = 16;
+
+/// `EMBER_ATTN_DECODE_MMA`: None off, else the (warps, stages) of the head_dim 256 entry.
+fn decode_mma_env() -> Option<(u32, u32)> {
+    static ENV: std::sync::OnceLock<Option<(u32, u32)>> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| match std::env::var("EMBER_ATTN_DECODE_MMA").as_deref() {
+        Ok("0") => None,
+        Ok("1") => Some(DECODE_MMA_256),
+        Ok(v) if v.len() == 4 && v.starts_with('w') && &v[2..3] == "s" => {
+            let (w, st) = (v[1..2].parse().unwrap_or(0), v[3..4].parse().unwrap_or(0));
+            Some(if matches!((w, st), (2 | 4, 2 | 3)) { (w, st) } else { DECODE_MMA_256 })
+        }
+        _ => DECODE_MMA_DEFAULT.then_some(DECODE_MMA_256),
+    })
+}
+
 /// Keys of a decode range from which its warps load rows ahead (`_pf` entries): 16 groups of 4
 /// keys a warp. On an H100 (F16, docs/perf.md GPU g21) the ring saved 16-18 % of a row at depth
 /// 32768 (512-key ranges) and lost a little up to 8192 (64-128-key ranges: 4-8 groups a warp).
@@ -129,6 +153,10 @@ pub struct AttentionShape {
     /// softmax weights rounded to f16, f32 sums) where the GPU has them (sm_80+) and head_dim
     /// is a multiple of 16.
     pub fast: bool,
+    /// Whether the decode path may run on tensor cores (`attention_decode_mma`, under `fast`,
+    /// sm_80+, an F16 cache, head_dim 64, 128 or 256, where `EMBER_ATTN_DECODE_MMA` or the
+    /// default turns it on). Tests clear it to reach the scalar decode kernel.
+    pub decode_mma: bool,
 }
 
 impl AttentionShape {
@@ -149,6 +177,7 @@ impl AttentionShape {
             decode_splits: ATTENTION_DECODE_SPLITS,
             decode_heads: 0,
             fast: false,
+            decode_mma: true,
         };
         let tr = s.tile_rows();
         s.n_tiles = seq_rows.iter().map(|n| n.div_ceil(tr)).sum();
@@ -413,6 +442,38 @@ impl Gpu {
             && matches!(self.attention_mma_w8_function(), Ok(Some(_)))
     }
 
+    /// `attention_decode_mma` for a decode call of `s` over a `ty` cache, with its shared memory
+    /// allowed, and its threads and shared memory bytes: None where it does not apply (see
+    /// [`AttentionShape::decode_mma`]) or the GPU cannot give a block that much shared memory.
+    fn decode_mma_function(&self, s: &AttentionShape, ty: GgmlType) -> Result<Option<(CudaFunction, u32, u32)>> {
+        let Some(env) = decode_mma_env() else { return Ok(None) };
+        if !(s.fast && s.decode_mma && self.has_mma() && self.attn_mma_on() && ty == GgmlType::F16) {
+            return Ok(None);
+        }
+        let (name, (w, st)) = match s.head_dim {
+            64 => ("attention_decode_mma_d64_w4_s2", (4, 2)),
+            128 => ("attention_decode_mma_d128_w4_s2", (4, 2)),
+            256 => match env {
+                (4, 3) => ("attention_decode_mma_d256_w4_s3", env),
+                (2, 2) => ("attention_decode_mma_d256_w2_s2", env),
+                (2, 3) => ("attention_decode_mma_d256_w2_s3", env),
+                _ => ("attention_decode_mma_d256_w4_s2", (4, 2)),
+            },
+            _ => return Ok(None),
+        };
+        // ADM_SMEM: the warps' rings of K and V tiles as f16, rows padded by 8 halves.
+        let smem = w * st * 2 * DECODE_MMA_KT * (s.head_dim as u32 + 8) * 2;
+        let f = self.function(&ATTENTION_DECODE_MMA, name)?;
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        Ok(f.set_attribute(attr, smem as i32).is_ok().then_some((f, 32 * w, smem)))
+    }
+
+    /// Whether [`Gpu::attention`] runs the decode path of `s` over a `ty` cache on tensor cores
+    /// (`attention_decode_mma`).
+    pub fn attention_decode_uses_mma(&self, s: &AttentionShape, ty: GgmlType) -> bool {
+        self.attention_plan(s).kind == AttentionPath::Decode && matches!(self.decode_mma_function(s, ty), Ok(Some(_)))
+    }
+
     fn mma_wanted(&self, s: &AttentionShape) -> bool {
         s.fast && self.has_mma() && self.attn_mma_on() && s.head_dim.is_multiple_of(16)
     }
@@ -484,6 +545,7 @@ impl Gpu {
             return Ok(());
         }
         let plan = self.attention_plan(&s);
+        let decode_mma = if plan.kind == AttentionPath::Decode { self.decode_mma_function(&s, pages.ty)? } else { None };
         let part = s.n_rows * nh * plan.n_split;
         let p = AttentionParams {
             q: q.ptr(),
@@ -510,7 +572,12 @@ impl Gpu {
             n_split: plan.n_split as u32,
             keys_per_split: u32_of(OP, "keys per split", plan.keys_per_split)?,
             n_seq: seqs.n_seq as u32,
-            heads_per_block: if plan.kind == AttentionPath::Decode { plan.decode_heads } else { s.heads_per_tile() } as u32,
+            heads_per_block: match plan.kind {
+                // The tensor-core decode kernel takes a KV head's group (up to 8 heads, its mma's N).
+                AttentionPath::Decode if decode_mma.is_some() => s.heads_per_decode_block(),
+                AttentionPath::Decode => plan.decode_heads,
+                _ => s.heads_per_tile(),
+            } as u32,
             scale: s.scale,
         };
         let merge = |gpu: &Gpu| -> Result<()> {
@@ -524,8 +591,14 @@ impl Gpu {
         // when n_split > 1 (checked above); the kernels read table entries only below
         // ceil(keys / 64) <= stride and check slots and page ids; hd <= 256 (a multiple of 64
         // for the tiles, of 8 for the decode kernel, whose heads_per_block is 1, 2, 4 or 8 and
-        // divides n_head / n_head_kv).
+        // divides n_head / n_head_kv; 64, 128 or 256 for the tensor-core decode kernel, its
+        // entry's, over F16 rows, with the shared memory its attribute allowed).
         unsafe {
+            if let Some((f, threads, smem)) = &decode_mma {
+                let groups = u32_of(OP, "head groups", nh / p.heads_per_block as usize)?;
+                self.launch(f, (groups, p.n_rows, p.n_split), *threads, *smem, &p)?;
+                return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+            }
             if plan.kind == AttentionPath::Decode {
                 let f = self.function(&ATTENTION_DECODE, decode_entry(pages.ty, plan.decode_heads, plan.decode_ring))?;
                 let groups = u32_of(OP, "head groups", nh / plan.decode_heads)?;
