@@ -476,8 +476,8 @@ impl DeltaNet {
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
         let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-        let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
-        let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)
+        // o [ΣT, nv·dv], then its norm per head (shared weight) ⊙ silu(z)
+        let y = ops.gated_delta_rule_norm(layer, heads, din, mode, self.norm, c.rms_eps, z, Gate::Silu)?;
         Ok((y, self.out)) // [ΣT, D] = out·y
     }
 }

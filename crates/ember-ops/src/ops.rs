@@ -135,6 +135,25 @@ pub trait Ops: SeqStore + Send {
     /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;
 
+    /// [`Ops::gated_delta_rule`], then [`Ops::rms_norm_gate`] of its output by `g` (per value
+    /// head: `w` is d_v long): the rule and the gated norm that reads its output next. A backend
+    /// may end the rule's launch with the norm; the results are those of the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        w: WeightId,
+        eps: f32,
+        g: Tensor,
+        act: Gate,
+    ) -> OpResult<Tensor> {
+        let o = self.gated_delta_rule(layer, h, x, mode)?;
+        self.rms_norm_gate(o, w, eps, g, act)
+    }
+
     /// `y ← y ⊙ act(g)` element by element (same shapes).
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()>;
 

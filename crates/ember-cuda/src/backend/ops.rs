@@ -13,6 +13,7 @@ use crate::ops::{
     AddNorm, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, ROUTE_TAIL_MAX_EXPERTS, SeqRows,
 };
 
+use super::delta::RuleNorm;
 use super::read::CudaMark;
 use super::weights::DevWeights;
 use super::{CudaOps, GRAPH_MAX_ROWS, act_of, check_matmul, cuda, put, put_all, shape_of};
@@ -452,7 +453,22 @@ impl Ops for CudaOps {
     }
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
-        self.rule_op(layer, h, x, mode)
+        self.rule_op(layer, h, x, mode, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        w: WeightId,
+        eps: f32,
+        g: Tensor,
+        act: Gate,
+    ) -> OpResult<Tensor> {
+        self.rule_op(layer, h, x, mode, Some(RuleNorm { w, eps, g, act }))
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {

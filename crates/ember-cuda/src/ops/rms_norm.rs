@@ -135,7 +135,7 @@ impl AddNorm<'_> {
         need(OP, "h", self.h, n)?;
         need(OP, "out", self.out, n)?;
         let q = gpu.q8_scratch(super::q8_bytes(n.max(k)))?;
-        let count = gpu.tail_count()?;
+        let count = gpu.tail_count(1)?;
         let t = NormTail { h: self.h.ptr(), w: self.w.ptr(), out: self.out.ptr(), q, count, n: n as u32, eps: self.eps };
         Ok((t, (12 * n) as u32, gpu.bump_q8_generation()))
     }

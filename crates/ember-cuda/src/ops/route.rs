@@ -110,7 +110,7 @@ impl Gpu {
         let rt = RouteTail {
             ids: ids.ptr(),
             weights: weights.ptr(),
-            count: self.tail_count()?,
+            count: self.tail_count(1)?,
             n_expert: n_expert as u32,
             k: k as u32,
             sum_min: ROUTE_SUM_MIN,

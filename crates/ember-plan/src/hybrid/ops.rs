@@ -238,6 +238,20 @@ impl Ops for Hybrid {
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.gpu.gated_delta_rule(layer, h, x, mode)
     }
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        w: WeightId,
+        eps: f32,
+        g: Tensor,
+        act: Gate,
+    ) -> OpResult<Tensor> {
+        self.gpu.gated_delta_rule_norm(layer, h, x, mode, w, eps, g, act)
+    }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         self.gpu.gate(y, g, act)
     }
