@@ -133,6 +133,13 @@ fn decode_matches_the_reference() {
             let h = AttnHeads { n_head: nh, n_head_kv: nkv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
             let layout = StateLayout { layers: vec![StateKind::Kv], kv_type, kv_width: width, conv: 0, rec: 0 };
             let mut g = CudaOps::new(0).unwrap();
+            // Rows the tensor-core decode kernel takes (F16 cache, Fast: Q and the softmax
+            // weights rounded to f16) are held to the tiles' bound: measured 2.0e-4 on the H100
+            // (64x4/4 F16, 2026-12-07); the others to REL.
+            let mut probe = AttentionShape::new(nh, nkv, hd, h.scale, &[1], 64);
+            (probe.path, probe.fast) = (AttentionPath::Decode, true);
+            let mma = kv_type == KvType::F16 && g.gpu().attention_decode_uses_mma(&probe, GgmlType::F16);
+            let bound = if mma { REL_FAST } else { REL };
             g.register(Arc::new(WeightSet::new())).unwrap();
             let mut r = HostOps::with_weights(Arc::new(WeightSet::new()));
             // K and V pages of both sequences, the decode rows included.
@@ -185,7 +192,7 @@ fn decode_matches_the_reference() {
                     o.end_step().unwrap();
                 }
                 let e = conformance::max_rel(&outs[0].data, &outs[1].data);
-                assert!(e <= REL, "{hd}x{nh}/{nkv} {kv_type:?} step {step} rows {rows:?} at {lens:?}: rel {e:e}");
+                assert!(e <= bound, "{hd}x{nh}/{nkv} {kv_type:?} step {step} rows {rows:?} at {lens:?}: rel {e:e}");
                 worst = worst.max(e);
                 for (l, n) in lens.iter_mut().zip(&rows) {
                     *l += n;

@@ -48,12 +48,16 @@ const DECODE_MAX_HEADS: usize = 8;
 /// follow the call's size.
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
 /// Whether the decode path runs on tensor cores where it can (`attention_decode_mma`;
-/// `EMBER_ATTN_DECODE_MMA=1` or `=0` overrides). Off until it has run on a GPU: built
-/// 2026-12-07 while no device machine could be had (docs/perf.md GPU g25).
-const DECODE_MMA_DEFAULT: bool = false;
+/// `EMBER_ATTN_DECODE_MMA=1` or `=0` overrides). Measured on the H100 (35B, 2026-12-07,
+/// docs/perf.md GPU g25): tg128 @ d32768 377.8 → 392.8 t/s (2 warps) and 305 → 316 (4 warps,
+/// with the tails then measured); 16 sequences @ d4096 1,976.9 t/s against ~1,630 before.
+const DECODE_MMA_DEFAULT: bool = true;
 /// Warps and ring stages of `attention_decode_mma`'s head_dim 256 entry (`EMBER_ATTN_DECODE_MMA`
 /// = `w4s2`, `w4s3`, `w2s2` or `w2s3` picks another for measuring; `0`: the scalar decode kernel).
-const DECODE_MMA_256: (u32, u32) = (4, 2);
+/// `bench_attention_decode_mma` on the H100 (us, scalar / 4 warps 2 stages / 2 warps 2 stages):
+/// 1 row at 32768 keys 43.3 / 37.0 / 37.1, 16 rows at 32768 381 / 291 / 229, 16 rows at 4096
+/// 77.0 / 99.5 / 55.0, 4 rows at 4096 27.8 / 33.5 / 25.4; 3 stages no better than 2.
+const DECODE_MMA_256: (u32, u32) = (2, 2);
 /// Keys of a tile of `attention_decode_mma` (`ADM_KT`).
 const DECODE_MMA_KT: u32 = 16;
 
