@@ -1,27 +1,22 @@
 #!/usr/bin/env bash
-# Session 2026-12-07's check of the new default (attention_decode_mma on, 2 warps at head_dim
-# 256) on a fresh machine, ~220 s: the GPU test binaries that run attention (attention, model,
-# conformance, gpu, hybrid, graph) beside `ember synth`, serve-check, then ember's tg128 at depth
-# 0 and 32768 with the defaults and with EMBER_ATTN_DECODE_MMA=0 (one round each).
+# The tree's defaults on a fresh machine, ~200 s (for a session's last device minutes): the GPU
+# test binaries that run attention or the model (attention, model, conformance, gpu, hybrid,
+# graph, delta_rule, gemv_q8) side by side, serve-check, then bench_attention_decode_mma (with
+# one and four deep rows at 128 and 256 ranges a row).
 set -uo pipefail
-L=${LIMIT:-240}
 O=${OUT:?}/n; mkdir -p $O
 export EMBER_KERNEL_CACHE=/tmp/kc
 tar -C /tmp -xJf .gpu/bin.tar.xz
-mkdir -p /tmp/m
-( /tmp/bin/ember synth -o /tmp/m/35b.gguf.tmp --preset 35b-a3b --quant q4_k_m --seed 0 --skew 1 > $O/synth.log 2>&1 && mv /tmp/m/35b.gguf.tmp /tmp/m/35b.gguf ) &
-SY=$!
+T=(attention model conformance gpu hybrid graph delta_rule gemv_q8)
 P=()
-for t in attention model conformance gpu hybrid graph; do
-  timeout 170 /tmp/bin/$t --test-threads=1 --nocapture > $O/test-$t.log 2>&1 &
+for t in "${T[@]}"; do
+  timeout 150 /tmp/bin/$t --test-threads=1 --nocapture > $O/test-$t.log 2>&1 &
   P+=($!)
 done
 wait "${P[@]}"
-for t in attention model conformance gpu hybrid graph; do echo "$t: $(grep -E '^test result' $O/test-$t.log | tail -1)"; done
+for t in "${T[@]}"; do echo "$t: $(grep -E '^test result' $O/test-$t.log | tail -1)"; done
 grep -h "decode on tensor cores vs\|decode vs reference" $O/test-attention.log
-timeout 60 python3 bench/gpu/serve-check.py /tmp/bin/ember > $O/serve-check.log 2>&1; echo "serve-check: exit $?"
-wait $SY; echo "synth done at $SECONDS s"
-(( SECONDS < L - 50 )) && OUT=$O VARIANTS='default:;scalar:EMBER_ATTN_DECODE_MMA=0' VARIANT_ARGS='-p 0 -n 128 -d 0,32768' ROUNDS=1 LLAMA=0 STAGES=variants \
-  timeout $(( L - 8 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
-echo "done at $SECONDS s"
+timeout 40 python3 bench/gpu/serve-check.py /tmp/bin/ember > $O/serve-check.log 2>&1; echo "serve-check: exit $? at $SECONDS s"
+timeout 60 /tmp/bin/attention --ignored --test-threads=1 --nocapture --exact bench_attention_decode_mma > $O/micro-adm.log 2>&1
+echo "micro: exit $?"; grep -E '^decode mma' $O/micro-adm.log | sed 's/^decode mma //' | grep -E "depth (8192|32768)"
 (cd ${OUT} && tar czf n.tgz n && rm -rf n)

@@ -43,9 +43,7 @@ struct GemvQ8Params {
     u32 wr[GEMV_Q8_MULTI];  // workers per row: a power of two, wr·L <= GEMV_Q8_THREADS
     u32 k, n;
     u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
-    NormTail tail;  // tail.h != 0: one weight (n = 1), and its y goes on into the norm (q8.cuh)
 };
-static_assert(sizeof(GemvQ8Params) == 200, "GemvQ8Params: the layout src/ops/gemv_q8.rs passes");
 
 template <int TY>
 __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
@@ -73,7 +71,6 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     }
     acc = seg_sum(acc, seg, part);
     if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
-    if (p.tail.h) norm_tail(p.tail, (const float*)p.y[0]);
 }
 
 // (gemv_q8 prefetches, then calls pdl_enter.)

@@ -24,42 +24,12 @@ struct MatmulParams {
 
 #define GEMV_NT 8
 
-// The router's GEMV may end with the routing (RouteTail; the route kernel's launch then drops
-// out of a decode step's chain): each warp that writes a logit of the one token counts itself on
-// a device counter (after `__threadfence`), and the one that counts last runs route_warp
-// (route.cuh) on the n_expert logits and puts the counter back to zero (graph replays find it
-// so). The same arithmetic on the same logits as the route kernel: the same ids and weights.
-struct RouteTail {
-    u64 ids;      // [k] u32 (0: no routing)
-    u64 weights;  // [k] f32
-    u64 count;    // u32, 0 before the launch and after it
-    u32 n_expert, k;  // n_expert: the first weight's rows (<= 32·ROUTE_PER_LANE), one token
-    float sum_min;
-    u32 pad;
-};
-static_assert(sizeof(RouteTail) == 40, "RouteTail: the layout src/ops/matmul.rs passes");
-
-// Called by every lane of a warp that has just written logit rows of y (lane 0 wrote them).
-__device__ __forceinline__ void route_count(const RouteTail& rt, const float* y) {
-    const int lane = threadIdx.x % 32;
-    u32 c = 0;
-    if (lane == 0) {
-        __threadfence();  // the logit before the count
-        c = atomicAdd((u32*)rt.count, 1u);
-    }
-    c = __shfl_sync(0xffffffffu, c, 0);
-    if (c != rt.n_expert - 1) return;
-    __threadfence();  // every counted logit is visible now
-    route_warp<true>(y, (int)rt.n_expert, rt.k, rt.sum_min, (u32*)rt.ids, (float*)rt.weights);
-    if (lane == 0) *(volatile u32*)rt.count = 0;
-}
-
 // Block `bx` of the row blocks of `p` (blockIdx.x for one weight; matmul_gemv_multi maps its
 // blocks onto several weights). Each row gets p.ksplit warps of the block: warp part j takes
 // chunks j, j + ksplit, ..; the parts' sums are added in part order (the same for every launch
 // of the same shape).
 template <int TY>
-__device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx, const RouteTail& rt, bool route) {
+__device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
     __shared__ float iq4[16];
     __shared__ float part_sum[4][GEMV_NT];
     load_iq4_table(iq4);
@@ -99,7 +69,6 @@ __device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx, const RouteT
                 if (lane == 0) ((float*)p.y)[(u64)(t0 + t) * p.n_rows + row] = s;
             }
         }
-        if (route) route_count(rt, (const float*)p.y);  // a valid row's whole warp
         return;
     }
 #pragma unroll
@@ -113,12 +82,6 @@ __device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx, const RouteT
         for (int j = 0; j < ks; ++j) s += part_sum[warp + j][lane];
         ((float*)p.y)[(u64)(t0 + lane) * p.n_rows + row] = s;
     }
-    if (route && valid && part == 0) route_count(rt, (const float*)p.y);  // warp-uniform
-}
-
-template <int TY>
-__device__ __forceinline__ void gemv(const MatmulParams& p, u32 bx) {
-    gemv<TY>(p, bx, RouteTail{}, false);
 }
 
 extern "C" __global__ void matmul_gemv_f32(const MatmulParams p) { pdl_enter(); gemv<TY_F32>(p, blockIdx.x); }
@@ -145,9 +108,7 @@ struct MatmulMultiParams {
     u32 ty, k, n_tok, n;
     u32 ksplit[GEMV_MULTI];
     u32 prefetch;  // 1: each block asks for its rows in L2 before pdl_enter (prefetch_l2)
-    RouteTail rt;  // rt.ids != 0: one token, and weight 0's logits go on into the routing
 };
-static_assert(sizeof(MatmulMultiParams) == 200, "MatmulMultiParams: the layout src/ops/matmul.rs passes");
 
 // The weight of a multi launch that block blockIdx.x belongs to, as one weight's parameters;
 // `*bx` gets the block's index among that weight's blocks. `rows_per_block` (0: the GEMV's, from
@@ -180,10 +141,7 @@ __device__ __forceinline__ void gemv_multi(const MatmulMultiParams& mp) {
     u32 bx;
     const MatmulParams p = multi_pick(mp, 0, &bx);
     pdl_enter();
-    // The routing rides only on the float types' GEMV (routers are F32): the others keep their
-    // code and registers.
-    constexpr bool float_ty = TY == TY_F32 || TY == TY_F16 || TY == TY_BF16;
-    gemv<TY>(p, bx, mp.rt, float_ty && mp.rt.ids != 0 && blockIdx.x < mp.block0[1]);
+    gemv<TY>(p, bx);
 }
 
 // (gemv_multi prefetches, then calls pdl_enter.)

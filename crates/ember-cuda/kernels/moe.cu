@@ -106,9 +106,7 @@ struct MoeQ8Params {
     u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
     u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s;
     u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
-    NormTail tail;   // tail.h != 0 (n_tok = 1): down's out goes on into the norm (q8.cuh)
 };
-static_assert(sizeof(MoeQ8Params) == 224, "MoeQ8Params: the layout src/ops/moe.rs passes");
 
 #define MOE_GU_ROWS 32
 #define MOE_GU_MAX_SEG 16
@@ -272,7 +270,6 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     }
     acc = seg_sum(nan ? MOE_NAN : acc, seg, part);
     if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
-    if (q.tail.h) norm_tail(q.tail, (const float*)p.out);
 }
 
 // (Both call pdl_enter themselves, after their prefetches.)

@@ -207,15 +207,6 @@ pub struct Gpu {
     /// at every depth where the GPU allows their shared memory, 0 never; unset (None): from
     /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
     attn_mma_wide: Option<bool>,
-    /// Whether one-token launches end in the next norm (`EMBER_NORM_TAIL=1`; off until it has
-    /// run on a GPU: built 2026-12-06 when the session's device time ran out).
-    norm_tail: bool,
-    /// Whether a one-token router GEMV ends with the routing (`EMBER_ROUTE_TAIL=1`; off until it
-    /// has run on a GPU, as norm_tail).
-    route_tail: bool,
-    /// Whether a scanned delta rule ends with the gated norm after it (`EMBER_DELTA_NORM_TAIL=1`;
-    /// off until it has run on a GPU: built 2026-12-07 while no device machine could be had).
-    delta_norm_tail: bool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -243,10 +234,6 @@ pub struct Gpu {
     pub(crate) moe_mma_min_tokens: usize,
     /// The int8 activations of [`Gpu::quantize_q8`] (grown on demand).
     q8: Mutex<Option<Buf<u8>>>,
-    /// The counters of the launches that end in a norm or the routing (`NormTail`,
-    /// kernels/q8.cuh; `RouteTail`; `DeltaNormTail`, kernels/delta_rule.cu, one a head and
-    /// sequence): zeroed once, put back to zero by each such launch's last blocks.
-    tail_count: Mutex<Option<Buf<u32>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
     q8_gen: std::sync::atomic::AtomicU64,
 }
@@ -318,9 +305,6 @@ impl Gpu {
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
-            norm_tail: std::env::var_os("EMBER_NORM_TAIL").is_some_and(|v| v == "1"),
-            route_tail: std::env::var_os("EMBER_ROUTE_TAIL").is_some_and(|v| v == "1"),
-            delta_norm_tail: std::env::var_os("EMBER_DELTA_NORM_TAIL").is_some_and(|v| v == "1"),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -339,7 +323,6 @@ impl Gpu {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(crate::ops::MOE_MMA_MIN_TOKENS),
             q8: Mutex::default(),
-            tail_count: Mutex::default(),
             q8_gen: Default::default(),
         })
     }
@@ -373,24 +356,6 @@ impl Gpu {
         self.attn_heads
     }
 
-    /// Whether a one-token projection or MoE ends its launch with the norm that reads its output
-    /// next (`NormTail`, kernels/q8.cuh; `EMBER_NORM_TAIL=1` turns it on, for measuring).
-    pub(crate) fn norm_tail_on(&self) -> bool {
-        self.norm_tail
-    }
-
-    /// Whether a one-token router GEMV ends with the routing (`RouteTail`, kernels/matmul.cu;
-    /// `EMBER_ROUTE_TAIL=1` turns it on, for measuring).
-    pub(crate) fn route_tail_on(&self) -> bool {
-        self.route_tail
-    }
-
-    /// Whether a scanned delta rule ends with the gated norm after it (`DeltaNormTail`,
-    /// kernels/delta_rule.cu; `EMBER_DELTA_NORM_TAIL=1` turns it on, for measuring).
-    pub(crate) fn delta_norm_tail_on(&self) -> bool {
-        self.delta_norm_tail
-    }
-
     /// Whether a one-token int8 MoE may run the shared expert in its kernels
     /// (`EMBER_MOE_SHARED=0` turns it off).
     pub(crate) fn moe_shared_on(&self) -> bool {
@@ -410,21 +375,6 @@ impl Gpu {
                 Ok(ptr)
             }
         }
-    }
-
-    /// The device address of the tails' `n` counters (allocated zeroed, grown as needed: the
-    /// launches recorded so far keep the old buffer alive; a tail puts its counters back to 0).
-    pub(crate) fn tail_count(&self, n: usize) -> Result<u64> {
-        let mut c = self.tail_count.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = &*c
-            && b.len() >= n
-        {
-            return Ok(b.ptr());
-        }
-        let b = self.zeros::<u32>(n.max(64))?;
-        let ptr = b.ptr();
-        *c = Some(b);
-        Ok(ptr)
     }
 
     /// Which write of the int8 scratch it holds now: a caller that quantised a tensor there

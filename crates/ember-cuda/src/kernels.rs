@@ -16,7 +16,6 @@ const Q8: &str = include_str!("../kernels/q8.cuh");
 const ATTN: &str = include_str!("../kernels/attention.cuh");
 const MOE_H: &str = include_str!("../kernels/moe.cuh");
 const MMA8: &str = include_str!("../kernels/mma8.cuh");
-const ROUTE_H: &str = include_str!("../kernels/route.cuh");
 const ASYNC: &str = include_str!("../kernels/async.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
@@ -44,7 +43,7 @@ macro_rules! kernel {
     };
 }
 
-kernel!(MATMUL, "matmul", DEQUANT, MMA, ROUTE_H);
+kernel!(MATMUL, "matmul", DEQUANT, MMA);
 kernel!(GEMV_Q8, "gemv_q8", DEQUANT, Q8);
 kernel!(GET_ROWS, "get_rows", DEQUANT);
 kernel!(RMS_NORM, "rms_norm");
@@ -52,7 +51,7 @@ kernel!(ADD, "add");
 kernel!(GATE, "gate");
 kernel!(SELECT_ROWS, "select_rows");
 kernel!(TOP_K, "top_k");
-kernel!(ROUTE, "route", ROUTE_H);
+kernel!(ROUTE, "route");
 kernel!(ATTN_PREP, "attn_prep");
 kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");

@@ -22,7 +22,7 @@
 
 use std::sync::Arc;
 
-use ember_cuda::ops::{AttentionPath, AttentionShape, KV_PAGE, KvPages, Precision, SeqRows};
+use ember_cuda::ops::{ATTENTION_DECODE_SPLITS, AttentionPath, AttentionShape, KV_PAGE, KvPages, Precision, SeqRows};
 use ember_cuda::{Buf, CudaOps, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::conformance::{self, Rng};
@@ -613,20 +613,31 @@ fn bench_attention_decode_mma() {
             let (seq_n, slot) = (g.upload(&vec![1u32; n]).unwrap(), g.zeros::<u32>(n).unwrap());
             let seqs = SeqRows { row0: &row0, n: &seq_n, slot: &slot, n_seq: n };
             let pos = g.upload(&vec![depth as u32 - 1; n]).unwrap();
-            let mut time = |mma: bool| {
+            let mut time_split = |mma: bool, splits: usize| {
                 let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &vec![1; n], depth);
                 s.path = AttentionPath::Decode;
                 s.fast = true;
                 s.decode_mma = mma;
+                s.decode_splits = splits;
                 assert_eq!(g.attention_decode_uses_mma(&s, GgmlType::F16), mma);
                 let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
                 let ms = gpu_ms(&g, 20, || g.attention(&pages, s, &q_all, &seqs, &slot, &pos, &mut out, &mut scratch));
                 (ms * 1e3, g.download_range(&out, 0, n * nh * hd).unwrap())
             };
+            let mut time = |mma: bool| time_split(mma, ATTENTION_DECODE_SPLITS);
             let (us, y) = time(false);
             let (us_mma, y_mma) = time(true);
             let e = conformance::max_rel(&y_mma, &y);
             assert!(e <= REL_FAST, "{n} rows at {depth}: rel {e:e}");
+            // One or four rows deep: more ranges a row (fewer tiles a warp in a row).
+            if n <= 4 && depth >= 8192 {
+                for splits in [128, 256] {
+                    let (us_s, y_s) = time_split(true, splits);
+                    let e = conformance::max_rel(&y_s, &y);
+                    assert!(e <= REL_FAST, "{n} rows at {depth}, {splits} ranges: rel {e:e}");
+                    println!("decode mma ({entry}) {n:>2} rows at depth {depth:>5}, {splits} ranges: {us_s:7.1} us");
+                }
+            }
             let gbs = |us: f64| (n * depth * 2 * rb) as f64 / us / 1e3;
             println!(
                 "decode mma ({entry}) {n:>2} rows at depth {depth:>5}: scalar {us:7.1} us ({:5.0} GB/s)  tensor cores {us_mma:7.1} us ({:5.0} GB/s)  {:4.2}x  rel {e:.2e}",

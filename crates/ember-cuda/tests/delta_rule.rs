@@ -9,15 +9,14 @@
 
 use std::sync::OnceLock;
 
-use ember_cuda::ops::{Act, DELTA_CHUNK, DeltaIn, DeltaShape, GatedNorm, SeqRows, StateAt};
+use ember_cuda::ops::{DELTA_CHUNK, DeltaIn, DeltaShape, SeqRows, StateAt};
 use ember_cuda::{Buf, Gpu};
-use ember_gguf::GgmlType;
 use ember_ops::conformance::max_rel;
 use ember_ops::{Mat, reference};
 use ember_testkit::Rng;
 
 mod common;
-use common::{ms_per_call, quantised};
+use common::ms_per_call;
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
@@ -213,90 +212,6 @@ fn delta_rule_forms_match_reference() {
         ok &= worst.out[f].iter().chain(&worst.state[f]).all(|&e| e <= 3e-5);
     }
     assert!(ok, "an error above 3e-5 (above)");
-}
-
-/// The scan ending in the gated norm (`Gpu::delta_rule_seqs_norm`, kernels/delta_rule.cu's
-/// DeltaNormTail) against the scan then `rms_norm_gate` (`_q8` for one row): the rule's output,
-/// the states and the normed output bit for bit (the tail's warp does the norm kernel's sums in
-/// its order), and for one row an int8 copy the GEMV reads as it reads quantize_q8's of that
-/// output. Several sequences of several rows, a slot out of range (its rows NaN in both), both
-/// activations, and three calls in a row (each head's counter is back at zero after each).
-#[test]
-fn delta_rule_norm_tail_gives_the_two_launches_bits() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    let model = Heads { n_k_head: 16, d_k: 128, n_v_head: 32, d_v: 128 };
-    let small = Heads { n_k_head: 2, d_k: 64, n_v_head: 4, d_v: 64 };
-    let narrow = Heads { n_k_head: 3, d_k: 32, n_v_head: 6, d_v: 32 };
-    let cases: [(Heads, &[usize], Act); 6] = [
-        (model, &[1], Act::Silu),
-        (model, &[1, 1, 1, 1], Act::Silu),
-        (small, &[1], Act::Sigmoid),
-        (small, &[3, 1, 7], Act::Silu),
-        (narrow, &[2, 5], Act::Sigmoid),
-        (narrow, &[1], Act::Silu),
-    ];
-    for (h, lens, act) in cases {
-        let n: usize = lens.iter().sum();
-        let w = h.n_v_head * h.d_v;
-        let n_seq = lens.len();
-        // The last sequence's slot is out of range when there are several.
-        let n_slots = if n_seq > 1 { n_seq - 1 } else { 1 };
-        let slots: Vec<usize> = (0..n_seq).map(|s| if s < n_slots { (s + 1) % n_slots } else { n_slots }).collect();
-        let len = h.state_len();
-        let at = StateAt { slot_stride: len, offset: 0, len, n_slots };
-        let init = rng.vec(n_slots * len, -1.0, 1.0);
-        let (mut st1, mut st2) = (g.upload(&init).unwrap(), g.upload(&init).unwrap());
-        let seqs = Seqs::new(g, lens, &slots);
-        let nw = g.upload(&rng.vec(h.d_v, 0.5, 1.5)).unwrap();
-        let wt = g.upload_weight(GgmlType::Q8_0, w, 5, &quantised(GgmlType::Q8_0, &mut rng, w, 5)).unwrap();
-        for call in 0..3 {
-            let x = Inputs::random(&mut rng, h, n, -1.0);
-            let [q, k, v, gg, beta] = x.upload(g);
-            let z = g.upload(&rng.vec(n * w, -6.0, 6.0)).unwrap();
-            let i = || DeltaIn { q: &q, k: &k, v: &v, g: &gg, beta: &beta };
-            let (mut o1, mut o2) = (g.upload(&vec![f32::NAN; n * w]).unwrap(), g.upload(&vec![f32::NAN; n * w]).unwrap());
-            let (mut y1, mut y2) = (g.upload(&vec![f32::NAN; n * w]).unwrap(), g.upload(&vec![f32::NAN; n * w]).unwrap());
-            let q8 = n == 1;
-            g.delta_rule_seqs(h.shape(n), i(), seqs.rows(), &mut st1, at, &mut o1).unwrap();
-            if q8 {
-                g.rms_norm_gate_q8(&o1, n, w, &nw, 1e-6, &z, act, &mut y1).unwrap();
-            } else {
-                g.rms_norm_gate(&o1, n, w, &nw, 1e-6, &z, act, &mut y1).unwrap();
-            }
-            let (mut p1, mut p2) = (g.upload(&[f32::NAN; 5]).unwrap(), g.upload(&[f32::NAN; 5]).unwrap());
-            if q8 {
-                g.gemv_q8_quantized(&[wt.all()], w, &mut [&mut p1]).unwrap();
-            }
-            let norm = GatedNorm { w: &nw, eps: 1e-6, gate: &z, act, y: &mut y2 };
-            let before = g.q8_generation();
-            let generation = g.delta_rule_seqs_norm(h.shape(n), i(), seqs.rows(), &mut st2, at, &mut o2, norm, q8).unwrap();
-            assert_eq!(generation.is_some(), q8);
-            if let Some(generation) = generation {
-                assert!(generation > before && g.q8_generation() == generation);
-                g.gemv_q8_quantized(&[wt.all()], w, &mut [&mut p2]).unwrap();
-            }
-            let what = format!("{h:?} spans {lens:?} {act:?} call {call}");
-            let bits = |b: &Buf<f32>| g.download(b).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            // The rows of a sequence whose slot is out of range are NaN in both (any NaN).
-            let bad = lens[..n_seq - 1].iter().sum::<usize>() * w;
-            let (y1h, y2h) = (g.download(&y1).unwrap(), g.download(&y2).unwrap());
-            if n_seq > 1 {
-                assert!(y1h[bad..].iter().chain(&y2h[bad..]).all(|x| x.is_nan()), "{what}: the bad slot's normed rows");
-                assert!(g.download(&o2).unwrap()[bad..].iter().all(|x| x.is_nan()), "{what}: the bad slot's rows");
-            }
-            let good = if n_seq > 1 { bad } else { n * w };
-            assert_eq!(bits(&o1)[..good], bits(&o2)[..good], "{what}: the rule's output");
-            let y_bits = |y: &[f32]| y[..good].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(y_bits(&y1h), y_bits(&y2h), "{what}: the normed output");
-            assert!(y2h[..good].iter().all(|x| x.is_finite()), "{what}: finite normed output");
-            assert_eq!(bits(&st1), bits(&st2), "{what}: the states");
-            if q8 {
-                assert_eq!(bits(&p1), bits(&p2), "{what}: the GEMV on the int8 copy");
-            }
-        }
-        println!("{h:?} spans {lens:?} {act:?}: the tail's output, states and int8 copy are the two launches' bits");
-    }
 }
 
 /// A chunked sequence whose slot is out of range gets NaN rows; the others are unaffected.

@@ -346,10 +346,8 @@ impl Model {
         // what it made except the next layer's input norm, so a step holds one layer's
         // activations (a few hundred KiB a token), not all 40 layers' (~9.5 MiB a token).
         let layer_mark = ops.mark();
-
-        // Each residual add goes with the norm that reads h next, and each with the launch that
-        // makes what it adds where a backend fuses them: the mixer's output projection with the
-        // post-norm, the MoE with the next layer's input norm.
+        // Each residual add goes with the norm that reads h next (one pass on backends that fuse
+        // them): the mixer's with the post-norm, the MoE's with the next layer's input norm.
         let mut x = match self.layers.first() {
             Some(layer) => Some(ops.rms_norm(h, layer.attn_norm, c.rms_eps)?),
             None => None,
@@ -357,12 +355,12 @@ impl Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let li = LayerIdx(i as u16);
             let x_in = x.take().expect("every layer's input norm is made before it runs");
-            let (m, wo) = match &layer.mixer {
+            let m = match &layer.mixer {
                 Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x_in, delta)?,
                 Mixer::Attention(at) => at.forward(c, ops, li, x_in)?,
             };
-            let f = ops.matmul_add_rms_norm(wo, m, h, layer.post_norm, c.rms_eps)?; // h += wo·m; [ΣT, D]
-            let (routing, gs) = layer.moe.route(c, ops, f)?;
+            let f = ops.add_rms_norm(h, m, layer.post_norm, c.rms_eps)?; // h += m; [ΣT, D]
+            let (y, routing) = layer.moe.forward(li, c, ops, f)?;
             if let Some(t) = tap.as_mut() {
                 let r = ops.read_routing(routing)?;
                 let k = r.k;
@@ -370,11 +368,8 @@ impl Model {
                 t("route_weights", i, &Mat::from_vec(r.n_tok, k, r.weights.clone()));
             }
             match self.layers.get(i + 1) {
-                Some(next) => x = Some(ops.moe_add_rms_norm(li, f, routing, gs, h, next.attn_norm, c.rms_eps)?), // h += moe(f)
-                None => {
-                    let y = ops.moe(li, f, routing, gs)?;
-                    ops.add(h, y)?
-                }
+                Some(next) => x = Some(ops.add_rms_norm(h, y, next.attn_norm, c.rms_eps)?), // h += y
+                None => ops.add(h, y)?,
             }
             see(&mut tap, ops, "layer_out", i, h)?;
             ops.free_since(layer_mark, x.as_slice())?;
@@ -440,9 +435,8 @@ pub struct SeqBatch<'a> {
 
 impl Attention {
     /// Gated full attention, qwen35moe.md §6.3, over all rows of `x`; each sequence appends
-    /// to and attends over its own KV rows. Returns the gated attention output and the output
-    /// projection that the layer applies with its residual add ([`Ops::matmul_add_rms_norm`]).
-    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor) -> Result<(Tensor, WeightId), Error> {
+    /// to and attends over its own KV rows.
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor) -> Result<Tensor, Error> {
         let (hd, nh) = (c.head_dim, c.n_head);
         let [qg, k, v]: [Tensor; 3] = take(ops.matmul_many(&[self.wq, self.wk, self.wv], x)?); // one pass over x
         // qg [ΣT, nh·2·hd]: per head [q | gate]; k, v [ΣT, hk·hd]
@@ -461,14 +455,14 @@ impl Attention {
         let heads = AttnHeads { n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let o = ops.attention(layer, heads, a.q)?; // [ΣT, nh·hd]
         ops.gate(o, a.gate, Gate::Sigmoid)?;
-        Ok((o, self.wo)) // [ΣT, D] = wo·o
+        Ok(ops.matmul(self.wo, o)?) // [ΣT, D]
     }
 }
 
 impl DeltaNet {
     /// Gated DeltaNet, qwen35moe.md §6.4, over all rows of `x`; the conv and the delta rule
     /// continue each sequence's state.
-    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor, mode: DeltaMode) -> Result<(Tensor, WeightId), Error> {
+    fn forward(&self, c: &Config, ops: &mut dyn Ops, layer: LayerIdx, x: Tensor, mode: DeltaMode) -> Result<Tensor, Error> {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
         let [u, z, b, a]: [Tensor; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
@@ -476,22 +470,21 @@ impl DeltaNet {
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
         let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-        // o [ΣT, nv·dv], then its norm per head (shared weight) ⊙ silu(z)
-        let y = ops.gated_delta_rule_norm(layer, heads, din, mode, self.norm, c.rms_eps, z, Gate::Silu)?;
-        Ok((y, self.out)) // [ΣT, D] = out·y
+        let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
+        let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)
+        Ok(ops.matmul(self.out, y)?) // [ΣT, D]
     }
 }
 
 impl Moe {
     /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
-    /// qwen35moe.md §6.6: routing and the expert FFNs are ops. The router's half: the routing
-    /// and the shared expert's gate logit [T, 1], for [`Ops::moe`] (or
-    /// [`Ops::moe_add_rms_norm`]: y = Σ_e w_e·y_e + σ(gs)·s, [T, D]).
-    fn route(&self, c: &Config, ops: &mut dyn Ops, f: Tensor) -> Result<(Routing, Tensor), Error> {
-        // logits [T, E] (F32 router) into the routing; gs [T, 1]: scalar gate of the shared expert
-        let (routing, ys) = ops.matmul_many_route(&[self.router, self.shared_gate_inp], f, c.n_expert_used)?;
-        let [_, gs]: [Tensor; 2] = take(ys);
-        Ok((routing, gs))
+    /// qwen35moe.md §6.6: routing and the expert FFNs are ops.
+    fn forward(&self, layer: LayerIdx, c: &Config, ops: &mut dyn Ops, f: Tensor) -> Result<(Tensor, Routing), Error> {
+        let [logits, gs]: [Tensor; 2] = take(ops.matmul_many(&[self.router, self.shared_gate_inp], f)?);
+        // logits [T, E] (F32 router), gs [T, 1]: scalar gate of the shared expert
+        let routing = ops.route(logits, c.n_expert_used)?;
+        let y = ops.moe(layer, f, routing, gs)?; // [T, D] = Σ_e w_e·y_e + σ(gs)·s
+        Ok((y, routing))
     }
 }
 

@@ -461,21 +461,6 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
         (**self).add_rms_norm(h, x, w, eps)
     }
-    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
-        (**self).matmul_add_rms_norm(w, x, h, norm, eps)
-    }
-    fn moe_add_rms_norm(
-        &mut self,
-        layer: LayerIdx,
-        x: Tensor,
-        routing: Routing,
-        shared_gate: Tensor,
-        h: Tensor,
-        norm: WeightId,
-        eps: f32,
-    ) -> OpResult<Tensor> {
-        (**self).moe_add_rms_norm(layer, x, routing, shared_gate, h, norm, eps)
-    }
     fn rms_norm_gate(&mut self, x: Tensor, w: WeightId, eps: f32, g: Tensor, act: Gate) -> OpResult<Tensor> {
         (**self).rms_norm_gate(x, w, eps, g, act)
     }
@@ -497,20 +482,6 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         (**self).gated_delta_rule(layer, h, x, mode)
     }
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule_norm(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        w: WeightId,
-        eps: f32,
-        g: Tensor,
-        act: Gate,
-    ) -> OpResult<Tensor> {
-        (**self).gated_delta_rule_norm(layer, h, x, mode, w, eps, g, act)
-    }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         (**self).gate(y, g, act)
     }
@@ -519,9 +490,6 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
         (**self).moe(layer, x, routing, shared_gate)
-    }
-    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
-        (**self).matmul_many_route(ws, x, k)
     }
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {
         (**self).select_rows(x)

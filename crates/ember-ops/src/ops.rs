@@ -84,33 +84,6 @@ pub trait Ops: SeqStore + Send {
         self.rms_norm(h, w, eps)
     }
 
-    /// `h ← h + W·x`, then RMSNorm of `h`: a layer's output projection, its residual add and
-    /// the norm that reads h next ([`Ops::matmul`] then [`Ops::add_rms_norm`]). A backend may end
-    /// the projection's launch with the norm; the results are those of the ops, within the
-    /// norm's tolerance.
-    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
-        let y = self.matmul(w, x)?;
-        self.add_rms_norm(h, y, norm, eps)
-    }
-
-    /// [`Ops::moe`], then `h ← h + y` and RMSNorm of `h` ([`Ops::add_rms_norm`]): the MoE, its
-    /// residual add and the next layer's input norm. A backend may end the MoE's last launch
-    /// with the norm; the results are those of the ops, within the norm's tolerance.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_add_rms_norm(
-        &mut self,
-        layer: LayerIdx,
-        x: Tensor,
-        routing: Routing,
-        shared_gate: Tensor,
-        h: Tensor,
-        norm: WeightId,
-        eps: f32,
-    ) -> OpResult<Tensor> {
-        let y = self.moe(layer, x, routing, shared_gate)?;
-        self.add_rms_norm(h, y, norm, eps)
-    }
-
     /// Gated attention prep (qwen35moe.md §6.3 steps 1–4) at the step's positions: splits `qg`
     /// [T, n_head·2·head_dim] into q and gate, RMS-normalises q and `k` per head, NeoX RoPE.
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn>;
@@ -135,42 +108,12 @@ pub trait Ops: SeqStore + Send {
     /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;
 
-    /// [`Ops::gated_delta_rule`], then [`Ops::rms_norm_gate`] of its output by `g` (per value
-    /// head: `w` is d_v long): the rule and the gated norm that reads its output next. A backend
-    /// may end the rule's launch with the norm; the results are those of the two ops.
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule_norm(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        w: WeightId,
-        eps: f32,
-        g: Tensor,
-        act: Gate,
-    ) -> OpResult<Tensor> {
-        let o = self.gated_delta_rule(layer, h, x, mode)?;
-        self.rms_norm_gate(o, w, eps, g, act)
-    }
-
     /// `y ← y ⊙ act(g)` element by element (same shapes).
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()>;
 
     /// Routing from router logits [N, n_expert]: softmax, the `k` largest (ties to the lower
     /// id), renormalised.
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing>;
-
-    /// [`Ops::matmul_many`], then [`Ops::route`] of its first output (the router's logits, the
-    /// other weights reading the same input beside it). A backend may end the matmul's launch
-    /// with the routing; the results are those of the two ops.
-    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
-        let ys = self.matmul_many(ws, x)?;
-        let Some(&logits) = ys.first() else {
-            return Err(OpError::new("matmul_many_route", self.device(), "no weights", "a router's logits to route"));
-        };
-        Ok((self.route(logits, k)?, ys))
-    }
 
     /// The mixture of experts of `layer` on `routing` plus the gated shared expert
     /// (qwen35moe.md §6.6 steps 4–7); `shared_gate` [N, 1]. Returns [N, D].

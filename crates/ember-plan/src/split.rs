@@ -567,37 +567,6 @@ impl Ops for Split {
         Ok(self.wrap(p, y))
     }
 
-    // The layer's part does both (and may fuse them) where the norm's weight lives there too.
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule_norm(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        w: WeightId,
-        eps: f32,
-        g: Tensor,
-        act: Gate,
-    ) -> OpResult<Tensor> {
-        const OP: &str = "gated_delta_rule_norm";
-        let p = self.layer(OP, layer)?;
-        if self.of_weight(OP, w)? != p {
-            let o = self.gated_delta_rule(layer, h, x, mode)?;
-            return self.rms_norm_gate(o, w, eps, g, act);
-        }
-        let x = DeltaIn {
-            q: self.on(OP, x.q, p)?,
-            k: self.on(OP, x.k, p)?,
-            v: self.on(OP, x.v, p)?,
-            g: self.on(OP, x.g, p)?,
-            beta: self.on(OP, x.beta, p)?,
-        };
-        let g = self.on(OP, g, p)?;
-        let y = self.parts[p].gated_delta_rule_norm(layer, h, x, mode, w, eps, g, act)?;
-        Ok(self.wrap(p, y))
-    }
-
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         let (p, yi) = self.handle("gate", y)?;
         let g = self.on("gate", g, p)?;

@@ -45,24 +45,13 @@ impl Slab {
 }
 
 /// The buffers of the handles below an op's first output, indexed by handle id.
-/// The live buffers below an op's outputs, to read, by handle; `hole` (when below them) is
-/// the one the op writes ([`Arena::split_taking`]).
-pub(super) struct Ins<'a> {
-    lo: &'a [Option<Slab>],
-    hole: usize,
-    hi: &'a [Option<Slab>],
-}
+pub(super) struct Ins<'a>(&'a [Option<Slab>]);
 
 impl Index<usize> for Ins<'_> {
     type Output = Buf<f32>;
-    /// Panics on a freed handle (every op checks its inputs, [`Arena::check`], first) and on
-    /// the handle the op took to write.
+    /// Panics on a freed handle: every op checks its inputs ([`Arena::check`]) first.
     fn index(&self, i: usize) -> &Buf<f32> {
-        match i.cmp(&self.hole) {
-            std::cmp::Ordering::Less => live(&self.lo[i]),
-            std::cmp::Ordering::Equal => panic!("buffer {i} was taken to write"),
-            std::cmp::Ordering::Greater => live(&self.hi[i - self.hole - 1]),
-        }
+        live(&self.0[i])
     }
 }
 
@@ -153,17 +142,7 @@ impl Arena {
     /// outputs just allocated, in order).
     pub fn split(&mut self, at: u32) -> (Ins<'_>, Vec<&mut Buf<f32>>) {
         let (lo, hi) = self.held.split_at_mut(at as usize);
-        let hole = lo.len();
-        (Ins { lo, hole, hi: &[] }, hi.iter_mut().map(live_mut).collect())
-    }
-
-    /// [`Arena::split`] with handle `a` (below `at`, live) taken out of the inputs to write.
-    pub fn split_taking(&mut self, at: u32, a: u32) -> (Ins<'_>, &mut Buf<f32>, Vec<&mut Buf<f32>>) {
-        assert!(a < at, "split_taking: buffer {a} must come before {at}");
-        let (lo, hi) = self.held.split_at_mut(at as usize);
-        let (below, from_a) = lo.split_at_mut(a as usize);
-        let (taken, above) = from_a.split_first_mut().expect("a < at");
-        (Ins { lo: below, hole: a as usize, hi: above }, live_mut(taken), hi.iter_mut().map(live_mut).collect())
+        (Ins(lo), hi.iter_mut().map(live_mut).collect())
     }
 
     /// Buffers `a` and `c` to write and buffer `b` to read (all different and live, `c` after

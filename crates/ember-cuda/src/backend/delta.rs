@@ -1,19 +1,11 @@
 //! The DeltaNet ops on the device: the conv, prep and the delta rule.
 
 use ember_ops::{
-    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, Gate, LayerIdx, Mat, OpError, OpResult, Ops, StateKind, Tensor, WeightId, check,
+    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
 };
 
-use super::{CudaOps, act_of, cuda, shape_of};
-use crate::ops::{DELTA_NORM_TAIL_MAX, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, GatedNorm, SeqRows};
-
-/// The gated norm after a delta rule ([`ember_ops::Ops::gated_delta_rule_norm`]).
-pub(super) struct RuleNorm {
-    pub w: WeightId,
-    pub eps: f32,
-    pub g: Tensor,
-    pub act: Gate,
-}
+use super::{CudaOps, cuda, shape_of};
+use crate::ops::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
 
 impl CudaOps {
     /// [`ember_ops::Ops::conv1d_silu`]: every sequence's rows in one launch, its conv state carried.
@@ -62,20 +54,8 @@ impl CudaOps {
         Ok(DeltaIn { q, k, v, g, beta })
     }
 
-    /// [`ember_ops::Ops::gated_delta_rule`]: the scan, the chunked form, or both split by length;
-    /// with `norm`, [`ember_ops::Ops::gated_delta_rule_norm`]: the norm in the scan's launch
-    /// where every sequence is scanned and the head fits the tail (`EMBER_DELTA_NORM_TAIL=1`),
-    /// else [`ember_ops::Ops::rms_norm_gate`] after it. Either way the step allocates the same
-    /// handles in the same order (the rule's output, the chunked form's scratch, the norm's
-    /// output), so what follows does not depend on the form.
-    pub(super) fn rule_op(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        norm: Option<RuleNorm>,
-    ) -> OpResult<Tensor> {
+    /// [`ember_ops::Ops::gated_delta_rule`]: the scan, the chunked form, or both split by length.
+    pub(super) fn rule_op(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         const OP: &str = "gated_delta_rule";
         let dev = self.dev;
         self.rows_check(OP, x.q)?;
@@ -105,14 +85,10 @@ impl CudaOps {
         let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
         let (sn, sd) = if chunked { (n, shape.chunk_scratch() / n) } else { (1, 1) };
         self.arena.alloc(&self.gpu, OP, sn, sd)?;
-        let tail = match &norm {
-            Some(nm) if self.gpu.delta_norm_tail_on() && !chunked => self.norm_tail_fits(h, y, nm)?,
-            _ => None,
-        };
         let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
         let (ins, mut outs) = self.arena.split(y.id);
-        let (out, rest) = outs.split_at_mut(1);
+        let (out, scratch) = outs.split_at_mut(1);
         let input = crate::ops::DeltaIn {
             q: &ins[x.q.id as usize],
             k: &ins[x.k.id as usize],
@@ -120,42 +96,9 @@ impl CudaOps {
             g: &ins[x.g.id as usize],
             beta: &ins[x.beta.id as usize],
         };
-        let (Some((q8, yn)), Some(nm)) = (tail, &norm) else {
-            self.gpu
-                .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, out[0], rest[0], from)
-                .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
-            return match norm {
-                Some(nm) => self.rms_norm_gate(y, nm.w, nm.eps, nm.g, nm.act),
-                None => Ok(y),
-            };
-        };
-        let wv = self.weights.vector(OP, nm.w)?;
-        let gated = GatedNorm { w: wv, eps: nm.eps, gate: &ins[nm.g.id as usize], act: act_of(nm.act), y: rest[1] };
-        let generation = self
-            .gpu
-            .delta_rule_seqs_norm(shape, input, seqs, state, at, out[0], gated, q8)
+        self.gpu
+            .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, out[0], scratch[0], from)
             .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
-        if let Some(generation) = generation {
-            self.q8_x = Some((yn.id, generation));
-        }
-        Ok(yn)
-    }
-
-    /// Whether the gated norm after the rule's output `o` fits the scan's tail (d_v a multiple
-    /// of 32, at most [`DELTA_NORM_TAIL_MAX`], the weight d_v long, the gate o's shape): if so
-    /// the norm's output, allocated here, and whether it also takes the int8 copy (as
-    /// [`ember_ops::Ops::rms_norm_gate`] would). The gate's and weight's checks are
-    /// `rms_norm_gate`'s.
-    fn norm_tail_fits(&mut self, h: DeltaHeads, o: Tensor, nm: &RuleNorm) -> OpResult<Option<(bool, Tensor)>> {
-        const OP: &str = "rms_norm_gate";
-        self.arena.check(OP, nm.g)?;
-        check::same(OP, self.dev, &shape_of(o), &shape_of(nm.g))?;
-        let wv = self.weights.vector(OP, nm.w)?;
-        check::rms_norm(OP, self.dev, &shape_of(o), wv.len())?;
-        if wv.len() != h.d_v || !h.d_v.is_multiple_of(32) || h.d_v > DELTA_NORM_TAIL_MAX {
-            return Ok(None);
-        }
-        let q8 = self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, o.d, o.n, self.precision);
-        Ok(Some((q8, self.arena.alloc(&self.gpu, OP, o.n, o.d)?)))
+        Ok(y)
     }
 }

@@ -1,10 +1,10 @@
 //! The routed experts of [`CudaOps`]: which ones a layer holds (the expert tier's residency),
 //! the MoE op over them, and the streamed path that uploads a prompt batch's missing experts.
 
-use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, Tensor, WeightId, check};
+use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, Tensor, check};
 
 use super::{CudaOps, cuda, shape_of};
-use crate::ops::{Act, AddNorm, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+use crate::ops::{Act, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 use crate::{Buf, Mailbox};
 
 /// Where [`CudaOps::moe_streamed`] puts a batch's experts: `n_slots` experts stacked like a
@@ -115,20 +115,8 @@ impl CudaOps {
     }
 
     /// The MoE op with the layer's own experts, or (`streamed`) with the experts
-    /// [`CudaOps::moe_streamed`] just put in the stream scratch. With `tail` = (h, norm, eps),
-    /// one token's int8 path (the shared expert in the routed kernels, every expert resident:
-    /// with some on the host, their part is added to y after this op) ends its down launch with
-    /// `h ← h + y` and h's norm ([`AddNorm`]) and returns that too; `None` beside y when another
-    /// path ran, for the caller's [`ember_ops::Ops::add_rms_norm`].
-    pub(super) fn moe_on(
-        &mut self,
-        layer: LayerIdx,
-        x: Tensor,
-        routing: Routing,
-        shared_gate: Tensor,
-        streamed: bool,
-        tail: Option<(Tensor, WeightId, f32)>,
-    ) -> OpResult<(Tensor, Option<Tensor>)> {
+    /// [`CudaOps::moe_streamed`] just put in the stream scratch.
+    pub(super) fn moe_on(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor, streamed: bool) -> OpResult<Tensor> {
         const OP: &str = "moe";
         let dev = self.dev;
         let m = *self.weights.reg.moe(OP, layer)?;
@@ -175,19 +163,6 @@ impl CudaOps {
         }
         let (n, n_ffs) = (x.n, sg.n_rows);
         let held = self.q8_holds(x);
-        if let Some((h, _, _)) = tail {
-            self.arena.check(OP, h)?;
-        }
-        // The norm after the down launch: one token, h [1, d_out], the int8 path with the shared
-        // expert inside (decided below as there), h not the MoE's input.
-        let tail_w = match tail {
-            Some((h, w, eps))
-                if self.gpu.norm_tail_on() && n == 1 && h.n == 1 && h.d == d_out && h.id != x.id && h.id != shared_gate.id =>
-            {
-                Some((h, self.weights.vector(OP, w)?, eps))
-            }
-            _ => None,
-        };
         let (gpu, arena, prec) = (&self.gpu, &mut self.arena, self.precision);
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
@@ -200,26 +175,10 @@ impl CudaOps {
         for (rows, width) in [(n, routing.k * m.n_ff + n_ffs), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
             arena.alloc(gpu, OP, rows, width)?;
         }
-        // The tail's output (the normed h) last.
-        let normed = match tail_w {
-            Some(_) => Some(arena.alloc(gpu, OP, 1, d_out)?),
-            None => None,
-        };
         let (rb, _) = self.routes.get(OP, routing)?;
-        // The tail writes h, an input: taken apart from the others.
-        let (ins, mut h_buf, mut outs) = match tail_w {
-            Some((h, _, _)) => {
-                let (ins, hb, outs) = arena.split_taking(out.id, h.id);
-                (ins, Some(hb), outs)
-            }
-            None => {
-                let (ins, outs) = arena.split(out.id);
-                (ins, None, outs)
-            }
-        };
-        let [ob, hb, gb, ub, db, sb, rest @ ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
+        let (ins, mut outs) = arena.split(out.id);
+        let [ob, hb, gb, ub, db, sb, ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
-        let mut fused = None;
         let mut run = || -> crate::Result<()> {
             let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };
             let routed = MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k };
@@ -232,15 +191,7 @@ impl CudaOps {
                 }
                 let shared = MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gsb };
                 if gpu.moe_shared_on() && shared.fits(experts, x.d) {
-                    // The shared expert in the routed experts' kernels: three launches in all,
-                    // the last ending in the next norm when asked for and it fits.
-                    if let (Some((_, w, eps)), Some(h_buf), [fb, ..], None) = (tail_w, h_buf.as_deref_mut(), &mut *rest, slots) {
-                        let add_norm = AddNorm { h: h_buf, w, eps, out: fb };
-                        if add_norm.fits(ob, d_out) {
-                            fused = Some(gpu.moe_q8_add_norm(experts, Some(shared), xb, routed, hb, ob, true, add_norm)?);
-                            return Ok(());
-                        }
-                    }
+                    // The shared expert in the routed experts' kernels: three launches in all.
                     return gpu.moe_q8(experts, Some(shared), xb, n, routed, hb, ob, true);
                 }
                 if sg.ty == su.ty {
@@ -260,13 +211,7 @@ impl CudaOps {
             gpu.moe_shared_add(ob, db, gsb, n, d_out)
         };
         run().map_err(cuda(OP, dev))?;
-        match (fused, normed) {
-            (Some(generation), Some(f)) => {
-                self.q8_x = Some((f.id, generation));
-                Ok((out, Some(f)))
-            }
-            _ => Ok((out, None)),
-        }
+        Ok(out)
     }
 
     /// The MoE of a prompt batch with every expert it routes to on the GPU: `touched` (the
@@ -344,7 +289,7 @@ impl CudaOps {
         st.n_slots = n;
         self.stream = Some(st);
         filled.map_err(fail)?;
-        Ok(self.moe_on(layer, x, routing, shared_gate, true, None)?.0)
+        self.moe_on(layer, x, routing, shared_gate, true)
     }
 
     /// Seconds a staged gather-upload of `parts` takes once and `n` times over (one call

@@ -9,11 +9,8 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{
-    AddNorm, AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, ROUTE_TAIL_MAX_EXPERTS, SeqRows,
-};
+use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
 
-use super::delta::RuleNorm;
 use super::read::CudaMark;
 use super::weights::DevWeights;
 use super::{CudaOps, GRAPH_MAX_ROWS, act_of, check_matmul, cuda, put, put_all, shape_of};
@@ -305,61 +302,6 @@ impl Ops for CudaOps {
         Ok(y)
     }
 
-    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
-        const OP: &str = "matmul_add_rms_norm";
-        self.arena.check(OP, x)?;
-        self.arena.check(OP, h)?;
-        let (info, dw) = self.weights.matrix(OP, w)?;
-        check_matmul(OP, self.dev, info, x)?;
-        let wv = self.weights.vector(OP, norm)?;
-        // One token under Fast with x's int8 copy at hand: the GEMV's last block adds and
-        // normalises (AddNorm); otherwise the two ops.
-        let fused = self.gpu.norm_tail_on()
-            && x.n == 1
-            && h.n == 1
-            && h.id != x.id
-            && info.n_rows == h.d
-            && self.q8_holds(x)
-            && self.gpu.uses_gemv_q8(dw.ty, dw.k, 1, self.precision);
-        if !fused {
-            let y = self.matmul(w, x)?;
-            return self.add_rms_norm(h, y, norm, eps);
-        }
-        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
-        let y = self.arena.alloc(&self.gpu, OP, 1, info.n_rows)?;
-        let f = self.arena.alloc(&self.gpu, OP, 1, h.d)?;
-        let (_, hb, mut outs) = self.arena.split_taking(y.id, h.id);
-        let [yb, fb, ..] = &mut outs[..] else { unreachable!("two outputs were just allocated") };
-        let add_norm = AddNorm { h: hb, w: wv, eps, out: fb };
-        if !add_norm.fits(yb, h.d) {
-            // (A norm weight of another length, or buffers off 16-byte alignment: the two ops.)
-            self.gpu.gemv_q8_quantized(&[dw.all()], dw.k, &mut [&mut **yb]).map_err(cuda(OP, self.dev))?;
-            return self.add_rms_norm(h, y, norm, eps);
-        }
-        let generation = self.gpu.gemv_q8_add_norm(dw.all(), dw.k, yb, add_norm).map_err(cuda(OP, self.dev))?;
-        self.q8_x = Some((f.id, generation));
-        Ok(f)
-    }
-
-    fn moe_add_rms_norm(
-        &mut self,
-        layer: LayerIdx,
-        x: Tensor,
-        routing: Routing,
-        shared_gate: Tensor,
-        h: Tensor,
-        norm: WeightId,
-        eps: f32,
-    ) -> OpResult<Tensor> {
-        let wv = self.weights.vector("moe_add_rms_norm", norm)?;
-        check::rms_norm("moe_add_rms_norm", self.dev, &shape_of(h), wv.len())?;
-        let (y, fused) = self.moe_on(layer, x, routing, shared_gate, false, Some((h, norm, eps)))?;
-        match fused {
-            Some(f) => Ok(f),
-            None => self.add_rms_norm(h, y, norm, eps),
-        }
-    }
-
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
         const OP: &str = "attn_prep";
         self.rows_check(OP, qg)?;
@@ -453,22 +395,7 @@ impl Ops for CudaOps {
     }
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
-        self.rule_op(layer, h, x, mode, None)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule_norm(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        w: WeightId,
-        eps: f32,
-        g: Tensor,
-        act: Gate,
-    ) -> OpResult<Tensor> {
-        self.rule_op(layer, h, x, mode, Some(RuleNorm { w, eps, g, act }))
+        self.rule_op(layer, h, x, mode)
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
@@ -508,52 +435,8 @@ impl Ops for CudaOps {
         self.route_op(logits, k)
     }
 
-    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
-        const OP: &str = "matmul_many_route";
-        self.arena.check(OP, x)?;
-        let dws = ws.iter().map(|&w| Ok(self.weights.matrix(OP, w)?.1)).collect::<OpResult<Vec<_>>>()?;
-        // One token whose weights (a float router and what reads the same input) take one GEMV
-        // launch: its last warp routes (RouteTail); otherwise the two ops.
-        let one_launch = dws.first().is_some_and(|d0| {
-            dws.len() <= GEMV_MULTI
-                && dws.iter().all(|d| d.ty == d0.ty && d.k == d0.k)
-                && matches!(d0.ty, ember_gguf::GgmlType::F32 | ember_gguf::GgmlType::F16 | ember_gguf::GgmlType::BF16)
-                && d0.n_rows <= ROUTE_TAIL_MAX_EXPERTS
-                && self.gpu.uses_gemv(d0.k, 1, self.precision)
-        });
-        if !(self.gpu.route_tail_on() && x.n == 1 && one_launch) {
-            let ys = self.matmul_many(ws, x)?;
-            let Some(&logits) = ys.first() else { return Err(OpError::new(OP, self.dev, "no weights", "a router's logits to route")) };
-            return Ok((self.route(logits, k)?, ys));
-        }
-        for &w in ws {
-            check_matmul(OP, self.dev, self.weights.matrix(OP, w)?.0, x)?;
-        }
-        let n_expert = dws[0].n_rows;
-        let mut ys = Vec::with_capacity(ws.len());
-        for d in &dws {
-            ys.push(self.arena.alloc(&self.gpu, OP, 1, d.n_rows)?);
-        }
-        check::route(OP, self.dev, &shape_of(ys[0]), k)?;
-        let (r, rb) = self.routes.alloc(&self.gpu, OP, 1, k, n_expert)?;
-        let (ins, mut outs) = self.arena.split(ys[0].id);
-        let xb = &ins[x.id as usize];
-        let refs: Vec<_> = dws.iter().map(|d| d.all()).collect();
-        let mut ys_b: Vec<&mut Buf<f32>> = outs.iter_mut().take(dws.len()).map(|y| &mut **y).collect();
-        let (gpu, precision) = (&self.gpu, self.precision);
-        let mut run = || -> crate::Result<()> {
-            if !gpu.matmul_multi_route(&refs, xb, &mut ys_b, precision, k, &mut rb.ids, &mut rb.weights)? {
-                gpu.matmul_multi_prec(&refs, xb, 1, &mut ys_b, precision)?;
-                gpu.route(ys_b[0], 1, n_expert, k, &mut rb.ids, &mut rb.weights)?;
-            }
-            Ok(())
-        };
-        run().map_err(cuda(OP, self.dev))?;
-        Ok((r, ys))
-    }
-
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
-        Ok(self.moe_on(layer, x, routing, shared_gate, false, None)?.0)
+        self.moe_on(layer, x, routing, shared_gate, false)
     }
 
     fn select_rows(&mut self, x: Tensor) -> OpResult<Tensor> {

@@ -1,6 +1,6 @@
 use cudarc::driver::DeviceRepr;
 
-use super::{Act, SeqRows, StateAt, blocks, need, u32_of};
+use super::{SeqRows, StateAt, blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{DELTA_CHUNKED, DELTA_RULE};
@@ -66,42 +66,10 @@ struct DeltaSeqsParams {
     d_v: u32,
     n_slots: u32,
     scan_below: u32,
-    tail: DeltaNormTail,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct DeltaNormTail {
-    w: u64,
-    gate: u64,
-    y: u64,
-    q: u64,
-    count: u64,
-    eps: f32,
-    act: u32,
-    q_n: u32,
-    pad: u32,
-}
-
-// SAFETY: plain #[repr(C)] data matching `DeltaSeqsParams` and `DeltaNormTail` in
-// kernels/delta_rule.cu (12 u64, 6 u32, then the tail's 5 u64, an f32 and 3 u32 at offset 120:
-// 176 bytes, no padding in either language).
+// SAFETY: plain #[repr(C)] data matching `DeltaSeqsParams` in kernels/delta_rule.cu.
 unsafe impl DeviceRepr for DeltaSeqsParams {}
-const _: () = assert!(std::mem::size_of::<DeltaSeqsParams>() == 176);
-
-/// The gated norm a delta rule may end with ([`Gpu::delta_rule_seqs_norm`]): what
-/// [`Gpu::rms_norm_gate`] of the rule's output gives per value head (weight `w`, d_v long), into
-/// `y`.
-pub struct GatedNorm<'a> {
-    pub w: &'a Buf<f32>,
-    pub eps: f32,
-    pub gate: &'a Buf<f32>,
-    pub act: Act,
-    pub y: &'a mut Buf<f32>,
-}
-
-/// The widest value head a gated norm tail takes (its warp's 4 values a lane).
-pub const DELTA_NORM_TAIL_MAX: usize = 128;
 
 /// Tokens per chunk of the chunked form (`DC` in kernels/delta_chunked.cu).
 pub const DELTA_CHUNK: usize = 32;
@@ -207,7 +175,7 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "delta_rule_seqs";
         check_seqs(OP, s, &i, seqs, state, at, out)?;
-        self.scan(s, &i, seqs, state, at, out, u32::MAX, DeltaNormTail::default())
+        self.scan(s, &i, seqs, state, at, out, u32::MAX)
     }
 
     /// [`Gpu::delta_rule_seqs`] with the sequences of at least `from` tokens (`lens`, the host's
@@ -237,7 +205,7 @@ impl Gpu {
         let longest = lens.iter().copied().filter(|&n| n >= from).max();
         let below = u32::try_from(from).unwrap_or(u32::MAX);
         if lens.iter().any(|&n| n < from) {
-            self.scan(s, &i, seqs, state, at, out, below, DeltaNormTail::default())?;
+            self.scan(s, &i, seqs, state, at, out, below)?;
         }
         let Some(longest) = longest else { return Ok(()) };
         if !s.chunkable() {
@@ -285,54 +253,7 @@ impl Gpu {
         }
     }
 
-    /// [`Gpu::delta_rule_seqs`] ending in the gated norm that reads its output next, by each
-    /// head's last block (`DeltaNormTail` in kernels/delta_rule.cu): `norm.y` gets what
-    /// [`Gpu::rms_norm_gate`]`(out, n_tok, nv·dv, norm.w, ...)` gives, bit for bit, and with `q8`
-    /// also [`Gpu::rms_norm_gate_q8`]'s int8 copy, whose generation it returns. One launch where
-    /// there were two: the norm's launch leaves a decode step's chain. Needs d_v a multiple of
-    /// 32 and at most [`DELTA_NORM_TAIL_MAX`], the weight d_v long; every sequence is scanned.
-    #[allow(clippy::too_many_arguments)]
-    pub fn delta_rule_seqs_norm(
-        &self,
-        s: DeltaShape,
-        i: DeltaIn<'_>,
-        seqs: SeqRows<'_>,
-        state: &mut Buf<f32>,
-        at: StateAt,
-        out: &mut Buf<f32>,
-        norm: GatedNorm<'_>,
-        q8: bool,
-    ) -> Result<Option<u64>> {
-        const OP: &str = "delta_rule_seqs_norm";
-        check_seqs(OP, s, &i, seqs, state, at, out)?;
-        let (n, dv) = (s.n_tok * s.n_v_head * s.d_v, s.d_v);
-        if !dv.is_multiple_of(32) || dv > DELTA_NORM_TAIL_MAX || norm.w.len() != dv {
-            return Err(shape(
-                OP,
-                format!("d_v = {dv} (a multiple of 32, at most {DELTA_NORM_TAIL_MAX}), norm weight of {}", norm.w.len()),
-            ));
-        }
-        need(OP, "gate", norm.gate, n)?;
-        need(OP, "y", norm.y, n)?;
-        let q = if q8 { self.q8_scratch(super::q8_bytes(n))? } else { 0 };
-        let generation = q8.then(|| self.bump_q8_generation());
-        let tail = DeltaNormTail {
-            w: norm.w.ptr(),
-            gate: norm.gate.ptr(),
-            y: norm.y.ptr(),
-            q,
-            count: self.tail_count(seqs.n_seq * s.n_v_head)?,
-            eps: norm.eps,
-            act: (norm.act == Act::Sigmoid) as u32,
-            q_n: u32_of(OP, "values", n)?,
-            pad: 0,
-        };
-        self.scan(s, &i, seqs, state, at, out, u32::MAX, tail)?;
-        Ok(generation)
-    }
-
-    /// The scan of the sequences of fewer than `below` tokens (checked by the caller), with the
-    /// gated norm's tail when `tail.w` is set (checked by [`Gpu::delta_rule_seqs_norm`]).
+    /// The scan of the sequences of fewer than `below` tokens (checked by the caller).
     #[allow(clippy::too_many_arguments)]
     fn scan(
         &self,
@@ -343,7 +264,6 @@ impl Gpu {
         at: StateAt,
         out: &mut Buf<f32>,
         below: u32,
-        tail: DeltaNormTail,
     ) -> Result<()> {
         const OP: &str = "delta_rule_seqs";
         let (nk, dk, nv, dv) = (s.n_k_head, s.d_k, s.n_v_head, s.d_v);
@@ -369,14 +289,10 @@ impl Gpu {
             d_v: u32_of(OP, "d_v", dv)?,
             n_slots: u32_of(OP, "n_slots", at.n_slots)?,
             scan_below: below,
-            tail,
         };
         let f = self.function(&DELTA_RULE, "delta_rule_seqs")?;
-        // SAFETY: sizes checked by the caller (check_seqs, and the tail's by
-        // delta_rule_seqs_norm: d_v % 32 == 0, so the grid covers nv·dv exactly and each block's
-        // 4 columns are one head's; the counter holds n_seq·nv); the spans lie inside the rows
-        // (the caller's contract); the kernel skips slots >= n_slots; d_k / 32 <=
-        // DELTA_MAX_PER_LANE.
+        // SAFETY: sizes checked by the caller (check_seqs); the spans lie inside the rows (the
+        // caller's contract); the kernel skips slots >= n_slots; d_k / 32 <= DELTA_MAX_PER_LANE.
         unsafe { self.launch(&f, (blocks(nv * dv, 4), seqs.n_seq as u32, 1), 128, 0, &p) }
     }
 }

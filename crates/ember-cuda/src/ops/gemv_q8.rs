@@ -7,7 +7,7 @@ use cudarc::driver::DeviceRepr;
 use ember_gguf::GgmlType;
 
 use super::matmul::{Precision, WeightRef};
-use super::{AddNorm, NormTail, blocks, need, u32_of};
+use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::GEMV_Q8;
@@ -89,13 +89,11 @@ struct GemvQ8Params {
     k: u32,
     n: u32,
     prefetch: u32,
-    tail: NormTail,
 }
 
 // SAFETY: plain #[repr(C)] data matching `GemvQ8Params` in kernels/gemv_q8.cu (72 bytes of u64,
-// then 17 + 3 u32, then the 48-byte NormTail at 152: 200 bytes, no padding in either language).
+// then 17 + 3 u32: 152 bytes, no padding in either language).
 unsafe impl DeviceRepr for GemvQ8Params {}
-const _: () = assert!(std::mem::size_of::<GemvQ8Params>() == 200);
 
 #[repr(C)]
 struct GemvQ8MixedParams {
@@ -181,23 +179,7 @@ impl Gpu {
     /// that [`Gpu::quantize_q8`] last quantised (with this k). Weights of one type take that
     /// type's kernel; of several types, `gemv_q8_mixed`, whose outputs are the same bits.
     pub fn gemv_q8_quantized(&self, ws: &[WeightRef<'_>], k: usize, ys: &mut [&mut Buf<f32>]) -> Result<()> {
-        self.gemv_q8_launch(ws, k, ys, None)
-    }
-
-    /// `y = x · wᵀ` for one token from the quantised x, as [`Gpu::gemv_q8_quantized`], and then,
-    /// in the same launch, `add_norm` on y ([`AddNorm`]: h ← h + y and its norm with its int8
-    /// copy, which replaces x's in the scratch). Returns the scratch's generation after it.
-    pub fn gemv_q8_add_norm(&self, w: WeightRef<'_>, k: usize, y: &mut Buf<f32>, add_norm: AddNorm<'_>) -> Result<u64> {
-        let (tail, smem, generation) = add_norm.tail(self, y, w.n_rows, k)?;
-        self.gemv_q8_launch(&[w], k, &mut [y], Some((tail, smem)))?;
-        Ok(generation)
-    }
-
-    fn gemv_q8_launch(&self, ws: &[WeightRef<'_>], k: usize, ys: &mut [&mut Buf<f32>], tail: Option<(NormTail, u32)>) -> Result<()> {
         let n = ws.len();
-        if tail.is_some() && n != 1 {
-            return Err(shape(OP, format!("a norm after {n} weights (one only)")));
-        }
         if n == 0 || n > GEMV_Q8_MULTI || ys.len() != n {
             return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_Q8_MULTI})", ys.len())));
         }
@@ -214,7 +196,7 @@ impl Gpu {
         let ty = ws[0].ty();
         let mixed = ws.iter().any(|w| w.ty() != ty);
         let q = self.q8_scratch(q8_bytes(k))?;
-        if n == 1 && tail.is_none() && self.gemv_q8_rows(&ws[0], k, q, ys[0])? {
+        if n == 1 && self.gemv_q8_rows(&ws[0], k, q, ys[0])? {
             return Ok(());
         }
         let bytes: usize = ws.iter().map(|w| w.n_rows * w.row_bytes()).sum();
@@ -229,9 +211,7 @@ impl Gpu {
             k: u32_of(OP, "k", k)?,
             n: n as u32,
             prefetch: if bytes <= PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
-            tail: tail.map_or(NormTail::default(), |(t, _)| t),
         };
-        let smem = tail.map_or(0, |(_, s)| s);
         let mut total = 0u32;
         let mut tys = [0u32; GEMV_Q8_MULTI];
         for (i, (w, y)) in ws.iter().zip(ys.iter()).enumerate() {
@@ -258,19 +238,15 @@ impl Gpu {
         // each); each y holds n_rows floats (checked); the scratch holds q8_bytes(k). Alignment:
         // Q4_K rows and blocks are multiples of 16 bytes (the kernel's 16-byte loads), Q6_K and
         // Q8_0 are read 2 bytes at a time; the int8 x is read 16 (Q4_K) or 8 bytes at a time at
-        // multiples of that. gemv_q8_mixed's ty[i] is weight i's type, one the kernel has. With
-        // a tail (one weight, checked): h and out hold n_rows floats and w is n_rows long, n_rows
-        // a multiple of 32, h, y and w 16-byte aligned (AddNorm::tail checked), its counter is
-        // zero between launches, and smem holds its 3·n_rows staged floats; the tail's int8
-        // copy fits the scratch (sized for the larger of k and n_rows).
+        // multiples of that. gemv_q8_mixed's ty[i] is weight i's type, one the kernel has.
         if mixed {
             let f = self.function(&GEMV_Q8, "gemv_q8_mixed")?;
             let p = GemvQ8MixedParams { g: p, ty: tys };
-            return unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, smem, &p) };
+            return unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) };
         }
         let Some(sfx) = suffix(ty) else { unreachable!("every type was checked above") };
         let f = self.function(&GEMV_Q8, &format!("gemv_q8_{sfx}"))?;
-        unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, smem, &p) }
+        unsafe { self.launch(&f, (total, 1, 1), THREADS as u32, 0, &p) }
     }
 
     /// `y = x · wᵀ` by gemv_q8_rows when `w` is large and of a type it has, its rows whole

@@ -3,7 +3,6 @@ use cudarc::driver::{CudaFunction, DeviceRepr};
 use ember_gguf::GgmlType;
 
 use super::gemv_q8::q8_bytes;
-use super::route::RouteTail;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
@@ -297,13 +296,11 @@ struct MatmulMultiParams {
     n: u32,
     ksplit: [u32; GEMV_MULTI],
     prefetch: u32,
-    rt: RouteTail,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MatmulMultiParams` in kernels/matmul.cu (u64 arrays
-// first, then u32s, 160 bytes, then the 40-byte RouteTail: no padding on either side).
+// first, then u32s: no padding on either side).
 unsafe impl DeviceRepr for MatmulMultiParams {}
-const _: () = assert!(std::mem::size_of::<MatmulMultiParams>() == 200);
 
 impl Gpu {
     /// Uploads a weight's file bytes unchanged.
@@ -414,18 +411,6 @@ impl Gpu {
         ys: &mut [&mut Buf<f32>],
         precision: Precision,
     ) -> Result<()> {
-        self.matmul_multi_launch(ws, x, n_tok, ys, precision, RouteTail::default())
-    }
-
-    pub(super) fn matmul_multi_launch(
-        &self,
-        ws: &[WeightRef<'_>],
-        x: &Buf<f32>,
-        n_tok: usize,
-        ys: &mut [&mut Buf<f32>],
-        precision: Precision,
-        rt: RouteTail,
-    ) -> Result<()> {
         let n = ws.len();
         if n == 0 || n > GEMV_MULTI || ys.len() != n {
             return Err(shape(OP, format!("{n} weights and {} outputs in one launch (1 to {GEMV_MULTI})", ys.len())));
@@ -452,7 +437,6 @@ impl Gpu {
             n: n as u32,
             ksplit: [1; GEMV_MULTI],
             prefetch: 0,
-            rt,
         };
         if ws.iter().map(|w| w.n_rows * w.w.row_bytes).sum::<usize>() <= super::gemv_q8::PREFETCH_MAX_BYTES {
             p.prefetch = super::l2_prefetch();
@@ -478,9 +462,7 @@ impl Gpu {
         // SAFETY (both launches): `p` is the kernel's parameter struct; every weight pointer
         // addresses its rows (WeightRef's range was checked), x holds n_tok·k values and each y
         // n_tok·n_rows (checked above); matmul_mmv's 16-byte activation loads need k % 64 == 0
-        // (uses_mmv). A route tail (matmul_multi_route: one token, the GEMV, a float type, at
-        // most 256 experts, ids and weights holding k, checked) reads weight 0's y and counts
-        // on the tail counter, zero between launches.
+        // (uses_mmv).
         if mmv {
             let aligned = ws.iter().all(|w| w.ptr().is_multiple_of(16));
             let (f, grid, smem) = self.mmv_function("matmul_mmv_multi", ty, k, ws[0].w.row_bytes, aligned, n_tok, blocks_so_far)?;

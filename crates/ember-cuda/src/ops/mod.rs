@@ -27,7 +27,7 @@ pub use attention::{
 };
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
-pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DELTA_NORM_TAIL_MAX, DeltaIn, DeltaShape, GatedNorm};
+pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub(crate) use gemv_q8::{ROWS_MIN_BYTES as GEMV_Q8_ROWS_MIN_BYTES, gemv_q8_mixed_on};
@@ -37,9 +37,7 @@ pub use matmul::{
 };
 pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 pub(crate) use moe::{MOE8S_MAX_PAIRS, MOE8SD_MAX_PAIRS};
-pub use rms_norm::AddNorm;
-pub(crate) use rms_norm::NormTail;
-pub use route::{ROUTE_SUM_MIN, ROUTE_TAIL_MAX_EXPERTS};
+pub use route::ROUTE_SUM_MIN;
 pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 
 use crate::error::{Result, shape};

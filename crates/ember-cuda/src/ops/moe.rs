@@ -4,7 +4,7 @@ use ember_gguf::GgmlType;
 
 use super::gemv_q8::{self, q8_bytes, workers_per_row};
 use super::matmul::{Precision, type_suffix};
-use super::{AddNorm, NormTail, blocks, need, u32_of};
+use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{MOE, MOE_MMA8, MOE_SHARED};
@@ -113,14 +113,11 @@ struct MoeQ8Params {
     row_bytes_s_down: u32,
     n_ff_s: u32,
     prefetch: u32,
-    tail: NormTail,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
-// bytes, a multiple of 8, then 5 u64 and 8 u32, then the 48-byte NormTail at 176: no padding in
-// either language).
+// bytes, a multiple of 8, then 5 u64 and 8 u32: no padding in either language).
 unsafe impl DeviceRepr for MoeQ8Params {}
-const _: () = assert!(std::mem::size_of::<MoeQ8Params>() == 224);
 
 /// The shared expert, for [`Gpu::moe_q8`] to run inside the routed experts' two kernels: gate
 /// and up [n_ff_s rows of d] of one int8 type, down [d rows of n_ff_s], and its gate logit per
@@ -573,42 +570,6 @@ impl Gpu {
         out: &mut Buf<f32>,
         x_quantized: bool,
     ) -> Result<()> {
-        self.moe_q8_launch(e, shared, x, n_tok, r, h, out, x_quantized, None)
-    }
-
-    /// [`Gpu::moe_q8`] of one token whose down launch ends in `add_norm` on its output
-    /// ([`AddNorm`]: h ← h + out and its norm with its int8 copy, which then holds the scratch).
-    /// Returns the scratch's generation after it.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_q8_add_norm(
-        &self,
-        e: MoeExperts<'_>,
-        shared: Option<MoeSharedQ8<'_>>,
-        x: &Buf<f32>,
-        r: MoeRouting<'_>,
-        h: &mut Buf<f32>,
-        out: &mut Buf<f32>,
-        x_quantized: bool,
-        add_norm: AddNorm<'_>,
-    ) -> Result<u64> {
-        let (tail, smem, generation) = add_norm.tail(self, out, e.down.n_rows / e.n_slots().max(1), e.gate.k)?;
-        self.moe_q8_launch(e, shared, x, 1, r, h, out, x_quantized, Some((tail, smem)))?;
-        Ok(generation)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn moe_q8_launch(
-        &self,
-        e: MoeExperts<'_>,
-        shared: Option<MoeSharedQ8<'_>>,
-        x: &Buf<f32>,
-        n_tok: usize,
-        r: MoeRouting<'_>,
-        h: &mut Buf<f32>,
-        out: &mut Buf<f32>,
-        x_quantized: bool,
-        tail: Option<(NormTail, u32)>,
-    ) -> Result<()> {
         let (p, _) = self.moe_params(e, x, n_tok, r, h, out)?;
         let (d, n_ff) = (e.gate.k, e.down.k);
         let (Some((l_gu, w_gu)), Some((l_dn, w_dn)), Some(gu), Some(dn)) =
@@ -673,7 +634,6 @@ impl Gpu {
             row_bytes_s_down: 0,
             n_ff_s: n_ff_s as u32,
             prefetch: if down_bytes <= super::gemv_q8::PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
-            tail: NormTail::default(),
         };
         if let Some(s) = shared {
             q.sg = s.gate.ptr();
@@ -698,18 +658,11 @@ impl Gpu {
         debug_assert!(q8_bytes(n_hq) <= 4 * n_hq);
         q.xq = h.ptr();
         q.wr = wr_dn as u32;
-        let smem_dn = tail.map_or(0, |(_, s)| s);
-        if let Some((t, _)) = tail {
-            q.tail = t;
-        }
         // SAFETY: as above; h now holds its own int8 copy (n_hq values), written by gate/up.
         // Down must be launched right after gate/up, with nothing between: with `prefetch` its
         // blocks read the routing (ids, slot_of) before pdl_enter, which is safe only because
         // the kernel that wrote the ids is then at least two launches back.
-        // With a tail (AddNorm::tail checked it: out holds the d values it adds, 16-byte aligned
-        // as h and w; n_tok is 1), as in gemv_q8_launch; the tail's int8 copy goes where x's was,
-        // which the gate/up launch before has finished reading.
-        unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, smem_dn, &q) }
+        unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q) }
     }
 
     /// The shape checks of [`Gpu::moe`], its kernels' parameters (rows_per_block unset) and the

@@ -238,50 +238,11 @@ impl Ops for Hybrid {
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.gpu.gated_delta_rule(layer, h, x, mode)
     }
-    #[allow(clippy::too_many_arguments)]
-    fn gated_delta_rule_norm(
-        &mut self,
-        layer: LayerIdx,
-        h: DeltaHeads,
-        x: DeltaIn,
-        mode: DeltaMode,
-        w: WeightId,
-        eps: f32,
-        g: Tensor,
-        act: Gate,
-    ) -> OpResult<Tensor> {
-        self.gpu.gated_delta_rule_norm(layer, h, x, mode, w, eps, g, act)
-    }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         self.gpu.gate(y, g, act)
     }
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         self.gpu.route(logits, k)
-    }
-    // The GPU's fused forms where the work is all the GPU's: the projections and the router
-    // always; the MoE with its norm where the layer holds every expert (else the host adds
-    // its misses to y after the MoE, before the norm may read it).
-    fn matmul_add_rms_norm(&mut self, w: WeightId, x: Tensor, h: Tensor, norm: WeightId, eps: f32) -> OpResult<Tensor> {
-        self.gpu.matmul_add_rms_norm(w, x, h, norm, eps)
-    }
-    fn matmul_many_route(&mut self, ws: &[WeightId], x: Tensor, k: usize) -> OpResult<(Routing, Vec<Tensor>)> {
-        self.gpu.matmul_many_route(ws, x, k)
-    }
-    fn moe_add_rms_norm(
-        &mut self,
-        layer: LayerIdx,
-        x: Tensor,
-        routing: Routing,
-        shared_gate: Tensor,
-        h: Tensor,
-        norm: WeightId,
-        eps: f32,
-    ) -> OpResult<Tensor> {
-        if self.gpu.expert_slots(layer).is_none() {
-            return self.gpu.moe_add_rms_norm(layer, x, routing, shared_gate, h, norm, eps);
-        }
-        let y = self.moe(layer, x, routing, shared_gate)?;
-        self.add_rms_norm(h, y, norm, eps)
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
