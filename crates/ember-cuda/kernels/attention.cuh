@@ -35,6 +35,42 @@ __host__ __device__ __forceinline__ u32 decode_keys_per_split(u32 n_keys, u32 sp
     return KV_PAGE * max(1u, (pages + splits - 1) / splits);
 }
 
+// A decode block's range (attention_decode.cu, attention_decode_mma.cu): keys [k0, k1) of row
+// r's range s, the K and V page tables of its slot and layer, where the partial results of its
+// heads h0.. go (head h0 + h at at0 + h·n_split), and whether the slot or the range is bad
+// (out of the slot table, or pages past the table's stride: the block then reads nothing and
+// gives NaN).
+struct DecodeRange {
+    u32 k0, k1;
+    u64 at0;
+    const u32* tk;
+    const u32* tv;
+    bool bad;
+};
+
+// False when range s lies past the row's keys: then its first hb threads have written their
+// heads' empty partials (which the merge skips) and the block returns.
+__device__ __forceinline__ bool decode_range(const AttentionParams& p, u32 r, u32 s, u32 h0, u32 hb, DecodeRange& d) {
+    const u32 n_keys = ((const u32*)p.pos)[r] + 1;
+    const u32 kps = decode_keys_per_split(n_keys, p.keys_per_split);
+    d.at0 = ((u64)r * p.n_head + h0) * p.n_split + s;
+    if (s * kps >= n_keys) {
+        if (threadIdx.x < hb) {
+            float* ml = (float*)p.part_ml + (d.at0 + threadIdx.x * p.n_split) * 2;
+            ml[0] = ATT_NEG_INF;
+            ml[1] = 0.0f;
+        }
+        return false;
+    }
+    d.k0 = s * kps;
+    d.k1 = min(n_keys, d.k0 + kps);
+    const u32 slot = ((const u32*)p.row_slot)[r];
+    d.bad = slot >= p.n_slots || (d.k1 + KV_PAGE - 1) / KV_PAGE > p.stride;
+    d.tk = (const u32*)p.table + ((u64)(d.bad ? 0 : slot) * p.n_kv + p.layer) * 2 * p.stride;
+    d.tv = d.tk + p.stride;
+    return true;
+}
+
 // Value `e` of a cache row.
 __device__ __forceinline__ float kv_at(const u8* row, u32 ty, u32 e) {
     if (ty == KV_F32) return ((const float*)row)[e];

@@ -77,22 +77,12 @@ __device__ void attend_decode(const AttentionParams& p, float* sm) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u32 r = blockIdx.y, s = blockIdx.z, hd = p.head_dim;
     const u32 h0 = blockIdx.x * HB, kvh = h0 / (p.n_head / p.n_head_kv);
-    const u32 n_keys = ((const u32*)p.pos)[r] + 1;
-    const u32 kps = decode_keys_per_split(n_keys, p.keys_per_split);
-    const u64 at0 = ((u64)r * p.n_head + h0) * p.n_split + s;  // head h0 + h: at0 + h · n_split
-    if (s * kps >= n_keys) {
-        if (threadIdx.x < HB) {
-            float* ml = (float*)p.part_ml + (at0 + threadIdx.x * p.n_split) * 2;
-            ml[0] = ATT_NEG_INF;
-            ml[1] = 0.0f;
-        }
-        return;
-    }
-    const u32 k0 = s * kps, k1 = min(n_keys, k0 + kps);
-    const u32 slot = ((const u32*)p.row_slot)[r];
-    bool bad = slot >= p.n_slots || (k1 + KV_PAGE - 1) / KV_PAGE > p.stride;
-    const u32* tk = (const u32*)p.table + ((u64)(bad ? 0 : slot) * p.n_kv + p.layer) * 2 * p.stride;
-    const u32* tv = tk + p.stride;
+    DecodeRange dr;
+    if (!decode_range(p, r, s, h0, HB, dr)) return;
+    const u32 k0 = dr.k0, k1 = dr.k1;
+    const u64 at0 = dr.at0;
+    bool bad = dr.bad;
+    const u32 *tk = dr.tk, *tv = dr.tv;
     const bool on = (u32)lane * 8 < hd;
     const u32 e0 = kvh * hd + lane * 8;
 

@@ -36,22 +36,12 @@ __device__ void attend_decode_mma(const AttentionParams& p, u16* sm) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, t = lane & 3;
     const u32 hb = p.heads_per_block, r = blockIdx.y, s = blockIdx.z;
     const u32 h0 = blockIdx.x * hb, kvh = h0 / (p.n_head / p.n_head_kv);
-    const u32 n_keys = ((const u32*)p.pos)[r] + 1;
-    const u32 kps = decode_keys_per_split(n_keys, p.keys_per_split);
-    const u64 at0 = ((u64)r * p.n_head + h0) * p.n_split + s;  // head h0 + h: at0 + h · n_split
-    if (s * kps >= n_keys) {  // past the row's ranges: an empty partial, which the merge skips
-        if (threadIdx.x < hb) {
-            float* ml = (float*)p.part_ml + (at0 + threadIdx.x * p.n_split) * 2;
-            ml[0] = ATT_NEG_INF;
-            ml[1] = 0.0f;
-        }
-        return;
-    }
-    const u32 k0 = s * kps, k1 = min(n_keys, k0 + kps);
-    const u32 slot = ((const u32*)p.row_slot)[r];
-    bool bad = slot >= p.n_slots || (k1 + KV_PAGE - 1) / KV_PAGE > p.stride;
-    const u32* tk = (const u32*)p.table + ((u64)(bad ? 0 : slot) * p.n_kv + p.layer) * 2 * p.stride;
-    const u32* tv = tk + p.stride;
+    DecodeRange dr;
+    if (!decode_range(p, r, s, h0, hb, dr)) return;  // past the row's ranges
+    const u32 k0 = dr.k0, k1 = dr.k1;
+    const u64 at0 = dr.at0;  // head h0 + h: at0 + h · n_split
+    bool bad = dr.bad;
+    const u32 *tk = dr.tk, *tv = dr.tv;
     const u64 e0 = (u64)kvh * D;
 
     // Qᵀ as B fragments (k: dims, n: head g of the block), scaled, f16; zeros past hb.
