@@ -49,8 +49,8 @@ const DECODE_MAX_HEADS: usize = 8;
 const DECODE_MIN_BLOCKS_PER_SM_X4: usize = 6;
 /// Whether the decode path runs on tensor cores where it can (`attention_decode_mma`;
 /// `EMBER_ATTN_DECODE_MMA=1` or `=0` overrides). Measured on the H100 (35B, 2026-12-07,
-/// docs/perf.md GPU g25): tg128 @ d32768 377.8 → 392.8 t/s (2 warps) and 305 → 316 (4 warps,
-/// with the tails then measured); 16 sequences @ d4096 1,976.9 t/s against ~1,630 before.
+/// docs/perf.md GPU g25): tg128 @ d32768 377.8 → 392.8 t/s (2 warps), 390.5 with 4 warps;
+/// 16 sequences @ d4096 1,976.9 t/s (2.16x llama.cpp in the same call).
 const DECODE_MMA_DEFAULT: bool = true;
 /// Warps and ring stages of `attention_decode_mma`'s head_dim 256 entry (`EMBER_ATTN_DECODE_MMA`
 /// = `w4s2`, `w4s3`, `w2s2` or `w2s3` picks another for measuring; `0`: the scalar decode kernel).
