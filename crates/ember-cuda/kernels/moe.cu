@@ -106,13 +106,9 @@ struct MoeQ8Params {
     u32 n_hq;        // values quantised for down: n_tok · k_top · n_ff (+ n_tok · n_ff_s)
     u32 ty_s_gu, ty_s_down, row_bytes_s_gu, row_bytes_s_down, n_ff_s;
     u32 prefetch;    // 1: down's blocks ask for their experts' rows in L2 before pdl_enter
-    u32 x_early;     // 1: xq was written at least two launches back (moe_gate_up_q8w reads it
-                     // before pdl_enter, through L2)
-    u32 preload;     // 1: down's threads load their first weights into registers before pdl_enter
 };
 
 #define MOE_GU_ROWS 32
-#define MOE_DOWN_PRE 2  // moe_down_q8's items a thread loads before pdl_enter (the 35B's 2)
 #define MOE_GU_MAX_SEG 16
 
 // Quantises the block's MOE_GU_ROWS values hv (rows r0.. of h, at h index `at`) to int8 into
@@ -228,144 +224,6 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     if (r0 < p.n_ff) moe_gu_quantize(q, hv, (u64)pair * p.n_ff + r0);
 }
 
-// ---- Gate/up, one warp a row (Q4_K routed experts, and the shared expert if Q4_K too) ----
-// moe_gate_up_q8w<RPW>: what moe_gate_up_q8 computes, with each warp taking whole rows (RPW of
-// them: r and r + 16) and each lane 64 weights of a row: lane (c0 = lane / 4, t = lane % 4)
-// reads quarter t of qs of unit c (32 bytes: sub-block 2t in the low nibbles, 2t + 1 in the
-// high) for c = c0, c0 + 8, .. against 64 int8 values of x it holds in registers. So a lane's
-// scale and conversion work covers twice the weights of Q8Unit<Q4_K>'s 8-lane form, and a 35B
-// row (d = 2048: 8 units) is one pass of the warp: every load of the launch is asked for at
-// once, where the 8-lane form ran each warp through ~1,060 instructions in two rounds of loads
-// (docs/perf.md g24, g26). The warp's sums are the plain 5-level butterfly's (transposed over
-// its RPW · 2 values), so RPW does not change any bit. Blocks: 32 rows (one int8 block of h,
-// quantised by warp 0 as moe_gate_up_q8 does), 32 / RPW warps. x is read through L2; with
-// x_early (its writer at least two launches back, so finished: prelude.cuh) the shared expert's
-// blocks compute their rows before pdl_enter.
-#define MOE_GUW_ROWS 32
-
-struct Q4kX {
-    int4 l0, l1, h0, h1;  // x of sub-block 2t (values 0..15, 16..31), then of 2t + 1
-    float4 s;             // (d, d·Σq) of those two int8 blocks
-};
-
-template <bool CG>
-__device__ __forceinline__ Q4kX q4k_x(const i8* xq, const float2* xd, int c, int t) {
-    const int4* x = (const int4*)(xq + 256 * c + 64 * t);
-    const float4* s = (const float4*)(xd + 8 * c + 2 * t);
-    Q4kX r;
-    if (CG) {
-        r.l0 = __ldcg(x), r.l1 = __ldcg(x + 1), r.h0 = __ldcg(x + 2), r.h1 = __ldcg(x + 3), r.s = __ldcg(s);
-    } else {
-        r.l0 = x[0], r.l1 = x[1], r.h0 = x[2], r.h1 = x[3], r.s = *s;
-    }
-    return r;
-}
-
-// Quarter t of Q4_K unit c of `row` against x: this lane's part of the row's dot product.
-__device__ __forceinline__ float q4k_quarter(const u8* row, int c, int t, const Q4kX& x) {
-    const u8* b = row + 144 * c;
-    const uint4 h = *(const uint4*)b;
-    const uint4 q0 = *(const uint4*)(b + 16 + 32 * t), q1 = *(const uint4*)(b + 32 + 32 * t);
-    const u32 m = 0x0F0F0F0Fu;
-    int sl = dp4a(q0.x & m, x.l0.x, 0), sh = dp4a((q0.x >> 4) & m, x.h0.x, 0);
-    sl = dp4a(q0.y & m, x.l0.y, sl), sh = dp4a((q0.y >> 4) & m, x.h0.y, sh);
-    sl = dp4a(q0.z & m, x.l0.z, sl), sh = dp4a((q0.z >> 4) & m, x.h0.z, sh);
-    sl = dp4a(q0.w & m, x.l0.w, sl), sh = dp4a((q0.w >> 4) & m, x.h0.w, sh);
-    sl = dp4a(q1.x & m, x.l1.x, sl), sh = dp4a((q1.x >> 4) & m, x.h1.x, sh);
-    sl = dp4a(q1.y & m, x.l1.y, sl), sh = dp4a((q1.y >> 4) & m, x.h1.y, sh);
-    sl = dp4a(q1.z & m, x.l1.z, sl), sh = dp4a((q1.z >> 4) & m, x.h1.z, sh);
-    sl = dp4a(q1.w & m, x.l1.w, sl), sh = dp4a((q1.w >> 4) & m, x.h1.w, sh);
-    int sc0, mn0, sc1, mn1;
-    scale_min_k4_words(2 * t, h.y, h.z, h.w, &sc0, &mn0);
-    scale_min_k4_words(2 * t + 1, h.y, h.z, h.w, &sc1, &mn1);
-    const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
-    return d * ((float)sc0 * x.s.x * (float)sl + (float)sc1 * x.s.z * (float)sh) -
-           dmin * ((float)mn0 * x.s.y + (float)mn1 * x.s.w);
-}
-
-template <int RPW>
-__device__ __forceinline__ void moe_gate_up_q8w(const MoeQ8Params& q) {
-    const MoeParams& p = q.m;
-    __shared__ float hv[MOE_GUW_ROWS];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c0 = lane / 4, t = lane % 4;
-    const int n_units = (int)(p.d / 256);
-    // The shared expert's blocks come first (y < n_tok): they are resident and done before the
-    // routed blocks can start, so with 1,024 threads a block the blocks past the SMs' count
-    // (the 35B's 144 on 132) take their places as they leave, not a second wave after all.
-    const u32 n_pairs = p.n_tok * p.k_top, r0 = blockIdx.x * MOE_GUW_ROWS, n_sh = q.sd ? p.n_tok : 0;
-    const bool shared = blockIdx.y < n_sh;  // block-uniform
-    const u32 pair = blockIdx.y - n_sh;
-    const u32 tok = shared ? blockIdx.y : pair / p.k_top;
-    const u32 n_rows = shared ? q.n_ff_s : p.n_ff;
-    const i8* xq = (const i8*)q.xq + (u64)tok * p.d;
-    const float2* xd = (const float2*)((const i8*)q.xq + (u64)p.n_tok * p.d) + (u64)tok * (p.d / 32);
-    float g[RPW], u[RPW];
-    // Rows r0 + warp + 16·j of gate and up (each row_bytes apart from the next).
-    auto rows = [&](const u8* gw, const u8* uw, u32 rb, const Q4kX& x0) {
-#pragma unroll
-        for (int j = 0; j < RPW; ++j) g[j] = 0.0f, u[j] = 0.0f;
-        Q4kX x = x0;
-        for (int c = c0; c < n_units; c += 8) {
-            if (c != c0) x = q4k_x<true>(xq, xd, c, t);  // (may run before pdl_enter)
-#pragma unroll
-            for (int j = 0; j < RPW; ++j) {
-                const u64 at = (u64)(r0 + warp + 16 * j) * rb;
-                g[j] += q4k_quarter(gw + at, c, t, x);
-                u[j] += q4k_quarter(uw + at, c, t, x);
-            }
-        }
-    };
-    // The shared expert's blocks need nothing of the routing: with x_early they compute their
-    // rows while the route kernel runs, and wait only to write.
-    const bool early = shared && q.x_early;
-    if (!early) pdl_enter();
-    if (r0 >= n_rows) {  // block-uniform
-        if (early) pdl_enter();
-        return;
-    }
-    // x through L2 (written two or more launches back under x_early), asked for beside the ids.
-    Q4kX x0 = {};
-    if (c0 < n_units) x0 = q4k_x<true>(xq, xd, c0, t);
-    u32 e = 0;
-    bool here = true;
-    if (shared) {
-        rows((const u8*)q.sg, (const u8*)q.su, q.row_bytes_s_gu, x0);
-    } else {
-        e = ((const u32*)p.ids)[pair];
-        const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
-        here = s != MOE_MISS;
-        if (here) {
-            const u64 base = (u64)s * p.n_ff * p.row_bytes_gu;
-            rows((const u8*)p.gate + base, (const u8*)p.up + base, p.row_bytes_gu, x0);
-        }
-    }
-    if (early) pdl_enter();
-    // The butterfly over the warp, RPW · 2 values at once: lane l ends with value l / (16 / RPW)
-    // of (g0, u0, g1, u1), summed over all 32 lanes in the plain butterfly's order.
-    float v;
-    if (RPW == 1) {
-        const bool hi = lane & 16;
-        v = (hi ? u[0] : g[0]) + __shfl_xor_sync(0xffffffffu, hi ? g[0] : u[0], 16);
-    } else {
-        const bool hi = lane & 16, mid = lane & 8;
-        const float a = (hi ? g[RPW - 1] : g[0]) + __shfl_xor_sync(0xffffffffu, hi ? g[0] : g[RPW - 1], 16);
-        const float b = (hi ? u[RPW - 1] : u[0]) + __shfl_xor_sync(0xffffffffu, hi ? u[0] : u[RPW - 1], 16);
-        v = (mid ? b : a) + __shfl_xor_sync(0xffffffffu, mid ? a : b, 8);
-    }
-#pragma unroll
-    for (int o = RPW == 1 ? 8 : 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    // u of row j sits 16 / RPW lanes after its g.
-    const float uv = __shfl_down_sync(0xffffffffu, v, 16 / RPW);
-    if (lane % (32 / RPW) == 0) {
-        const int j = lane / (32 / RPW);
-        hv[warp + 16 * j] = shared ? silu_f(v) * uv : (e >= p.n_expert ? MOE_NAN : (here ? silu_f(v) * uv : 0.0f));
-    }
-    moe_gu_quantize(q, hv, shared ? (u64)n_pairs * p.n_ff + (u64)tok * q.n_ff_s + r0 : (u64)pair * p.n_ff + r0);
-}
-
-extern "C" __global__ void __launch_bounds__(1024) moe_gate_up_q8w1_q4_k(const MoeQ8Params q) { moe_gate_up_q8w<1>(q); }
-extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_q8w2_q4_k(const MoeQ8Params q) { moe_gate_up_q8w<2>(q); }
-
 // grid (ceil(d / rows), n_tok), Q8_THREADS threads, rows = Q8_THREADS / (wr · L). With
 // `prefetch`, threads j < k_top ask for expert j's rows of this block (and thread k_top for the
 // shared expert's) before pdl_enter: the ids come from the route kernel, at least two launches
@@ -388,54 +246,13 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
             prefetch_l2((const u8*)q.sd + (u64)r0 * q.row_bytes_s_down, (u64)nr * q.row_bytes_s_down);
         }
     }
+    pdl_enter();
     const bool valid = r < (int)p.d;
     const int n_units = p.n_ff / U::W, items = p.k_top * n_units;
     float acc = 0.0f;
     bool nan = false;
-    // With `preload`, each thread's first MOE_DOWN_PRE items (and its first unit of the shared
-    // expert, if of the routed type) are read into registers before pdl_enter: the weights
-    // never change and the routing's kernel is two launches back (see prefetch above), so
-    // only h, which gate/up just wrote, waits. The sums are the loop's below, in its order.
-    int it0 = wk;
-    typename U::Wt wp[MOE_DOWN_PRE], ws;
-    u32 st[MOE_DOWN_PRE];  // 0: nothing to add (past the items, not resident), 1: add, 2: bad id
-    float wt[MOE_DOWN_PRE];
-    const bool pre_s = q.preload && q.sd && q.ty_s_down == TY && wk < (int)(q.n_ff_s / U::W);
-    if (q.preload) {
-#pragma unroll
-        for (int i = 0; i < MOE_DOWN_PRE; ++i) {
-            const int it = wk + i * wr, j = it / n_units, c = it - j * n_units;
-            st[i] = 0, wt[i] = 0.0f;
-            if (!valid || it >= items) continue;
-            const u32 pair = t * p.k_top + j, e = ((const u32*)p.ids)[pair];
-            if (e >= p.n_expert) {
-                st[i] = 2;
-                continue;
-            }
-            const u32 s = moe_slot(p, e);
-            if (s == MOE_MISS) continue;
-            st[i] = 1, wt[i] = ((const float*)p.weights)[pair];
-            wp[i] = U::load((const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down, c, l);
-        }
-        if (valid && pre_s) ws = U::load((const u8*)q.sd + (u64)r * q.row_bytes_s_down, wk, l);
-        it0 = wk + MOE_DOWN_PRE * wr;
-    }
-    pdl_enter();
     if (valid) {
-        if (q.preload) {
-#pragma unroll
-            for (int i = 0; i < MOE_DOWN_PRE; ++i) {
-                const int it = wk + i * wr, j = it / n_units, c = it - j * n_units;
-                const u32 pair = t * p.k_top + j;
-                if (st[i] == 2) nan = true;
-                if (st[i] == 1) {
-                    const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
-                    const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
-                    acc += wt[i] * U::dot(wp[i], c, l, xq, xd);
-                }
-            }
-        }
-        for (int it = it0; it < items; it += wr) {
+        for (int it = wk; it < items; it += wr) {
             const int j = it / n_units, c = it - j * n_units;
             const u32 pair = t * p.k_top + j, e = ((const u32*)p.ids)[pair];
             if (e >= p.n_expert) {
@@ -449,18 +266,7 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
             const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
             acc += ((const float*)p.weights)[pair] * U::dot(row, c, l, xq, xd);
         }
-        if (pre_s) {
-            // moe_shared_down_ty's sum with its first unit from registers.
-            const u64 at = (u64)p.n_tok * p.k_top * p.n_ff + (u64)t * q.n_ff_s;
-            const i8* xq = (const i8*)q.xq + at;
-            const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + at / 32;
-            float a = U::dot(ws, wk, l, xq, xd);
-            const u8* row = (const u8*)q.sd + (u64)r * q.row_bytes_s_down;
-            for (int c = wk + wr; c < (int)(q.n_ff_s / U::W); c += wr) a += U::dot(row, c, l, xq, xd);
-            acc += sigmoid_f(((const float*)q.gs)[t]) * a;
-        } else if (q.sd) {
-            acc += sigmoid_f(((const float*)q.gs)[t]) * moe_shared_down(q, t, r, seg);
-        }
+        if (q.sd) acc += sigmoid_f(((const float*)q.gs)[t]) * moe_shared_down(q, t, r, seg);
     }
     acc = seg_sum(nan ? MOE_NAN : acc, seg, part);
     if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;

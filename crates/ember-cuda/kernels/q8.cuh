@@ -12,9 +12,7 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 __device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
 
 // The unit dot products: lane t (< L) of unit c of a row against the quantised x (xq: the int8
-// values of the whole row's k, xd: their blocks' (d, d·Σq)). `load` reads the lane's weight
-// bytes (Wt) and `dot(Wt, ..)` does the rest, so a kernel can have its weights in registers
-// before it waits for x (moe_down_q8's preload); `dot(row, ..)` is the two in a row.
+// values of the whole row's k, xd: their blocks' (d, d·Σq)).
 template <int TY>
 struct Q8Unit;
 
@@ -25,15 +23,10 @@ struct Q8Unit;
 template <>
 struct Q8Unit<TY_Q4_K> {
     static constexpr int L = 8, W = 256;
-    struct Wt {  // this lane's bytes of the unit: the header, then its 16 of qs
-        uint4 h, q;
-    };
-    static __device__ __forceinline__ Wt load(const u8* row, int c, int t) {
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 144 * c;
-        return {*(const uint4*)b, *(const uint4*)(b + 16 + 16 * t)};
-    }
-    static __device__ __forceinline__ float dot(const Wt& w, int c, int t, const i8* xq, const float2* xd) {
-        const uint4 h = w.h, q = w.q;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q = *(const uint4*)(b + 16 + 16 * t);
         const int p = t / 2, i0 = 16 * (t % 2);
         const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
         const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
@@ -50,9 +43,6 @@ struct Q8Unit<TY_Q4_K> {
         if (t % 2 == 0) r -= dmin * ((float)mn0 * a.y + (float)mn1 * e.y);
         return r;
     }
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        return dot(load(row, c, t), c, t, xq, xd);
-    }
 };
 
 // Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
@@ -61,22 +51,13 @@ struct Q8Unit<TY_Q4_K> {
 template <>
 struct Q8Unit<TY_Q6_K> {
     static constexpr int L = 8, W = 256;
-    struct Wt {  // this lane's ql (two 8-byte runs), qh, its half's 8 scales, d
-        uint2 qa, qb, qh;
-        u32 s4, s4b;
-        u16 d;
-    };
-    static __device__ __forceinline__ Wt load(const u8* row, int c, int t) {
+    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 210 * c;
         const int n = t / 4, l0 = 8 * (t % 4);
-        return {ld_u64_a2(b + 64 * n + l0), ld_u64_a2(b + 64 * n + 32 + l0), ld_u64_a2(b + 128 + 32 * n + l0),
-                ld_u32_a2(b + 192 + 8 * n), ld_u32_a2(b + 196 + 8 * n), ld_u16(b + 208)};
-    }
-    static __device__ __forceinline__ float dot(const Wt& w, int c, int t, const i8* xq, const float2* xd) {
-        const int n = t / 4, l0 = 8 * (t % 4);
-        const uint2 qa = w.qa, qb = w.qb, qh = w.qh;
-        const u32 s4 = w.s4, s4b = w.s4b;  // scales 8n..8n+8
-        const float d = f16_to_f32(w.d);
+        const uint2 qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
+        const uint2 qh = ld_u64_a2(b + 128 + 32 * n + l0);
+        const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
+        const float d = f16_to_f32(ld_u16(b + 208));
         const i8* x = xq + 256 * c + 128 * n + l0;
         float r = 0.0f;
 #pragma unroll
@@ -97,29 +78,12 @@ struct Q8Unit<TY_Q6_K> {
         }
         return d * r;
     }
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        return dot(load(row, c, t), c, t, xq, xd);
-    }
 };
 
 // Q8_0: lane t reads quants 8t..+8 of the block.
 template <>
 struct Q8Unit<TY_Q8_0> {
     static constexpr int L = 4, W = 32;
-    struct Wt {
-        uint2 q;
-        u16 d;
-    };
-    static __device__ __forceinline__ Wt load(const u8* row, int c, int t) {
-        const u8* b = row + 34 * c;
-        return {ld_u64_a2(b + 2 + 8 * t), ld_u16(b)};
-    }
-    static __device__ __forceinline__ float dot(const Wt& w, int c, int t, const i8* xq, const float2* xd) {
-        const int2 xv = *(const int2*)(xq + 32 * c + 8 * t);
-        const int s = dp4a((int)w.q.y, xv.y, dp4a((int)w.q.x, xv.x, 0));
-        return f16_to_f32(w.d) * xd[c].x * (float)s;
-    }
-    // (Its own order, not dot(load(..)): the scale read after the sum keeps the GEMV's SASS.)
     static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 34 * c;
         const uint2 w = ld_u64_a2(b + 2 + 8 * t);

@@ -236,22 +236,7 @@ pub struct Gpu {
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
     q8_gen: std::sync::atomic::AtomicU64,
-    /// Launches sent or recorded so far, and their count when the int8 scratch was last
-    /// written ([`Gpu::q8_launches_ago`]).
-    launches: std::sync::atomic::AtomicU64,
-    q8_at: std::sync::atomic::AtomicU64,
-    /// The one-token int8 MoE's Q4_K gate/up kernel (`EMBER_MOE_GU_WIDE`): 0 (unset) the
-    /// 8-lane units (`moe_gate_up_q8`), 1 or 2 `moe_gate_up_q8w` with that many rows a warp,
-    /// [`MOE_GU_WIDE_AUTO`] (`auto`) the warp-per-row kernel with 1 row a warp where its
-    /// blocks fit the SMs at once, else 2.
-    moe_gu_wide: std::sync::atomic::AtomicU8,
-    /// Whether the one-token int8 MoE's down loads its first weights before it waits for the
-    /// kernel ahead (`EMBER_MOE_DOWN_PRELOAD=1`; unset: after).
-    moe_down_preload: AtomicBool,
 }
-
-/// [`Gpu::set_moe_gu_wide`]: choose the rows a warp from the launch's size.
-pub const MOE_GU_WIDE_AUTO: u8 = 3;
 
 impl Drop for Gpu {
     fn drop(&mut self) {
@@ -339,16 +324,6 @@ impl Gpu {
                 .unwrap_or(crate::ops::MOE_MMA_MIN_TOKENS),
             q8: Mutex::default(),
             q8_gen: Default::default(),
-            launches: Default::default(),
-            q8_at: Default::default(),
-            // Both off by default until they have run on a GPU (docs/perf.md g26).
-            moe_gu_wide: std::sync::atomic::AtomicU8::new(match std::env::var("EMBER_MOE_GU_WIDE").as_deref() {
-                Ok("1") => 1,
-                Ok("2") => 2,
-                Ok("auto") => MOE_GU_WIDE_AUTO,
-                _ => 0,
-            }),
-            moe_down_preload: AtomicBool::new(std::env::var_os("EMBER_MOE_DOWN_PRELOAD").is_some_and(|v| v == "1")),
         })
     }
 
@@ -408,41 +383,9 @@ impl Gpu {
         self.q8_gen.load(Ordering::Relaxed)
     }
 
-    /// Marks a new write of the int8 scratch; returns its generation. Called just before or
-    /// just after the launch that writes it.
+    /// Marks a new write of the int8 scratch; returns its generation.
     pub(crate) fn bump_q8_generation(&self) -> u64 {
-        self.q8_at.store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
         self.q8_gen.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    /// At least how many launches back the int8 scratch was written, counting the next launch
-    /// as 0 back: with 2 or more, the kernel ahead of the next launch started after the writer
-    /// finished (programmatic launches: see kernels/prelude.cuh), so the next kernel may read
-    /// the scratch before its `pdl_enter`.
-    pub(crate) fn q8_launches_ago(&self) -> u64 {
-        // The writer is launch q8_at - 1 or q8_at (bumped before or after it); the next launch
-        // is number `launches`.
-        self.launches.load(Ordering::Relaxed).saturating_sub(self.q8_at.load(Ordering::Relaxed))
-    }
-
-    /// The one-token int8 MoE's Q4_K gate/up kernel: 0 the 8-lane units, 1 or 2 rows a warp,
-    /// or [`MOE_GU_WIDE_AUTO`] (`EMBER_MOE_GU_WIDE` sets it at open).
-    pub fn set_moe_gu_wide(&self, mode: u8) {
-        self.moe_gu_wide.store(mode, Ordering::Relaxed);
-    }
-
-    pub fn moe_gu_wide(&self) -> u8 {
-        self.moe_gu_wide.load(Ordering::Relaxed)
-    }
-
-    /// Whether the one-token int8 MoE's down loads its first weights before its wait
-    /// (`EMBER_MOE_DOWN_PRELOAD` sets it at open; the same sums either way).
-    pub fn set_moe_down_preload(&self, on: bool) {
-        self.moe_down_preload.store(on, Ordering::Relaxed);
-    }
-
-    pub fn moe_down_preload(&self) -> bool {
-        self.moe_down_preload.load(Ordering::Relaxed)
     }
 
     /// From now on kernel launches are recorded, not sent, until [`Gpu::end_record`]; every call
@@ -713,7 +656,6 @@ impl Gpu {
         if self.skip.as_ref().is_some_and(|s| s.skips(f.cu_function() as usize)) {
             return Ok(());
         }
-        self.launches.fetch_add(1, Ordering::Relaxed);
         if self.recording.load(Ordering::Relaxed) {
             // SAFETY: P has no padding (the contract above), so all its bytes are initialised;
             // the view lives no longer than `params`.

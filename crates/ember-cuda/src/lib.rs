@@ -21,6 +21,6 @@ pub mod ops;
 
 pub use backend::{ACT_RESERVE, CudaOps, GRAPH_MAX_ROWS};
 pub use error::{Error, Result};
-pub use gpu::{Buf, DeviceInfo, Download, Elem, Gpu, MAILBOX_TIMEOUT_NS, MOE_GU_WIDE_AUTO, Mailbox, devices, driver_version};
+pub use gpu::{Buf, DeviceInfo, Download, Elem, Gpu, MAILBOX_TIMEOUT_NS, Mailbox, devices, driver_version};
 pub use graph::GraphStats;
 pub use ops::Precision;

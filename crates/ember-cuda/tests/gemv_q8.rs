@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 
 use ember_cuda::ops::{Act, GEMV_Q8_MULTI, MoeExperts, MoeRouting, MoeSharedQ8, Precision};
-use ember_cuda::{Buf, Gpu, MOE_GU_WIDE_AUTO};
+use ember_cuda::{Buf, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::{Mat, WeightView, reference};
 use ember_testkit::Rng;
@@ -364,72 +364,18 @@ fn moe_q8_matches_quantised_reference() {
             sh.as_ref().zip(gsb.as_ref()).map(|((_, _, (sg, su, sd), _), gs)| MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gs });
         assert!(shared.is_none_or(|s| s.fits(experts, d)));
         let r = MoeRouting { ids: &idb, weights: &wb, k };
-        let xb = g.upload(&x).unwrap();
+        g.moe_q8(experts, shared, &g.upload(&x).unwrap(), n_tok, r, &mut h, &mut out, false).unwrap();
+        let got = g.download(&out).unwrap();
         let what = format!(
             "moe_q8 {}/{} d={d} n_ff={n_ff} experts={n_expert} k={k} t={n_tok} shared={:?}",
             ty_gu.name(),
             ty_dn.name(),
             shared.map(|s| (s.gate.ty.name(), s.down.ty.name(), n_ff_s))
         );
-        // Each gate/up kernel: the 8-lane units (0), one and two rows a warp, the launch's
-        // choice; then the choice again with x quantised two launches before (the wide
-        // kernel's shared-expert blocks then run ahead of pdl_enter). Each with down's
-        // preload off, then on.
-        let mut outs = Vec::new();
-        let (gu0, dp0) = (g.moe_gu_wide(), g.moe_down_preload());
-        for (mode, early) in [(0, false), (1, false), (2, false), (MOE_GU_WIDE_AUTO, false), (MOE_GU_WIDE_AUTO, true)] {
-            g.set_moe_gu_wide(mode);
-            if early {
-                g.quantize_q8(&xb, n_tok * d).unwrap();
-                let (mut a, b) = (g.upload(&[1f32; 64]).unwrap(), g.upload(&[0.5f32; 64]).unwrap());
-                g.gate(&mut a, &b, 64, Act::Silu).unwrap();
-                g.gate(&mut a, &b, 64, Act::Silu).unwrap();
-            }
-            // Down with its first weights loaded before its wait, and after: the same bits.
-            g.set_moe_down_preload(false);
-            g.moe_q8(experts, shared, &xb, n_tok, r, &mut h, &mut out, early).unwrap();
-            let plain = g.download(&out).unwrap();
-            g.set_moe_down_preload(true);
-            if early {
-                g.quantize_q8(&xb, n_tok * d).unwrap();
-                let (mut a, b) = (g.upload(&[1f32; 64]).unwrap(), g.upload(&[0.5f32; 64]).unwrap());
-                g.gate(&mut a, &b, 64, Act::Silu).unwrap();
-                g.gate(&mut a, &b, 64, Act::Silu).unwrap();
-            }
-            g.moe_q8(experts, shared, &xb, n_tok, r, &mut h, &mut out, early).unwrap();
-            let got = g.download(&out).unwrap();
-            assert!(
-                got.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what} gate/up mode {mode}: down's preload changed the output"
-            );
-            for i in 0..n_tok * d {
-                let err = (got[i] as f64 - want[i]).abs();
-                assert!(
-                    err <= 2e-4 * scale[i],
-                    "{what} gate/up mode {mode}: [{i}] got {}, want {} (err {err:e}, scale {:e})",
-                    got[i],
-                    want[i],
-                    scale[i]
-                );
-                worst = worst.max(err / scale[i]);
-            }
-            outs.push((mode, early, got, g.download(&h).unwrap()));
-        }
-        g.set_moe_gu_wide(gu0);
-        g.set_moe_down_preload(dp0);
-        // The warp-per-row kernel's rows a warp and its early start change no bit (of out, and
-        // of h's int8 copy that down read).
-        if ty_gu == GgmlType::Q4K && shared.is_none_or(|s| s.gate.ty == GgmlType::Q4K) {
-            for (mode, early, got, hq) in &outs[2..] {
-                assert!(
-                    got.iter().zip(&outs[1].2).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: mode {mode} (early {early}) out differs from one row a warp"
-                );
-                assert!(
-                    hq.iter().zip(&outs[1].3).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: mode {mode} (early {early}) h differs from one row a warp"
-                );
-            }
+        for i in 0..n_tok * d {
+            let err = (got[i] as f64 - want[i]).abs();
+            assert!(err <= 2e-4 * scale[i], "{what}: [{i}] got {}, want {} (err {err:e}, scale {:e})", got[i], want[i], scale[i]);
+            worst = worst.max(err / scale[i]);
         }
     }
     println!("moe_q8: max |err| / scale = {worst:e}");
@@ -470,67 +416,4 @@ fn bench_gemv_q8() {
         }
         println!("{line}");
     }
-}
-
-/// The one-token MoE (`Gpu::moe_q8`: x quantised once, gate/up, down) at the 35B-A3B's shape
-/// (256 Q4_K / Q6_K experts of 512, k = 8, the Q4_K / Q6_K shared expert of 512), under each
-/// gate/up kernel (`gu`): the 8-lane units (0), one and two rows a warp (1, 2), the launch's
-/// choice (auto); and down's weights loaded before its wait or not (`dp` 1 / 0). Each call takes
-/// the next of 64 routings, so the experts' rows come from DRAM as in a decode step (the
-/// 256 experts' 522 MB do not fit L2), and plain launches (no graph, no programmatic edges):
-/// a kernel's own time plus a launch, not its cost in the step's chain.
-#[test]
-#[ignore]
-fn bench_moe_q8() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng::new();
-    let (d, n_ff, n_expert, k, n_ff_s) = (2048, 512, 256, 8, 512);
-    let mut tile = |ty, k, rows| {
-        let t = quantised(ty, &mut rng, k, 256);
-        let b: Vec<u8> = t.iter().copied().cycle().take(t.len() * rows / 256).collect();
-        g.upload_weight(ty, k, rows, &b).unwrap()
-    };
-    let (gw, uw, dw) =
-        (tile(GgmlType::Q4K, d, n_expert * n_ff), tile(GgmlType::Q4K, d, n_expert * n_ff), tile(GgmlType::Q6K, n_ff, n_expert * d));
-    let (sg, su, sd) = (tile(GgmlType::Q4K, d, n_ff_s), tile(GgmlType::Q4K, d, n_ff_s), tile(GgmlType::Q6K, n_ff_s, d));
-    let experts = MoeExperts { gate: &gw, up: &uw, down: &dw, n_expert, slots: None };
-    let (gu0, dp0) = (g.moe_gu_wide(), g.moe_down_preload());
-    for n_tok in [1usize, 4, 16] {
-        let routings: Vec<(Buf<u32>, Buf<f32>)> = (0..64)
-            .map(|_| {
-                let logits = Mat::from_vec(n_tok, n_expert, rng.vec(n_tok * n_expert, -3.0, 3.0));
-                let r = reference::route(&logits, k);
-                let ids: Vec<u32> = r.ids.iter().map(|e| e.0 as u32).collect();
-                (g.upload(&ids).unwrap(), g.upload(&r.weights).unwrap())
-            })
-            .collect();
-        let xb = g.upload(&rng.vec(n_tok * d, -1.0, 1.0)).unwrap();
-        let gs = g.upload(&rng.vec(n_tok, -2.0, 2.0)).unwrap();
-        let shared = MoeSharedQ8 { gate: &sg, up: &su, down: &sd, gate_logit: &gs };
-        let mut h = g.alloc::<f32>(n_tok * (k * n_ff + n_ff_s)).unwrap();
-        let mut out = g.alloc::<f32>(n_tok * d).unwrap();
-        let mut line = format!("bench moe_q8 35B shape, {n_tok:2} tokens:");
-        for (mode, pre) in [(0u8, false), (0, true), (1, true), (2, true), (MOE_GU_WIDE_AUTO, false), (MOE_GU_WIDE_AUTO, true)] {
-            g.set_moe_gu_wide(mode);
-            g.set_moe_down_preload(pre);
-            let mut i = 0;
-            let mut call = || {
-                let (ids, w) = &routings[i % routings.len()];
-                i += 1;
-                let r = MoeRouting { ids, weights: w, k };
-                g.moe_q8(experts, Some(shared), &xb, n_tok, r, &mut h, &mut out, false)
-            };
-            call().unwrap();
-            let ms = ms_per_call(g, 640, &mut call);
-            line += &format!(
-                "  gu {} dp {}: {:6.2} us",
-                if mode == MOE_GU_WIDE_AUTO { "auto".into() } else { mode.to_string() },
-                u8::from(pre),
-                ms * 1e3
-            );
-        }
-        println!("{line}");
-    }
-    g.set_moe_gu_wide(gu0);
-    g.set_moe_down_preload(dp0);
 }

@@ -113,12 +113,10 @@ struct MoeQ8Params {
     row_bytes_s_down: u32,
     n_ff_s: u32,
     prefetch: u32,
-    x_early: u32,
-    preload: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
-// bytes, a multiple of 8, then 5 u64 and 10 u32: no padding in either language).
+// bytes, a multiple of 8, then 5 u64 and 8 u32: no padding in either language).
 unsafe impl DeviceRepr for MoeQ8Params {}
 
 /// The shared expert, for [`Gpu::moe_q8`] to run inside the routed experts' two kernels: gate
@@ -635,8 +633,6 @@ impl Gpu {
             row_bytes_s_gu: 0,
             row_bytes_s_down: 0,
             n_ff_s: n_ff_s as u32,
-            x_early: 0,
-            preload: 0,
             prefetch: if down_bytes <= super::gemv_q8::PREFETCH_MAX_BYTES { super::l2_prefetch() } else { 0 },
         };
         if let Some(s) = shared {
@@ -649,32 +645,6 @@ impl Gpu {
             q.row_bytes_s_gu = u32_of(OP, "row bytes", s.gate.row_bytes)?;
             q.row_bytes_s_down = u32_of(OP, "row bytes", s.down.row_bytes)?;
         }
-        // x's int8 copy may be read before the kernel's pdl_enter when its writer is at least
-        // two launches back (the caller's quantisation, not the one just above).
-        q.x_early = u32::from(x_quantized && self.q8_launches_ago() >= 2);
-        // The warp-per-row gate/up (Q4_K routed and shared experts): one row a warp where the
-        // routed experts' blocks fit the SMs at once (the shared expert's come first and, with
-        // x_early, are done as the routed ones start), else two (512 threads, two blocks an SM).
-        let q4k = |ty: GgmlType| ty == GgmlType::Q4K;
-        let gu_blocks = blocks(n_ff.max(n_ff_s), GU_ROWS) as usize;
-        let waiting = gu_blocks * if q.x_early == 1 { pairs } else { blocks_y as usize };
-        let wide = match self.moe_gu_wide() {
-            0 => None,
-            _ if !q4k(e.gate.ty) || shared.is_some_and(|s| !q4k(s.gate.ty) || !q4k(s.up.ty)) => None,
-            1 => Some(1),
-            2 => Some(2),
-            _ => Some(if waiting <= n_sm as usize { 1 } else { 2 }),
-        };
-        if let Some(rpw) = wide {
-            let f = self.function(&MOE, &format!("moe_gate_up_q8w{rpw}_q4_k"))?;
-            // SAFETY: as for moe_gate_up_q8 below (the same parameters and buffers); gate/up
-            // and the shared gate/up are Q4_K with d % 256 == 0 (checked: whole blocks), whose
-            // 16-byte loads of a 144-byte block's header and quarters are aligned as the rows
-            // are (144·c + 16 + 32·t); x's values and scales are read as 16-byte vectors at
-            // 64·(4c + t) and 8·(8c + 2t) bytes into 256-aligned regions; blocks of 32 rows
-            // (one int8 block of h, n_ff and n_ff_s multiples of 32: checked) and 32 / rpw warps.
-            unsafe { self.launch(&f, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), 1024 / rpw, 0, &q)? };
-        }
         let threads_gu = GU_ROWS * wr_gu * l_gu;
         // SAFETY: moe_params checked the stacked weight shapes and the sizes of x, ids, weights,
         // h and out; the shared expert's shapes chain (`fits`), its gate logit holds n_tok and h
@@ -684,17 +654,14 @@ impl Gpu {
         // of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff and n_ff_s are
         // multiples of 32 (checked), so each block's 32 rows are one int8 block of h, and h's
         // 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes).
-        if wide.is_none() {
-            unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
-        }
+        unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
         debug_assert!(q8_bytes(n_hq) <= 4 * n_hq);
         q.xq = h.ptr();
         q.wr = wr_dn as u32;
-        q.preload = u32::from(self.moe_down_preload());
         // SAFETY: as above; h now holds its own int8 copy (n_hq values), written by gate/up.
-        // Down must be launched right after gate/up, with nothing between: with `prefetch` or
-        // `preload` its blocks read the routing (ids, slot_of, weights) before pdl_enter, which
-        // is safe only because the kernel that wrote them is then at least two launches back.
+        // Down must be launched right after gate/up, with nothing between: with `prefetch` its
+        // blocks read the routing (ids, slot_of) before pdl_enter, which is safe only because
+        // the kernel that wrote the ids is then at least two launches back.
         unsafe { self.launch(&f_dn, (blocks(d, threads / (wr_dn * l_dn)), p.n_tok, 1), threads as u32, 0, &q) }
     }
 
