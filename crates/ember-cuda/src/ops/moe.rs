@@ -97,6 +97,23 @@ unsafe impl DeviceRepr for MoeParams {}
 const GU_ROWS: usize = 32;
 const GU_MAX_SEG: usize = 16;
 
+/// GU_MAX_SEG, or 8 or 32 from `EMBER_MOE_GU_SEG` (32: seg_sum stays in shuffles, as the
+/// kernel's `part` of MOE_GU_MAX_SEG floats serves only seg > 32).
+fn gu_max_seg() -> usize {
+    static SEG: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SEG.get_or_init(|| match std::env::var("EMBER_MOE_GU_SEG").as_deref() {
+        Ok("8") => 8,
+        Ok("32") => 32,
+        _ => GU_MAX_SEG,
+    })
+}
+
+/// `EMBER_MOE_DOWN_WR`: the one-token down's workers a row (a power of two), or None.
+fn down_wr() -> Option<usize> {
+    static WR: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *WR.get_or_init(|| std::env::var("EMBER_MOE_DOWN_WR").ok().and_then(|v| v.parse::<usize>().ok()).filter(|w| w.is_power_of_two()))
+}
+
 #[repr(C)]
 struct MoeQ8Params {
     m: MoeParams,
@@ -609,12 +626,18 @@ impl Gpu {
         // The shared expert's weights use the routed layout's lanes per row: at least their
         // unit's lanes (all powers of two).
         let lanes_s = |w: Option<&DeviceWeight>| w.and_then(|w| gemv_q8::unit(w.ty)).map_or(1, |(l, _)| l);
-        // Gate/up: 32 rows a block, at most GU_MAX_SEG lanes a row (threads = 32 · wr · L).
+        // Gate/up: 32 rows a block, at most GU_MAX_SEG lanes a row (threads = 32 · wr · L;
+        // `EMBER_MOE_GU_SEG=32` allows 32 lanes, 1,024 threads, for measuring).
         let wr_gu = workers_per_row(e.gate.ty, n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm)
             .max(lanes_s(shared.map(|s| s.gate)) / l_gu)
-            .clamp(1, (GU_MAX_SEG / l_gu).max(1));
-        let wr_dn =
-            workers_per_row(e.down.ty, n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm).max(lanes_s(shared.map(|s| s.down)) / l_dn).max(1);
+            .clamp(1, (gu_max_seg() / l_gu).max(1));
+        // Down: `EMBER_MOE_DOWN_WR` sets its workers a row (a power of two, wr · L <= 128), for
+        // measuring.
+        let wr_dn = down_wr()
+            .filter(|&w| w * l_dn <= gemv_q8::THREADS)
+            .unwrap_or_else(|| workers_per_row(e.down.ty, n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm))
+            .max(lanes_s(shared.map(|s| s.down)) / l_dn)
+            .max(1);
         let down_bytes = n_tok * (r.k + usize::from(shared.is_some())) * d * e.down.row_bytes;
         let f_gu = self.function(&MOE, &format!("moe_gate_up_q8_{gu}"))?;
         let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
@@ -651,7 +674,7 @@ impl Gpu {
         // its n_tok·n_ff_s more floats (checked); the int8 scratch holds x's quantisation
         // (n_tok·d values, quantize_q8 above or the caller's); rows are whole blocks of their
         // types (checked), whose loads q8.cuh aligns as gemv_q8 does; seg = wr·L is a multiple
-        // of the shared types' lanes and at most GU_MAX_SEG (wr above); n_ff and n_ff_s are
+        // of the shared types' lanes and at most 32 (wr above: gu_max_seg); n_ff and n_ff_s are
         // multiples of 32 (checked), so each block's 32 rows are one int8 block of h, and h's
         // 4·n_hq bytes hold its int8 copy (n_hq + 8·n_hq/32 bytes).
         unsafe { self.launch(&f_gu, (blocks(n_ff.max(n_ff_s), GU_ROWS), blocks_y, 1), threads_gu as u32, 0, &q)? };
