@@ -87,7 +87,8 @@ MOE_ENTRIES(iq4_xs, TY_IQ4_XS)
 // The same two kernels with x and h quantised to int8 and each weight block summed with dp4a.
 // moe_gate_up_q8: blocks of 32 · seg threads give each of MOE_GU_ROWS = 32 consecutive rows
 // (one int8 block of h) seg = wr · L lanes (wr workers of L lanes, Q8Unit; seg at most 32,
-// whose seg_sum stays in shuffles: `part` would serve larger ones), summed by seg_sum; warp 0 then quantises the block's 32 values of h (warp_q8, the layout of
+// whose seg_sum stays in shuffles: `part` would serve larger ones), summed by seg_sum; warp 0
+// then quantises the block's 32 values of h (warp_q8, the layout of
 // quantize_q8) into the memory of the f32 h buffer, which moe_down_q8 reads as its int8 input:
 // no quantize_q8 launch between the two. moe_down_q8's `wr` workers share a row's k_top·units
 // items (expert j = item / units), each weighted by its routing weight before the fixed-order sum.
