@@ -213,8 +213,11 @@ fn check_vector_ops<K: Kernels>(k: K, n: usize, seed: &mut u64) {
     let mut want = y.clone();
     k.axpy(0.37, &x, &mut y);
     Scalar.axpy(0.37, &x, &mut want);
-    for (g, w) in y.iter().zip(&want) {
-        assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "axpy n={n}");
+    for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+        // As mul_add below: the SIMD forms fuse the multiply-add (one rounding, the scalar form
+        // two), so they may differ by an ulp of a·x, which cancellation can leave larger than
+        // the sum (seen on an AVX-512 host: n = 663).
+        assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs() + (0.37 * x[i]).abs()), "axpy n={n}: {g} vs {w}");
     }
     let a = random_acts(n, seed);
     k.mul_add(&a, &x, &mut y);
