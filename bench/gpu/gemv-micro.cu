@@ -196,9 +196,23 @@ static void run_shape(const char* label, const Type& T, int rows, int k) {
                          else q4k_l4<16><<<(th + 127) / 128, 128, 0, st>>>(w, y, xq, rows);
                      }});
     }
-    if (T.ty == TY_Q4_K) add_stg<TY_Q4_K>(v, xq, rows, row_bytes, k);
-    if (T.ty == TY_Q6_K) add_stg<TY_Q6_K>(v, xq, rows, row_bytes, k);
-    if (T.ty == TY_Q8_0) add_stg<TY_Q8_0>(v, xq, rows, row_bytes, k);
+    u8* w_r = nullptr;  // the Q6_K copies repacked (q6r)
+    if (T.ty == TY_Q6_K) {
+        CK(cudaMalloc(&w_r, bytes * copies));
+        for (int i = 0; i < copies; ++i) q6_repack<<<n_sm * 8, 256>>>(w + (size_t)i * bytes, w_r + (size_t)i * bytes, (u64)rows * (k / 256));
+        CK(cudaDeviceSynchronize());
+        for (int fill : {512, 2048}) {
+            for (int mode = 0; mode < 4; ++mode) {
+                const bool pf = mode & 1, pdl = mode & 2;
+                const std::string name = std::string("q6r") + (pf ? " pf" : "") + (pdl ? "+pdl" : "") + " " + std::to_string(fill);
+                v.push_back({name, [=](const u8* wi, float* y) { launch_prod(q6r_gemv, T, w_r + (wi - w), y, xq, rows, k, fill, pf, pdl); }});
+            }
+        }
+    }
+    // (The staged rows need rows of whole 16-byte chunks: not an expert's Q6_K down, 420 bytes.)
+    if (T.ty == TY_Q4_K && row_bytes % 16 == 0) add_stg<TY_Q4_K>(v, xq, rows, row_bytes, k);
+    if (T.ty == TY_Q6_K && row_bytes % 16 == 0) add_stg<TY_Q6_K>(v, xq, rows, row_bytes, k);
+    if (T.ty == TY_Q8_0 && row_bytes % 16 == 0) add_stg<TY_Q8_0>(v, xq, rows, row_bytes, k);
 
     // The reference: production kernel, fill 512, copy 0.
     v[1].second(w, yref);
@@ -235,6 +249,7 @@ static void run_shape(const char* label, const Type& T, int rows, int k) {
         printf("  %-14s %9.2f us %8.0f GB/s   max err / max |y| %.2e\n", name.c_str(), us, bytes / us / 1e3, rmax > 0 ? err / rmax : err);
     }
     CK(cudaFree(w));
+    if (w_r) CK(cudaFree(w_r));
     CK(cudaFree(xq));
     CK(cudaFree(y));
     CK(cudaFree(yref));
@@ -247,10 +262,18 @@ int main() {
     n_sm = prop.multiProcessorCount;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     printf("%s, %d SMs, L2 %d MB\n", prop.name, n_sm, prop.l2CacheSize >> 20);
+    if (getenv("Q6_ONLY")) {  // the repack's question alone (bench/gpu/next/callS.sh)
+        run_shape("q6 qkv", Q6K, 8192, 2048);
+        run_shape("q6 down", Q6K, 2048, 512);
+        run_shape("head", Q6K, 248320, 2048);
+        return 0;
+    }
     run_shape("qkvz", Q4K, 12288, 2048);
     run_shape("out", Q4K, 2048, 4096);
     run_shape("expert", Q4K, 512, 2048);
     run_shape("q6 proj", Q6K, 12288, 2048);
+    run_shape("q6 qkv", Q6K, 8192, 2048);
+    run_shape("q6 down", Q6K, 2048, 512);
     run_shape("head", Q6K, 248320, 2048);
     run_shape("qkvz", Q80, 12288, 2048);
     run_shape("out", Q80, 2048, 4096);

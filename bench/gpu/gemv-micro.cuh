@@ -151,3 +151,71 @@ __global__ void stg2(const u8* w, float* y, const i8* xq, int n_rows, int row_by
         if (lane == 0 && j < nr) y[row0 + j] = v;
     }
 }
+
+// "q6r": Q6_K repacked at upload (docs/perf.md g26, g27): a matrix's blocks as 208-byte runs
+// (ql, qh, scales; block i at 208·i, 16-byte aligned whatever the row length), then the blocks'
+// f16 d in a plane after them (2 bytes a block): the matrix's bytes unchanged in number. The
+// production kernel's work split and arithmetic (gemv_q8 with Q8Unit<Q6_K>), but a lane's unit
+// is 5 loads (8-byte ql, ql, qh and scales, the 2-byte d) where 210-byte blocks take 17 two-byte
+// ones. (A plane a row needs rows of a multiple of 16 bytes: an expert's down, k = 512, has 420.)
+__global__ void q6_repack(const u8* src, u8* dst, u64 n_blocks) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_blocks; i += (u64)gridDim.x * blockDim.x) {
+        const u8* s = src + 210 * i;
+        for (int j = 0; j < 208; ++j) dst[208 * i + j] = s[j];
+        dst[208 * n_blocks + 2 * i] = s[208];
+        dst[208 * n_blocks + 2 * i + 1] = s[209];
+    }
+}
+
+// Block i of a matrix of n_blocks blocks at `m`.
+__device__ __forceinline__ float q6r_dot(const u8* m, u64 n_blocks, u64 i, int c, int t, const i8* xq, const float2* xd) {
+    const u8* b = m + 208 * i;
+    const int n = t / 4, l0 = 8 * (t % 4);
+    const uint2 qa = *(const uint2*)(b + 64 * n + l0), qb = *(const uint2*)(b + 64 * n + 32 + l0);
+    const uint2 qh = *(const uint2*)(b + 128 + 32 * n + l0);
+    const uint2 sc = *(const uint2*)(b + 192 + 8 * n);
+    const u32 s4 = sc.x, s4b = sc.y;  // scales 8n..8n+8
+    const float d = f16_to_f32(*(const u16*)(m + 208 * n_blocks + 2 * i));
+    const i8* x = xq + 256 * c + 128 * n + l0;
+    float r = 0.0f;
+#pragma unroll
+    for (int rq = 0; rq < 4; ++rq) {
+        const uint2 ql = (rq & 1) ? qb : qa;
+        const int sh = 4 * (rq >> 1);
+        u32 v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * rq)) & 0x03030303u) << 4);
+        u32 v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * rq)) & 0x03030303u) << 4);
+        v0 ^= 0x20202020u, v1 ^= 0x20202020u;
+        v0 |= (v0 & 0x20202020u) * 6, v1 |= (v1 & 0x20202020u) * 6;
+        const int2 xv = *(const int2*)(x + 32 * rq);
+        const int s = dp4a((int)v1, xv.y, dp4a((int)v0, xv.x, 0));
+        const int j = 2 * rq + l0 / 16;
+        const int scv = (int)(i8)(((j < 4 ? s4 : s4b) >> (8 * (j % 4))) & 0xFF);
+        r += (float)scv * xd[8 * c + 4 * n + rq].x * (float)s;
+    }
+    return d * r;
+}
+
+// gemv_q8<TY_Q6_K> (one weight) on the repacked matrix.
+__global__ void q6r_gemv(const GemvQ8Params p) {
+    __shared__ float part[GEMV_Q8_THREADS / 32];
+    const int tid = threadIdx.x, seg = (int)p.wr[0] * 8;
+    const int row0 = (int)blockIdx.x * (GEMV_Q8_THREADS / seg), row = row0 + tid / seg;
+    const int nb = p.k / 256;
+    const u64 n_blocks = (u64)p.n_rows[0] * nb;
+    if (p.prefetch && tid == 0 && row0 < (int)p.n_rows[0]) {
+        const int nr = min(GEMV_Q8_THREADS / seg, (int)p.n_rows[0] - row0);
+        prefetch_l2((const u8*)p.w[0] + (u64)row0 * nb * 208, (u64)nr * nb * 208);
+    }
+    pdl_enter();
+    const int wk = (tid % seg) / 8, t = tid % 8, wr = p.wr[0];
+    const bool valid = row < (int)p.n_rows[0];
+    const i8* xq = (const i8*)p.xq;
+    const float2* xd = (const float2*)(xq + p.k);
+    float acc = 0.0f;
+    if (valid) {
+#pragma unroll 4
+        for (int u = wk; u < nb; u += wr) acc += q6r_dot((const u8*)p.w[0], n_blocks, (u64)row * nb + u, u, t, xq, xd);
+    }
+    acc = seg_sum(acc, seg, part);
+    if (valid && tid % seg == 0) ((float*)p.y[0])[row] = acc;
+}
