@@ -67,7 +67,7 @@ __device__ __forceinline__ void gemv_q8(const GemvQ8Params& p) {
     if (valid) {
         const u8* wrow = (const u8*)p.w[i] + (u64)row * p.row_bytes[i];
 #pragma unroll 4
-        for (int u = wk; u < n_units; u += wr) acc += U::dot(wrow, u, t, xq, xd);
+        for (int u = wk; u < n_units; u += wr) acc += U::dot(wrow, n_units, u, t, xq, xd);
     }
     acc = seg_sum(acc, seg, part);
     if (valid && tid % seg == 0) ((float*)p.y[i])[row] = acc;
@@ -138,7 +138,7 @@ __device__ __forceinline__ void gemv_q8_rows(const GemvQ8RowsParams& p) {
     for (int j = 0; j < R; ++j) acc[j] = 0.0f;
     for (int u = g; u < nr * n_units; u += 32 / U::L) {
         const int r = u / n_units;
-        const float v = U::dot(s + r * rb, u - r * n_units, t, xq, xd);
+        const float v = U::dot(s + r * rb, n_units, u - r * n_units, t, xq, xd);
 #pragma unroll
         for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
     }

@@ -146,10 +146,17 @@ __device__ __forceinline__ void tile_deq8<TY_Q5_K>(const u8* row, int i0, int, b
 // bits from ql[64n + 32(r & 1) + l] (nibble r >> 1), high two from qh[32n + l] (bits 2r).
 // Weights i0..i0+8: their values q (0..63) as the bytes of q[0] (weights 0..3) and q[1] (4..7),
 // weight = dl·(q − 32).
-__device__ __forceinline__ void q6k_piece(const u8* row, int i0, float* dl, u32 q[2]) {
+// nb: the row's blocks (for where a repacked row's d's are; EMBER_Q6_REPACK).
+__device__ __forceinline__ void q6k_piece(const u8* row, int i0, int nb, float* dl, u32 q[2]) {
+#ifdef EMBER_Q6_REPACK
+    const u8* b = q6k_blk(row, nb, i0 / 256);
+    const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
+    *dl = f16_to_f32(ld_u16(q6k_dp(row, nb, i0 / 256))) * (float)(i8)b[192 + i / 16];
+#else
     const u8* b = row + 210 * (i0 / 256);
     const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
     *dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
+#endif
     const u8* ql = b + 64 * n + 32 * (r & 1) + l0;
     const u8* qh = b + 128 + 32 * n + l0;
     const int sl = 4 * (r >> 1), shh = 2 * r;
@@ -159,10 +166,10 @@ __device__ __forceinline__ void q6k_piece(const u8* row, int i0, float* dl, u32 
 }
 
 template <>
-__device__ __forceinline__ void tile_deq8<TY_Q6_K>(const u8* row, int i0, int, bool, const float*, float* out) {
+__device__ __forceinline__ void tile_deq8<TY_Q6_K>(const u8* row, int i0, int k, bool, const float*, float* out) {
     float dl;
     u32 q[2];
-    q6k_piece(row, i0, &dl, q);
+    q6k_piece(row, i0, k / 256, &dl, q);
 #pragma unroll
     for (int w = 0; w < 2; ++w)
 #pragma unroll
@@ -253,10 +260,10 @@ __device__ __forceinline__ uint4 tile_deq8_h<TY_Q5_K>(const u8* row, int i0, int
 
 // Q6_K as tile_deq8<TY_Q6_K>: values q − 32 (1024 + 32 = 0x6420 as f16).
 template <>
-__device__ __forceinline__ uint4 tile_deq8_h<TY_Q6_K>(const u8* row, int i0, int, bool, const float*) {
+__device__ __forceinline__ uint4 tile_deq8_h<TY_Q6_K>(const u8* row, int i0, int k, bool, const float*) {
     float dl;
     u32 q[2];
-    q6k_piece(row, i0, &dl, q);
+    q6k_piece(row, i0, k / 256, &dl, q);
     return bytes_h2(q[0], q[1], 0x64206420u, pack_f16x2(dl, dl), 0, false);
 }
 #endif

@@ -135,8 +135,8 @@ __device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 
         const int n_units = p.d / U::W;
 #pragma unroll 2
         for (int c = wk; c < n_units; c += wr) {
-            g += U::dot((const u8*)q.sg + at, c, l, xq, xd);
-            u += U::dot((const u8*)q.su + at, c, l, xq, xd);
+            g += U::dot((const u8*)q.sg + at, n_units, c, l, xq, xd);
+            u += U::dot((const u8*)q.su + at, n_units, c, l, xq, xd);
         }
     }
     g = seg_sum(g, seg, part);
@@ -167,7 +167,8 @@ __device__ __forceinline__ float moe_shared_down_ty(const MoeQ8Params& q, u32 t,
     const i8* xq = (const i8*)q.xq + at;
     const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + at / 32;
     float acc = 0.0f;
-    for (int c = wk; c < (int)(q.n_ff_s / U::W); c += wr) acc += U::dot(row, c, l, xq, xd);
+    const int n_units = q.n_ff_s / U::W;
+    for (int c = wk; c < n_units; c += wr) acc += U::dot(row, n_units, c, l, xq, xd);
     return acc;
 }
 
@@ -212,8 +213,8 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
         const int n_units = p.d / U::W;
 #pragma unroll 2
         for (int c = wk; c < n_units; c += wr) {
-            g += U::dot((const u8*)p.gate + at, c, l, xq, xd);
-            u += U::dot((const u8*)p.up + at, c, l, xq, xd);
+            g += U::dot((const u8*)p.gate + at, n_units, c, l, xq, xd);
+            u += U::dot((const u8*)p.up + at, n_units, c, l, xq, xd);
         }
     }
     g = seg_sum(g, seg, part);
@@ -265,7 +266,7 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
             const u8* row = (const u8*)p.down + ((u64)s * p.d + r) * p.row_bytes_down;
             const i8* xq = (const i8*)q.xq + (u64)pair * p.n_ff;
             const float2* xd = (const float2*)((const i8*)q.xq + q.n_hq) + (u64)pair * (p.n_ff / 32);
-            acc += ((const float*)p.weights)[pair] * U::dot(row, c, l, xq, xd);
+            acc += ((const float*)p.weights)[pair] * U::dot(row, n_units, c, l, xq, xd);
         }
         if (q.sd) acc += sigmoid_f(((const float*)q.gs)[t]) * moe_shared_down(q, t, r, seg);
     }

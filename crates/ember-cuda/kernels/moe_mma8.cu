@@ -108,7 +108,13 @@ struct Mma8Rows<TY_Q6_K> {
             const u32 sb = step / 8, s0 = 2 * (step % 8);
             if (s0 == 0) {
 #pragma unroll
-                for (int i = 0; i < 2; ++i) dr[i] = f16_to_f32(ld_u16(rows[i] + 210 * sb + 208));
+                for (int i = 0; i < 2; ++i) {
+#ifdef EMBER_Q6_REPACK
+                    dr[i] = f16_to_f32(ld_u16(q6k_dp(rows[i], n_blk / 8, sb)));
+#else
+                    dr[i] = f16_to_f32(ld_u16(rows[i] + 210 * sb + 208));
+#endif
+                }
             }
             u32 bx[4][2];
 #pragma unroll
@@ -122,7 +128,13 @@ struct Mma8Rows<TY_Q6_K> {
             float dl[2][2];  // [row][group of the step]
             u32 a[2][2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) q6k_mma8_step(rows[i] + 210 * sb, step % 8, t, dr[i], a[i], dl[i]);
+            for (int i = 0; i < 2; ++i) {
+#ifdef EMBER_Q6_REPACK
+                q6k_mma8_step(q6k_blk(rows[i], n_blk / 8, sb), step % 8, t, dr[i], a[i], dl[i]);
+#else
+                q6k_mma8_step(rows[i] + 210 * sb, step % 8, t, dr[i], a[i], dl[i]);
+#endif
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -398,20 +410,23 @@ template <int TY>
 struct Moe8sDown;
 template <>
 struct Moe8sDown<TY_Q4_K> {
-    static constexpr u32 SB = 144, PITCH = 304;  // 2·144 + 16: rows g and g + 8 of a warp's 8 on distinct banks
-    // Super-block sb of the lane's two rows against the tile's h (hsb: its 256 values of sb a
-    // pair, pitch MOE8SD_HLD; hss: its block scales, MOE8SD_SLD a pair), NA n-tiles.
+    static constexpr u32 PITCH = 304;  // 2·144 + 16: rows g and g + 8 of a warp's 8 on distinct banks
+    // Super-block sb (of nb) of the lane's two staged rows against the tile's h (hsb: its 256
+    // values of sb a pair, pitch MOE8SD_HLD; hss: its block scales, MOE8SD_SLD a pair), NA
+    // n-tiles.
     template <int NA>
-    static __device__ __forceinline__ void superblock(const u8* w0, const u8* w1, const u8* hsb, const float2* hss, int g, int t, float acc[4][4]) {
-        q4k_mma8_superblock<4, NA>(w0, w1, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
+    static __device__ __forceinline__ void superblock(const u8* r0, const u8* r1, int nb, int sb, const u8* hsb, const float2* hss, int g, int t,
+                                                      float acc[4][4]) {
+        q4k_mma8_superblock<4, NA>(r0 + 144 * sb, r1 + 144 * sb, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
     }
 };
 template <>
 struct Moe8sDown<TY_Q6_K> {
-    static constexpr u32 SB = 210, PITCH = 432;  // 2·210 + 12
+    static constexpr u32 PITCH = 432;  // 2·210 + 12
     template <int NA>
-    static __device__ __forceinline__ void superblock(const u8* w0, const u8* w1, const u8* hsb, const float2* hss, int g, int t, float acc[4][4]) {
-        q6k_mma8_superblock<4, NA>(w0, w1, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
+    static __device__ __forceinline__ void superblock(const u8* r0, const u8* r1, int nb, int sb, const u8* hsb, const float2* hss, int g, int t,
+                                                      float acc[4][4]) {
+        q6k_mma8_superblock<4, NA>(r0, r1, nb, sb, hsb, MOE8SD_HLD, hss, 1, MOE8SD_SLD, g, t, acc);
     }
 };
 
@@ -443,12 +458,21 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     const u8* wbase = (const u8*)p.down + ((u64)e * p.d + r_blk) * p.row_bytes_down;
     for (u32 sb = 0; sb < n_sb; ++sb) {
         if (TY == TY_Q6_K) {
+#ifdef EMBER_Q6_REPACK
+            // Words 0..51 of a row (the first super-block's run) and 104 (both d's), then 52..103.
+            const u32 w0 = sb == 0 ? 0 : 52, nw = sb == 0 ? 53 : 52;
+            for (u32 i = threadIdx.x; i < MOE8D_ROWS * nw; i += 256) {
+                const u32 row = i / nw, j = i % nw, w = sb == 0 && j == 52 ? 104 : w0 + j;
+                mma8_cp4(ws + row * C::PITCH + 4 * w, wbase + (u64)row * p.row_bytes_down + 4 * w);
+            }
+#else
             // Words 0..52 of a row (bytes 0..211: the first super-block) then 53..104.
             const u32 w0 = sb == 0 ? 0 : 53, nw = sb == 0 ? 53 : 52;
             for (u32 i = threadIdx.x; i < MOE8D_ROWS * nw; i += 256) {
                 const u32 row = i / nw, w = w0 + i % nw;
                 mma8_cp4(ws + row * C::PITCH + 4 * w, wbase + (u64)row * p.row_bytes_down + 4 * w);
             }
+#endif
         } else {
             for (u32 i = threadIdx.x; i < MOE8D_ROWS * 9; i += 256) {
                 const u32 row = i / 9, at = 144 * sb + 16 * (i % 9);
@@ -480,13 +504,13 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
             mma8_wait<0>();
         }
         __syncthreads();  // every thread's pieces of super-block sb
-        const u8* const rows[2] = {ws + (r_w + g) * C::PITCH + C::SB * sb, ws + (r_w + g + 8) * C::PITCH + C::SB * sb};
+        const u8* const rows[2] = {ws + (r_w + g) * C::PITCH, ws + (r_w + g + 8) * C::PITCH};
         const u8* hsb = hst + 256 * sb;
         switch (na) {  // block-uniform
-        case 1: Moe8sDown<TY>::template superblock<1>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
-        case 2: Moe8sDown<TY>::template superblock<2>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
-        case 3: Moe8sDown<TY>::template superblock<3>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
-        default: Moe8sDown<TY>::template superblock<4>(rows[0], rows[1], hsb, hss + 8 * sb, g, t, acc); break;
+        case 1: Moe8sDown<TY>::template superblock<1>(rows[0], rows[1], n_sb, sb, hsb, hss + 8 * sb, g, t, acc); break;
+        case 2: Moe8sDown<TY>::template superblock<2>(rows[0], rows[1], n_sb, sb, hsb, hss + 8 * sb, g, t, acc); break;
+        case 3: Moe8sDown<TY>::template superblock<3>(rows[0], rows[1], n_sb, sb, hsb, hss + 8 * sb, g, t, acc); break;
+        default: Moe8sDown<TY>::template superblock<4>(rows[0], rows[1], n_sb, sb, hsb, hss + 8 * sb, g, t, acc); break;
         }
     }
     float* part = (float*)q.part;

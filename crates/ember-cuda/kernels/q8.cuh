@@ -11,8 +11,8 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // 8 bytes at 2-byte alignment (Q6_K and Q8_0 blocks are 210 and 34 bytes).
 __device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
 
-// The unit dot products: lane t (< L) of unit c of a row against the quantised x (xq: the int8
-// values of the whole row's k, xd: their blocks' (d, d·Σq)).
+// The unit dot products: lane t (< L) of unit c (of the row's nb) of a row against the quantised
+// x (xq: the int8 values of the whole row's k, xd: their blocks' (d, d·Σq)).
 template <int TY>
 struct Q8Unit;
 
@@ -23,7 +23,7 @@ struct Q8Unit;
 template <>
 struct Q8Unit<TY_Q4_K> {
     static constexpr int L = 8, W = 256;
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+    static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 144 * c;
         const uint4 h = *(const uint4*)b;
         const uint4 q = *(const uint4*)(b + 16 + 16 * t);
@@ -51,13 +51,32 @@ struct Q8Unit<TY_Q4_K> {
 template <>
 struct Q8Unit<TY_Q6_K> {
     static constexpr int L = 8, W = 256;
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
-        const u8* b = row + 210 * c;
+    static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
         const int n = t / 4, l0 = 8 * (t % 4);
+#ifdef EMBER_Q6_REPACK
+        const u8* b = q6k_blk(row, nb, c);
+        // The repacked runs are 8-byte aligned where the row is (k a multiple of 2,048: rows of
+        // whole 16-byte chunks): one 8-byte load a field (gemv-micro's q6r), else 2-byte ones.
+        uint2 qa, qb, qh;
+        u32 s4, s4b;
+        if (((u64)b & 7) == 0) {
+            qa = *(const uint2*)(b + 64 * n + l0), qb = *(const uint2*)(b + 64 * n + 32 + l0);
+            qh = *(const uint2*)(b + 128 + 32 * n + l0);
+            const uint2 sc = *(const uint2*)(b + 192 + 8 * n);
+            s4 = sc.x, s4b = sc.y;
+        } else {
+            qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
+            qh = ld_u64_a2(b + 128 + 32 * n + l0);
+            s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);
+        }
+        const float d = f16_to_f32(ld_u16(q6k_dp(row, nb, c)));
+#else
+        const u8* b = row + 210 * c;
         const uint2 qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
         const uint2 qh = ld_u64_a2(b + 128 + 32 * n + l0);
         const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
         const float d = f16_to_f32(ld_u16(b + 208));
+#endif
         const i8* x = xq + 256 * c + 128 * n + l0;
         float r = 0.0f;
 #pragma unroll
@@ -84,7 +103,7 @@ struct Q8Unit<TY_Q6_K> {
 template <>
 struct Q8Unit<TY_Q8_0> {
     static constexpr int L = 4, W = 32;
-    static __device__ __forceinline__ float dot(const u8* row, int c, int t, const i8* xq, const float2* xd) {
+    static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
         const u8* b = row + 34 * c;
         const uint2 w = ld_u64_a2(b + 2 + 8 * t);
         const int2 xv = *(const int2*)(xq + 32 * c + 8 * t);

@@ -46,6 +46,7 @@ macro_rules! kernel {
 kernel!(MATMUL, "matmul", DEQUANT, MMA);
 kernel!(GEMV_Q8, "gemv_q8", DEQUANT, Q8);
 kernel!(GET_ROWS, "get_rows", DEQUANT);
+kernel!(Q6_REPACK, "q6_repack");
 kernel!(RMS_NORM, "rms_norm");
 kernel!(ADD, "add");
 kernel!(GATE, "gate");
@@ -73,6 +74,7 @@ pub static ALL: &[&Kernel] = &[
     &MATMUL,
     &GEMV_Q8,
     &GET_ROWS,
+    &Q6_REPACK,
     &RMS_NORM,
     &ADD,
     &GATE,

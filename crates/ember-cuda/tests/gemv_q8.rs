@@ -381,6 +381,24 @@ fn moe_q8_matches_quantised_reference() {
     println!("moe_q8: max |err| / scale = {worst:e}");
 }
 
+/// The device's Q6_K repack (kernels/q6_repack.cu) gives `q6k_repack_row`'s bytes, row by row,
+/// for rows of whole 16-byte chunks (k = 2048) and not (k = 512, an expert's down): run on an
+/// uploaded weight, or, in kernels built with EMBER_Q6_REPACK, by the upload itself.
+#[test]
+fn q6k_repack_matches_the_host_layout() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (k, n) in [(2048, 37), (512, 300)] {
+        let bytes = quantised(GgmlType::Q6K, &mut rng, k, n);
+        let mut w = g.upload_weight(GgmlType::Q6K, k, n, &bytes).unwrap();
+        if !ember_cuda::ops::q6_repack_on() {
+            g.q6k_repack_rows(&mut w, 0, n).unwrap();
+        }
+        let want: Vec<u8> = bytes.chunks(w.row_bytes).flat_map(ember_cuda::ops::q6k_repack_row).collect();
+        assert_eq!(w.download(g).unwrap(), want, "k = {k}");
+    }
+}
+
 /// Time per call of the int8 GEMV and the f32 GEMV (Exact) at the 35B-A3B decode shapes, as
 /// GB/s of weight bytes (the H200 copies ~4,300 GB/s).
 #[test]

@@ -244,6 +244,13 @@ impl DevWeights {
                 }
             }
         }
+        // Q6_K rows came up as the file has them: repacked on the stream before a table names
+        // the slot (kernels built with EMBER_Q6_REPACK).
+        if crate::ops::q6_repack_on() {
+            for &(l, slot, _) in &done {
+                self.repack_slot(gpu, LayerIdx(l as u16), slot).map_err(fail)?;
+            }
+        }
         let mut layers: Vec<usize> = done.iter().map(|d| d.0).collect();
         layers.sort_unstable();
         layers.dedup();
@@ -260,6 +267,31 @@ impl DevWeights {
             pool.slot_of = table;
         }
         err.map_or(Ok(done.len()), Err)
+    }
+
+    /// Repacks the Q6_K rows of `slot` in `layer`'s stacked expert tensors (an expert uploaded
+    /// as the file has it, by place_expert), on the stream.
+    fn repack_slot(&mut self, gpu: &Gpu, layer: LayerIdx, slot: usize) -> crate::Result<()> {
+        let bad = |what: &str| crate::error::shape("repack_slot", what.to_string());
+        let m = *self.reg.moe("repack_slot", layer).map_err(|e| bad(&e.to_string()))?;
+        let set = self.reg.weights("repack_slot").map_err(|e| bad(&e.to_string()))?.clone();
+        let d_rows = set.info(m.down).map_or(0, |i| i.rows_per_mat());
+        let mut ranges: Vec<(WeightId, usize)> = vec![(m.down, d_rows)];
+        match m.gate_up {
+            GateUp::Separate { gate, up } => ranges.extend([(gate, m.n_ff), (up, m.n_ff)]),
+            GateUp::Fused(w) => ranges.push((w, m.n_ff)),
+        }
+        for (id, rows) in ranges {
+            match self.w.get_mut(id.index()).and_then(Option::as_mut) {
+                Some(DevWeight::Matrix(w)) => w.repack_uploaded(gpu, slot * rows, rows)?,
+                Some(DevWeight::Split { gate, up }) => {
+                    gate.repack_uploaded(gpu, slot * rows, rows)?;
+                    up.repack_uploaded(gpu, slot * rows, rows)?;
+                }
+                _ => return Err(bad("not an expert tensor")),
+            }
+        }
+        Ok(())
     }
 
     /// Re-uploads the routed experts of `layer` as slots holding exactly `list` (the old

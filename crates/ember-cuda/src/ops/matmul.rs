@@ -18,7 +18,7 @@ pub struct DeviceWeight {
     pub k: usize,
     pub n_rows: usize,
     pub row_bytes: usize,
-    bytes: Buf<u8>,
+    pub(super) bytes: Buf<u8>,
 }
 
 /// Rows `row0..row0 + n_rows` of a [`DeviceWeight`] (e.g. one expert of a stacked tensor).
@@ -101,7 +101,8 @@ impl DeviceWeight {
         if n * self.row_bytes != len || row0 + n > self.n_rows {
             return Err(shape("write_rows", format!("{len} bytes at row {row0} of {} rows of {} bytes", self.n_rows, self.row_bytes)));
         }
-        gpu.write_parts(&mut self.bytes, row0 * self.row_bytes, parts)
+        gpu.write_parts(&mut self.bytes, row0 * self.row_bytes, parts)?;
+        self.repack_uploaded(gpu, row0, n)
     }
 
     /// The device address of row `row0`, checking that `bytes` from there are whole rows inside
@@ -303,7 +304,8 @@ struct MatmulMultiParams {
 unsafe impl DeviceRepr for MatmulMultiParams {}
 
 impl Gpu {
-    /// Uploads a weight's file bytes unchanged.
+    /// Uploads a weight's file bytes (unchanged, but for Q6_K in kernels that read it repacked:
+    /// src/ops/q6_repack.rs).
     pub fn upload_weight(&self, ty: GgmlType, k: usize, n_rows: usize, data: &[u8]) -> Result<DeviceWeight> {
         if type_suffix(ty).is_none() {
             return Err(shape(OP, format!("weight type {} has no CUDA kernel", ty.name())));
@@ -313,7 +315,9 @@ impl Gpu {
             return Err(shape(OP, format!("{} bytes for {n_rows} rows of {row_bytes}", data.len())));
         }
         let bytes = if data.is_empty() { self.alloc(0)? } else { self.upload(data)? };
-        Ok(DeviceWeight { ty, k, n_rows, row_bytes, bytes })
+        let mut w = DeviceWeight { ty, k, n_rows, row_bytes, bytes };
+        w.repack_uploaded(self, 0, n_rows)?;
+        Ok(w)
     }
 
     /// `y[t][r] = Σ_j W[r][j]·x[t][j]`: x is [n_tok, k], y [n_tok, w.n_rows] (row-major f32),
@@ -632,7 +636,11 @@ impl Gpu {
             return Err(shape(OP, format!("{n_tok} tokens (at most {} per matmul_mmv call)", 65_535 * 16)));
         }
         let (pass, grid) = if n_tok <= 8 { (8, (row_blocks, 1, 1)) } else { (16, (row_blocks, blocks(n_tok, 16), 1)) };
-        let staged = mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on());
+        // (Not repacked Q6_K: the staged window of super-blocks would leave out their d's, which
+        // sit after the row's runs.)
+        let repacked = ty == GgmlType::Q6K && super::q6_repack_on();
+        let staged =
+            mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on() && !repacked);
         let Some(sb) = staged else {
             let f = self.function(&MATMUL, &format!("{base}_{suffix}_{pass}"))?;
             return Ok((f, grid, (MMV_WARPS * MMV_ROWS * (pass + 1) * 4) as u32));
