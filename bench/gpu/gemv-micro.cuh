@@ -114,7 +114,7 @@ __device__ __forceinline__ void stg_units(const u8* s, int r0, int nr, int row_b
     const float2* xd = (const float2*)(xq + k);
     for (int u = lane / U::L; u < nr * n_units; u += 32 / U::L) {
         const int r = r0 + u / n_units;
-        const float v = U::dot(s + r * row_bytes, u % n_units, lane % U::L, xq, xd);
+        const float v = U::dot(s + r * row_bytes, n_units, u % n_units, lane % U::L, xq, xd);
 #pragma unroll
         for (int j = 0; j < R; ++j) acc[j] += j == r ? v : 0.0f;
     }
