@@ -176,23 +176,7 @@ __device__ __forceinline__ float q6r_dot(const u8* m, u64 n_blocks, u64 i, int c
     const uint2 sc = *(const uint2*)(b + 192 + 8 * n);
     const u32 s4 = sc.x, s4b = sc.y;  // scales 8n..8n+8
     const float d = f16_to_f32(*(const u16*)(m + 208 * n_blocks + 2 * i));
-    const i8* x = xq + 256 * c + 128 * n + l0;
-    float r = 0.0f;
-#pragma unroll
-    for (int rq = 0; rq < 4; ++rq) {
-        const uint2 ql = (rq & 1) ? qb : qa;
-        const int sh = 4 * (rq >> 1);
-        u32 v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * rq)) & 0x03030303u) << 4);
-        u32 v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * rq)) & 0x03030303u) << 4);
-        v0 ^= 0x20202020u, v1 ^= 0x20202020u;
-        v0 |= (v0 & 0x20202020u) * 6, v1 |= (v1 & 0x20202020u) * 6;
-        const int2 xv = *(const int2*)(x + 32 * rq);
-        const int s = dp4a((int)v1, xv.y, dp4a((int)v0, xv.x, 0));
-        const int j = 2 * rq + l0 / 16;
-        const int scv = (int)(i8)(((j < 4 ? s4 : s4b) >> (8 * (j % 4))) & 0xFF);
-        r += (float)scv * xd[8 * c + 4 * n + rq].x * (float)s;
-    }
-    return d * r;
+    return q6k_q8_lane(qa, qb, qh, s4, s4b, d, c, t, xq, xd);
 }
 
 // gemv_q8<TY_Q6_K> (one weight) on the repacked matrix.

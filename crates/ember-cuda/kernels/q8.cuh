@@ -48,6 +48,33 @@ struct Q8Unit<TY_Q4_K> {
 // Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
 // low and high nibbles), ql[64n + 32 + l0..+8] (quarters 1 and 3) and qh[32n + l0..+8] (bits
 // 2r of quarter r): weights 128n + 32r + l0.. for r < 4, scale sc[8n + 2r + l0 / 16].
+// Lane t's part of Q6_K unit c against int8 x, from its bytes as Q8Unit<TY_Q6_K> reads them: ql
+// (qa: quarters 0 and 2, qb: 1 and 3), qh, its half's 8 scales (s4, s4b) and d. (Shared with
+// bench/gpu/gemv-micro.cuh's layouts.)
+__device__ __forceinline__ float q6k_q8_lane(uint2 qa, uint2 qb, uint2 qh, u32 s4, u32 s4b, float d, int c, int t, const i8* xq,
+                                             const float2* xd) {
+    const int n = t / 4, l0 = 8 * (t % 4);
+    const i8* x = xq + 256 * c + 128 * n + l0;
+    float r = 0.0f;
+#pragma unroll
+    for (int rq = 0; rq < 4; ++rq) {
+        const uint2 ql = (rq & 1) ? qb : qa;
+        const int sh = 4 * (rq >> 1);
+        u32 v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * rq)) & 0x03030303u) << 4);
+        u32 v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * rq)) & 0x03030303u) << 4);
+        // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and the byte is
+        // negative: set bits 6 and 7 too.
+        v0 ^= 0x20202020u, v1 ^= 0x20202020u;
+        v0 |= (v0 & 0x20202020u) * 6, v1 |= (v1 & 0x20202020u) * 6;
+        const int2 xv = *(const int2*)(x + 32 * rq);
+        const int s = dp4a((int)v1, xv.y, dp4a((int)v0, xv.x, 0));
+        const int j = 2 * rq + l0 / 16;  // scale 8n + j
+        const int sc = (int)(i8)(((j < 4 ? s4 : s4b) >> (8 * (j % 4))) & 0xFF);
+        r += (float)sc * xd[8 * c + 4 * n + rq].x * (float)s;
+    }
+    return d * r;
+}
+
 template <>
 struct Q8Unit<TY_Q6_K> {
     static constexpr int L = 8, W = 256;
@@ -77,25 +104,7 @@ struct Q8Unit<TY_Q6_K> {
         const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
         const float d = f16_to_f32(ld_u16(b + 208));
 #endif
-        const i8* x = xq + 256 * c + 128 * n + l0;
-        float r = 0.0f;
-#pragma unroll
-        for (int rq = 0; rq < 4; ++rq) {
-            const uint2 ql = (rq & 1) ? qb : qa;
-            const int sh = 4 * (rq >> 1);
-            u32 v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * rq)) & 0x03030303u) << 4);
-            u32 v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * rq)) & 0x03030303u) << 4);
-            // q − 32 per byte (q < 64): flip bit 5; where it is then set, q was < 32 and the byte
-            // is negative: set bits 6 and 7 too.
-            v0 ^= 0x20202020u, v1 ^= 0x20202020u;
-            v0 |= (v0 & 0x20202020u) * 6, v1 |= (v1 & 0x20202020u) * 6;
-            const int2 xv = *(const int2*)(x + 32 * rq);
-            const int s = dp4a((int)v1, xv.y, dp4a((int)v0, xv.x, 0));
-            const int j = 2 * rq + l0 / 16;  // scale 8n + j
-            const int sc = (int)(i8)(((j < 4 ? s4 : s4b) >> (8 * (j % 4))) & 0xFF);
-            r += (float)sc * xd[8 * c + 4 * n + rq].x * (float)s;
-        }
-        return d * r;
+        return q6k_q8_lane(qa, qb, qh, s4, s4b, d, c, t, xq, xd);
     }
 };
 
