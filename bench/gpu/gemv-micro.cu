@@ -24,6 +24,7 @@
 #include "dequant.cuh"
 #include "q8.cuh"
 #include "gemv_q8.cu"
+#include "q6_repack.cu"
 #include "gemv-micro.cuh"
 #include "ck.cuh"
 
@@ -139,6 +140,12 @@ static void run_shape(const char* label, const Type& T, int rows, int k) {
     fill_random<<<n_sm * 8, 256>>>(w, bytes * copies, 12345);
     const u64 n_blocks = bytes * copies / T.bb;
     fix_scales<<<n_sm * 8, 256>>>(w, n_blocks, T.bb, T.scale_off, T.two);
+    // Q6_K as the GPU keeps it: each row repacked at upload (kernels/q6_repack.cu; docs/perf.md
+    // g28), every copy in place.
+    if (T.ty == TY_Q6_K) {
+        const Q6RepackParams rp = {(u64)w, (u64)rows * copies, (u32)row_bytes, (u32)(k / 256)};
+        q6k_repack<<<n_sm * 16, 256, row_bytes>>>(rp);
+    }
     CK(cudaDeviceSynchronize());
     // x: k int8 values in [-127, 127] and k / 32 (d, d·Σq) pairs.
     std::vector<u8> hx(k + 8 * (k / 32));
@@ -196,19 +203,6 @@ static void run_shape(const char* label, const Type& T, int rows, int k) {
                          else q4k_l4<16><<<(th + 127) / 128, 128, 0, st>>>(w, y, xq, rows);
                      }});
     }
-    u8* w_r = nullptr;  // the Q6_K copies repacked (q6r)
-    if (T.ty == TY_Q6_K) {
-        CK(cudaMalloc(&w_r, bytes * copies));
-        for (int i = 0; i < copies; ++i) q6_repack<<<n_sm * 8, 256>>>(w + (size_t)i * bytes, w_r + (size_t)i * bytes, (u64)rows * (k / 256));
-        CK(cudaDeviceSynchronize());
-        for (int fill : {512, 2048}) {
-            for (int mode = 0; mode < 4; ++mode) {
-                const bool pf = mode & 1, pdl = mode & 2;
-                const std::string name = std::string("q6r") + (pf ? " pf" : "") + (pdl ? "+pdl" : "") + " " + std::to_string(fill);
-                v.push_back({name, [=](const u8* wi, float* y) { launch_prod(q6r_gemv, T, w_r + (wi - w), y, xq, rows, k, fill, pf, pdl); }});
-            }
-        }
-    }
     // (The staged rows need rows of whole 16-byte chunks: not an expert's Q6_K down, 420 bytes.)
     if (T.ty == TY_Q4_K && row_bytes % 16 == 0) add_stg<TY_Q4_K>(v, xq, rows, row_bytes, k);
     if (T.ty == TY_Q6_K && row_bytes % 16 == 0) add_stg<TY_Q6_K>(v, xq, rows, row_bytes, k);
@@ -249,7 +243,6 @@ static void run_shape(const char* label, const Type& T, int rows, int k) {
         printf("  %-14s %9.2f us %8.0f GB/s   max err / max |y| %.2e\n", name.c_str(), us, bytes / us / 1e3, rmax > 0 ? err / rmax : err);
     }
     CK(cudaFree(w));
-    if (w_r) CK(cudaFree(w_r));
     CK(cudaFree(xq));
     CK(cudaFree(y));
     CK(cudaFree(yref));
@@ -262,7 +255,7 @@ int main() {
     n_sm = prop.multiProcessorCount;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     printf("%s, %d SMs, L2 %d MB\n", prop.name, n_sm, prop.l2CacheSize >> 20);
-    if (getenv("Q6_ONLY")) {  // the repack's question alone (bench/gpu/next/callS.sh)
+    if (getenv("Q6_ONLY")) {  // the Q6_K shapes alone
         run_shape("q6 qkv", Q6K, 8192, 2048);
         run_shape("q6 down", Q6K, 2048, 512);
         run_shape("head", Q6K, 248320, 2048);

@@ -36,17 +36,13 @@ __device__ __forceinline__ int scale_iq4xs(int s, const u8* b) {
     return (low | (high << 4)) - 32;
 }
 
-// Where block c of a Q6_K row of nb blocks is, and its f16 d: the file's 210-byte blocks (d at
-// byte 208 of each), or, in kernels built with EMBER_Q6_REPACK, the layout the GPU keeps after
-// q6k_repack (q6_repack.cu) at upload: the row's nb 208-byte runs (ql, qh, scales; run c at
-// 208·c, so 16-byte aligned where the row is), then its nb d's, 2 bytes each: the same bytes a
-// row, each block's fields at the same offsets within its run.
-// (Without the switch every reader keeps its own 210-byte arithmetic, so the default kernels are
-// the same code as before the switch existed.)
-#ifdef EMBER_Q6_REPACK
+// Where block c of a Q6_K row of nb blocks is, and its f16 d. The GPU keeps Q6_K as q6k_repack
+// (q6_repack.cu) leaves it at upload, not as the file's 210-byte blocks (d at byte 208 of each):
+// the row's nb 208-byte runs (ql, qh, scales; run c at 208·c, so 16-byte aligned where the row
+// is), then its nb d's, 2 bytes each: the same bytes a row, each block's fields at the same
+// offsets within its run (docs/perf.md g27-g28: tg128 +2.7 % on an H100).
 __device__ __forceinline__ const u8* q6k_blk(const u8* row, int nb, int c) { return row + 208 * c; }
 __device__ __forceinline__ const u8* q6k_dp(const u8* row, int nb, int c) { return row + 208 * nb + 2 * c; }
-#endif
 
 // Weights i0..i0+8 of one row (i0 a multiple of 8; float types read zero past k).
 // The simple, any-alignment path: byte loads, a runtime type switch. Used by get_rows and the
@@ -85,15 +81,9 @@ __device__ void deq8(int ty, const u8* row, int i0, int k, float* out) {
         break;
     }
     case TY_Q6_K: {
-#ifdef EMBER_Q6_REPACK
         const u8* b = q6k_blk(row, k / 256, i0 / 256);
         const int i = i0 % 256, s = i / 32, n = s / 4, r = s % 4, l0 = i % 32;
         const float dl = f16_to_f32(ld_u16(q6k_dp(row, k / 256, i0 / 256))) * (float)(i8)b[192 + i / 16];
-#else
-        const u8* b = row + 210 * (i0 / 256);
-        const int i = i0 % 256, s = i / 32, n = s / 4, r = s % 4, l0 = i % 32;
-        const float dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
-#endif
         for (int j = 0; j < 8; ++j) {
             const int lo = (b[64 * n + 32 * (r & 1) + l0 + j] >> (4 * (r >> 1))) & 0xF;
             const int hi = (b[128 + 32 * n + l0 + j] >> (2 * r)) & 3;
@@ -229,13 +219,8 @@ __device__ __forceinline__ bool chunk8<TY_Q5_K>(const u8* row, int c, int lane, 
 // qh >> 2r); high nibbles: the same + 64 (quarter r1 + 2). Scale: sc[weight / 16].
 template <>
 __device__ __forceinline__ bool chunk8<TY_Q6_K>(const u8* row, int c, int lane, int k, const float*, float* w, int* a0, int* a1) {
-#ifdef EMBER_Q6_REPACK
     const u8* b = q6k_blk(row, k / 256, c);
     const float d = f16_to_f32(ld_u16(q6k_dp(row, k / 256, c)));
-#else
-    const u8* b = row + 210 * c;
-    const float d = f16_to_f32(ld_u16(b + 208));
-#endif
     const int n = lane / 16, r1 = (lane / 8) % 2, m = lane % 8;
     const int i0 = 128 * n + 32 * r1 + 4 * m;
     *a0 = 256 * c + i0, *a1 = *a0 + 64;

@@ -225,7 +225,7 @@ __device__ __forceinline__ void mmv_step(const u8* const* wr, int wi, const floa
 // Bytes of 256 weights of a block type (the staged path's super-block).
 template <int TY>
 __device__ constexpr int mmv_sb_bytes() {
-    return TY == TY_Q4_K ? 144 : TY == TY_Q5_K ? 176 : TY == TY_Q6_K ? 210 : TY == TY_IQ4_XS ? 136 : TY == TY_Q8_0 ? 272 : 0;
+    return TY == TY_Q4_K ? 144 : TY == TY_Q5_K ? 176 : TY == TY_IQ4_XS ? 136 : TY == TY_Q8_0 ? 272 : 0;
 }
 
 // Shared-memory bytes per staged row: MMV_WARPS super-blocks and the 16 bytes an unaligned start
@@ -351,7 +351,6 @@ MMV_ENTRIES(iq4_xs, TY_IQ4_XS)
 MMV_STAGED_ENTRIES(q8_0, TY_Q8_0)
 MMV_STAGED_ENTRIES(q4_k, TY_Q4_K)
 MMV_STAGED_ENTRIES(q5_k, TY_Q5_K)
-MMV_STAGED_ENTRIES(q6_k, TY_Q6_K)
 MMV_STAGED_ENTRIES(iq4_xs, TY_IQ4_XS)
 
 // grid (ceil(n_rows / 64), ceil(n_tok / 64)), 256 threads: thread (tr, tt) = (tid / 16,

@@ -146,17 +146,11 @@ __device__ __forceinline__ void tile_deq8<TY_Q5_K>(const u8* row, int i0, int, b
 // bits from ql[64n + 32(r & 1) + l] (nibble r >> 1), high two from qh[32n + l] (bits 2r).
 // Weights i0..i0+8: their values q (0..63) as the bytes of q[0] (weights 0..3) and q[1] (4..7),
 // weight = dl·(q − 32).
-// nb: the row's blocks (for where a repacked row's d's are; EMBER_Q6_REPACK).
+// nb: the row's blocks (for where a repacked row's d's are: dequant.cuh's q6k_dp).
 __device__ __forceinline__ void q6k_piece(const u8* row, int i0, int nb, float* dl, u32 q[2]) {
-#ifdef EMBER_Q6_REPACK
     const u8* b = q6k_blk(row, nb, i0 / 256);
     const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
     *dl = f16_to_f32(ld_u16(q6k_dp(row, nb, i0 / 256))) * (float)(i8)b[192 + i / 16];
-#else
-    const u8* b = row + 210 * (i0 / 256);
-    const int i = i0 % 256, n = i / 128, r = (i / 32) % 4, l0 = i % 32;
-    *dl = f16_to_f32(ld_u16(b + 208)) * (float)(i8)b[192 + i / 16];
-#endif
     const u8* ql = b + 64 * n + 32 * (r & 1) + l0;
     const u8* qh = b + 128 + 32 * n + l0;
     const int sl = 4 * (r >> 1), shh = 2 * r;

@@ -150,13 +150,8 @@ template <int NJ, int NA>
 __device__ __forceinline__ void q6k_mma8_superblock(const u8* r0, const u8* r1, int nb, int sb, const u8* xst, u32 x_pitch, const float2* xss,
                                                     u32 xs_b, u32 xs_v, int g, int t, float acc[NJ][4]) {
     static_assert(NA >= 1 && NA <= NJ, "1 to NJ active n-tiles");
-#ifdef EMBER_Q6_REPACK
     const u8* const rows[2] = {q6k_blk(r0, nb, sb), q6k_blk(r1, nb, sb)};
     const float dr[2] = {f16_to_f32(ld_u16(q6k_dp(r0, nb, sb))), f16_to_f32(ld_u16(q6k_dp(r1, nb, sb)))};
-#else
-    const u8* const rows[2] = {r0 + 210 * sb, r1 + 210 * sb};
-    const float dr[2] = {f16_to_f32(ld_u16(rows[0] + 208)), f16_to_f32(ld_u16(rows[1] + 208))};
-#endif
 #pragma unroll 2
     for (u32 step = 0; step < 8; ++step) {
         u32 bx[NA][2];

@@ -109,11 +109,7 @@ struct Mma8Rows<TY_Q6_K> {
             if (s0 == 0) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-#ifdef EMBER_Q6_REPACK
                     dr[i] = f16_to_f32(ld_u16(q6k_dp(rows[i], n_blk / 8, sb)));
-#else
-                    dr[i] = f16_to_f32(ld_u16(rows[i] + 210 * sb + 208));
-#endif
                 }
             }
             u32 bx[4][2];
@@ -129,11 +125,7 @@ struct Mma8Rows<TY_Q6_K> {
             u32 a[2][2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-#ifdef EMBER_Q6_REPACK
                 q6k_mma8_step(q6k_blk(rows[i], n_blk / 8, sb), step % 8, t, dr[i], a[i], dl[i]);
-#else
-                q6k_mma8_step(rows[i] + 210 * sb, step % 8, t, dr[i], a[i], dl[i]);
-#endif
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h)
@@ -458,21 +450,12 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     const u8* wbase = (const u8*)p.down + ((u64)e * p.d + r_blk) * p.row_bytes_down;
     for (u32 sb = 0; sb < n_sb; ++sb) {
         if (TY == TY_Q6_K) {
-#ifdef EMBER_Q6_REPACK
             // Words 0..51 of a row (the first super-block's run) and 104 (both d's), then 52..103.
             const u32 w0 = sb == 0 ? 0 : 52, nw = sb == 0 ? 53 : 52;
             for (u32 i = threadIdx.x; i < MOE8D_ROWS * nw; i += 256) {
                 const u32 row = i / nw, j = i % nw, w = sb == 0 && j == 52 ? 104 : w0 + j;
                 mma8_cp4(ws + row * C::PITCH + 4 * w, wbase + (u64)row * p.row_bytes_down + 4 * w);
             }
-#else
-            // Words 0..52 of a row (bytes 0..211: the first super-block) then 53..104.
-            const u32 w0 = sb == 0 ? 0 : 53, nw = sb == 0 ? 53 : 52;
-            for (u32 i = threadIdx.x; i < MOE8D_ROWS * nw; i += 256) {
-                const u32 row = i / nw, w = w0 + i % nw;
-                mma8_cp4(ws + row * C::PITCH + 4 * w, wbase + (u64)row * p.row_bytes_down + 4 * w);
-            }
-#endif
         } else {
             for (u32 i = threadIdx.x; i < MOE8D_ROWS * 9; i += 256) {
                 const u32 row = i / 9, at = 144 * sb + 16 * (i % 9);

@@ -1,5 +1,5 @@
-// q6k_repack: Q6_K rows from the file's 210-byte blocks to the layout the kernels built with
-// EMBER_Q6_REPACK read (kernels/dequant.cuh, q6k_blk / q6k_dp), in place: a row's nb blocks
+// q6k_repack: Q6_K rows from the file's 210-byte blocks to the layout every kernel reads
+// (kernels/dequant.cuh, q6k_blk / q6k_dp), in place: a row's nb blocks
 // become nb 208-byte runs (ql, qh, scales: each block's fields at their offsets within its run)
 // followed by the nb f16 d's. The same bytes a row, so row addressing, expert slots and device
 // copies of rows are unchanged. Run once on each range of rows after it is uploaded. Reference:

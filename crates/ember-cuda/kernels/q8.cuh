@@ -80,7 +80,6 @@ struct Q8Unit<TY_Q6_K> {
     static constexpr int L = 8, W = 256;
     static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
         const int n = t / 4, l0 = 8 * (t % 4);
-#ifdef EMBER_Q6_REPACK
         const u8* b = q6k_blk(row, nb, c);
         // The repacked runs are 8-byte aligned where the row is (k a multiple of 2,048: rows of
         // whole 16-byte chunks): one 8-byte load a field (gemv-micro's q6r), else 2-byte ones.
@@ -97,13 +96,6 @@ struct Q8Unit<TY_Q6_K> {
             s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);
         }
         const float d = f16_to_f32(ld_u16(q6k_dp(row, nb, c)));
-#else
-        const u8* b = row + 210 * c;
-        const uint2 qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
-        const uint2 qh = ld_u64_a2(b + 128 + 32 * n + l0);
-        const u32 s4 = ld_u32_a2(b + 192 + 8 * n), s4b = ld_u32_a2(b + 196 + 8 * n);  // scales 8n..8n+8
-        const float d = f16_to_f32(ld_u16(b + 208));
-#endif
         return q6k_q8_lane(qa, qb, qh, s4, s4b, d, c, t, xq, xd);
     }
 };

@@ -381,9 +381,10 @@ fn moe_q8_matches_quantised_reference() {
     println!("moe_q8: max |err| / scale = {worst:e}");
 }
 
-/// The device's Q6_K repack (kernels/q6_repack.cu) gives `q6k_repack_row`'s bytes, row by row,
-/// for rows of whole 16-byte chunks (k = 2048) and not (k = 512, an expert's down): run on an
-/// uploaded weight, or, in kernels built with EMBER_Q6_REPACK, by the upload itself.
+/// The device's Q6_K repack (kernels/q6_repack.cu), run by the upload itself, gives
+/// `q6k_repack_row`'s bytes, row by row, for rows of whole 16-byte chunks (k = 2048) and not
+/// (k = 512, an expert's down); rows written later into part of the weight (`write_rows_parts`,
+/// as the expert tier does) are repacked and the rest left as they were.
 #[test]
 fn q6k_repack_matches_the_host_layout() {
     let Some(g) = gpu() else { return };
@@ -391,11 +392,16 @@ fn q6k_repack_matches_the_host_layout() {
     for (k, n) in [(2048, 37), (512, 300)] {
         let bytes = quantised(GgmlType::Q6K, &mut rng, k, n);
         let mut w = g.upload_weight(GgmlType::Q6K, k, n, &bytes).unwrap();
-        if !ember_cuda::ops::q6_repack_on() {
-            g.q6k_repack_rows(&mut w, 0, n).unwrap();
-        }
-        let want: Vec<u8> = bytes.chunks(w.row_bytes).flat_map(ember_cuda::ops::q6k_repack_row).collect();
+        let rb = w.row_bytes;
+        let repacked = |b: &[u8]| -> Vec<u8> { b.chunks(rb).flat_map(ember_cuda::ops::q6k_repack_row).collect() };
+        let mut want = repacked(&bytes);
         assert_eq!(w.download(g).unwrap(), want, "k = {k}");
+        let (row0, m) = (5, 9);
+        let new = quantised(GgmlType::Q6K, &mut rng, k, m);
+        let (a, b) = new.split_at(4 * rb);
+        w.write_rows_parts(g, row0, &[a, b]).unwrap();
+        want[row0 * rb..(row0 + m) * rb].copy_from_slice(&repacked(&new));
+        assert_eq!(w.download(g).unwrap(), want, "k = {k}, rows {row0}..{}", row0 + m);
     }
 }
 

@@ -245,11 +245,9 @@ impl DevWeights {
             }
         }
         // Q6_K rows came up as the file has them: repacked on the stream before a table names
-        // the slot (kernels built with EMBER_Q6_REPACK).
-        if crate::ops::q6_repack_on() {
-            for &(l, slot, _) in &done {
-                self.repack_slot(gpu, LayerIdx(l as u16), slot).map_err(fail)?;
-            }
+        // the slot.
+        for &(l, slot, _) in &done {
+            self.repack_slot(gpu, LayerIdx(l as u16), slot).map_err(fail)?;
         }
         let mut layers: Vec<usize> = done.iter().map(|d| d.0).collect();
         layers.sort_unstable();

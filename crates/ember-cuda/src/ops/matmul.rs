@@ -304,7 +304,7 @@ struct MatmulMultiParams {
 unsafe impl DeviceRepr for MatmulMultiParams {}
 
 impl Gpu {
-    /// Uploads a weight's file bytes (unchanged, but for Q6_K in kernels that read it repacked:
+    /// Uploads a weight's file bytes (unchanged, but for Q6_K, which is repacked on the device:
     /// src/ops/q6_repack.rs).
     pub fn upload_weight(&self, ty: GgmlType, k: usize, n_rows: usize, data: &[u8]) -> Result<DeviceWeight> {
         if type_suffix(ty).is_none() {
@@ -636,11 +636,7 @@ impl Gpu {
             return Err(shape(OP, format!("{n_tok} tokens (at most {} per matmul_mmv call)", 65_535 * 16)));
         }
         let (pass, grid) = if n_tok <= 8 { (8, (row_blocks, 1, 1)) } else { (16, (row_blocks, blocks(n_tok, 16), 1)) };
-        // (Not repacked Q6_K: the staged window of super-blocks would leave out their d's, which
-        // sit after the row's runs.)
-        let repacked = ty == GgmlType::Q6K && super::q6_repack_on();
-        let staged =
-            mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on() && !repacked);
+        let staged = mmv_sb_bytes(ty).filter(|_| aligned && k.is_multiple_of(256) && row_bytes.is_multiple_of(16) && mmv_staged_on());
         let Some(sb) = staged else {
             let f = self.function(&MATMUL, &format!("{base}_{suffix}_{pass}"))?;
             return Ok((f, grid, (MMV_WARPS * MMV_ROWS * (pass + 1) * 4) as u32));
@@ -658,7 +654,9 @@ impl Gpu {
 /// Bytes of 256 weights of the block types `matmul_mmv` stages (`mmv_sb_bytes` in
 /// kernels/matmul.cu).
 fn mmv_sb_bytes(ty: GgmlType) -> Option<usize> {
-    let staged = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS | GgmlType::Q8_0);
+    // (Not Q6_K: the GPU's repacked rows hold their d's after the runs, outside a staged window
+    // of super-blocks; src/ops/q6_repack.rs.)
+    let staged = matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::IQ4XS | GgmlType::Q8_0);
     staged.then(|| ty.row_bytes(256)).flatten()
 }
 

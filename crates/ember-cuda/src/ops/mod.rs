@@ -38,7 +38,7 @@ pub use matmul::{
 };
 pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
 pub(crate) use moe::{MOE8S_MAX_PAIRS, MOE8SD_MAX_PAIRS};
-pub use q6_repack::{q6_repack_on, q6k_repack_row};
+pub use q6_repack::q6k_repack_row;
 pub use route::ROUTE_SUM_MIN;
 pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 

@@ -1,9 +1,9 @@
-//! Q6_K rows in the layout kernels built with `EMBER_Q6_REPACK` read (kernels/q6_repack.cu,
-//! kernels/dequant.cuh's `q6k_blk` / `q6k_dp`): each row's 210-byte blocks as 208-byte runs (ql,
-//! qh, scales), then the blocks' f16 d's; the same bytes a row. Measured in gemv-micro (docs/perf.md
-//! g27): one-token GEMVs of rows of whole 16-byte chunks take 5 loads a lane and unit instead of
-//! 17 (DeltaNet's qkv 9.29 → 6.99 us a launch on an H100). Off unless the kernels are built with
-//! it: `EMBER_KERNEL_DEFINES=EMBER_Q6_REPACK` (then every Q6_K upload is repacked on the device).
+//! Q6_K rows in the layout every kernel reads (kernels/q6_repack.cu, kernels/dequant.cuh's
+//! `q6k_blk` / `q6k_dp`): each row's 210-byte blocks as 208-byte runs (ql, qh, scales), then the
+//! blocks' f16 d's; the same bytes a row. Every Q6_K upload is repacked on the device, after its
+//! copy, on the same stream. Measured in gemv-micro (docs/perf.md g27): one-token GEMVs of rows of
+//! whole 16-byte chunks take 5 loads a lane and unit instead of 17 (DeltaNet's qkv 9.29 → 6.99 us
+//! a launch on an H100); end to end tg128 +2.7 % (g28).
 
 use cudarc::driver::DeviceRepr;
 use ember_gguf::GgmlType;
@@ -16,13 +16,6 @@ use crate::kernels::Q6_REPACK;
 const OP: &str = "q6k_repack";
 const BLOCK: usize = 210;
 const RUN: usize = 208;
-
-/// Whether the kernels read Q6_K repacked (built with `EMBER_KERNEL_DEFINES=EMBER_Q6_REPACK`,
-/// read when the first [`Gpu`] opens, as its kernels compile with the same value).
-pub fn q6_repack_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::kernels::defined("EMBER_Q6_REPACK"))
-}
 
 /// One row of 210-byte Q6_K blocks in the repacked layout (the reference of the kernel).
 pub fn q6k_repack_row(row: &[u8]) -> Vec<u8> {
@@ -75,10 +68,10 @@ impl Gpu {
 }
 
 impl DeviceWeight {
-    /// After rows `row0..row0 + n` were written from the file's bytes: repacks them when the
-    /// kernels read Q6_K repacked ([`q6_repack_on`]); nothing otherwise.
+    /// After rows `row0..row0 + n` were written from the file's bytes: repacks them if they are
+    /// Q6_K; nothing otherwise.
     pub(crate) fn repack_uploaded(&mut self, gpu: &Gpu, row0: usize, n: usize) -> Result<()> {
-        if self.ty == GgmlType::Q6K && q6_repack_on() { gpu.q6k_repack_rows(self, row0, n) } else { Ok(()) }
+        if self.ty == GgmlType::Q6K { gpu.q6k_repack_rows(self, row0, n) } else { Ok(()) }
     }
 
     /// The weight's bytes as the device holds them (tests).
