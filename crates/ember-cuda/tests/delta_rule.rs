@@ -364,3 +364,72 @@ fn bench_delta_rule() {
         println!("bench delta_rule {name:>16} ({n:5} rows): scan {:8.3} ms | chunked {:8.3} ms | auto {:8.3} ms", ms[0], ms[1], ms[2]);
     }
 }
+
+/// `conv_delta_prep` (one launch for steps of one row a sequence) gives the bits of
+/// `conv1d_silu_seqs` then `delta_prep` (the same sums in the same order), and leaves the same
+/// histories: the model's shape (16 key heads of 128, 32 value heads of 128) and a small one
+/// (one key head of 8: the conformance suite's), five sequences in rows out of order, slots out
+/// of order, one slot untouched and one out of range (NaN q, k and v, no history written), two
+/// calls in a row.
+#[test]
+fn conv_delta_prep_is_the_two_launches() {
+    use ember_cuda::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (nk, dk, nv, dv) in [(16usize, 128usize, 32usize, 128usize), (1, 8, 4, 6)] {
+        let c = 2 * nk * dk + nv * dv;
+        let n_slots = 5;
+        let (offset, stride) = (5, 5 + 3 * c + 2);
+        let at = StateAt { slot_stride: stride, offset, len: 3 * c, n_slots };
+        let wb = g.upload(&rng.vec(c * 4, -1.0, 1.0)).unwrap();
+        let all = rng.vec(n_slots * stride, -2.0, 2.0);
+        let (mut s_fused, mut s_two) = (g.upload(&all).unwrap(), g.upload(&all).unwrap());
+        let (ab, dtb) = (g.upload(&rng.vec(nv, -8.0, -0.1)).unwrap(), g.upload(&rng.vec(nv, -2.0, 2.0)).unwrap());
+        let row0 = [2u32, 0, 4, 1, 3];
+        let slots = [3u32, 0, 4, 1, 9]; // slot 2 untouched, 9 out of range
+        let n = row0.len();
+        let (r0b, nb, slb) = (g.upload(&row0).unwrap(), g.upload(&[1u32; 5]).unwrap(), g.upload(&slots).unwrap());
+        let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: 1e-6 };
+        for call in 0..2 {
+            let xb = g.upload(&rng.vec(n * c, -2.0, 2.0)).unwrap();
+            let bb = g.upload(&rng.vec(n * nv, -6.0, 6.0)).unwrap();
+            let alb = g.upload(&rng.vec(n * nv, -25.0, 25.0)).unwrap();
+            let outs = |g: &Gpu| -> Vec<Buf<f32>> {
+                [n * nk * dk, n * nk * dk, n * nv * dv, n * nv, n * nv].iter().map(|&l| g.upload(&vec![-7.0f32; l]).unwrap()).collect()
+            };
+            let (mut fused, mut two) = (outs(g), outs(g));
+            let seqs = SeqRows { row0: &r0b, n: &nb, slot: &slb, n_seq: n };
+            {
+                let [q, k, v, gg, beta] = &mut fused[..] else { unreachable!() };
+                let part = ConvPart { x: &xb, w: &wb, seqs, state: &mut s_fused, at };
+                let i = DeltaPrepIn { cu: &xb, b: &bb, alpha: &alb, a: &ab, dt_bias: &dtb };
+                g.conv_delta_prep(shape, part, i, DeltaPrepOut { q, k, v, g: gg, beta }).unwrap();
+            }
+            {
+                let mut cu = g.upload(&vec![0f32; n * c]).unwrap();
+                g.conv1d_silu_seqs(&xb, n, c, &wb, 4, seqs, &mut s_two, at, &mut cu).unwrap();
+                let [q, k, v, gg, beta] = &mut two[..] else { unreachable!() };
+                let i = DeltaPrepIn { cu: &cu, b: &bb, alpha: &alb, a: &ab, dt_bias: &dtb };
+                g.delta_prep(shape, i, DeltaPrepOut { q, k, v, g: gg, beta }).unwrap();
+            }
+            for (name, (f, t)) in ["q", "k", "v", "g", "beta"].iter().zip(fused.iter().zip(&two)) {
+                let (f, t) = (g.download(f).unwrap(), g.download(t).unwrap());
+                for (j, (a, b)) in f.iter().zip(&t).enumerate() {
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{nk}x{dk} call {call} {name}[{j}]: fused {a}, two launches {b}"
+                    );
+                }
+                // The out-of-range slot's row (sequence 4, row 3) is NaN in q, k and v.
+                if ["q", "k", "v"].contains(name) {
+                    let w = f.len() / n;
+                    assert!(f[3 * w..4 * w].iter().all(|v| v.is_nan()), "{name}: the bad slot's row is NaN");
+                }
+            }
+            assert_eq!(g.download(&s_fused).unwrap(), g.download(&s_two).unwrap(), "{nk}x{dk} call {call}: the histories");
+        }
+        let now = g.download(&s_fused).unwrap();
+        assert_eq!(&now[2 * stride..3 * stride], &all[2 * stride..3 * stride], "slot 2 untouched");
+        println!("conv_delta_prep {nk}x{dk} / {nv}x{dv}: the two launches' bits");
+    }
+}

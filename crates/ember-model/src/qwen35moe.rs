@@ -466,9 +466,9 @@ impl DeltaNet {
         let (nk, nv, dk, dv) = (c.n_k_head, c.n_v_head, c.d_k, c.d_v);
         let [u, z, b, a]: [Tensor; 4] = take(ops.matmul_many(&[self.qkv, self.gate, self.beta, self.alpha], x)?); // one pass over x
         // u [ΣT, 2·nk·dk + nv·dv], z [ΣT, nv·dv], b and a [ΣT, nv]
-        let cu = ops.conv1d_silu(layer, u, self.conv)?; // causal conv + SiLU
         let prep = DeltaPrep { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv, eps: c.rms_eps, a: self.a, dt_bias: self.dt_bias };
-        let din = ops.delta_prep(prep, cu, b, a)?; // q, k (L2-normed), v, g = log-decay, β
+        // causal conv + SiLU, then q, k (L2-normed), v, g = log-decay, β
+        let din = ops.conv_delta_prep(layer, u, self.conv, prep, b, a)?;
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
         let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
         let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)

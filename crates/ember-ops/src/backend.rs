@@ -479,6 +479,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
         (**self).delta_prep(s, cu, b, alpha)
     }
+    fn conv_delta_prep(&mut self, layer: LayerIdx, x: Tensor, w: WeightId, s: DeltaPrep, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        (**self).conv_delta_prep(layer, x, w, s, b, alpha)
+    }
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         (**self).gated_delta_rule(layer, h, x, mode)
     }

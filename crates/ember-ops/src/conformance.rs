@@ -486,6 +486,22 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 });
                 let (got, want) = p.read(y);
                 check(&mut r, format!("gated_delta_rule {mode:?}"), max_rel(&got.data, &want.data), tol.rel);
+                // The conv and the prep as one op (a backend may fuse them where every sequence
+                // has one row: the [1, 1, 1] step) on the conv's 40 channels as q | k | v.
+                let x = p.up(&rng.mat(n, 40, 1.0));
+                let (b, al) = (p.up(&rng.mat(n, 4, 3.0)), p.up(&rng.mat(n, 4, 3.0)));
+                let dpc = DeltaPrep { n_k_head: 1, n_v_head: 4, d_k: 8, d_v: 6, ..dp };
+                let [din, dref] = p.both("conv_delta_prep", |o, i| o.conv_delta_prep(layer, x[i], fx.conv, dpc, b[i], al[i]));
+                for (name, t) in [
+                    ("q", [din.q, dref.q]),
+                    ("k", [din.k, dref.k]),
+                    ("v", [din.v, dref.v]),
+                    ("g", [din.g, dref.g]),
+                    ("beta", [din.beta, dref.beta]),
+                ] {
+                    let (got, want) = p.read(t);
+                    check(&mut r, format!("conv_delta_prep {name}"), max_rel(&got.data, &want.data), tol.rel);
+                }
             }
             p.end();
             for s in 0..3 {

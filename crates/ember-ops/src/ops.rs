@@ -104,6 +104,14 @@ pub trait Ops: SeqStore + Send {
     /// 1/√d_k), β = sigmoid(`b`), g = a·softplus(`alpha` + dt_bias).
     fn delta_prep(&mut self, s: DeltaPrep, cu: Tensor, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn>;
 
+    /// [`Ops::conv1d_silu`] of `x` then [`Ops::delta_prep`] of its output: the DeltaNet mixer
+    /// between its input projections and the delta rule. A device backend may run both in one
+    /// launch (the conv output never stored); the results are the two ops'.
+    fn conv_delta_prep(&mut self, layer: LayerIdx, x: Tensor, w: WeightId, s: DeltaPrep, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        let cu = self.conv1d_silu(layer, x, w)?;
+        self.delta_prep(s, cu, b, alpha)
+    }
+
     /// Gated delta rule over each sequence's rows, continuing its slot's recurrent state of
     /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;

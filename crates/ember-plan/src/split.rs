@@ -553,6 +553,22 @@ impl Ops for Split {
         Ok(DeltaIn { q: self.wrap(p, d.q), k: self.wrap(p, d.k), v: self.wrap(p, d.v), g: self.wrap(p, d.g), beta: self.wrap(p, d.beta) })
     }
 
+    fn conv_delta_prep(&mut self, layer: LayerIdx, x: Tensor, w: WeightId, s: DeltaPrep, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        const OP: &str = "conv_delta_prep";
+        let p = self.layer(OP, layer)?;
+        if self.of_weight(OP, s.a)? != p {
+            // The conv's layer and the prep's weights on different parts: the two ops, each
+            // where it lives.
+            let cu = self.conv1d_silu(layer, x, w)?;
+            return self.delta_prep(s, cu, b, alpha);
+        }
+        let x = self.on(OP, x, p)?;
+        let b = self.on(OP, b, p)?;
+        let alpha = self.on(OP, alpha, p)?;
+        let d = self.parts[p].conv_delta_prep(layer, x, w, s, b, alpha)?;
+        Ok(DeltaIn { q: self.wrap(p, d.q), k: self.wrap(p, d.k), v: self.wrap(p, d.v), g: self.wrap(p, d.g), beta: self.wrap(p, d.beta) })
+    }
+
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         const OP: &str = "gated_delta_rule";
         let p = self.layer(OP, layer)?;

@@ -5,7 +5,7 @@ use ember_ops::{
 };
 
 use super::{CudaOps, cuda, shape_of};
-use crate::ops::{DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
+use crate::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
 
 impl CudaOps {
     /// [`ember_ops::Ops::conv1d_silu`]: every sequence's rows in one launch, its conv state carried.
@@ -51,6 +51,61 @@ impl CudaOps {
         let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
         let input = DeltaPrepIn { cu: &ins[cu.id as usize], b: &ins[b.id as usize], alpha: &ins[alpha.id as usize], a: av, dt_bias: dt };
         self.gpu.delta_prep(shape, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, self.dev))?;
+        Ok(DeltaIn { q, k, v, g, beta })
+    }
+
+    /// [`ember_ops::Ops::conv_delta_prep`]: [`CudaOps::conv_op`] then [`CudaOps::prep_op`], or,
+    /// with `EMBER_CONV_PREP_FUSED=1`, one launch (`Gpu::conv_delta_prep`) when every sequence
+    /// of the step has one row (decode) and the conv has 4 taps: the same bits either way. Off
+    /// until it has run on a GPU and been measured (docs/perf.md g28; bench/gpu/next/callW.sh).
+    pub(super) fn conv_prep_op(
+        &mut self,
+        layer: LayerIdx,
+        x: Tensor,
+        w: WeightId,
+        s: DeltaPrep,
+        b: Tensor,
+        alpha: Tensor,
+    ) -> OpResult<DeltaIn> {
+        const OP: &str = "conv_delta_prep";
+        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let (nk, dk, nv, dv) = (s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+        let taps = self.weights.vector(OP, w)?.len().checked_div(x.d).unwrap_or(0);
+        let fits = taps == 4 && x.d == 2 * nk * dk + nv * dv && !self.spans.is_empty() && self.spans.iter().all(|sp| sp.n == 1);
+        let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_CONV_PREP_FUSED").is_some_and(|v| v == "1"));
+        if !fits || !on {
+            let cu = self.conv_op(layer, x, w)?;
+            return self.prep_op(s, cu, b, alpha);
+        }
+        let dev = self.dev;
+        self.rows_check(OP, x)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        for t in [x, b, alpha] {
+            self.arena.check(OP, t)?;
+        }
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, x.n, self.spans.len())?;
+        let conv = self.store.layout.conv;
+        let wv = self.weights.vector(OP, w)?;
+        check::conv(OP, dev, &Mat { n: 1, d: x.d, data: Vec::new() }, wv.len(), conv)?;
+        let (av, dt) = (self.weights.vector(OP, s.a)?, self.weights.vector(OP, s.dt_bias)?);
+        check::delta_prep(OP, dev, &s, (av.len(), dt.len()), &shape_of(x), &shape_of(b), &shape_of(alpha))?;
+        let (at, _) = self.delta_at(d);
+        let n = x.n;
+        let q = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let k = self.arena.alloc(&self.gpu, OP, n, nk * dk)?;
+        let v = self.arena.alloc(&self.gpu, OP, n, nv * dv)?;
+        let g = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let beta = self.arena.alloc(&self.gpu, OP, n, nv)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, kb, vb, gb, bb, ..] = &mut outs[..] else { unreachable!("five outputs were just allocated") };
+        let shape = DeltaPrepShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv, eps: s.eps };
+        let (xb, bin, ain) = (&ins[x.id as usize], &ins[b.id as usize], &ins[alpha.id as usize]);
+        let input = DeltaPrepIn { cu: xb, b: bin, alpha: ain, a: av, dt_bias: dt };
+        let part = ConvPart { x: xb, w: wv, seqs, state, at };
+        self.gpu.conv_delta_prep(shape, part, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, dev))?;
         Ok(DeltaIn { q, k, v, g, beta })
     }
 

@@ -394,6 +394,10 @@ impl Ops for CudaOps {
         self.prep_op(s, cu, b, alpha)
     }
 
+    fn conv_delta_prep(&mut self, layer: LayerIdx, x: Tensor, w: WeightId, s: DeltaPrep, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
+        self.conv_prep_op(layer, x, w, s, b, alpha)
+    }
+
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.rule_op(layer, h, x, mode)
     }

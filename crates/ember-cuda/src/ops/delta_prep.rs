@@ -1,7 +1,7 @@
 use cudarc::driver::DeviceRepr;
 
-use super::{need, u32_of};
-use crate::error::Result;
+use super::{SeqRows, StateAt, need, u32_of};
+use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::DELTA_PREP;
 
@@ -40,6 +40,35 @@ struct DeltaPrepParams {
 
 // SAFETY: plain #[repr(C)] data matching `DeltaPrepParams` in kernels/delta_prep.cu.
 unsafe impl DeviceRepr for DeltaPrepParams {}
+
+#[repr(C)]
+struct ConvPrepParams {
+    p: DeltaPrepParams,
+    x: u64,
+    w: u64,
+    state: u64,
+    row0: u64,
+    slot: u64,
+    slot_stride: u64,
+    offset: u64,
+    c: u32,
+    n_slots: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `ConvPrepParams` in kernels/delta_prep.cu
+// (DeltaPrepParams: 10 u64 then 6 four-byte fields, 104 bytes; then 7 u64 and 2 u32: no padding
+// in either language).
+unsafe impl DeviceRepr for ConvPrepParams {}
+
+/// The conv's part of [`Gpu::conv_delta_prep`]: its input x [n_rows, c], taps w [c · 4], and the
+/// sequences' histories.
+pub struct ConvPart<'a> {
+    pub x: &'a Buf<f32>,
+    pub w: &'a Buf<f32>,
+    pub seqs: SeqRows<'a>,
+    pub state: &'a mut Buf<f32>,
+    pub at: StateAt,
+}
 
 /// The inputs of [`Gpu::delta_prep`].
 pub struct DeltaPrepIn<'a> {
@@ -107,5 +136,77 @@ impl Gpu {
         // SAFETY: sizes checked above.
         let v_blocks = u32_of(OP, "v blocks", (nv * dv).div_ceil(V_CHUNK))?;
         unsafe { self.launch(&f, (2 * p.n_k_head + 1 + v_blocks, p.n_tok, 1), 128, 0, &p) }
+    }
+
+    /// [`Gpu::conv1d_silu_seqs`] (kernel length 4) then [`Gpu::delta_prep`] on its output in
+    /// one launch, for steps whose sequences have one row each (sequence s's row `row0[s]`, its
+    /// history in slot `slot[s]`, updated): the same bits as the two launches; the conv output
+    /// is never stored. `i.cu` is not read (pass any buffer). A slot out of range gives NaN q,
+    /// k and v rows.
+    pub fn conv_delta_prep(&self, s: DeltaPrepShape, conv: ConvPart<'_>, i: DeltaPrepIn<'_>, o: DeltaPrepOut<'_>) -> Result<()> {
+        const OP: &str = "conv_delta_prep";
+        let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+        let c = 2 * nk * dk + nv * dv;
+        if conv.at.len != 3 * c || conv.seqs.n_seq > t {
+            return Err(shape(
+                OP,
+                format!("a history of {} for {c} channels (kernel length 4), {} sequences of {t} rows", conv.at.len, conv.seqs.n_seq),
+            ));
+        }
+        if dk * 4 > 48 << 10 {
+            return Err(shape(OP, format!("d_k = {dk} (a head's values go through shared memory)")));
+        }
+        need(OP, "x", conv.x, t * c)?;
+        need(OP, "w", conv.w, c * 4)?;
+        conv.seqs.check(OP)?;
+        conv.at.check(OP, conv.state)?;
+        need(OP, "b", i.b, t * nv)?;
+        need(OP, "alpha", i.alpha, t * nv)?;
+        need(OP, "a", i.a, nv)?;
+        need(OP, "dt_bias", i.dt_bias, nv)?;
+        need(OP, "q", o.q, t * nk * dk)?;
+        need(OP, "k", o.k, t * nk * dk)?;
+        need(OP, "v", o.v, t * nv * dv)?;
+        need(OP, "g", o.g, t * nv)?;
+        need(OP, "beta", o.beta, t * nv)?;
+        if t == 0 || conv.seqs.n_seq == 0 {
+            return Ok(());
+        }
+        let p = ConvPrepParams {
+            p: DeltaPrepParams {
+                cu: 0,
+                b: i.b.ptr(),
+                alpha: i.alpha.ptr(),
+                a: i.a.ptr(),
+                dt_bias: i.dt_bias.ptr(),
+                q: o.q.ptr(),
+                k: o.k.ptr(),
+                v: o.v.ptr(),
+                g: o.g.ptr(),
+                beta: o.beta.ptr(),
+                n_tok: u32_of(OP, "n_tok", t)?,
+                n_k_head: u32_of(OP, "n_k_head", nk)?,
+                d_k: u32_of(OP, "d_k", dk)?,
+                n_v_head: u32_of(OP, "n_v_head", nv)?,
+                d_v: u32_of(OP, "d_v", dv)?,
+                eps: s.eps,
+            },
+            x: conv.x.ptr(),
+            w: conv.w.ptr(),
+            state: conv.state.ptr(),
+            row0: conv.seqs.row0.ptr(),
+            slot: conv.seqs.slot.ptr(),
+            slot_stride: conv.at.slot_stride as u64,
+            offset: conv.at.offset as u64,
+            c: u32_of(OP, "c", c)?,
+            n_slots: u32_of(OP, "n_slots", conv.at.n_slots)?,
+        };
+        let f = self.function(&DELTA_PREP, "conv_delta_prep")?;
+        let v_blocks = u32_of(OP, "v blocks", (nv * dv).div_ceil(V_CHUNK))?;
+        // SAFETY: x holds t·c floats, w c·4, the state n_slots slots with the layer's 3·c history
+        // inside each, the outputs their t rows (checked above); row0[s] < t for each of the
+        // n_seq sequences of one row (the caller's contract, as for conv1d_silu_seqs' spans); the
+        // kernel skips slots >= n_slots; dk floats of shared memory (at most 48 KiB).
+        unsafe { self.launch(&f, (2 * p.p.n_k_head + 1 + v_blocks, conv.seqs.n_seq as u32, 1), 128, (dk * 4) as u32, &p) }
     }
 }
