@@ -8,7 +8,8 @@
 #     conv and the prep in one launch for one-row sequences; `delta_rule` runs the fused kernel
 #     against the two launches in any case: `conv_delta_prep_is_the_two_launches`);
 #   * gemv-micro's Q6_K shapes (the production kernel on repacked rows);
-#   * tg128 with the two launches (the default) against the fused one, VROUNDS rounds in turn;
+#   * tg128 with the two launches (the default) against the fused one and against the step's
+#     first list at 8 launches (EMBER_CUDA_GRAPH_FIRST=8, never measured), VROUNDS rounds in turn;
 #   * issue 19's table against the llama.cpp just built (callH.sh's stages), at the defaults;
 #   * a launch trace of tg64 with the fused launch.
 # LLAMA=0: no llama.cpp (nor its source in the tree), no table. SKIP_TESTS: the test binaries
@@ -36,8 +37,8 @@ wait
 echo "nvcc: $(tail -1 $O/nvcc.log)"
 [[ -x /tmp/gemv-micro ]] && Q6_ONLY=1 timeout 40 /tmp/gemv-micro > $O/micro-q6.log 2>&1; echo "micro: exit $? at $SECONDS s"
 grep -E 'rows|prod fill|stg' $O/micro-q6.log | head -16
-OUT=$O ROUNDS=${VROUNDS:-2} VARIANT_ARGS='-p 0 -n 128' VARIANTS='two:;fused:EMBER_CONV_PREP_FUSED=1' STAGES=variants \
-  timeout 90 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+OUT=$O ROUNDS=${VROUNDS:-2} VARIANT_ARGS='-p 0 -n 128' VARIANTS='two:;fused:EMBER_CONV_PREP_FUSED=1;first8:EMBER_CUDA_GRAPH_FIRST=8' STAGES=variants \
+  timeout 120 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "variants done at $SECONDS s"
 if [[ $LL == 1 ]]; then
   while [[ -f /tmp/llama/building ]] && (( SECONDS < L - 170 )); do sleep 2; done
