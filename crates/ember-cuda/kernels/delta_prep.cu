@@ -113,7 +113,7 @@ extern "C" __global__ void conv_delta_prep(const ConvPrepParams cp) {
         c0 = 2 * nk * dk + (blockIdx.x - 2 * nk - 1) * DELTA_PREP_V_CHUNK, c1 = min(c0 + DELTA_PREP_V_CHUNK, 2 * nk * dk + nv * p.d_v);
     }
     // Their taps and the sequence's history rows asked for in L2 (hints: weights are never
-    // written by a kernel, and the sequence table was written before the step).
+    // written by a step's kernels, and the sequence table was written before the step).
     if (threadIdx.x < 4 && c1 > c0) {
         const u32 slot = ((const u32*)cp.slot)[s];
         if (threadIdx.x == 3) prefetch_l2((const float*)cp.w + (u64)c0 * 4, 16ull * (c1 - c0));

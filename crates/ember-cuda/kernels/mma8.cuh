@@ -119,8 +119,8 @@ __device__ __forceinline__ void q4k_mma8_superblock(const u8* w0, const u8* w1, 
     }
 }
 
-// One row's part of a Q6_K k-step of 32 (groups s0 = 2·step and s0 + 1 of the 210-byte block
-// b): the lane's A words (weights 16h + 4t .. + 3 of group s0 + h, q − 32 as int8) and their
+// One row's part of a Q6_K k-step of 32 (groups s0 = 2·step and s0 + 1 of the 208-byte run
+// b, its d's in the row's plane: dequant.cuh's q6k_dp): the lane's A words (weights 16h + 4t .. + 3 of group s0 + h, q − 32 as int8) and their
 // scales dr·sc[s0 + h], for h = 0, 1. Group s (0..15) is weights 16s..16s+15: half n = s / 8,
 // quarter r = s % 8 / 2, offset l = 16·(s % 2); its 4-bit values are
 // ql[64n + 32(r & 1) + l..] (high nibbles for r >= 2), its 2-bit ones qh[32n + l..] >> 2r, its
@@ -141,7 +141,7 @@ __device__ __forceinline__ void q6k_mma8_step(const u8* b, u32 step, int t, floa
     }
 }
 
-// Q6_K against int8 activations, one super-block (256 weights, a 210-byte block, 2-byte
+// Q6_K against int8 activations, one super-block (256 weights, a 208-byte run and its d, 2-byte
 // aligned) of k from shared memory, as q4k_mma8_superblock (the same operands, NA of NJ n-tiles,
 // the mmas of a step issued together): a scale per 16 weights, so one m16n8k16 per 16 (two a
 // k-step of 32), Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq (q6k_mma8_step).

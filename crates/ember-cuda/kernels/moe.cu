@@ -192,7 +192,7 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
     if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
         const u32 r0 = blockIdx.x * MOE_GU_ROWS;
-        if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a kernel
+        if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a step's kernels
             const u32 rb = q.row_bytes_s_gu, nr = min((u32)MOE_GU_ROWS, q.n_ff_s - r0);
             prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)r0 * rb, (u64)nr * rb);
         }

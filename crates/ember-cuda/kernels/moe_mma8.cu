@@ -98,7 +98,7 @@ struct Mma8Rows<TY_Q4_K> {
 
 // Q6_K: a scale per 16 weights, so one m16n8k16 per 16 (two a k-step of 32):
 // Σ_k w_k·x_k = dx·d·sc·Σ (q − 32)·xq, a step's A words and scales from q6k_mma8_step (mma8.cuh).
-// Rows are 210-byte blocks: words are loaded 2-aligned.
+// Rows are 210 bytes a super-block (repacked: runs, then the d's): words are loaded 2-aligned.
 template <>
 struct Mma8Rows<TY_Q6_K> {
     static __device__ __forceinline__ void run(const u8* const rows[2], u32 n_blk, const i8* xq, const float2* xs, u32 x_pitch, u32 s_pitch,
@@ -392,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8s_gate_up_q4_k(cons
 // block's 128 rows of down (all of k = n_ff <= 512), the tile's 32 int8 h rows and their block
 // scales copied into shared memory by cp.async first, one group a super-block, so the first
 // super-block's products start while the second's bytes land. Q6_K rows are 210 bytes a
-// super-block, only 2-byte aligned past the first: they are copied as whole 420-byte rows
+// super-block (repacked at upload: two 208-byte runs, then the two d's), 2-byte aligned: they are copied as whole 420-byte rows
 // (n_ff = 512: 4-byte aligned) in 4-byte pieces; Q4_K rows in 16-byte ones.
 
 #define MOE8SD_HLD 528  // bytes an h row in shared memory (512 + 16: 32 distinct banks for a warp's B loads)

@@ -101,7 +101,9 @@ __device__ __forceinline__ void pdl_enter() {
 // Asks for bytes [p, p + n) to be brought into L2 (sm_90+: one bulk prefetch, a hint that
 // never faults or blocks; before sm_90 nothing). The range shrinks to whole 16-byte chunks
 // inside it, as the instruction needs. Kernels call it on their weights *before* pdl_enter:
-// weights are never written by the kernel ahead, so their reads may start while it runs, and
+// weights are written only at upload (the copy, and Q6_K's repack in place: q6_repack.cu,
+// stream-ordered before any step that reads them), never by the kernel ahead in a step's
+// chain, so their reads may start while it runs, and
 // a GEMV's DRAM latency and ramp overlap the previous kernel instead of following it. Anything
 // a kernel at least two launches back wrote is also safe to read there (this kernel launched
 // after the one ahead passed its own pdl_enter, i.e. after that one's predecessor finished).

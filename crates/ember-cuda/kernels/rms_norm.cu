@@ -42,7 +42,7 @@ __device__ __forceinline__ float group_sum_sq(const RmsNormParams& p, float* x, 
 
 // The norm with each thread's values of its group in registers (g <= NORM_REGS · blockDim: the
 // model's 2,048-wide rows at 1,024 threads, 2 a thread): the weight's values are read before
-// pdl_enter (weights are never written by a kernel), x, the add and the gate together after it,
+// pdl_enter (weights are never written by a step's kernels), x, the add and the gate together after it,
 // so the chain after the kernel ahead ends is one round trip, the block sum and the stores. The
 // two-pass path (wider rows) reads w and the gate (and x again) after the block sum: a second
 // round trip, to DRAM for w, whose 8 KB leave L2 while the rest of a token's weights stream

@@ -71,7 +71,11 @@ impl CudaOps {
         static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let (nk, dk, nv, dv) = (s.n_k_head, s.d_k, s.n_v_head, s.d_v);
         let taps = self.weights.vector(OP, w)?.len().checked_div(x.d).unwrap_or(0);
-        let fits = taps == 4 && x.d == 2 * nk * dk + nv * dv && !self.spans.is_empty() && self.spans.iter().all(|sp| sp.n == 1);
+        let fits = taps == 4
+            && x.d == 2 * nk * dk + nv * dv
+            && dk <= crate::ops::CONV_PREP_MAX_DK
+            && !self.spans.is_empty()
+            && self.spans.iter().all(|sp| sp.n == 1);
         let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_CONV_PREP_FUSED").is_some_and(|v| v == "1"));
         if !fits || !on {
             let cu = self.conv_op(layer, x, w)?;

@@ -1,4 +1,5 @@
-//! The registered weights on the device: every matrix as its file's block bytes, every vector
+//! The registered weights on the device: every matrix as its file's block bytes (Q6_K's
+//! rearranged within each row: src/ops/q6_repack.rs), every vector
 //! as f32, uploaded once at `register`. A fused `[gate | up]` expert tensor is uploaded split
 //! into its gate and up halves (the MoE kernels read them as two stacked tensors); it is read
 //! by nothing else.
@@ -220,8 +221,9 @@ impl DevWeights {
 
     /// Puts the experts whose copies are done into their layers' slot tables (a table write
     /// queued on the compute stream, before the kernels queued after it); with `wait`, waits
-    /// for every upload first. Returns how many went in. On an error, the uploads seen done
-    /// before it still go in.
+    /// for every upload first. Returns how many went in. On a copy's error, the uploads seen
+    /// done before it still go in; on a repack's (a failed launch), no table is written and the
+    /// error returns.
     pub fn finish_uploads(&mut self, gpu: &Gpu, wait: bool) -> OpResult<usize> {
         const OP: &str = "finish_uploads";
         let dev = self.dev;

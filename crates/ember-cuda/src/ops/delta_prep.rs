@@ -96,6 +96,10 @@ pub struct DeltaPrepOut<'a> {
 /// Values of v one block copies (`DELTA_PREP_V_CHUNK` in kernels/delta_prep.cu).
 const V_CHUNK: usize = 512;
 
+/// The largest d_k [`Gpu::conv_delta_prep`] takes: a head's values in dynamic shared memory
+/// beside the block sum's 128 static bytes, within the default 48 KiB.
+pub const CONV_PREP_MAX_DK: usize = ((48 << 10) - 128) / 4;
+
 impl Gpu {
     /// Splits the conv output into q | k | v, L2-normalises q (then ·1/√d_k) and k per head,
     /// β = sigmoid(b), g = a·softplus(alpha + dt_bias).
@@ -141,20 +145,21 @@ impl Gpu {
     /// [`Gpu::conv1d_silu_seqs`] (kernel length 4) then [`Gpu::delta_prep`] on its output in
     /// one launch, for steps whose sequences have one row each (sequence s's row `row0[s]`, its
     /// history in slot `slot[s]`, updated): the same bits as the two launches; the conv output
-    /// is never stored. `i.cu` is not read (pass any buffer). A slot out of range gives NaN q,
-    /// k and v rows.
+    /// is never stored. `i.cu` is not read (pass any buffer). The step's sequences are its rows
+    /// (`seqs.n_seq` = `s.n_tok`); d_k at most [`CONV_PREP_MAX_DK`]. A slot out of range gives
+    /// NaN q, k and v rows.
     pub fn conv_delta_prep(&self, s: DeltaPrepShape, conv: ConvPart<'_>, i: DeltaPrepIn<'_>, o: DeltaPrepOut<'_>) -> Result<()> {
         const OP: &str = "conv_delta_prep";
         let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
         let c = 2 * nk * dk + nv * dv;
-        if conv.at.len != 3 * c || conv.seqs.n_seq > t {
+        if conv.at.len != 3 * c || conv.seqs.n_seq != t {
             return Err(shape(
                 OP,
                 format!("a history of {} for {c} channels (kernel length 4), {} sequences of {t} rows", conv.at.len, conv.seqs.n_seq),
             ));
         }
-        if dk * 4 > 48 << 10 {
-            return Err(shape(OP, format!("d_k = {dk} (a head's values go through shared memory)")));
+        if dk > CONV_PREP_MAX_DK {
+            return Err(shape(OP, format!("d_k = {dk} (at most {CONV_PREP_MAX_DK}: a head's values go through shared memory)")));
         }
         need(OP, "x", conv.x, t * c)?;
         need(OP, "w", conv.w, c * 4)?;
@@ -204,9 +209,11 @@ impl Gpu {
         let f = self.function(&DELTA_PREP, "conv_delta_prep")?;
         let v_blocks = u32_of(OP, "v blocks", (nv * dv).div_ceil(V_CHUNK))?;
         // SAFETY: x holds t·c floats, w c·4, the state n_slots slots with the layer's 3·c history
-        // inside each, the outputs their t rows (checked above); row0[s] < t for each of the
-        // n_seq sequences of one row (the caller's contract, as for conv1d_silu_seqs' spans); the
-        // kernel skips slots >= n_slots; dk floats of shared memory (at most 48 KiB).
+        // inside each, the outputs their t rows (checked above); the caller's contract, as for
+        // conv1d_silu_seqs' spans: the t sequences have one row each (n[s] = 1), at distinct rows
+        // row0[s] < t and distinct slots (no two blocks shift the same history); the kernel
+        // skips slots >= n_slots; dk floats of dynamic shared memory beside 128 static bytes,
+        // within the default 48 KiB (dk checked above).
         unsafe { self.launch(&f, (2 * p.p.n_k_head + 1 + v_blocks, conv.seqs.n_seq as u32, 1), 128, (dk * 4) as u32, &p) }
     }
 }

@@ -10,8 +10,8 @@ use crate::kernels::{MATMUL, MATMUL_MMA8};
 
 const OP: &str = "matmul";
 
-/// A 2-D weight on the device in its file format, uploaded unchanged: `n_rows` rows of `k`
-/// weights of type `ty`, `row_bytes` each.
+/// A 2-D weight on the device in its file format (Q6_K rearranged within each row at upload:
+/// src/ops/q6_repack.rs): `n_rows` rows of `k` weights of type `ty`, `row_bytes` each.
 #[derive(Debug)]
 pub struct DeviceWeight {
     pub ty: GgmlType,

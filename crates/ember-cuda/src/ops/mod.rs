@@ -27,7 +27,7 @@ pub use attention::{
     ATTENTION_TILE_MIN_KEYS, ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape, decode_keys_per_split,
 };
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
-pub use delta_prep::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
+pub use delta_prep::{CONV_PREP_MAX_DK, ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
 pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};

@@ -56,13 +56,17 @@ impl Gpu {
             row_bytes: u32_of(OP, "row_bytes", w.row_bytes)?,
             nb: u32_of(OP, "nb", w.row_bytes / BLOCK)?,
         };
-        if w.row_bytes > 48 << 10 {
-            return Err(shape(OP, format!("rows of {} bytes (a row goes through shared memory)", w.row_bytes)));
-        }
         let f = self.function(&Q6_REPACK, "q6k_repack")?;
+        if w.row_bytes > 48 << 10 {
+            // A row goes through shared memory: past the default 48 KiB, the device's opt-in
+            // limit (227 KiB on sm_90: k up to ~277,000), else a clear error.
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, p.row_bytes as i32)
+                .map_err(|e| shape(OP, format!("Q6_K rows of {} bytes (a row goes through shared memory): {e:?}", w.row_bytes)))?;
+        }
         let grid = n.min(self.info().n_sm as usize * 16) as u32;
         // SAFETY: p.w addresses n whole rows of row_bytes inside the weight (rows_at checked);
-        // row_bytes = 210·nb (a Q6_K row) and at most 48 KiB of dynamic shared memory.
+        // row_bytes = 210·nb (a Q6_K row) bytes of dynamic shared memory, allowed above.
         unsafe { self.launch(&f, (grid, 1, 1), 256, p.row_bytes, &p) }
     }
 }
