@@ -60,9 +60,13 @@ ls -la .gpu
 # of blocks, was refused), so this does too. Tracked files that are gone from the checkout do not
 # travel: the GPU calls need neither the Qwen3.6 vocabulary (ember-synth's build reads it, so
 # build first) nor, for benchmark calls, the BF16 fixture (the GPU tests read it).
+# The device's own count runs higher than this one: 65.5 MB here was refused (2026-12-07, with
+# llama-src.tar.xz and every test binary, the vocabulary out), 64.7 MB the day before, while
+# 62.9 MB and 56.7 MB went; so this checks against 62 MB.
 travels=$(( $(git ls-files -z | xargs -0 du -c -B1 2>/dev/null | tail -n1 | cut -f1) + $(du -c -B1 .gpu/* | tail -n1 | cut -f1) ))
-echo "tree that travels: $travels bytes in disk blocks (limit 67108864)"
-if (( travels > 67108864 )); then
-    echo "over the limit: for the call, move tests/fixtures/qwen36-vocab/ggml-vocab-qwen36.gguf (10.9 MB) out of the" \
-         "checkout, and put it back after it (git checkout -- tests/fixtures restores it)" >&2
+echo "tree that travels: $travels bytes in disk blocks (keep it under 62000000; the device refuses past ~64 MB)"
+if (( travels > 62000000 )); then
+    echo "over: for the call, move tests/fixtures/qwen36-vocab/ggml-vocab-qwen36.gguf (10.9 MB) and, if still over," \
+         "bench/results (8.8 MB) out of the checkout, and put them back after it (git checkout -- tests/fixtures;" \
+         "mv bench/results back before any commit)" >&2
 fi
