@@ -20,6 +20,33 @@ struct DeltaPrepParams {
 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// One q or k head of row t: src's dk values L2-normalised (q also ·1/√dk) into dst. Every thread
+// of the block calls it; a thread reads only the src[i] of its own i (src may be a block's shared
+// values it wrote).
+__device__ __forceinline__ void prep_head(const DeltaPrepParams& p, const float* src, float* dst, bool is_q, float* scratch) {
+    const u32 dk = p.d_k;
+    float ss = 0.0f;
+    for (u32 i = threadIdx.x; i < dk; i += blockDim.x) ss += src[i] * src[i];
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss + p.eps);
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    for (u32 i = threadIdx.x; i < dk; i += blockDim.x) {
+        const float x = src[i] * scale;
+        dst[i] = is_q ? x * q_scale : x;
+    }
+}
+
+// g and β of row t for every value head (one block).
+__device__ __forceinline__ void prep_gate(const DeltaPrepParams& p, u32 t) {
+    const u32 nv = p.n_v_head;
+    for (u32 h = threadIdx.x; h < nv; h += blockDim.x) {
+        const u64 at = (u64)t * nv + h;
+        ((float*)p.beta)[at] = sigmoid_f(((const float*)p.b)[at]);
+        const float x = ((const float*)p.alpha)[at] + ((const float*)p.dt_bias)[h];
+        ((float*)p.g)[at] = ((const float*)p.a)[h] * softplus_f(x);
+    }
+}
+
 // Values of v each copying block moves (blockDim 128 × 4).
 #define DELTA_PREP_V_CHUNK 512
 
@@ -36,25 +63,11 @@ extern "C" __global__ void delta_prep(const DeltaPrepParams p) {
         const bool is_q = blockIdx.x < nk;
         const u32 h = is_q ? blockIdx.x : blockIdx.x - nk;
         const float* src = row + (is_q ? 0 : nk * dk) + h * dk;
-        float* dst = (float*)(is_q ? p.q : p.k) + (u64)t * nk * dk + h * dk;
-        float ss = 0.0f;
-        for (u32 i = threadIdx.x; i < dk; i += blockDim.x) ss += src[i] * src[i];
-        ss = block_sum(ss, scratch);
-        const float scale = 1.0f / sqrtf(ss + p.eps);
-        const float q_scale = 1.0f / sqrtf((float)dk);
-        for (u32 i = threadIdx.x; i < dk; i += blockDim.x) {
-            const float x = src[i] * scale;
-            dst[i] = is_q ? x * q_scale : x;
-        }
+        prep_head(p, src, (float*)(is_q ? p.q : p.k) + (u64)t * nk * dk + h * dk, is_q, scratch);
         return;
     }
     if (blockIdx.x == 2 * nk) {
-        for (u32 h = threadIdx.x; h < nv; h += blockDim.x) {
-            const u64 at = (u64)t * nv + h;
-            ((float*)p.beta)[at] = sigmoid_f(((const float*)p.b)[at]);
-            const float x = ((const float*)p.alpha)[at] + ((const float*)p.dt_bias)[h];
-            ((float*)p.g)[at] = ((const float*)p.a)[h] * softplus_f(x);
-        }
+        prep_gate(p, t);
         return;
     }
     const float* src = row + 2 * nk * dk;
@@ -128,31 +141,16 @@ extern "C" __global__ void conv_delta_prep(const ConvPrepParams cp) {
     if (blockIdx.x < 2 * nk) {
         const bool is_q = blockIdx.x < nk;
         const u32 h = is_q ? blockIdx.x : blockIdx.x - nk;
-        float* dst = (float*)(is_q ? p.q : p.k) + (u64)t * nk * dk + h * dk;
-        float ss = 0.0f;
         for (u32 i = threadIdx.x; i < dk; i += blockDim.x) {
             const u32 ch = c0 + i;
             const float w4[4] = {w[4 * ch], w[4 * ch + 1], w[4 * ch + 2], w[4 * ch + 3]};
-            const float v = conv4_one(cp, state, ok, w4, t, ch);
-            vals[i] = v;
-            ss += v * v;
+            vals[i] = conv4_one(cp, state, ok, w4, t, ch);
         }
-        ss = block_sum(ss, scratch);
-        const float scale = 1.0f / sqrtf(ss + p.eps);
-        const float q_scale = 1.0f / sqrtf((float)dk);
-        for (u32 i = threadIdx.x; i < dk; i += blockDim.x) {
-            const float x = vals[i] * scale;
-            dst[i] = is_q ? x * q_scale : x;
-        }
+        prep_head(p, vals, (float*)(is_q ? p.q : p.k) + (u64)t * nk * dk + h * dk, is_q, scratch);
         return;
     }
     if (blockIdx.x == 2 * nk) {
-        for (u32 h = threadIdx.x; h < nv; h += blockDim.x) {
-            const u64 at = (u64)t * nv + h;
-            ((float*)p.beta)[at] = sigmoid_f(((const float*)p.b)[at]);
-            const float x = ((const float*)p.alpha)[at] + ((const float*)p.dt_bias)[h];
-            ((float*)p.g)[at] = ((const float*)p.a)[h] * softplus_f(x);
-        }
+        prep_gate(p, t);
         return;
     }
     float* dst = (float*)p.v + (u64)t * nv * p.d_v;

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, quant};
 
 use crate::{
-    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaMode, DeltaPrep, Gate, GateUp, HostOps, KvType, LayerIdx, Mat, MoeWeights, OpResult, Ops,
-    SeqStore, Slot, StateKind, StateLayout, Tensor, WeightId, WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, Gate, GateUp, HostOps, KvType, LayerIdx, Mat, MoeWeights,
+    OpResult, Ops, SeqStore, Slot, StateKind, StateLayout, Tensor, WeightId, WeightSet,
 };
 
 /// What a backend claims. Each bound should sit a few times above the error it measured.
@@ -227,6 +227,14 @@ impl Pair {
     fn read(&mut self, t: Two) -> (Mat, Mat) {
         let [a, b] = self.both("read", |o, i| o.read(t[i]));
         (a, b)
+    }
+
+    /// Each of a prep's five outputs against the reference's: (name, max relative error).
+    fn prep_errors(&mut self, [a, b]: [DeltaIn; 2]) -> [(&'static str, f32); 5] {
+        [("q", [a.q, b.q]), ("k", [a.k, b.k]), ("v", [a.v, b.v]), ("g", [a.g, b.g]), ("beta", [a.beta, b.beta])].map(|(name, t)| {
+            let (got, want) = self.read(t);
+            (name, max_rel(&got.data, &want.data))
+        })
     }
 
     /// Reconfigures both stores and takes every slot.
@@ -469,15 +477,8 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 let cu = p.up(&rng.mat(n, 2 * 2 * 32 + 4 * 48, 1.0));
                 let (b, al) = (p.up(&rng.mat(n, 4, 3.0)), p.up(&rng.mat(n, 4, 3.0)));
                 let [din, dref] = p.both("delta_prep", |o, i| o.delta_prep(dp, cu[i], b[i], al[i]));
-                for (name, t) in [
-                    ("q", [din.q, dref.q]),
-                    ("k", [din.k, dref.k]),
-                    ("v", [din.v, dref.v]),
-                    ("g", [din.g, dref.g]),
-                    ("beta", [din.beta, dref.beta]),
-                ] {
-                    let (got, want) = p.read(t);
-                    check(&mut r, format!("delta_prep {name}"), max_rel(&got.data, &want.data), tol.rel);
+                for (name, err) in p.prep_errors([din, dref]) {
+                    check(&mut r, format!("delta_prep {name}"), err, tol.rel);
                 }
                 // Both run the delta rule on the reference's prep, so only the rule is compared.
                 let y = p.both("gated_delta_rule", |o, i| {
@@ -491,16 +492,9 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 let x = p.up(&rng.mat(n, 40, 1.0));
                 let (b, al) = (p.up(&rng.mat(n, 4, 3.0)), p.up(&rng.mat(n, 4, 3.0)));
                 let dpc = DeltaPrep { n_k_head: 1, n_v_head: 4, d_k: 8, d_v: 6, ..dp };
-                let [din, dref] = p.both("conv_delta_prep", |o, i| o.conv_delta_prep(layer, x[i], fx.conv, dpc, b[i], al[i]));
-                for (name, t) in [
-                    ("q", [din.q, dref.q]),
-                    ("k", [din.k, dref.k]),
-                    ("v", [din.v, dref.v]),
-                    ("g", [din.g, dref.g]),
-                    ("beta", [din.beta, dref.beta]),
-                ] {
-                    let (got, want) = p.read(t);
-                    check(&mut r, format!("conv_delta_prep {name}"), max_rel(&got.data, &want.data), tol.rel);
+                let fused = p.both("conv_delta_prep", |o, i| o.conv_delta_prep(layer, x[i], fx.conv, dpc, b[i], al[i]));
+                for (name, err) in p.prep_errors(fused) {
+                    check(&mut r, format!("conv_delta_prep {name}"), err, tol.rel);
                 }
             }
             p.end();
@@ -734,7 +728,7 @@ fn shape_errors(o: &mut dyn Ops, fx: &Fixture) {
     let dp = DeltaPrep { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48, eps: 1e-6, a: fx.a, dt_bias: fx.dt_bias };
     named("delta_prep", o.delta_prep(dp, cu, b4, b4).map(drop));
     let dh = DeltaHeads { n_k_head: 2, n_v_head: 4, d_k: 32, d_v: 48 };
-    let din = crate::DeltaIn { q: din_q, k: din_q, v: din_q, g: b4, beta: b4 };
+    let din = DeltaIn { q: din_q, k: din_q, v: din_q, g: b4, beta: b4 };
     named("gated_delta_rule", o.gated_delta_rule(LayerIdx(1), dh, din, DeltaMode::Auto).map(drop));
     named("route", o.route(logits, 7).map(drop));
     let rt = o.route(logits, 1).unwrap_or_else(|e| panic!("route: {e}"));

@@ -106,36 +106,10 @@ impl Gpu {
     pub fn delta_prep(&self, s: DeltaPrepShape, i: DeltaPrepIn<'_>, o: DeltaPrepOut<'_>) -> Result<()> {
         let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
         need(OP, "cu", i.cu, t * (2 * nk * dk + nv * dv))?;
-        need(OP, "b", i.b, t * nv)?;
-        need(OP, "alpha", i.alpha, t * nv)?;
-        need(OP, "a", i.a, nv)?;
-        need(OP, "dt_bias", i.dt_bias, nv)?;
-        need(OP, "q", o.q, t * nk * dk)?;
-        need(OP, "k", o.k, t * nk * dk)?;
-        need(OP, "v", o.v, t * nv * dv)?;
-        need(OP, "g", o.g, t * nv)?;
-        need(OP, "beta", o.beta, t * nv)?;
+        let p = prep_params(OP, s, &i, &o, i.cu.ptr())?;
         if t == 0 {
             return Ok(());
         }
-        let p = DeltaPrepParams {
-            cu: i.cu.ptr(),
-            b: i.b.ptr(),
-            alpha: i.alpha.ptr(),
-            a: i.a.ptr(),
-            dt_bias: i.dt_bias.ptr(),
-            q: o.q.ptr(),
-            k: o.k.ptr(),
-            v: o.v.ptr(),
-            g: o.g.ptr(),
-            beta: o.beta.ptr(),
-            n_tok: u32_of(OP, "n_tok", t)?,
-            n_k_head: u32_of(OP, "n_k_head", nk)?,
-            d_k: u32_of(OP, "d_k", dk)?,
-            n_v_head: u32_of(OP, "n_v_head", nv)?,
-            d_v: u32_of(OP, "d_v", dv)?,
-            eps: s.eps,
-        };
         let f = self.function(&DELTA_PREP, "delta_prep")?;
         // SAFETY: sizes checked above.
         let v_blocks = u32_of(OP, "v blocks", (nv * dv).div_ceil(V_CHUNK))?;
@@ -165,37 +139,12 @@ impl Gpu {
         need(OP, "w", conv.w, c * 4)?;
         conv.seqs.check(OP)?;
         conv.at.check(OP, conv.state)?;
-        need(OP, "b", i.b, t * nv)?;
-        need(OP, "alpha", i.alpha, t * nv)?;
-        need(OP, "a", i.a, nv)?;
-        need(OP, "dt_bias", i.dt_bias, nv)?;
-        need(OP, "q", o.q, t * nk * dk)?;
-        need(OP, "k", o.k, t * nk * dk)?;
-        need(OP, "v", o.v, t * nv * dv)?;
-        need(OP, "g", o.g, t * nv)?;
-        need(OP, "beta", o.beta, t * nv)?;
-        if t == 0 || conv.seqs.n_seq == 0 {
+        let prep = prep_params(OP, s, &i, &o, 0)?;
+        if t == 0 {
             return Ok(());
         }
         let p = ConvPrepParams {
-            p: DeltaPrepParams {
-                cu: 0,
-                b: i.b.ptr(),
-                alpha: i.alpha.ptr(),
-                a: i.a.ptr(),
-                dt_bias: i.dt_bias.ptr(),
-                q: o.q.ptr(),
-                k: o.k.ptr(),
-                v: o.v.ptr(),
-                g: o.g.ptr(),
-                beta: o.beta.ptr(),
-                n_tok: u32_of(OP, "n_tok", t)?,
-                n_k_head: u32_of(OP, "n_k_head", nk)?,
-                d_k: u32_of(OP, "d_k", dk)?,
-                n_v_head: u32_of(OP, "n_v_head", nv)?,
-                d_v: u32_of(OP, "d_v", dv)?,
-                eps: s.eps,
-            },
+            p: prep,
             x: conv.x.ptr(),
             w: conv.w.ptr(),
             state: conv.state.ptr(),
@@ -216,4 +165,37 @@ impl Gpu {
         // within the default 48 KiB (dk checked above).
         unsafe { self.launch(&f, (2 * p.p.n_k_head + 1 + v_blocks, conv.seqs.n_seq as u32, 1), 128, (dk * 4) as u32, &p) }
     }
+}
+
+/// [`Gpu::delta_prep`]'s parameters, the buffers other than the conv output checked (`cu`: its
+/// address, 0 where the kernel computes it).
+fn prep_params(op: &'static str, s: DeltaPrepShape, i: &DeltaPrepIn<'_>, o: &DeltaPrepOut<'_>, cu: u64) -> Result<DeltaPrepParams> {
+    let (t, nk, dk, nv, dv) = (s.n_tok, s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+    need(op, "b", i.b, t * nv)?;
+    need(op, "alpha", i.alpha, t * nv)?;
+    need(op, "a", i.a, nv)?;
+    need(op, "dt_bias", i.dt_bias, nv)?;
+    need(op, "q", o.q, t * nk * dk)?;
+    need(op, "k", o.k, t * nk * dk)?;
+    need(op, "v", o.v, t * nv * dv)?;
+    need(op, "g", o.g, t * nv)?;
+    need(op, "beta", o.beta, t * nv)?;
+    Ok(DeltaPrepParams {
+        cu,
+        b: i.b.ptr(),
+        alpha: i.alpha.ptr(),
+        a: i.a.ptr(),
+        dt_bias: i.dt_bias.ptr(),
+        q: o.q.ptr(),
+        k: o.k.ptr(),
+        v: o.v.ptr(),
+        g: o.g.ptr(),
+        beta: o.beta.ptr(),
+        n_tok: u32_of(op, "n_tok", t)?,
+        n_k_head: u32_of(op, "n_k_head", nk)?,
+        d_k: u32_of(op, "d_k", dk)?,
+        n_v_head: u32_of(op, "n_v_head", nv)?,
+        d_v: u32_of(op, "d_v", dv)?,
+        eps: s.eps,
+    })
 }
