@@ -111,3 +111,50 @@ extern "C" __global__ void delta_rule_seqs(const DeltaSeqsParams p) {
     delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t0, t1,
                  p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, threadIdx.x % 32);
 }
+
+// delta_rule_norm_seqs: delta_rule_seqs for steps whose sequences have one row each (decode),
+// then the gated RMSNorm of each value head's output (rms_norm_q8 with a gate: o / rms(o) · w ⊙
+// act(z), and its int8 copy), without a launch of its own: each block counts itself done on its
+// (sequence, head) counter, and the head's last block normalises the head with one warp (the
+// same arithmetic as rms_norm's 32-thread launch a group, so the same bits). The counters are
+// zero before the launch and the last block leaves them zero (atomicInc wraps). d_v % 32 == 0
+// and d_v <= NORM_REGS · 32, so a block's 4 columns lie in one head and the norm is one warp's.
+struct DeltaNormParams {
+    DeltaSeqsParams d;  // scan_below unused (one row a sequence)
+    RmsNormParams r;    // x = d.out, g = d_v, n_group = rows · n_v_head, gate = z
+    u64 q;              // r.out's int8 copy (q8_bytes of rows · n_v_head · d_v)
+    u64 count;          // [n_seq · n_v_head] u32
+};
+
+// blockDim 128, grid (n_v_head · d_v / 4, n_seq).
+extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
+    const DeltaSeqsParams& p = dn.d;
+    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y;
+    if (threadIdx.x == 0) {
+        const u32 slot = ((const u32*)p.slot)[s];
+        if (slot < p.n_slots) prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * 4 * p.d_k);
+    }
+    float wv[NORM_REGS];
+    norm_regs_w(dn.r, wv, threadIdx.x % 32, 32);
+    pdl_enter();
+    const u32 col = col0 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 t = ((const u32*)p.row0)[s], slot = ((const u32*)p.slot)[s];
+    if (slot >= p.n_slots) {
+        if (lane == 0) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
+    } else {
+        float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * p.d_k;
+        delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t,
+                     t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
+    }
+    // This block's outputs visible at the device's scope before it counts itself done; the
+    // head's last block then reads the others' (through L2: norm_regs_group<true>).
+    __threadfence();
+    __syncthreads();
+    __shared__ u32 last;
+    const u32 h = col0 / p.d_v, per_head = p.d_v / (blockDim.x / 32);
+    if (threadIdx.x == 0) last = atomicInc((u32*)dn.count + (u64)s * p.n_v_head + h, per_head - 1) == per_head - 1;
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    norm_regs_group<true>(dn.r, dn.q, wv, t * p.n_v_head + h, (u64)dn.r.n_group * dn.r.g, lane, 32, nullptr);
+}

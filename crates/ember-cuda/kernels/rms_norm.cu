@@ -4,18 +4,6 @@
 // it next, the same sums as `add` then `rms_norm`. With `gate` set, out ⊙= act(gate) after
 // (act: SiLU 0, sigmoid 1; gate.cu's product): a gated norm and its gate in one pass.
 
-struct RmsNormParams {
-    u64 x;    // [n_group · g] f32
-    u64 w;    // [g] f32
-    u64 out;  // [n_group · g] f32
-    u32 g, n_group;
-    float eps;
-    u32 pad;
-    u64 add;   // [n_group · g] f32, or 0
-    u64 gate;  // [n_group · g] f32, or 0
-    u32 act, pad2;
-};
-
 // Value i of this block's group after the norm (and the gate, when set).
 __device__ __forceinline__ float normed(const RmsNormParams& p, const float* x, const float* w, float scale, u32 i) {
     const float v = x[i] * scale * w[i];
@@ -38,70 +26,6 @@ __device__ __forceinline__ float group_sum_sq(const RmsNormParams& p, float* x, 
         ss += v * v;
     }
     return block_sum(ss, scratch);
-}
-
-// The norm with each thread's values of its group in registers (g <= NORM_REGS · blockDim: the
-// model's 2,048-wide rows at 1,024 threads, 2 a thread): the weight's values are read before
-// pdl_enter (weights are never written by a step's kernels), x, the add and the gate together after it,
-// so the chain after the kernel ahead ends is one round trip, the block sum and the stores. The
-// two-pass path (wider rows) reads w and the gate (and x again) after the block sum: a second
-// round trip, to DRAM for w, whose 8 KB leave L2 while the rest of a token's weights stream
-// through it. The same arithmetic in the same order: the same bits. With `q`, also the int8 copy
-// (rms_norm_q8). Measured against the two-pass form on the 35B (H100, docs/perf.md g18): decode
-// tg128 +10 % (111 norms a token), prompts unchanged.
-#define NORM_REGS 4
-
-__device__ __forceinline__ bool norm_regs_fit(const RmsNormParams& p) { return p.g <= NORM_REGS * blockDim.x; }
-
-__device__ __forceinline__ void norm_regs(const RmsNormParams& p, u64 q) {
-    const float* w = (const float*)p.w;
-    float wv[NORM_REGS], xv[NORM_REGS], av[NORM_REGS], gv[NORM_REGS];
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-        const u32 i = threadIdx.x + j * blockDim.x;
-        wv[j] = i < p.g ? w[i] : 0.0f;
-    }
-    pdl_enter();
-    __shared__ float scratch[32];
-    float* x = (float*)p.x + (u64)blockIdx.x * p.g;
-    float* out = (float*)p.out + (u64)blockIdx.x * p.g;
-    const float* a = p.add ? (const float*)p.add + (u64)blockIdx.x * p.g : nullptr;
-    const float* gt = p.gate ? (const float*)p.gate + (u64)blockIdx.x * p.g : nullptr;
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-        const u32 i = threadIdx.x + j * blockDim.x;
-        const bool in = i < p.g;
-        xv[j] = in ? x[i] : 0.0f;
-        av[j] = in && a ? a[i] : 0.0f;
-        gv[j] = in && gt ? gt[i] : 0.0f;
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-        const u32 i = threadIdx.x + j * blockDim.x;
-        if (i < p.g) {
-            float v = xv[j];
-            if (a) {
-                v += av[j];
-                x[i] = v;
-                xv[j] = v;
-            }
-            ss += v * v;
-        }
-    }
-    ss = block_sum(ss, scratch);
-    const float scale = 1.0f / sqrtf(ss / (float)p.g + p.eps);
-    const u64 n = (u64)gridDim.x * p.g, base = (u64)blockIdx.x * p.g;
-#pragma unroll
-    for (int j = 0; j < NORM_REGS; ++j) {
-        const u32 i = threadIdx.x + j * blockDim.x;
-        if (i < p.g) {  // whole warps (g and blockDim multiples of 32 where q is set)
-            float v = xv[j] * scale * wv[j];
-            if (gt) v = v * (p.act == 0 ? silu_f(gv[j]) : sigmoid_f(gv[j]));
-            out[i] = v;
-            if (q) warp_q8(v, (u8*)q, n, base + i);
-        }
-    }
 }
 
 // One block per group.

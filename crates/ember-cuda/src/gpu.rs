@@ -236,6 +236,9 @@ pub struct Gpu {
     q8: Mutex<Option<Buf<u8>>>,
     /// Bumped by every write of the int8 scratch ([`Gpu::q8_generation`]).
     q8_gen: std::sync::atomic::AtomicU64,
+    /// Zeroed u32 counters for kernels whose last block of a group finishes the group's work
+    /// ([`Gpu::counters`]; grown on demand).
+    counters: Mutex<Option<Buf<u32>>>,
 }
 
 impl Drop for Gpu {
@@ -324,6 +327,7 @@ impl Gpu {
                 .unwrap_or(crate::ops::MOE_MMA_MIN_TOKENS),
             q8: Mutex::default(),
             q8_gen: Default::default(),
+            counters: Mutex::default(),
         })
     }
 
@@ -372,6 +376,21 @@ impl Gpu {
                 let b = self.alloc::<u8>(bytes.max(64 << 10))?;
                 let ptr = b.ptr();
                 *q8 = Some(b);
+                Ok(ptr)
+            }
+        }
+    }
+
+    /// At least `len` u32 counters, zero between launches: a kernel that counts on them must
+    /// leave each at zero when it ends (kernels/delta_rule.cu's `atomicInc` wraps its own).
+    pub(crate) fn counters(&self, len: usize) -> Result<u64> {
+        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        match &*c {
+            Some(b) if b.len() >= len => Ok(b.ptr()),
+            _ => {
+                let b = self.zeros::<u32>(len.max(4096))?;
+                let ptr = b.ptr();
+                *c = Some(b);
                 Ok(ptr)
             }
         }

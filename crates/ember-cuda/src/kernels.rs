@@ -17,6 +17,7 @@ const ATTN: &str = include_str!("../kernels/attention.cuh");
 const MOE_H: &str = include_str!("../kernels/moe.cuh");
 const MMA8: &str = include_str!("../kernels/mma8.cuh");
 const ASYNC: &str = include_str!("../kernels/async.cuh");
+const NORM: &str = include_str!("../kernels/norm.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -47,7 +48,7 @@ kernel!(MATMUL, "matmul", DEQUANT, MMA);
 kernel!(GEMV_Q8, "gemv_q8", DEQUANT, Q8);
 kernel!(GET_ROWS, "get_rows", DEQUANT);
 kernel!(Q6_REPACK, "q6_repack");
-kernel!(RMS_NORM, "rms_norm");
+kernel!(RMS_NORM, "rms_norm", NORM);
 kernel!(ADD, "add");
 kernel!(GATE, "gate");
 kernel!(SELECT_ROWS, "select_rows");
@@ -56,7 +57,7 @@ kernel!(ROUTE, "route");
 kernel!(ATTN_PREP, "attn_prep");
 kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
-kernel!(DELTA_RULE, "delta_rule");
+kernel!(DELTA_RULE, "delta_rule", NORM);
 kernel!(DELTA_CHUNKED, "delta_chunked");
 kernel!(MOE, "moe", DEQUANT, MMA, Q8, MOE_H);
 kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H, MMA8);

@@ -16,7 +16,7 @@ use ember_ops::{Mat, reference};
 use ember_testkit::Rng;
 
 mod common;
-use common::ms_per_call;
+use common::{ms_per_call, quantised};
 
 fn gpu() -> Option<&'static Gpu> {
     static GPU: OnceLock<Option<Gpu>> = OnceLock::new();
@@ -431,5 +431,82 @@ fn conv_delta_prep_is_the_two_launches() {
         let now = g.download(&s_fused).unwrap();
         assert_eq!(&now[2 * stride..3 * stride], &all[2 * stride..3 * stride], "slot 2 untouched");
         println!("conv_delta_prep {nk}x{dk} / {nv}x{dv}: the two launches' bits");
+    }
+}
+
+/// `Gpu::delta_rule_norm_seqs` (the delta rule and its gated norm in one launch, each value
+/// head's last block normalising it) against `delta_rule_seqs` then `rms_norm_gate` /
+/// `rms_norm_gate_q8`: o, y and the states the same bits, at the 35B's shape and a small one; five
+/// sequences with rows and slots out of order, one slot untouched and one out of range (NaN o and
+/// y), two calls in a row (the per-head counters left at zero for the next); then one sequence
+/// with the int8 copy, which the GEMV reads as it reads quantize_q8's of y.
+#[test]
+fn delta_rule_norm_is_the_two_launches() {
+    use ember_cuda::ops::{Act, HeadNorm};
+    use ember_gguf::GgmlType;
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for (nk, dk, nv, dv) in [(16usize, 128usize, 32usize, 128usize), (2, 64, 4, 32)] {
+        let (n_slots, len) = (5, nv * dv * dk);
+        let (offset, stride) = (3, 3 + len + 5);
+        let at = StateAt { slot_stride: stride, offset, len, n_slots };
+        let all = rng.vec(n_slots * stride, -0.5, 0.5);
+        let (mut s_fused, mut s_two) = (g.upload(&all).unwrap(), g.upload(&all).unwrap());
+        let w = g.upload(&rng.vec(dv, 0.5, 1.5)).unwrap();
+        let wd = nv * dv;
+        let wt = g.upload_weight(GgmlType::Q8_0, wd, 33, &quantised(GgmlType::Q8_0, &mut rng, wd, 33)).unwrap();
+        let calls: [(&[u32], &[u32], Act, bool); 3] = [
+            (&[2, 0, 4, 1, 3], &[3, 0, 4, 1, 9], Act::Silu, false), // slot 2 untouched, 9 out of range
+            (&[2, 0, 4, 1, 3], &[3, 0, 4, 1, 9], Act::Sigmoid, false),
+            (&[0], &[2], Act::Silu, true),
+        ];
+        for (call, &(row0, slots, act, q8)) in calls.iter().enumerate() {
+            let n = row0.len();
+            let (r0b, nb, slb) = (g.upload(row0).unwrap(), g.upload(&vec![1u32; n]).unwrap(), g.upload(slots).unwrap());
+            let seqs = SeqRows { row0: &r0b, n: &nb, slot: &slb, n_seq: n };
+            let shape = DeltaShape { n_tok: n, n_k_head: nk, d_k: dk, n_v_head: nv, d_v: dv };
+            let q = g.upload(&rng.vec(n * nk * dk, -0.3, 0.3)).unwrap();
+            let k = g.upload(&rng.vec(n * nk * dk, -0.3, 0.3)).unwrap();
+            let v = g.upload(&rng.vec(n * wd, -1.0, 1.0)).unwrap();
+            let gg = g.upload(&rng.vec(n * nv, -2.0, 0.0)).unwrap();
+            let beta = g.upload(&rng.vec(n * nv, 0.0, 1.0)).unwrap();
+            let z = g.upload(&rng.vec(n * wd, -4.0, 4.0)).unwrap();
+            let input = || DeltaIn { q: &q, k: &k, v: &v, g: &gg, beta: &beta };
+            let (mut o2, mut y2) = (g.upload(&vec![-7.0f32; n * wd]).unwrap(), g.upload(&vec![-7.0f32; n * wd]).unwrap());
+            g.delta_rule_seqs(shape, input(), seqs, &mut s_two, at, &mut o2).unwrap();
+            match q8 {
+                true => drop(g.rms_norm_gate_q8(&o2, n, wd, &w, 1e-6, &z, act, &mut y2).unwrap()),
+                false => g.rms_norm_gate(&o2, n, wd, &w, 1e-6, &z, act, &mut y2).unwrap(),
+            }
+            let (mut o1, mut y1) = (g.upload(&vec![-7.0f32; n * wd]).unwrap(), g.upload(&vec![-7.0f32; n * wd]).unwrap());
+            let norm = HeadNorm { w: &w, eps: 1e-6, gate: &z, act };
+            let before = g.q8_generation();
+            let generation =
+                g.delta_rule_norm_seqs(shape, input(), seqs, &vec![1; n], &mut s_fused, at, &mut o1, norm, &mut y1, q8).unwrap();
+            assert_eq!(generation.is_some(), q8, "a generation only with the int8 copy");
+            let what = format!("{nv}x{dv} call {call} {act:?}");
+            for (name, f, t) in [("o", &o1, &o2), ("y", &y1, &y2)] {
+                let (f, t) = (g.download(f).unwrap(), g.download(t).unwrap());
+                for (j, (a, b)) in f.iter().zip(&t).enumerate() {
+                    assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "{what} {name}[{j}]: fused {a}, two launches {b}");
+                }
+                if let Some(bad) = slots.iter().position(|&s| s as usize >= n_slots) {
+                    let r = row0[bad] as usize;
+                    assert!(f[r * wd..(r + 1) * wd].iter().all(|x| x.is_nan()), "{what} {name}: the bad slot's row is NaN");
+                }
+            }
+            assert_eq!(g.download(&s_fused).unwrap(), g.download(&s_two).unwrap(), "{what}: the states");
+            if q8 {
+                assert!(generation.is_some_and(|x| x > before && g.q8_generation() == x));
+                let (mut a, mut b) = (g.upload(&[f32::NAN; 33]).unwrap(), g.upload(&[f32::NAN; 33]).unwrap());
+                g.gemv_q8_quantized(&[wt.all()], wd, &mut [&mut a]).unwrap();
+                g.gemv_q8(&[wt.all()], &y1, &mut [&mut b]).unwrap();
+                assert_eq!(g.download(&a).unwrap(), g.download(&b).unwrap(), "{what}: the GEMV on the int8 copy");
+            } else {
+                let now = g.download(&s_fused).unwrap();
+                assert_eq!(&now[2 * stride..3 * stride], &all[2 * stride..3 * stride], "{what}: slot 2 untouched");
+            }
+        }
+        println!("delta_rule_norm {nk}x{dk} / {nv}x{dv}: the two launches' bits");
     }
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use ember_gguf::GgufFile;
 pub use ember_ops::DeltaMode;
 use ember_ops::{
-    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing, StateLayout, Tensor,
-    WeightId, WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, GatedNorm, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing,
+    StateLayout, Tensor, WeightId, WeightSet,
 };
 
 use crate::weights::Loader;
@@ -470,8 +470,9 @@ impl DeltaNet {
         // causal conv + SiLU, then q, k (L2-normed), v, g = log-decay, β
         let din = ops.conv_delta_prep(layer, u, self.conv, prep, b, a)?;
         let heads = DeltaHeads { n_k_head: nk, n_v_head: nv, d_k: dk, d_v: dv };
-        let o = ops.gated_delta_rule(layer, heads, din, mode)?; // [ΣT, nv·dv]
-        let y = ops.rms_norm_gate(o, self.norm, c.rms_eps, z, Gate::Silu)?; // per head, shared weight; ⊙ silu(z)
+        // o [ΣT, nv·dv], then its gated norm: per head, shared weight; ⊙ silu(z)
+        let norm = GatedNorm { w: self.norm, eps: c.rms_eps, act: Gate::Silu };
+        let y = ops.delta_rule_norm(layer, heads, din, mode, norm, z)?;
         Ok(ops.matmul(self.out, y)?) // [ΣT, D]
     }
 }

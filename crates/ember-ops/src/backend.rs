@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use crate::{
-    AttnHeads, AttnIn, AttnMats, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, HostKernels,
-    HostStore, KvCache, LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId, Snapshot,
-    StateKind, StateLayout, StoreStats, Tensor, WeightId, WeightSet,
+    AttnHeads, AttnIn, AttnMats, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm,
+    HostKernels, HostStore, KvCache, LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId,
+    Snapshot, StateKind, StateLayout, StoreStats, Tensor, WeightId, WeightSet,
 };
 
 /// A host backend: kernels `K`, an arena of [`Mat`]s, a [`HostStore`].
@@ -484,6 +484,17 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         (**self).gated_delta_rule(layer, h, x, mode)
+    }
+    fn delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        (**self).delta_rule_norm(layer, h, x, mode, norm, z)
     }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         (**self).gate(y, g, act)

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, quant};
 
 use crate::{
-    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, Gate, GateUp, HostOps, KvType, LayerIdx, Mat, MoeWeights,
-    OpResult, Ops, SeqStore, Slot, StateKind, StateLayout, Tensor, WeightId, WeightSet,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, Gate, GateUp, GatedNorm, HostOps, KvType, LayerIdx, Mat,
+    MoeWeights, OpResult, Ops, SeqStore, Slot, StateKind, StateLayout, Tensor, WeightId, WeightSet,
 };
 
 /// What a backend claims. Each bound should sit a few times above the error it measured.
@@ -154,8 +154,9 @@ struct Fixture {
     mats: Vec<(GgmlType, usize, usize, WeightId)>, // (type, k, rows, id)
     norm64: WeightId,
     norm96: WeightId,
-    conv: WeightId, // 4 taps x 40 channels
-    a: WeightId,    // 4 value heads
+    norm48: WeightId, // the conformance DeltaNet's value head
+    conv: WeightId,   // 4 taps x 40 channels
+    a: WeightId,      // 4 value heads
     dt_bias: WeightId,
     moe_k: usize,
     n_expert: usize,
@@ -193,7 +194,8 @@ fn fixture(seed: u64) -> Fixture {
         shared[j] = set.add_bytes(&format!("shared{j}"), GgmlType::Q8_0, k, rows, 1, b).unwrap();
     }
     set.set_moe(LayerIdx(0), MoeWeights { n_expert, n_ff, gate_up: GateUp::Fused(gu), down, shared });
-    Fixture { set: Arc::new(set), mats, norm64, norm96, conv, a, dt_bias, moe_k: 3, n_expert }
+    let norm48 = set.add_vector("norm48", (0..48).map(|_| 1.0 + 0.3 * rng.f32()).collect());
+    Fixture { set: Arc::new(set), mats, norm64, norm96, norm48, conv, a, dt_bias, moe_k: 3, n_expert }
 }
 
 /// Token counts every op is tried at: one (decode), a few, across the 8-token panel and 64-token
@@ -487,6 +489,16 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 });
                 let (got, want) = p.read(y);
                 check(&mut r, format!("gated_delta_rule {mode:?}"), max_rel(&got.data, &want.data), tol.rel);
+                // The delta rule with its gated norm as one op (a backend may fuse them where
+                // every sequence has one row), the state carried on from the rule above.
+                let z = p.up(&rng.mat(n, 4 * 48, 2.0));
+                let norm = GatedNorm { w: fx.norm48, eps: 1e-6, act: Gate::Silu };
+                let y = p.both("delta_rule_norm", |o, i| {
+                    let x = if i == 0 { din } else { dref };
+                    o.delta_rule_norm(layer, dh, x, mode, norm, z[i])
+                });
+                let (got, want) = p.read(y);
+                check(&mut r, format!("delta_rule_norm {mode:?}"), max_rel(&got.data, &want.data), tol.rel);
                 // The conv and the prep as one op (a backend may fuse them where every sequence
                 // has one row: the [1, 1, 1] step) on the conv's 40 channels as q | k | v.
                 let x = p.up(&rng.mat(n, 40, 1.0));

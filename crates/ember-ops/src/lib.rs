@@ -482,6 +482,15 @@ pub enum Gate {
     Sigmoid,
 }
 
+/// A gated RMSNorm of every `w`-wide group ([`Ops::rms_norm_gate`]'s weight, eps and the gate's
+/// activation): what [`Ops::delta_rule_norm`] applies to the delta rule's output, per value head.
+#[derive(Debug, Clone, Copy)]
+pub struct GatedNorm {
+    pub w: WeightId,
+    pub eps: f32,
+    pub act: Gate,
+}
+
 /// The routing of a batch of tokens through one MoE layer: for token t, experts
 /// `ids[t*k..(t+1)*k]` (largest weight first) with weights `weights[..]` summing to 1
 /// (softmax over all experts, top-k, renormalised; qwen35moe.md §6.6 steps 1–3).

@@ -116,6 +116,22 @@ pub trait Ops: SeqStore + Send {
     /// `layer`; recurrent or chunked per `mode`. Returns o [T, n_v_head·d_v].
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor>;
 
+    /// [`Ops::gated_delta_rule`], then [`Ops::rms_norm_gate`] of its output by `z` (`norm`'s
+    /// weight one value head wide): the DeltaNet mixer between the delta rule and its output
+    /// projection. A device backend may run both in one launch; the results are the two ops'.
+    fn delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        let o = self.gated_delta_rule(layer, h, x, mode)?;
+        self.rms_norm_gate(o, norm.w, norm.eps, z, norm.act)
+    }
+
     /// `y ← y ⊙ act(g)` element by element (same shapes).
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()>;
 

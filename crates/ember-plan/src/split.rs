@@ -19,9 +19,9 @@ use std::sync::Arc;
 
 use ember_ops::store::Reclaim;
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertStats, Gate, LayerIdx, Mark, Mat,
-    OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats, Tensor,
-    WeightId, WeightSet,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertStats, Gate, GatedNorm, LayerIdx, Mark,
+    Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats,
+    Tensor, WeightId, WeightSet,
 };
 
 /// Backends that run the model's layers by range.
@@ -580,6 +580,35 @@ impl Ops for Split {
             beta: self.on(OP, x.beta, p)?,
         };
         let y = self.parts[p].gated_delta_rule(layer, h, x, mode)?;
+        Ok(self.wrap(p, y))
+    }
+
+    fn delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        const OP: &str = "delta_rule_norm";
+        let p = self.layer(OP, layer)?;
+        if self.of_weight(OP, norm.w)? != p {
+            // The layer's state and the norm's weight on different parts: the two ops, each
+            // where it lives.
+            let o = self.gated_delta_rule(layer, h, x, mode)?;
+            return self.rms_norm_gate(o, norm.w, norm.eps, z, norm.act);
+        }
+        let x = DeltaIn {
+            q: self.on(OP, x.q, p)?,
+            k: self.on(OP, x.k, p)?,
+            v: self.on(OP, x.v, p)?,
+            g: self.on(OP, x.g, p)?,
+            beta: self.on(OP, x.beta, p)?,
+        };
+        let z = self.on(OP, z, p)?;
+        let y = self.parts[p].delta_rule_norm(layer, h, x, mode, norm, z)?;
         Ok(self.wrap(p, y))
     }
 

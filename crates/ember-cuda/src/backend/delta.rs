@@ -1,11 +1,11 @@
 //! The DeltaNet ops on the device: the conv, prep and the delta rule.
 
 use ember_ops::{
-    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
+    DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, GatedNorm, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
 };
 
-use super::{CudaOps, cuda, shape_of};
-use crate::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, SeqRows};
+use super::{CudaOps, act_of, cuda, shape_of};
+use crate::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, HeadNorm, SeqRows};
 
 impl CudaOps {
     /// [`ember_ops::Ops::conv1d_silu`]: every sequence's rows in one launch, its conv state carried.
@@ -111,6 +111,77 @@ impl CudaOps {
         let part = ConvPart { x: xb, w: wv, seqs, state, at };
         self.gpu.conv_delta_prep(shape, part, input, DeltaPrepOut { q: qb, k: kb, v: vb, g: gb, beta: bb }).map_err(cuda(OP, dev))?;
         Ok(DeltaIn { q, k, v, g, beta })
+    }
+
+    /// [`ember_ops::Ops::delta_rule_norm`]: [`CudaOps::rule_op`] then the gated norm, or, with
+    /// `EMBER_DELTA_NORM_FUSED=1`, one launch (`Gpu::delta_rule_norm_seqs`: each head's last
+    /// block normalises it) when every sequence of the step has one row (decode) and a value
+    /// head fits the norm's warp: the same bits either way. Off until it has run on a GPU and
+    /// been measured (docs/perf.md g29).
+    pub(super) fn rule_norm_op(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        const OP: &str = "delta_rule_norm";
+        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_DELTA_NORM_FUSED").is_some_and(|v| v == "1"));
+        let width = self.weights.vector(OP, norm.w)?.len();
+        let fits = on
+            && width == h.d_v
+            && h.d_v.is_multiple_of(32)
+            && h.d_v <= crate::ops::DELTA_NORM_MAX_DV
+            && !self.spans.is_empty()
+            && self.spans.iter().all(|sp| sp.n == 1);
+        if !fits {
+            let o = self.rule_op(layer, h, x, mode)?;
+            return ember_ops::Ops::rms_norm_gate(self, o, norm.w, norm.eps, z, norm.act);
+        }
+        let dev = self.dev;
+        self.rows_check(OP, x.q)?;
+        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
+        for t in [x.q, x.k, x.v, x.g, x.beta, z] {
+            self.arena.check(OP, t)?;
+        }
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
+        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
+        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
+        let n = x.q.n;
+        let o_shape = Mat { n, d: h.n_v_head * h.d_v, data: Vec::new() };
+        check::same(OP, dev, &shape_of(z), &o_shape)?;
+        check::rms_norm(OP, dev, &o_shape, width)?;
+        let (_, at) = self.delta_at(d);
+        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
+        let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        // The two ops' handles: o, the delta rule's (unused) scratch, the norm's output.
+        let o = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
+        self.arena.alloc(&self.gpu, OP, 1, 1)?;
+        let y = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
+        // One token under Fast: the int8 copy the output projection reads, as rms_norm_gate's.
+        let q8 = self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, o_shape.d, n, self.precision);
+        let wv = self.weights.vector(OP, norm.w)?;
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
+        let (ins, mut outs) = self.arena.split(o.id);
+        let [ob, _, yb, ..] = &mut outs[..] else { unreachable!("three buffers were just allocated") };
+        let input = crate::ops::DeltaIn {
+            q: &ins[x.q.id as usize],
+            k: &ins[x.k.id as usize],
+            v: &ins[x.v.id as usize],
+            g: &ins[x.g.id as usize],
+            beta: &ins[x.beta.id as usize],
+        };
+        let hn = HeadNorm { w: wv, eps: norm.eps, gate: &ins[z.id as usize], act: act_of(norm.act) };
+        let generation = self.gpu.delta_rule_norm_seqs(shape, input, seqs, &lens, state, at, ob, hn, yb, q8).map_err(cuda(OP, dev))?;
+        if let Some(generation) = generation {
+            self.q8_x = Some((y.id, generation));
+        }
+        Ok(y)
     }
 
     /// [`ember_ops::Ops::gated_delta_rule`]: the scan, the chunked form, or both split by length.

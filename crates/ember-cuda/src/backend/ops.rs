@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, KvRows, LayerIdx, Mark, Mat, OpError,
-    OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm, KvRows, LayerIdx, Mark, Mat,
+    OpError, OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
 };
 
 use crate::Buf;
@@ -400,6 +400,18 @@ impl Ops for CudaOps {
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.rule_op(layer, h, x, mode)
+    }
+
+    fn delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        self.rule_norm_op(layer, h, x, mode, norm, z)
     }
 
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {

@@ -1,6 +1,7 @@
 use cudarc::driver::DeviceRepr;
 
-use super::{SeqRows, StateAt, blocks, need, u32_of};
+use super::rms_norm::RmsNormParams;
+use super::{Act, SeqRows, StateAt, blocks, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{DELTA_CHUNKED, DELTA_RULE};
@@ -70,6 +71,31 @@ struct DeltaSeqsParams {
 
 // SAFETY: plain #[repr(C)] data matching `DeltaSeqsParams` in kernels/delta_rule.cu.
 unsafe impl DeviceRepr for DeltaSeqsParams {}
+
+#[repr(C)]
+struct DeltaNormParams {
+    d: DeltaSeqsParams,
+    r: RmsNormParams,
+    q: u64,
+    count: u64,
+}
+
+// SAFETY: plain #[repr(C)] data matching `DeltaNormParams` in kernels/delta_rule.cu
+// (DeltaSeqsParams is 120 bytes and RmsNormParams 64: no padding between the parts).
+unsafe impl DeviceRepr for DeltaNormParams {}
+
+/// The widest value head [`Gpu::delta_rule_norm_seqs`] normalises (one warp's 4 values a lane:
+/// NORM_REGS in kernels/norm.cuh).
+pub const DELTA_NORM_MAX_DV: usize = 128;
+
+/// The gated RMSNorm of each value head after the delta rule ([`Gpu::delta_rule_norm_seqs`]):
+/// o / rms(o) · w ⊙ act(gate), w d_v long.
+pub struct HeadNorm<'a> {
+    pub w: &'a Buf<f32>,
+    pub eps: f32,
+    pub gate: &'a Buf<f32>,
+    pub act: Act,
+}
 
 /// Tokens per chunk of the chunked form (`DC` in kernels/delta_chunked.cu).
 pub const DELTA_CHUNK: usize = 32;
@@ -265,36 +291,105 @@ impl Gpu {
         out: &mut Buf<f32>,
         below: u32,
     ) -> Result<()> {
-        const OP: &str = "delta_rule_seqs";
-        let (nk, dk, nv, dv) = (s.n_k_head, s.d_k, s.n_v_head, s.d_v);
+        let (nv, dv) = (s.n_v_head, s.d_v);
         if nv * dv == 0 || seqs.n_seq == 0 {
             return Ok(());
         }
-        let p = DeltaSeqsParams {
-            q: i.q.ptr(),
-            k: i.k.ptr(),
-            v: i.v.ptr(),
-            g: i.g.ptr(),
-            beta: i.beta.ptr(),
-            state: state.ptr(),
-            out: out.ptr(),
-            row0: seqs.row0.ptr(),
-            n: seqs.n.ptr(),
-            slot: seqs.slot.ptr(),
-            slot_stride: at.slot_stride as u64,
-            offset: at.offset as u64,
-            n_k_head: nk as u32,
-            d_k: dk as u32,
-            n_v_head: u32_of(OP, "n_v_head", nv)?,
-            d_v: u32_of(OP, "d_v", dv)?,
-            n_slots: u32_of(OP, "n_slots", at.n_slots)?,
-            scan_below: below,
-        };
+        let p = seqs_params(s, i, seqs, state, at, out, below)?;
         let f = self.function(&DELTA_RULE, "delta_rule_seqs")?;
         // SAFETY: sizes checked by the caller (check_seqs); the spans lie inside the rows (the
         // caller's contract); the kernel skips slots >= n_slots; d_k / 32 <= DELTA_MAX_PER_LANE.
         unsafe { self.launch(&f, (blocks(nv * dv, 4), seqs.n_seq as u32, 1), 128, 0, &p) }
     }
+
+    /// [`Gpu::delta_rule_seqs`] for a step whose sequences have one row each (`lens`, the host's
+    /// copy of `seqs.n`, all 1, one a row), then [`Gpu::rms_norm_gate_q8`] of each value head's
+    /// output (`norm`: the weight, d_v long, shared by the heads), in one launch: `out` gets the
+    /// delta rule's o, `y` the norm, and with `q8` the int8 scratch y's copy (as
+    /// [`Gpu::rms_norm_gate_q8`]; its generation returned). Each head's last block to finish
+    /// normalises it (kernels/delta_rule.cu), with the same sums as the norm's own launch: the
+    /// same bits as the two launches. d_v a multiple of 32, at most 128.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule_norm_seqs(
+        &self,
+        s: DeltaShape,
+        i: DeltaIn<'_>,
+        seqs: SeqRows<'_>,
+        lens: &[usize],
+        state: &mut Buf<f32>,
+        at: StateAt,
+        out: &mut Buf<f32>,
+        norm: HeadNorm<'_>,
+        y: &mut Buf<f32>,
+        q8: bool,
+    ) -> Result<Option<u64>> {
+        const OP: &str = "delta_rule_norm_seqs";
+        check_seqs(OP, s, &i, seqs, state, at, out)?;
+        let (t, nv, dv) = (s.n_tok, s.n_v_head, s.d_v);
+        if lens.len() != seqs.n_seq || seqs.n_seq != t || lens.iter().any(|&n| n != 1) {
+            return Err(shape(OP, format!("{} sequences of {lens:?} rows in {t} rows (one row each)", seqs.n_seq)));
+        }
+        if !dv.is_multiple_of(32) || dv > DELTA_NORM_MAX_DV || norm.w.len() != dv {
+            return Err(shape(
+                OP,
+                format!("d_v = {dv}, norm weight of {} (d_v a multiple of 32, at most {DELTA_NORM_MAX_DV})", norm.w.len()),
+            ));
+        }
+        need(OP, "gate", norm.gate, t * nv * dv)?;
+        need(OP, "y", y, t * nv * dv)?;
+        let (q, generation) = match q8 {
+            true => (self.q8_scratch(super::q8_bytes(t * nv * dv))?, Some(self.bump_q8_generation())),
+            false => (0, None),
+        };
+        if nv * dv == 0 || t == 0 {
+            return Ok(generation);
+        }
+        let count = self.counters(t * nv)?;
+        let d = seqs_params(s, &i, seqs, state, at, out, u32::MAX)?;
+        let r = super::rms_norm::gated_norm_params(out, norm.w, y, dv, t * nv, norm.eps, norm.gate, norm.act)?;
+        let p = DeltaNormParams { d, r, q, count };
+        let f = self.function(&DELTA_RULE, "delta_rule_norm_seqs")?;
+        // SAFETY: sizes checked above and by check_seqs; one row a sequence (lens), inside the
+        // rows (the caller's contract, as for delta_rule_seqs); the kernel skips slots >= n_slots;
+        // d_v % 32 == 0 keeps a block's 4 columns in one head, d_v <= 128 the norm one warp's;
+        // the counters hold t · nv zeros and the kernel leaves them zero; with q set the
+        // scratch holds q8_bytes(t · nv · d_v).
+        unsafe { self.launch(&f, ((nv * dv / 4) as u32, t as u32, 1), 128, 0, &p)? };
+        Ok(generation)
+    }
+}
+
+/// The launch parameters of the scan over a step's sequences (those of fewer than `below` rows).
+fn seqs_params(
+    s: DeltaShape,
+    i: &DeltaIn<'_>,
+    seqs: SeqRows<'_>,
+    state: &Buf<f32>,
+    at: StateAt,
+    out: &Buf<f32>,
+    below: u32,
+) -> Result<DeltaSeqsParams> {
+    const OP: &str = "delta_rule_seqs";
+    Ok(DeltaSeqsParams {
+        q: i.q.ptr(),
+        k: i.k.ptr(),
+        v: i.v.ptr(),
+        g: i.g.ptr(),
+        beta: i.beta.ptr(),
+        state: state.ptr(),
+        out: out.ptr(),
+        row0: seqs.row0.ptr(),
+        n: seqs.n.ptr(),
+        slot: seqs.slot.ptr(),
+        slot_stride: at.slot_stride as u64,
+        offset: at.offset as u64,
+        n_k_head: s.n_k_head as u32,
+        d_k: s.d_k as u32,
+        n_v_head: u32_of(OP, "n_v_head", s.n_v_head)?,
+        d_v: u32_of(OP, "d_v", s.d_v)?,
+        n_slots: u32_of(OP, "n_slots", at.n_slots)?,
+        scan_below: below,
+    })
 }
 
 /// The checks of a step's delta rule: the shape the scan takes, the inputs and output for

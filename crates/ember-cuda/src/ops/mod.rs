@@ -28,7 +28,7 @@ pub use attention::{
 };
 pub use attn_prep::{AttnPrepIn, AttnPrepShape};
 pub use delta_prep::{CONV_PREP_MAX_DK, ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
-pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DeltaIn, DeltaShape};
+pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DELTA_NORM_MAX_DV, DeltaIn, DeltaShape, HeadNorm};
 pub use gate::Act;
 pub use gemv_q8::{GEMV_Q8_MULTI, q8_bytes};
 pub(crate) use gemv_q8::{ROWS_MIN_BYTES as GEMV_Q8_ROWS_MIN_BYTES, gemv_q8_mixed_on};

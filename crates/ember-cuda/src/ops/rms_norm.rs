@@ -9,7 +9,7 @@ use crate::ops::Act;
 const OP: &str = "rms_norm";
 
 #[repr(C)]
-struct RmsNormParams {
+pub(super) struct RmsNormParams {
     x: u64,
     w: u64,
     out: u64,
@@ -78,6 +78,22 @@ impl Extra<'_> {
 /// store), so the fewer steps per thread the better; heads (g <= 128) one warp.
 fn block_of(g: usize) -> u32 {
     if g <= 128 { 32 } else { g.div_ceil(2).next_multiple_of(32).min(1024) as u32 }
+}
+
+/// The parameters of a gated norm of `n_group` groups of `g` values of x into out (`gate`'s
+/// product after it), for a kernel that runs rms_norm's code in its own launch.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gated_norm_params(
+    x: &Buf<f32>,
+    w: &Buf<f32>,
+    out: &Buf<f32>,
+    g: usize,
+    n_group: usize,
+    eps: f32,
+    gate: &Buf<f32>,
+    act: Act,
+) -> Result<RmsNormParams> {
+    Extra { add: None, gate: Some((gate, act)) }.params(x, w, out, g, n_group, eps)
 }
 
 impl Gpu {

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, LayerIdx, Mark,
-    Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor, WeightId, WeightSet,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, GatedNorm,
+    LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor, WeightId,
+    WeightSet,
 };
 
 use super::{Hybrid, MissPath, SAVE_EVERY, X_WITH_ROUTING_BYTES, kv_pages_within, say};
@@ -240,6 +241,17 @@ impl Ops for Hybrid {
     }
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         self.gpu.gated_delta_rule(layer, h, x, mode)
+    }
+    fn delta_rule_norm(
+        &mut self,
+        layer: LayerIdx,
+        h: DeltaHeads,
+        x: DeltaIn,
+        mode: DeltaMode,
+        norm: GatedNorm,
+        z: Tensor,
+    ) -> OpResult<Tensor> {
+        self.gpu.delta_rule_norm(layer, h, x, mode, norm, z)
     }
     fn gate(&mut self, y: Tensor, g: Tensor, act: Gate) -> OpResult<()> {
         self.gpu.gate(y, g, act)
