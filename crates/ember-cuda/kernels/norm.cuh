@@ -71,9 +71,14 @@ __device__ __forceinline__ void norm_regs_group(const RmsNormParams& p, u64 q, c
             ss += v * v;
         }
     }
-    // block_sum of one warp: the warp's sum, then that sum plus the zeros of the absent warps.
-    if (ONE_WARP) ss = warp_sum(tid % 32 == 0 ? warp_sum(ss) : 0.0f);
-    else ss = block_sum(ss, scratch);
+    // block_sum of one warp: the warp's sum, then lane 0's plus the zeros of the absent warps
+    // (both sums by the whole warp: a shuffle needs every lane of its mask).
+    if (ONE_WARP) {
+        ss = warp_sum(ss);
+        ss = warp_sum(tid % 32 == 0 ? ss : 0.0f);
+    } else {
+        ss = block_sum(ss, scratch);
+    }
     const float scale = 1.0f / sqrtf(ss / (float)p.g + p.eps);
     const u64 base = (u64)group * p.g;
 #pragma unroll

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The second call of the session of 2026-12-07 13:00 (~450 s on a fresh machine; packed as
+# callX.sh): call x found delta_rule_norm_seqs' one-warp block sum shuffling from lane 0 alone
+# (wrong y, and slower); this runs the mended kernel:
+#   * delta_rule at the defaults (both fused kernels against their two launches, bit for bit);
+#     llama.cpp building meanwhile;
+#   * the binaries that run the DeltaNet ops through the model with both fusions on
+#     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), and serve-check with them;
+#   * tg128 with neither, each, both, and the step's first list at 8 launches, VROUNDS rounds in
+#     turn, once llama.cpp has built;
+#   * issue 19's table against llama.cpp with the variant that decoded fastest of those whose
+#     tests passed (the defaults if none beat them by 1 %);
+#   * a launch trace of tg64 with that variant.
+set -uo pipefail
+L=${LIMIT:-560}
+O=${OUT:?}/y; mkdir -p $O
+export EMBER_KERNEL_CACHE=/tmp/kc
+E=/tmp/bin/ember; F=/tmp/m/35b.gguf
+FUSED="EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"
+tar -C /tmp -xJf .gpu/bin.tar.xz
+LL=${LLAMA:-1}
+OUT=$O LLAMA=$LL TESTS_BESIDE= SKIP_TESTS=nvrtc_compile,attention,mailbox,upload,top_k,transfers,matmul,conformance,model,hybrid,split,graph,references,gemv_q8,gpu \
+  STAGES=tests ./bench/gpu/h200.sh
+ok=1; grep -q '^test result: ok' $O/test-delta_rule.log || ok=0
+for t in conformance model hybrid split graph references; do
+  env $FUSED timeout 120 /tmp/bin/$t --test-threads=1 > "$O/test-$t-fused.log" 2>&1; rc=$?
+  (( rc == 0 )) || ok=0
+  echo "fused $t: exit $rc at $SECONDS s: $(grep -E '^test result' "$O/test-$t-fused.log" | tail -1)"
+done
+env $FUSED timeout 150 python3 bench/gpu/serve-check.py $E > "$O/serve-check-fused.log" 2>&1; rc=$?
+(( rc == 0 )) || ok=0
+echo "serve-check (fused): exit $rc at $SECONDS s"; grep -E '^(ok|FAIL)' "$O/serve-check-fused.log"
+echo "fused tests all passed: $ok"
+if [[ $LL == 1 ]]; then
+  while [[ -f /tmp/llama/building ]] && (( SECONDS < L - 200 )); do sleep 2; done
+  echo "llama.cpp build: $(cat /tmp/llama/built 2>/dev/null || echo running) at $SECONDS s"
+fi
+OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' \
+  VARIANTS="two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8" STAGES=variants \
+  timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+echo "variants done at $SECONDS s"
+# The fastest eligible variant (mean tg128 over the rounds), if it beats the defaults by 1 %.
+PICK=$(python3 - "$O" "$ok" <<'PY'
+import glob, json, sys, statistics
+o, ok = sys.argv[1], sys.argv[2] == "1"
+envs = {"two": "", "prep": "EMBER_CONV_PREP_FUSED=1", "norm": "EMBER_DELTA_NORM_FUSED=1",
+        "both": "EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"}
+mean = {}
+for v in envs:
+    ts = [json.load(open(f))[0]["avg_ts"] for f in glob.glob(f"{o}/variant-{v}-*.json")]
+    if ts: mean[v] = statistics.mean(ts)
+eligible = [v for v in mean if v in ("two", "prep") or ok]
+best = max(eligible, key=lambda v: mean[v], default="two")
+if "two" in mean and mean[best] < 1.01 * mean["two"]: best = "two"
+print(best, envs[best])
+PY
+)
+V=${PICK%% *}; VENV=${PICK#* }; [[ $V == "$VENV" ]] && VENV=
+echo "table with: $V ($VENV)"
+if [[ $LL == 1 ]] && (( SECONDS < L - 90 )); then
+  env $VENV OUT=$O ROUNDS=1 PROMPTS=512,8192 DEPTHS=32768 STAGES=bench timeout $(( L - 60 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+  echo "bench done at $SECONDS s"
+  (( SECONDS < L - 50 )) && env $VENV OUT=$O NSEQ=16 BDEPTH=4096 ROUNDS=1 STAGES=batched timeout $(( L - 30 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+  echo "batched done at $SECONDS s"
+fi
+if (( SECONDS < L - 45 )); then
+  env $VENV EMBER_KERNEL_DEFINES=EMBER_TRACE EMBER_CUDA_TRACE=$O/tr.txt timeout 40 $E bench -m $F --device cuda -p 0 -n 64 -r 1 -o json > $O/tr.json 2> $O/tr.log
+  python3 bench/gpu/trace.py $O/tr.txt > $O/tr.md 2>&1; sed -n 1,26p $O/tr.md
+  xz -T4 $O/tr.txt 2>/dev/null
+fi
+echo "done at $SECONDS s"
+(cd ${OUT} && tar czf y.tgz y && rm -rf y)
