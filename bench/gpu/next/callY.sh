@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The second call of the session of 2026-12-07 13:00 (~450 s on a fresh machine; packed as
-# callX.sh): call x found delta_rule_norm_seqs' one-warp block sum shuffling from lane 0 alone
-# (wrong y, and slower); this runs the mended kernel:
+# The next call after callX.sh (~480 s on a fresh machine; packed as callX.sh): call x found
+# delta_rule_norm_seqs' one-warp block sum shuffling from lane 0 alone (wrong y) and the fused
+# launch slower with a sequentially consistent fence in every thread around the count; this runs
+# the mended kernel (the warp's sum by the whole warp; one release-acquire increment by thread 0):
 #   * delta_rule at the defaults (both fused kernels against their two launches, bit for bit);
 #     llama.cpp building meanwhile;
 #   * the binaries that run the DeltaNet ops through the model with both fusions on
-#     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), and serve-check with them;
+#     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), model and references with the conv and
+#     prep alone, and serve-check with both;
 #   * tg128 with neither, each, both, and the step's first list at 8 launches, VROUNDS rounds in
 #     turn, once llama.cpp has built;
 #   * issue 19's table against llama.cpp with the variant that decoded fastest of those whose
@@ -27,6 +29,10 @@ for t in conformance model hybrid split graph references; do
   (( rc == 0 )) || ok=0
   echo "fused $t: exit $rc at $SECONDS s: $(grep -E '^test result' "$O/test-$t-fused.log" | tail -1)"
 done
+for t in model references; do  # the conv and the prep alone (call x ran them only with both)
+  EMBER_CONV_PREP_FUSED=1 timeout 60 /tmp/bin/$t --test-threads=1 > "$O/test-$t-prep.log" 2>&1
+  echo "prep alone $t: exit $? at $SECONDS s: $(grep -E '^test result' "$O/test-$t-prep.log" | tail -1)"
+done
 env $FUSED timeout 150 python3 bench/gpu/serve-check.py $E > "$O/serve-check-fused.log" 2>&1; rc=$?
 (( rc == 0 )) || ok=0
 echo "serve-check (fused): exit $rc at $SECONDS s"; grep -E '^(ok|FAIL)' "$O/serve-check-fused.log"
@@ -36,7 +42,7 @@ if [[ $LL == 1 ]]; then
   echo "llama.cpp build: $(cat /tmp/llama/built 2>/dev/null || echo running) at $SECONDS s"
 fi
 OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' \
-  VARIANTS="two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8" STAGES=variants \
+  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8}" STAGES=variants \
   timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "variants done at $SECONDS s"
 # The fastest eligible variant (mean tg128 over the rounds), if it beats the defaults by 1 %.

@@ -126,6 +126,21 @@ struct DeltaNormParams {
     u64 count;          // [n_seq · n_v_head] u32
 };
 
+// atomicInc (the old value; the counter back to 0 past `limit`) with release and acquire
+// semantics at the device's scope (sm_70+; before, fences around a relaxed one).
+__device__ __forceinline__ u32 atomic_inc_acq_rel(u32* p, u32 limit) {
+#if __CUDA_ARCH__ >= 700
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+    return old;
+#else
+    __threadfence();
+    const u32 old = atomicInc(p, limit);
+    __threadfence();
+    return old;
+#endif
+}
+
 // blockDim 128, grid (n_v_head · d_v / 4, n_seq).
 extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
     const DeltaSeqsParams& p = dn.d;
@@ -146,15 +161,17 @@ extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
         delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t,
                      t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
     }
-    // This block's outputs visible at the device's scope before it counts itself done; the
-    // head's last block then reads the others' (through L2: norm_regs_group<true>).
-    __threadfence();
+    // The block's outputs, then its count: the block's barrier, then thread 0's increment with
+    // release and acquire at the device's scope (the arrive of a grid barrier: the barrier makes
+    // the block's stores thread 0's to release; the last block's acquire, then its barrier, make
+    // every block's stores visible to its warp 0, which reads them through L2 besides:
+    // norm_regs_group<true>). call x (docs/perf.md g29) had a sequentially consistent fence in
+    // every thread before the count and after it.
     __syncthreads();
     __shared__ u32 last;
     const u32 h = col0 / p.d_v, per_head = p.d_v / (blockDim.x / 32);
-    if (threadIdx.x == 0) last = atomicInc((u32*)dn.count + (u64)s * p.n_v_head + h, per_head - 1) == per_head - 1;
+    if (threadIdx.x == 0) last = atomic_inc_acq_rel((u32*)dn.count + (u64)s * p.n_v_head + h, per_head - 1) == per_head - 1;
     __syncthreads();
     if (!last || threadIdx.x >= 32) return;
-    __threadfence();
     norm_regs_group<true>(dn.r, dn.q, wv, t * p.n_v_head + h, (u64)dn.r.n_group * dn.r.g, lane, 32, nullptr);
 }
