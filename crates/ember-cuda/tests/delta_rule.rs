@@ -438,8 +438,9 @@ fn conv_delta_prep_is_the_two_launches() {
 /// head's last block normalising it) against `delta_rule_seqs` then `rms_norm_gate` /
 /// `rms_norm_gate_q8`: o, y and the states the same bits, at the 35B's shape and a small one; five
 /// sequences with rows and slots out of order, one slot untouched and one out of range (NaN o and
-/// y), two calls in a row (the per-head counters left at zero for the next); then one sequence
-/// with the int8 copy, which the GEMV reads as it reads quantize_q8's of y.
+/// y), six calls in a row (the per-head counters left at zero for the next); then one sequence
+/// with the int8 copy (over other values in the scratch), which the GEMV reads as it reads
+/// quantize_q8's of y.
 #[test]
 fn delta_rule_norm_is_the_two_launches() {
     use ember_cuda::ops::{Act, HeadNorm};
@@ -455,11 +456,13 @@ fn delta_rule_norm_is_the_two_launches() {
         let w = g.upload(&rng.vec(dv, 0.5, 1.5)).unwrap();
         let wd = nv * dv;
         let wt = g.upload_weight(GgmlType::Q8_0, wd, 33, &quantised(GgmlType::Q8_0, &mut rng, wd, 33)).unwrap();
-        let calls: [(&[u32], &[u32], Act, bool); 3] = [
-            (&[2, 0, 4, 1, 3], &[3, 0, 4, 1, 9], Act::Silu, false), // slot 2 untouched, 9 out of range
-            (&[2, 0, 4, 1, 3], &[3, 0, 4, 1, 9], Act::Sigmoid, false),
-            (&[0], &[2], Act::Silu, true),
-        ];
+        // Five sequences (slot 2 untouched, 9 out of range) six times in a row, both gates: a
+        // counter left anywhere but zero would let a head's norm start before its last block
+        // (seen as wrong y in some call); then one sequence with the int8 copy.
+        let five: (&[u32], &[u32]) = (&[2, 0, 4, 1, 3], &[3, 0, 4, 1, 9]);
+        let mut calls: Vec<(&[u32], &[u32], Act, bool)> =
+            (0..6).map(|i| (five.0, five.1, if i % 2 == 0 { Act::Silu } else { Act::Sigmoid }, false)).collect();
+        calls.push((&[0], &[2], Act::Silu, true));
         for (call, &(row0, slots, act, q8)) in calls.iter().enumerate() {
             let n = row0.len();
             let (r0b, nb, slb) = (g.upload(row0).unwrap(), g.upload(&vec![1u32; n]).unwrap(), g.upload(slots).unwrap());
@@ -477,6 +480,10 @@ fn delta_rule_norm_is_the_two_launches() {
             match q8 {
                 true => drop(g.rms_norm_gate_q8(&o2, n, wd, &w, 1e-6, &z, act, &mut y2).unwrap()),
                 false => g.rms_norm_gate(&o2, n, wd, &w, 1e-6, &z, act, &mut y2).unwrap(),
+            }
+            if q8 {
+                // Other values in the int8 scratch, so only the fused launch's copy can pass.
+                g.quantize_q8(&g.upload(&rng.vec(n * wd, -5.0, 5.0)).unwrap(), n * wd).unwrap();
             }
             let (mut o1, mut y1) = (g.upload(&vec![-7.0f32; n * wd]).unwrap(), g.upload(&vec![-7.0f32; n * wd]).unwrap());
             let norm = HeadNorm { w: &w, eps: 1e-6, gate: &z, act };
