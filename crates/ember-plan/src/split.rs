@@ -108,6 +108,22 @@ impl Split {
         Tensor { id: (self.handles.len() - 1) as u32, n: t.n, d: t.d }
     }
 
+    /// A delta rule's inputs, each [`Split::wrap`]ped from part `p`.
+    fn wrap_delta(&mut self, p: usize, d: DeltaIn) -> DeltaIn {
+        DeltaIn { q: self.wrap(p, d.q), k: self.wrap(p, d.k), v: self.wrap(p, d.v), g: self.wrap(p, d.g), beta: self.wrap(p, d.beta) }
+    }
+
+    /// A delta rule's inputs, each [`Split::on`] part `p`.
+    fn delta_on(&mut self, op: &'static str, x: DeltaIn, p: usize) -> OpResult<DeltaIn> {
+        Ok(DeltaIn {
+            q: self.on(op, x.q, p)?,
+            k: self.on(op, x.k, p)?,
+            v: self.on(op, x.v, p)?,
+            g: self.on(op, x.g, p)?,
+            beta: self.on(op, x.beta, p)?,
+        })
+    }
+
     /// `t`'s handle on part `p`: copied there (and `t` names the copy from now on) when it is
     /// on another part.
     fn on(&mut self, op: &'static str, t: Tensor, p: usize) -> OpResult<Tensor> {
@@ -550,7 +566,7 @@ impl Ops for Split {
         let b = self.on("delta_prep", b, p)?;
         let alpha = self.on("delta_prep", alpha, p)?;
         let d = self.parts[p].delta_prep(s, cu, b, alpha)?;
-        Ok(DeltaIn { q: self.wrap(p, d.q), k: self.wrap(p, d.k), v: self.wrap(p, d.v), g: self.wrap(p, d.g), beta: self.wrap(p, d.beta) })
+        Ok(self.wrap_delta(p, d))
     }
 
     fn conv_delta_prep(&mut self, layer: LayerIdx, x: Tensor, w: WeightId, s: DeltaPrep, b: Tensor, alpha: Tensor) -> OpResult<DeltaIn> {
@@ -566,19 +582,13 @@ impl Ops for Split {
         let b = self.on(OP, b, p)?;
         let alpha = self.on(OP, alpha, p)?;
         let d = self.parts[p].conv_delta_prep(layer, x, w, s, b, alpha)?;
-        Ok(DeltaIn { q: self.wrap(p, d.q), k: self.wrap(p, d.k), v: self.wrap(p, d.v), g: self.wrap(p, d.g), beta: self.wrap(p, d.beta) })
+        Ok(self.wrap_delta(p, d))
     }
 
     fn gated_delta_rule(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         const OP: &str = "gated_delta_rule";
         let p = self.layer(OP, layer)?;
-        let x = DeltaIn {
-            q: self.on(OP, x.q, p)?,
-            k: self.on(OP, x.k, p)?,
-            v: self.on(OP, x.v, p)?,
-            g: self.on(OP, x.g, p)?,
-            beta: self.on(OP, x.beta, p)?,
-        };
+        let x = self.delta_on(OP, x, p)?;
         let y = self.parts[p].gated_delta_rule(layer, h, x, mode)?;
         Ok(self.wrap(p, y))
     }
@@ -600,13 +610,7 @@ impl Ops for Split {
             let o = self.gated_delta_rule(layer, h, x, mode)?;
             return self.rms_norm_gate(o, norm.w, norm.eps, z, norm.act);
         }
-        let x = DeltaIn {
-            q: self.on(OP, x.q, p)?,
-            k: self.on(OP, x.k, p)?,
-            v: self.on(OP, x.v, p)?,
-            g: self.on(OP, x.g, p)?,
-            beta: self.on(OP, x.beta, p)?,
-        };
+        let x = self.delta_on(OP, x, p)?;
         let z = self.on(OP, z, p)?;
         let y = self.parts[p].delta_rule_norm(layer, h, x, mode, norm, z)?;
         Ok(self.wrap(p, y))

@@ -4,8 +4,9 @@ use ember_ops::{
     DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, GatedNorm, LayerIdx, Mat, OpError, OpResult, StateKind, Tensor, WeightId, check,
 };
 
+use super::arena::Ins;
 use super::{CudaOps, act_of, cuda, shape_of};
-use crate::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, HeadNorm, SeqRows};
+use crate::ops::{ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, HeadNorm, SeqRows, StateAt};
 
 impl CudaOps {
     /// [`ember_ops::Ops::conv1d_silu`]: every sequence's rows in one launch, its conv state carried.
@@ -142,21 +143,12 @@ impl CudaOps {
             return ember_ops::Ops::rms_norm_gate(self, o, norm.w, norm.eps, z, norm.act);
         }
         let dev = self.dev;
-        self.rows_check(OP, x.q)?;
-        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
-        for t in [x.q, x.k, x.v, x.g, x.beta, z] {
-            self.arena.check(OP, t)?;
-        }
-        self.live_slots(OP)?;
-        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
-        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
-        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
+        self.arena.check(OP, z)?;
+        let (at, shape) = self.rule_checks(OP, layer, h, x)?;
         let n = x.q.n;
         let o_shape = Mat { n, d: h.n_v_head * h.d_v, data: Vec::new() };
         check::same(OP, dev, &shape_of(z), &o_shape)?;
         check::rms_norm(OP, dev, &o_shape, width)?;
-        let (_, at) = self.delta_at(d);
-        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
         let lens: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
         // The two ops' handles: o, the delta rule's (unused) scratch, the norm's output.
         let o = self.arena.alloc(&self.gpu, OP, n, h.n_v_head * h.d_v)?;
@@ -169,13 +161,7 @@ impl CudaOps {
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
         let (ins, mut outs) = self.arena.split(o.id);
         let [ob, _, yb, ..] = &mut outs[..] else { unreachable!("three buffers were just allocated") };
-        let input = crate::ops::DeltaIn {
-            q: &ins[x.q.id as usize],
-            k: &ins[x.k.id as usize],
-            v: &ins[x.v.id as usize],
-            g: &ins[x.g.id as usize],
-            beta: &ins[x.beta.id as usize],
-        };
+        let input = rule_input(&ins, x);
         let hn = HeadNorm { w: wv, eps: norm.eps, gate: &ins[z.id as usize], act: act_of(norm.act) };
         let generation = self.gpu.delta_rule_norm_seqs(shape, input, seqs, &lens, state, at, ob, hn, yb, q8).map_err(cuda(OP, dev))?;
         if let Some(generation) = generation {
@@ -188,18 +174,8 @@ impl CudaOps {
     pub(super) fn rule_op(&mut self, layer: LayerIdx, h: DeltaHeads, x: DeltaIn, mode: DeltaMode) -> OpResult<Tensor> {
         const OP: &str = "gated_delta_rule";
         let dev = self.dev;
-        self.rows_check(OP, x.q)?;
-        let d = self.store.ordinal(OP, layer, StateKind::Delta)?;
-        for t in [x.q, x.k, x.v, x.g, x.beta] {
-            self.arena.check(OP, t)?;
-        }
-        self.live_slots(OP)?;
-        check::spans(OP, dev, &self.spans, x.q.n, self.spans.len())?;
-        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
-        check::delta_rule(OP, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
-        let (_, at) = self.delta_at(d);
+        let (at, shape) = self.rule_checks(OP, layer, h, x)?;
         let n = x.q.n;
-        let shape = DeltaShape { n_tok: n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v };
         // Sequences of at least `from` tokens take the chunked form, the others the scan
         // (always one token: decode).
         let from = match mode {
@@ -219,16 +195,33 @@ impl CudaOps {
         let state = self.store.delta.as_mut().ok_or_else(|| OpError::new(OP, dev, "", "the store is not configured"))?;
         let (ins, mut outs) = self.arena.split(y.id);
         let (out, scratch) = outs.split_at_mut(1);
-        let input = crate::ops::DeltaIn {
-            q: &ins[x.q.id as usize],
-            k: &ins[x.k.id as usize],
-            v: &ins[x.v.id as usize],
-            g: &ins[x.g.id as usize],
-            beta: &ins[x.beta.id as usize],
-        };
+        let input = rule_input(&ins, x);
         self.gpu
             .delta_rule_seqs_split(shape, input, seqs, &lens, state, at, out[0], scratch[0], from)
             .map_err(|e| OpError::new(OP, dev, "", e.to_string()))?;
         Ok(y)
     }
+
+    /// The checks of a step's delta rule on `layer` (its rows, inputs, slots and state), then
+    /// where its recurrent state lies and the kernels' shape.
+    fn rule_checks(&mut self, op: &'static str, layer: LayerIdx, h: DeltaHeads, x: DeltaIn) -> OpResult<(StateAt, DeltaShape)> {
+        let dev = self.dev;
+        self.rows_check(op, x.q)?;
+        let d = self.store.ordinal(op, layer, StateKind::Delta)?;
+        for t in [x.q, x.k, x.v, x.g, x.beta] {
+            self.arena.check(op, t)?;
+        }
+        self.live_slots(op)?;
+        check::spans(op, dev, &self.spans, x.q.n, self.spans.len())?;
+        let mats = DeltaMats { q: shape_of(x.q), k: shape_of(x.k), v: shape_of(x.v), g: shape_of(x.g), beta: shape_of(x.beta) };
+        check::delta_rule(op, dev, &h.shape(x.q.n), &mats, self.store.layout.rec)?;
+        let (_, at) = self.delta_at(d);
+        Ok((at, DeltaShape { n_tok: x.q.n, n_k_head: h.n_k_head, d_k: h.d_k, n_v_head: h.n_v_head, d_v: h.d_v }))
+    }
+}
+
+/// The delta rule's input buffers among the arena's.
+fn rule_input<'a>(ins: &'a Ins<'_>, x: DeltaIn) -> crate::ops::DeltaIn<'a> {
+    let b = |t: Tensor| &ins[t.id as usize];
+    crate::ops::DeltaIn { q: b(x.q), k: b(x.k), v: b(x.v), g: b(x.g), beta: b(x.beta) }
 }
