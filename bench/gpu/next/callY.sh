@@ -37,25 +37,43 @@ env $FUSED timeout 150 python3 bench/gpu/serve-check.py $E > "$O/serve-check-fus
 (( rc == 0 )) || ok=0
 echo "serve-check (fused): exit $rc at $SECONDS s"; grep -E '^(ok|FAIL)' "$O/serve-check-fused.log"
 echo "fused tests all passed: $ok"
+# The one-token MoE's launch shapes (callK.sh's, never run): gate/up at 32 lanes a row (1,024
+# threads a block), down at 4 / 16 workers a row (8 by default on the 35B); their MoE test first.
+mok=""
+for v in "EMBER_MOE_GU_SEG=32" "EMBER_MOE_DOWN_WR=4" "EMBER_MOE_DOWN_WR=16"; do
+  env $v timeout 60 /tmp/bin/gemv_q8 --test-threads=1 --exact moe_q8_matches_quantised_reference > "$O/test-${v#EMBER_}.log" 2>&1 && mok="$mok $v"
+  echo "$v: $(grep -E '^test result' "$O/test-${v#EMBER_}.log")"
+done
+# The top-k selection's loads all at once (the default path now), at its 8,192-entry blocks and
+# at 2,048 (EMBER_TOPK_CHUNK: ~122 blocks a 248k row instead of ~31).
+for v in "EMBER_TOPK_CHUNK=8192" "EMBER_TOPK_CHUNK=2048"; do
+  env $v timeout 60 /tmp/bin/top_k --test-threads=1 > "$O/test-top_k-${v#EMBER_TOPK_}.log" 2>&1 && mok="$mok $v"
+  echo "top_k $v: $(grep -E '^test result' "$O/test-top_k-${v#EMBER_TOPK_}.log")"
+done
 if [[ $LL == 1 ]]; then
   while [[ -f /tmp/llama/building ]] && (( SECONDS < L - 200 )); do sleep 2; done
   echo "llama.cpp build: $(cat /tmp/llama/built 2>/dev/null || echo running) at $SECONDS s"
 fi
 OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' \
-  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8}" STAGES=variants \
-  timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8;gu32:EMBER_MOE_GU_SEG=32;dwr4:EMBER_MOE_DOWN_WR=4;dwr16:EMBER_MOE_DOWN_WR=16;tk2k:EMBER_TOPK_CHUNK=2048}" STAGES=variants \
+  timeout 220 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "variants done at $SECONDS s"
 # The fastest eligible variant (mean tg128 over the rounds), if it beats the defaults by 1 %.
-PICK=$(python3 - "$O" "$ok" <<'PY'
+PICK=$(python3 - "$O" "$ok" "$mok" <<'PY'
 import glob, json, sys, statistics
-o, ok = sys.argv[1], sys.argv[2] == "1"
+o, ok, mok = sys.argv[1], sys.argv[2] == "1", sys.argv[3].split()
 envs = {"two": "", "prep": "EMBER_CONV_PREP_FUSED=1", "norm": "EMBER_DELTA_NORM_FUSED=1",
         "both": "EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"}
+moe = {"gu32": "EMBER_MOE_GU_SEG=32", "dwr4": "EMBER_MOE_DOWN_WR=4", "dwr16": "EMBER_MOE_DOWN_WR=16",
+       "tk2k": "EMBER_TOPK_CHUNK=2048"}
+envs.update({k: v for k, v in moe.items() if v in mok})
 mean = {}
 for v in envs:
     ts = [json.load(open(f))[0]["avg_ts"] for f in glob.glob(f"{o}/variant-{v}-*.json")]
     if ts: mean[v] = statistics.mean(ts)
-eligible = [v for v in mean if v in ("two", "prep") or ok]
+eligible = [v for v in mean if v in envs and (v in ("two", "prep") or v in moe or ok)]
+if "EMBER_TOPK_CHUNK=8192" not in mok:  # the default top-k failed its test: the defaults, unpicked
+    eligible = []
 best = max(eligible, key=lambda v: mean[v], default="two")
 if "two" in mean and mean[best] < 1.01 * mean["two"]: best = "two"
 print(best, envs[best])

@@ -178,6 +178,18 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_rows(const TopKParams p
     top_extras(p, row, x, out_ids, out_vals);
 }
 
+// A block's chunk of the row, x[lo..hi), into registers, all loads in flight at once: value j
+// of thread t is x[lo + j · blockDim + t] (0 past hi). chunk <= TOPK_MAX_PER · blockDim (the
+// launcher's contract). The loop over the values then waits on none of them one by one.
+#define TOPK_MAX_PER 8
+__device__ __forceinline__ void top_chunk_load(const float* x, u32 lo, u32 hi, float* v) {
+#pragma unroll
+    for (u32 j = 0; j < TOPK_MAX_PER; ++j) {
+        const u32 i = lo + j * blockDim.x + threadIdx.x;
+        v[j] = i < hi ? x[i] : 0.0f;
+    }
+}
+
 // The split form, step 1. grid (n_rows, blocks a row), block 1024; k > 0.
 extern "C" __global__ void __launch_bounds__(1024) top_k_hist(const TopKParams p) {
     pdl_enter();
@@ -186,11 +198,15 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_hist(const TopKParams p
     const u64 row = blockIdx.x;
     const float* x = (const float*)p.x + row * p.n;
     const u32 lo = blockIdx.y * p.chunk, hi = lo + p.chunk < p.n ? lo + p.chunk : p.n;
+    float v[TOPK_MAX_PER];
+    top_chunk_load(x, lo, hi, v);
     for (u32 i = tid; i < TOPK_BINS; i += nt) hist[i] = 0;
     __syncthreads();
-    for (u32 base = lo; base < hi; base += nt) {
-        const u32 i = base + tid;
-        const u32 bin = i < hi ? top_key(x[i]) >> 21 : 0xffffffffu;
+#pragma unroll
+    for (u32 j = 0; j < TOPK_MAX_PER; ++j) {
+        const u32 i = lo + j * nt + tid;
+        if (lo + j * nt >= hi) break;  // block-uniform
+        const u32 bin = i < hi ? top_key(v[j]) >> 21 : 0xffffffffu;
         const u32 peers = __match_any_sync(0xffffffffu, bin);
         if (bin != 0xffffffffu && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[bin], (u32)__popc(peers));
     }
@@ -220,6 +236,8 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_gather(const TopKParams
     const u32 tid = threadIdx.x, nt = blockDim.x;
     const u64 row = blockIdx.x;
     const float* x = (const float*)p.x + row * p.n;
+    float xv[TOPK_MAX_PER];
+    top_chunk_load(x, blockIdx.y * p.chunk, min(blockIdx.y * p.chunk + p.chunk, p.n), xv);
     // The scan walks bins one after another: from shared memory, not an L2 trip each.
     for (u32 i = tid; i < TOPK_BINS; i += nt) hist[i] = ((const u32*)p.hist)[row * TOPK_BINS + i];
     __syncthreads();
@@ -231,9 +249,11 @@ extern "C" __global__ void __launch_bounds__(1024) top_k_gather(const TopKParams
     float* out_vals = (float*)p.out_vals + row * p.cap;
     u32* cand = (u32*)p.cand + row * TOPK_CAND;
     const u32 lo = blockIdx.y * p.chunk, hi = lo + p.chunk < p.n ? lo + p.chunk : p.n;
-    for (u32 base = lo; base < hi; base += nt) {
-        const u32 i = base + tid;
-        const float v = i < hi ? x[i] : 0.0f;
+#pragma unroll
+    for (u32 j = 0; j < TOPK_MAX_PER; ++j) {
+        const u32 i = lo + j * nt + tid;
+        if (lo + j * nt >= hi) break;  // block-uniform
+        const float v = xv[j];
         const u32 d = i < hi ? top_key(v) >> 21 : 0;
         const bool up = i < hi && d > d1, in = i < hi && d == d1;
         const u32 a = warp_append(up, &cnt[0]);

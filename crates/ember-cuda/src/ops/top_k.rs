@@ -13,11 +13,25 @@ const THREADS: u32 = 1024;
 pub const TOPK_BINS: usize = 2048;
 /// Candidates the split form's last step sorts (`TOPK_CAND`).
 pub const TOPK_CAND: usize = 4096;
-/// Entries a block of the split form's first two steps reads.
+/// Entries a block of the split form's first two steps reads (at most `TOPK_MAX_PER` = 8 a
+/// thread: each thread loads its values at once).
 pub const TOPK_CHUNK: usize = 8192;
 /// Rows at least this long take the split form (a decode step's 248k logits: ~31 blocks a row
 /// instead of one SM reading the row four times).
-pub const TOPK_SPLIT_MIN: usize = 4 * TOPK_CHUNK;
+pub const TOPK_SPLIT_MIN: usize = 32_768;
+
+/// [`TOPK_CHUNK`], or `EMBER_TOPK_CHUNK` (a multiple of 1,024 up to 8,192: more, smaller blocks
+/// a row, for measuring).
+fn chunk() -> usize {
+    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| {
+        std::env::var("EMBER_TOPK_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&c| c > 0 && c.is_multiple_of(THREADS as usize) && c <= TOPK_CHUNK)
+            .unwrap_or(TOPK_CHUNK)
+    })
+}
 
 #[repr(C)]
 struct TopKParams {
@@ -106,8 +120,9 @@ impl Gpu {
                 need(OP, "hist", s.hist, n_rows * TOPK_BINS)?;
                 need(OP, "counts", s.counts, n_rows * 2)?;
                 need(OP, "cand", s.cand, n_rows * TOPK_CAND)?;
-                (p.hist, p.counts, p.cand, p.chunk) = (s.hist.ptr(), s.counts.ptr(), s.cand.ptr(), TOPK_CHUNK as u32);
-                let blocks = n.div_ceil(TOPK_CHUNK);
+                let chunk = chunk();
+                (p.hist, p.counts, p.cand, p.chunk) = (s.hist.ptr(), s.counts.ptr(), s.cand.ptr(), chunk as u32);
+                let blocks = n.div_ceil(chunk);
                 if blocks > 65_535 {
                     return Err(crate::error::shape(OP, format!("rows of {n} entries need {blocks} blocks, more than a grid's 65,535")));
                 }
@@ -115,7 +130,8 @@ impl Gpu {
                 let (hist, gather, finish) =
                     (self.function(&TOP_K, "top_k_hist")?, self.function(&TOP_K, "top_k_gather")?, self.function(&TOP_K, "top_k_finish")?);
                 // SAFETY: as above; the scratch is checked for n_rows rows; a block reads
-                // x[blockIdx.y · chunk ..] clamped to n; candidates past TOPK_CAND are counted,
+                // x[blockIdx.y · chunk ..] clamped to n (chunk at most 8 values a thread, the
+                // kernels' register array); candidates past TOPK_CAND are counted,
                 // not stored (then top_k_finish runs the one-block form on the row). A scratch
                 // not zero on entry (the contract, which top_k_finish keeps for the next call)
                 // gives wrong entries but no access out of bounds: gather writes only below the
