@@ -38,12 +38,20 @@ env $FUSED timeout 150 python3 bench/gpu/serve-check.py $E > "$O/serve-check-fus
 echo "serve-check (fused): exit $rc at $SECONDS s"; grep -E '^(ok|FAIL)' "$O/serve-check-fused.log"
 echo "fused tests all passed: $ok"
 # The one-token MoE's launch shapes (callK.sh's, never run): gate/up at 32 lanes a row (1,024
-# threads a block), down at 4 / 16 workers a row (8 by default on the 35B); their MoE test first.
+# threads a block), down at 4 / 16 workers a row (8 by default on the 35B); and Q4_K gate/up at
+# 4 lanes a unit (EMBER_MOE_GU_WIDE=1, new); their MoE test first.
 mok=""
-for v in "EMBER_MOE_GU_SEG=32" "EMBER_MOE_DOWN_WR=4" "EMBER_MOE_DOWN_WR=16"; do
+for v in "EMBER_MOE_GU_WIDE=1" "EMBER_MOE_GU_SEG=32" "EMBER_MOE_DOWN_WR=4" "EMBER_MOE_DOWN_WR=16"; do
   env $v timeout 60 /tmp/bin/gemv_q8 --test-threads=1 --exact moe_q8_matches_quantised_reference > "$O/test-${v#EMBER_}.log" 2>&1 && mok="$mok $v"
   echo "$v: $(grep -E '^test result' "$O/test-${v#EMBER_}.log")"
 done
+# Q4_K gate/up at 4 lanes a unit through the model too (batch invariance, the references).
+if [[ $mok == *GU_WIDE* ]]; then
+  for t in model references; do
+    EMBER_MOE_GU_WIDE=1 timeout 60 /tmp/bin/$t --test-threads=1 > "$O/test-$t-guw.log" 2>&1 || mok=${mok/EMBER_MOE_GU_WIDE=1/}
+    echo "gu wide $t: $(grep -E '^test result' "$O/test-$t-guw.log" | tail -1)"
+  done
+fi
 # The top-k selection's loads all at once (the default path now), at its 8,192-entry blocks and
 # at 2,048 (EMBER_TOPK_CHUNK: ~122 blocks a 248k row instead of ~31).
 for v in "EMBER_TOPK_CHUNK=8192" "EMBER_TOPK_CHUNK=2048"; do
@@ -55,7 +63,7 @@ if [[ $LL == 1 ]]; then
   echo "llama.cpp build: $(cat /tmp/llama/built 2>/dev/null || echo running) at $SECONDS s"
 fi
 OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' \
-  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8;gu32:EMBER_MOE_GU_SEG=32;dwr4:EMBER_MOE_DOWN_WR=4;dwr16:EMBER_MOE_DOWN_WR=16;tk2k:EMBER_TOPK_CHUNK=2048}" STAGES=variants \
+  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8;gu32:EMBER_MOE_GU_SEG=32;dwr4:EMBER_MOE_DOWN_WR=4;dwr16:EMBER_MOE_DOWN_WR=16;tk2k:EMBER_TOPK_CHUNK=2048;guw:EMBER_MOE_GU_WIDE=1}" STAGES=variants \
   timeout 220 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "variants done at $SECONDS s"
 # The fastest eligible variant (mean tg128 over the rounds), if it beats the defaults by 1 %.
@@ -65,7 +73,7 @@ o, ok, mok = sys.argv[1], sys.argv[2] == "1", sys.argv[3].split()
 envs = {"two": "", "prep": "EMBER_CONV_PREP_FUSED=1", "norm": "EMBER_DELTA_NORM_FUSED=1",
         "both": "EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"}
 moe = {"gu32": "EMBER_MOE_GU_SEG=32", "dwr4": "EMBER_MOE_DOWN_WR=4", "dwr16": "EMBER_MOE_DOWN_WR=16",
-       "tk2k": "EMBER_TOPK_CHUNK=2048"}
+       "tk2k": "EMBER_TOPK_CHUNK=2048", "guw": "EMBER_MOE_GU_WIDE=1"}
 envs.update({k: v for k, v in moe.items() if v in mok})
 mean = {}
 for v in envs:

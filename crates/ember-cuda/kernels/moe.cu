@@ -183,9 +183,8 @@ __device__ __forceinline__ float moe_shared_down(const MoeQ8Params& q, u32 t, in
 
 // grid (ceil(max(n_ff, n_ff_s) / MOE_GU_ROWS), n_tok · k_top (+ n_tok with the shared
 // expert)), MOE_GU_ROWS · wr · L threads.
-template <int TY>
+template <int TY, class U = Q8Unit<TY>>
 __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
-    using U = Q8Unit<TY>;
     const MoeParams& p = q.m;
     __shared__ float part[MOE_GU_MAX_SEG];
     __shared__ float hv[MOE_GU_ROWS];
@@ -282,6 +281,10 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
 MOE_Q8_ENTRIES(q6_k, TY_Q6_K)
 MOE_Q8_ENTRIES(q8_0, TY_Q8_0)
+// Q4_K gate/up at 4 lanes a unit (Q8UnitQ4KWide; the shared expert keeps its own unit, so the
+// launcher's seg stays a multiple of 8). At most 64 registers (2 blocks of 512 an SM: the 144
+// blocks of a 35B decode step in one wave on 132 SMs).
+extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_q8w_q4_k(const MoeQ8Params q) { moe_gate_up_q8<TY_Q4_K, Q8UnitQ4KWide>(q); }
 
 // ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
 // moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of

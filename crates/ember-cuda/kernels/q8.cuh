@@ -45,6 +45,37 @@ struct Q8Unit<TY_Q4_K> {
     }
 };
 
+// Q4_K at 4 lanes a unit (the MoE gate/up's wide form, EMBER_MOE_GU_WIDE): lane t reads
+// qs[32t..+32] whole, the low nibbles weights 64t.. of sub-block 2t and the high nibbles
+// sub-block 2t + 1: half the header loads and scale decodes of the 8-lane form a weight, and each
+// lane adds its own sub-blocks' min terms. The same sums as Q8Unit<TY_Q4_K> in another grouping
+// (each lane's integer sum covers 32 weights, not 16): not the same bits.
+struct Q8UnitQ4KWide {
+    static constexpr int L = 4, W = 256;
+    static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
+        const u8* b = row + 144 * c;
+        const uint4 h = *(const uint4*)b;
+        const uint4 q0 = *(const uint4*)(b + 16 + 32 * t), q1 = *(const uint4*)(b + 32 + 32 * t);
+        const i8* x = xq + 256 * c + 64 * t;
+        const int4 xl0 = *(const int4*)x, xl1 = *(const int4*)(x + 16);
+        const int4 xh0 = *(const int4*)(x + 32), xh1 = *(const int4*)(x + 48);
+        int sl = dp4a(q0.x & 0x0F0F0F0F, xl0.x, 0), sh = dp4a((q0.x >> 4) & 0x0F0F0F0F, xh0.x, 0);
+        sl = dp4a(q0.y & 0x0F0F0F0F, xl0.y, sl), sh = dp4a((q0.y >> 4) & 0x0F0F0F0F, xh0.y, sh);
+        sl = dp4a(q0.z & 0x0F0F0F0F, xl0.z, sl), sh = dp4a((q0.z >> 4) & 0x0F0F0F0F, xh0.z, sh);
+        sl = dp4a(q0.w & 0x0F0F0F0F, xl0.w, sl), sh = dp4a((q0.w >> 4) & 0x0F0F0F0F, xh0.w, sh);
+        sl = dp4a(q1.x & 0x0F0F0F0F, xl1.x, sl), sh = dp4a((q1.x >> 4) & 0x0F0F0F0F, xh1.x, sh);
+        sl = dp4a(q1.y & 0x0F0F0F0F, xl1.y, sl), sh = dp4a((q1.y >> 4) & 0x0F0F0F0F, xh1.y, sh);
+        sl = dp4a(q1.z & 0x0F0F0F0F, xl1.z, sl), sh = dp4a((q1.z >> 4) & 0x0F0F0F0F, xh1.z, sh);
+        sl = dp4a(q1.w & 0x0F0F0F0F, xl1.w, sl), sh = dp4a((q1.w >> 4) & 0x0F0F0F0F, xh1.w, sh);
+        int sc0, mn0, sc1, mn1;
+        scale_min_k4_words(2 * t, h.y, h.z, h.w, &sc0, &mn0);
+        scale_min_k4_words(2 * t + 1, h.y, h.z, h.w, &sc1, &mn1);
+        const float d = f16_to_f32((u16)(h.x & 0xFFFF)), dmin = f16_to_f32((u16)(h.x >> 16));
+        const float2 a = xd[8 * c + 2 * t], e = xd[8 * c + 2 * t + 1];
+        return d * ((float)sc0 * a.x * (float)sl + (float)sc1 * e.x * (float)sh) - dmin * ((float)mn0 * a.y + (float)mn1 * e.y);
+    }
+};
+
 // Q6_K: lane t (n = t / 4, l0 = 8·(t % 4)) reads ql[64n + l0..+8] (quarters 0 and 2 of half n:
 // low and high nibbles), ql[64n + 32 + l0..+8] (quarters 1 and 3) and qh[32n + l0..+8] (bits
 // 2r of quarter r): weights 128n + 32r + l0.. for r < 4, scale sc[8n + 2r + l0 / 16].

@@ -108,6 +108,13 @@ fn gu_max_seg() -> usize {
     })
 }
 
+/// `EMBER_MOE_GU_WIDE=1`: Q4_K gate/up at 4 lanes a unit (`moe_gate_up_q8w_q4_k`: each lane
+/// 32 bytes of a unit, half the header loads and scale decodes a weight), for measuring.
+fn gu_wide() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| std::env::var("EMBER_MOE_GU_WIDE").is_ok_and(|v| v == "1"))
+}
+
 /// `EMBER_MOE_DOWN_WR`: the one-token down's workers a row (a power of two), or None.
 fn down_wr() -> Option<usize> {
     static WR: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -628,6 +635,8 @@ impl Gpu {
         let lanes_s = |w: Option<&DeviceWeight>| w.and_then(|w| gemv_q8::unit(w.ty)).map_or(1, |(l, _)| l);
         // Gate/up: 32 rows a block, at most GU_MAX_SEG lanes a row (threads = 32 · wr · L;
         // `EMBER_MOE_GU_SEG=32` allows 32 lanes, 1,024 threads, for measuring).
+        let wide = gu_wide() && e.gate.ty == GgmlType::Q4K && e.up.ty == GgmlType::Q4K;
+        let l_gu = if wide { 4 } else { l_gu };
         let wr_gu = workers_per_row(e.gate.ty, n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm)
             .max(lanes_s(shared.map(|s| s.gate)) / l_gu)
             .clamp(1, (gu_max_seg() / l_gu).max(1));
@@ -639,7 +648,7 @@ impl Gpu {
             .max(lanes_s(shared.map(|s| s.down)) / l_dn)
             .max(1);
         let down_bytes = n_tok * (r.k + usize::from(shared.is_some())) * d * e.down.row_bytes;
-        let f_gu = self.function(&MOE, &format!("moe_gate_up_q8_{gu}"))?;
+        let f_gu = self.function(&MOE, &if wide { "moe_gate_up_q8w_q4_k".to_string() } else { format!("moe_gate_up_q8_{gu}") })?;
         let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
         let threads = gemv_q8::THREADS;
         let mut q = MoeQ8Params {
