@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The next call after callX.sh (~480 s on a fresh machine; packed as callX.sh): call x found
+# The next call after callX.sh (~520 s on a fresh machine; packed as callX.sh): call x found
 # delta_rule_norm_seqs' one-warp block sum shuffling from lane 0 alone (wrong y) and the fused
 # launch slower with a sequentially consistent fence in every thread around the count; this runs
 # the mended kernel (the warp's sum by the whole warp; one release-acquire increment by thread 0):
 #   * delta_rule at the defaults (both fused kernels against their two launches, bit for bit);
 #     llama.cpp building meanwhile;
 #   * the binaries that run the DeltaNet ops through the model with both fusions on
-#     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), model and references with the conv and
-#     prep alone, and serve-check with both;
-#   * tg128 with neither, each, both, and the step's first list at 8 launches, VROUNDS rounds in
-#     turn, once llama.cpp has built;
+#     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), and serve-check with both;
+#   * the MoE test under each new MoE form (below), the model's tests with the wide gate/up, the
+#     top-k tests at both chunk sizes;
+#   * tg128 at the defaults, with the fused norm, the wide gate/up, down at 4 / 16 workers a row,
+#     the top-k at 2,048-entry blocks, and the Q6_K rows' old 2-byte loads (VROUNDS rounds in
+#     turn, default 3), once llama.cpp has built;
 #   * issue 19's table against llama.cpp with the variant that decoded fastest of those whose
 #     tests passed (the defaults if none beat them by 1 %);
 #   * a launch trace of tg64 with that variant.
@@ -29,19 +31,16 @@ for t in conformance model hybrid split graph references; do
   (( rc == 0 )) || ok=0
   echo "fused $t: exit $rc at $SECONDS s: $(grep -E '^test result' "$O/test-$t-fused.log" | tail -1)"
 done
-for t in model references; do  # the conv and the prep alone (call x ran them only with both)
-  EMBER_CONV_PREP_FUSED=1 timeout 60 /tmp/bin/$t --test-threads=1 > "$O/test-$t-prep.log" 2>&1
-  echo "prep alone $t: exit $? at $SECONDS s: $(grep -E '^test result' "$O/test-$t-prep.log" | tail -1)"
-done
 env $FUSED timeout 150 python3 bench/gpu/serve-check.py $E > "$O/serve-check-fused.log" 2>&1; rc=$?
 (( rc == 0 )) || ok=0
 echo "serve-check (fused): exit $rc at $SECONDS s"; grep -E '^(ok|FAIL)' "$O/serve-check-fused.log"
 echo "fused tests all passed: $ok"
-# The one-token MoE's launch shapes (callK.sh's, never run): gate/up at 32 lanes a row (1,024
-# threads a block), down at 4 / 16 workers a row (8 by default on the 35B); and Q4_K gate/up at
-# 4 lanes a unit (EMBER_MOE_GU_WIDE=1, new); their MoE test first.
+# The one-token MoE: Q4_K gate/up at 4 lanes a unit (EMBER_MOE_GU_WIDE=1, new), down at 4 / 16
+# workers a row (callK.sh's, never run; 8 by default on the 35B), and the Q6_K rows' 2-byte loads
+# where a row is 4-byte aligned (EMBER_Q6_A2: the old path; the default now takes 4-byte loads
+# there: the down's odd rows at k = 512); their MoE test first.
 mok=""
-for v in "EMBER_MOE_GU_WIDE=1" "EMBER_MOE_GU_SEG=32" "EMBER_MOE_DOWN_WR=4" "EMBER_MOE_DOWN_WR=16"; do
+for v in "EMBER_MOE_GU_WIDE=1" "EMBER_MOE_DOWN_WR=4" "EMBER_MOE_DOWN_WR=16" "EMBER_KERNEL_DEFINES=EMBER_Q6_A2"; do
   env $v timeout 60 /tmp/bin/gemv_q8 --test-threads=1 --exact moe_q8_matches_quantised_reference > "$O/test-${v#EMBER_}.log" 2>&1 && mok="$mok $v"
   echo "$v: $(grep -E '^test result' "$O/test-${v#EMBER_}.log")"
 done
@@ -63,7 +62,7 @@ if [[ $LL == 1 ]]; then
   echo "llama.cpp build: $(cat /tmp/llama/built 2>/dev/null || echo running) at $SECONDS s"
 fi
 OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' \
-  VARIANTS="${VARS:-two:;prep:EMBER_CONV_PREP_FUSED=1;norm:EMBER_DELTA_NORM_FUSED=1;both:$FUSED;first8:EMBER_CUDA_GRAPH_FIRST=8;gu32:EMBER_MOE_GU_SEG=32;dwr4:EMBER_MOE_DOWN_WR=4;dwr16:EMBER_MOE_DOWN_WR=16;tk2k:EMBER_TOPK_CHUNK=2048;guw:EMBER_MOE_GU_WIDE=1}" STAGES=variants \
+  VARIANTS="${VARS:-two:;norm:EMBER_DELTA_NORM_FUSED=1;guw:EMBER_MOE_GU_WIDE=1;dwr4:EMBER_MOE_DOWN_WR=4;dwr16:EMBER_MOE_DOWN_WR=16;tk2k:EMBER_TOPK_CHUNK=2048;q6a2:EMBER_KERNEL_DEFINES=EMBER_Q6_A2}" STAGES=variants \
   timeout 220 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "variants done at $SECONDS s"
 # The fastest eligible variant (mean tg128 over the rounds), if it beats the defaults by 1 %.
@@ -72,7 +71,7 @@ import glob, json, sys, statistics
 o, ok, mok = sys.argv[1], sys.argv[2] == "1", sys.argv[3].split()
 envs = {"two": "", "prep": "EMBER_CONV_PREP_FUSED=1", "norm": "EMBER_DELTA_NORM_FUSED=1",
         "both": "EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"}
-moe = {"gu32": "EMBER_MOE_GU_SEG=32", "dwr4": "EMBER_MOE_DOWN_WR=4", "dwr16": "EMBER_MOE_DOWN_WR=16",
+moe = {"dwr4": "EMBER_MOE_DOWN_WR=4", "dwr16": "EMBER_MOE_DOWN_WR=16",
        "tk2k": "EMBER_TOPK_CHUNK=2048", "guw": "EMBER_MOE_GU_WIDE=1"}
 envs.update({k: v for k, v in moe.items() if v in mok})
 mean = {}

@@ -273,9 +273,10 @@ __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
     if (valid && tid % seg == 0) ((float*)p.out)[(u64)t * p.d + r] = acc;
 }
 
-// (Both call pdl_enter themselves, after their prefetches.)
-#define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                        \
-    extern "C" __global__ void moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
+// (Both call pdl_enter themselves, after their prefetches.) Gate/up at most 64 registers (its
+// blocks of up to 1,024 threads; at 512, two an SM: a 35B decode step's 144 blocks in one wave).
+#define MOE_Q8_ENTRIES(SUFFIX, TY)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(1024) moe_gate_up_q8_##SUFFIX(const MoeQ8Params q) { moe_gate_up_q8<TY>(q); } \
     extern "C" __global__ void moe_down_q8_##SUFFIX(const MoeQ8Params q) { moe_down_q8<TY>(q); }
 
 MOE_Q8_ENTRIES(q4_k, TY_Q4_K)

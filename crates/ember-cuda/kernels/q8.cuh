@@ -10,6 +10,8 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 
 // 8 bytes at 2-byte alignment (Q6_K and Q8_0 blocks are 210 and 34 bytes).
 __device__ __forceinline__ uint2 ld_u64_a2(const u8* p) { return make_uint2(ld_u32_a2(p), ld_u32_a2(p + 4)); }
+// 8 bytes at 4-byte alignment.
+__device__ __forceinline__ uint2 ld_u64_a4(const u8* p) { return make_uint2(*(const u32*)p, *(const u32*)(p + 4)); }
 
 // The unit dot products: lane t (< L) of unit c (of the row's nb) of a row against the quantised
 // x (xq: the int8 values of the whole row's k, xd: their blocks' (d, d·Σq)).
@@ -113,7 +115,9 @@ struct Q8Unit<TY_Q6_K> {
         const int n = t / 4, l0 = 8 * (t % 4);
         const u8* b = q6k_blk(row, nb, c);
         // The repacked runs are 8-byte aligned where the row is (k a multiple of 2,048: rows of
-        // whole 16-byte chunks): one 8-byte load a field (gemv-micro's q6r), else 2-byte ones.
+        // whole 16-byte chunks): one 8-byte load a field (gemv-micro's q6r). Rows of 210·nb
+        // bytes are 4-byte aligned for even nb (the MoE's down at k = 512: 420-byte rows, every
+        // other one off 8): two 4-byte loads a field there. Else 2-byte ones.
         uint2 qa, qb, qh;
         u32 s4, s4b;
         if (((u64)b & 7) == 0) {
@@ -121,6 +125,12 @@ struct Q8Unit<TY_Q6_K> {
             qh = *(const uint2*)(b + 128 + 32 * n + l0);
             const uint2 sc = *(const uint2*)(b + 192 + 8 * n);
             s4 = sc.x, s4b = sc.y;
+#ifndef EMBER_Q6_A2
+        } else if (((u64)b & 3) == 0) {
+            qa = ld_u64_a4(b + 64 * n + l0), qb = ld_u64_a4(b + 64 * n + 32 + l0);
+            qh = ld_u64_a4(b + 128 + 32 * n + l0);
+            s4 = *(const u32*)(b + 192 + 8 * n), s4b = *(const u32*)(b + 196 + 8 * n);
+#endif
         } else {
             qa = ld_u64_a2(b + 64 * n + l0), qb = ld_u64_a2(b + 64 * n + 32 + l0);
             qh = ld_u64_a2(b + 128 + 32 * n + l0);
