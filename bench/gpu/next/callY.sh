@@ -3,7 +3,8 @@
 # delta_rule_norm_seqs' one-warp block sum shuffling from lane 0 alone (wrong y) and the fused
 # launch slower with a sequentially consistent fence in every thread around the count; this runs
 # the mended kernel (the warp's sum by the whole warp; one release-acquire increment by thread 0):
-#   * delta_rule at the defaults (both fused kernels against their two launches, bit for bit);
+#   * delta_rule, gemv_q8 and gpu at the defaults (delta_rule: both fused kernels against their
+#     two launches, bit for bit);
 #     llama.cpp building meanwhile;
 #   * the binaries that run the DeltaNet ops through the model with both fusions on
 #     (EMBER_CONV_PREP_FUSED=1, EMBER_DELTA_NORM_FUSED=1), and serve-check with both;
@@ -23,7 +24,7 @@ E=/tmp/bin/ember; F=/tmp/m/35b.gguf
 FUSED="EMBER_CONV_PREP_FUSED=1 EMBER_DELTA_NORM_FUSED=1"
 tar -C /tmp -xJf .gpu/bin.tar.xz
 LL=${LLAMA:-1}
-OUT=$O LLAMA=$LL TESTS_BESIDE= SKIP_TESTS=nvrtc_compile,attention,mailbox,upload,top_k,transfers,matmul,conformance,model,hybrid,split,graph,references,gemv_q8,gpu \
+OUT=$O LLAMA=$LL TESTS_BESIDE= SKIP_TESTS=nvrtc_compile,attention,mailbox,upload,top_k,transfers,matmul,conformance,model,hybrid,split,graph,references \
   STAGES=tests ./bench/gpu/h200.sh
 ok=1; grep -q '^test result: ok' $O/test-delta_rule.log || ok=0
 for t in conformance model hybrid split graph references; do
