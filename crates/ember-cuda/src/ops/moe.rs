@@ -108,11 +108,13 @@ fn gu_max_seg() -> usize {
     })
 }
 
-/// `EMBER_MOE_GU_WIDE=1`: Q4_K gate/up at 4 lanes a unit (`moe_gate_up_q8w_q4_k`: each lane
-/// 32 bytes of a unit, half the header loads and scale decodes a weight), for measuring.
+/// Whether Q4_K gate/up runs at 4 lanes a unit (`moe_gate_up_q8w_q4_k`: each lane 32 bytes of
+/// a unit, half the header loads and scale decodes a weight). Measured on an H100 (docs/perf.md
+/// g30): the 35B's one-token gate/up 8.63 → 8.09 us a layer in the step's chain; 16 sequences
+/// (grouped, not this kernel) unchanged. `EMBER_MOE_GU_WIDE=0`: the 8-lane form.
 fn gu_wide() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| std::env::var("EMBER_MOE_GU_WIDE").is_ok_and(|v| v == "1"))
+    *WIDE.get_or_init(|| !std::env::var("EMBER_MOE_GU_WIDE").is_ok_and(|v| v == "0"))
 }
 
 /// `EMBER_MOE_DOWN_WR`: the one-token down's workers a row (a power of two), or None.

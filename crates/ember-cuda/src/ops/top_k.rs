@@ -14,23 +14,29 @@ pub const TOPK_BINS: usize = 2048;
 /// Candidates the split form's last step sorts (`TOPK_CAND`).
 pub const TOPK_CAND: usize = 4096;
 /// Entries a block of the split form's first two steps reads (at most `TOPK_MAX_PER` = 8 a
-/// thread: each thread loads its values at once).
+/// thread: each thread loads its values at once), for several rows; one row takes
+/// [`TOPK_CHUNK_ONE`].
 pub const TOPK_CHUNK: usize = 8192;
+/// The block's entries when the selection is one row (a decode step of one sequence: ~122
+/// blocks for a 248k row, where 8,192 gave ~31). Measured on an H100 (docs/perf.md g30): the two
+/// wide steps 9.99 → 7.39 us each in the step's chain; 16 rows at 2,048 slightly slower than at
+/// 8,192 (1,851 against 1,860 t/s), so several rows keep [`TOPK_CHUNK`].
+pub const TOPK_CHUNK_ONE: usize = 2048;
 /// Rows at least this long take the split form (a decode step's 248k logits: ~31 blocks a row
 /// instead of one SM reading the row four times).
 pub const TOPK_SPLIT_MIN: usize = 32_768;
 
-/// [`TOPK_CHUNK`], or `EMBER_TOPK_CHUNK` (a multiple of 1,024 up to 8,192: more, smaller blocks
-/// a row, for measuring).
-fn chunk() -> usize {
-    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CHUNK.get_or_init(|| {
+/// A block's entries for `n_rows` rows: [`TOPK_CHUNK_ONE`] for one, else [`TOPK_CHUNK`];
+/// `EMBER_TOPK_CHUNK` (a multiple of 1,024 up to 8,192) sets it for any number, for measuring.
+fn chunk(n_rows: usize) -> usize {
+    static CHUNK: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = *CHUNK.get_or_init(|| {
         std::env::var("EMBER_TOPK_CHUNK")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|&c| c > 0 && c.is_multiple_of(THREADS as usize) && c <= TOPK_CHUNK)
-            .unwrap_or(TOPK_CHUNK)
-    })
+    });
+    set.unwrap_or(if n_rows == 1 { TOPK_CHUNK_ONE } else { TOPK_CHUNK })
 }
 
 #[repr(C)]
@@ -120,7 +126,7 @@ impl Gpu {
                 need(OP, "hist", s.hist, n_rows * TOPK_BINS)?;
                 need(OP, "counts", s.counts, n_rows * 2)?;
                 need(OP, "cand", s.cand, n_rows * TOPK_CAND)?;
-                let chunk = chunk();
+                let chunk = chunk(n_rows);
                 (p.hist, p.counts, p.cand, p.chunk) = (s.hist.ptr(), s.counts.ptr(), s.cand.ptr(), chunk as u32);
                 let blocks = n.div_ceil(chunk);
                 if blocks > 65_535 {
