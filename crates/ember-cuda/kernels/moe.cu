@@ -229,9 +229,8 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
 // `prefetch`, threads j < k_top ask for expert j's rows of this block (and thread k_top for the
 // shared expert's) before pdl_enter: the ids come from the route kernel, at least two launches
 // back (gate/up runs between), so they are complete (see prefetch_l2).
-template <int TY>
+template <int TY, class U = Q8Unit<TY>>
 __device__ __forceinline__ void moe_down_q8(const MoeQ8Params& q) {
-    using U = Q8Unit<TY>;
     const MoeParams& p = q.m;
     __shared__ float part[Q8_THREADS / 32];
     const u32 t = blockIdx.y;
@@ -286,6 +285,9 @@ MOE_Q8_ENTRIES(q8_0, TY_Q8_0)
 // launcher's seg stays a multiple of 8). At most 64 registers (2 blocks of 512 an SM: the 144
 // blocks of a 35B decode step in one wave on 132 SMs).
 extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_q8w_q4_k(const MoeQ8Params q) { moe_gate_up_q8<TY_Q4_K, Q8UnitQ4KWide>(q); }
+// Q6_K down at 4 lanes a unit (Q8UnitQ6KWide; the shared expert keeps its own unit: seg a
+// multiple of 8, the launcher's choice).
+extern "C" __global__ void moe_down_q8w_q6_k(const MoeQ8Params q) { moe_down_q8<TY_Q6_K, Q8UnitQ6KWide>(q); }
 
 // ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
 // moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of

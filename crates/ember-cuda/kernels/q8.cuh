@@ -141,6 +141,60 @@ struct Q8Unit<TY_Q6_K> {
     }
 };
 
+// 16 bytes at p, whose alignment mod 16 is `a` (0, 8, 4 or else 2): the widest loads it allows.
+__device__ __forceinline__ uint4 ld_u128_at(const u8* p, u32 a) {
+    if (a == 0) return *(const uint4*)p;
+    uint2 lo, hi;
+    if ((a & 7) == 0) lo = *(const uint2*)p, hi = *(const uint2*)(p + 8);
+    else if ((a & 3) == 0) lo = ld_u64_a4(p), hi = ld_u64_a4(p + 8);
+    else lo = ld_u64_a2(p), hi = ld_u64_a2(p + 8);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// Q6_K at 4 lanes a unit (the MoE down's wide form, EMBER_MOE_DOWN_WIDE): lane t (n = t / 2,
+// l0 = 16·(t % 2)) reads 16 bytes of each field where Q8Unit<TY_Q6_K>'s lanes read 8 (ql at
+// 64n + l0 and 64n + 32 + l0, qh at 32n + l0: weights 128n + 32r + l0..+16 for r < 4, one
+// scale each, sc[8n + 2r + t % 2]) against 16 bytes of x a quarter: half the x and scale loads
+// and the scale picks a weight. The fields are as aligned as the row (208-byte runs); rows of
+// 210·nb bytes may be 2-, 4-, 8- or 16-byte aligned (ld_u128_at). Another grouping of the same
+// sums as the 8-lane form: not the same bits.
+struct Q8UnitQ6KWide {
+    static constexpr int L = 4, W = 256;
+    static __device__ __forceinline__ float dot(const u8* row, int nb, int c, int t, const i8* xq, const float2* xd) {
+        const int n = t / 2, l0 = 16 * (t % 2);
+        const u8* b = q6k_blk(row, nb, c);
+        const u32 a = (u32)((u64)b & 15);
+        const uint4 qa = ld_u128_at(b + 64 * n + l0, a), qb = ld_u128_at(b + 64 * n + 32 + l0, a);
+        const uint4 qh = ld_u128_at(b + 128 + 32 * n + l0, a);
+        const uint2 sc = (a & 7) == 0 ? *(const uint2*)(b + 192 + 8 * n)
+                         : (a & 3) == 0 ? ld_u64_a4(b + 192 + 8 * n)
+                                        : ld_u64_a2(b + 192 + 8 * n);
+        const float d = f16_to_f32(ld_u16(q6k_dp(row, nb, c)));
+        const i8* x = xq + 256 * c + 128 * n + l0;
+        float r = 0.0f;
+#pragma unroll
+        for (int rq = 0; rq < 4; ++rq) {
+            const uint4 ql = (rq & 1) ? qb : qa;
+            const int sh = 4 * (rq >> 1);
+            const u32 l[4] = {ql.x, ql.y, ql.z, ql.w}, h[4] = {qh.x, qh.y, qh.z, qh.w};
+            const int4 xv = *(const int4*)(x + 32 * rq);
+            const int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 v = ((l[i] >> sh) & 0x0F0F0F0Fu) | (((h[i] >> (2 * rq)) & 0x03030303u) << 4);
+                v ^= 0x20202020u;  // q − 32 per byte, as q6k_q8_lane
+                v |= (v & 0x20202020u) * 6;
+                s = dp4a((int)v, xs[i], s);
+            }
+            const int j = 2 * rq + (t % 2);  // scale 8n + j
+            const int scv = (int)(i8)(((j < 4 ? sc.x : sc.y) >> (8 * (j % 4))) & 0xFF);
+            r += (float)scv * xd[8 * c + 4 * n + rq].x * (float)s;
+        }
+        return d * r;
+    }
+};
+
 // Q8_0: lane t reads quants 8t..+8 of the block.
 template <>
 struct Q8Unit<TY_Q8_0> {

@@ -117,6 +117,14 @@ fn gu_wide() -> bool {
     *WIDE.get_or_init(|| !std::env::var("EMBER_MOE_GU_WIDE").is_ok_and(|v| v == "0"))
 }
 
+/// `EMBER_MOE_DOWN_WIDE=1`: the Q6_K down at 4 lanes a unit (`moe_down_q8w_q6_k`: 16 bytes of
+/// each field a lane, half the x and scale loads a weight), for measuring (the gate/up's wide
+/// form took 0.55 us a layer off its 8.6, g30).
+fn down_wide() -> bool {
+    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WIDE.get_or_init(|| std::env::var("EMBER_MOE_DOWN_WIDE").is_ok_and(|v| v == "1"))
+}
+
 /// `EMBER_MOE_DOWN_WR`: the one-token down's workers a row (a power of two), or None.
 fn down_wr() -> Option<usize> {
     static WR: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -644,6 +652,8 @@ impl Gpu {
             .clamp(1, (gu_max_seg() / l_gu).max(1));
         // Down: `EMBER_MOE_DOWN_WR` sets its workers a row (a power of two, wr · L <= 128), for
         // measuring.
+        let down_w = down_wide() && e.down.ty == GgmlType::Q6K;
+        let l_dn = if down_w { 4 } else { l_dn };
         let wr_dn = down_wr()
             .filter(|&w| w * l_dn <= gemv_q8::THREADS)
             .unwrap_or_else(|| workers_per_row(e.down.ty, n_tok * d, r.k * (n_ff / w_dn), l_dn, n_sm))
@@ -651,7 +661,7 @@ impl Gpu {
             .max(1);
         let down_bytes = n_tok * (r.k + usize::from(shared.is_some())) * d * e.down.row_bytes;
         let f_gu = self.function(&MOE, &if wide { "moe_gate_up_q8w_q4_k".to_string() } else { format!("moe_gate_up_q8_{gu}") })?;
-        let f_dn = self.function(&MOE, &format!("moe_down_q8_{dn}"))?;
+        let f_dn = self.function(&MOE, &if down_w { "moe_down_q8w_q6_k".to_string() } else { format!("moe_down_q8_{dn}") })?;
         let threads = gemv_q8::THREADS;
         let mut q = MoeQ8Params {
             m: p,
