@@ -47,6 +47,12 @@
 #          (`;`-separated `name:ENV=V ENV=V`, an empty list of switches for the defaults), in
 #          turn, ROUNDS rounds, VARIANT_ARGS (default -p 512,2048,8192 -n 0); logs variant-*.json
 #          and a table of rounds per variant, e.g. VARIANTS='new:;old:EMBER_MATMUL_MMA8=0'
+#   tvariants  the launch trace (kernels built with EMBER_TRACE; TVARIANT_ARGS, default -p 0 -n 64)
+#          under each of VARIANTS, in turn, ROUNDS rounds: the median step, the host's gap after
+#          its last launch, and the GPU chain (their difference), which separates changes of
+#          ~0.5 % where tg128's rounds spread ±2 % (docs/perf.md g30); a variant's own kernel
+#          defines go in its EMBER_KERNEL_DEFINES (EMBER_TRACE is added); logs tvariant-*.md
+#          (trace.py's table), tvariant-*.txt.xz
 #   batched  decode of NSEQ (default 16) sequences at once at depth BDEPTH (default 4096):
 #          `ember bench --n-seq 1,NSEQ -p 0 -n 128 -d BDEPTH` against `llama-batched-bench -npp
 #          BDEPTH -ntg 128 -npl 1,NSEQ` (its S_TG: the decode phase's tokens/s over all
@@ -218,6 +224,28 @@ if has variants; then
             env "${envs[@]}" timeout 200 $E bench -m $F --device cuda ${VARIANT_ARGS:--p 512,2048,8192 -n 0} -r 2 -o json \
                 > "$O/variant-$name-$r.json" 2> "$O/variant-$name-$r.log"
             echo "variant $name round $r (${envs[*]}): exit $? $(python3 -c "import json,sys; print(' '.join(('pp%d'%x['n_prompt'] if x['n_prompt'] else 'tg%d'%x['n_gen'])+('@d%d'%x['n_depth'] if x.get('n_depth') else '')+' %.1f'%x['avg_ts'] for x in json.load(open(sys.argv[1]))))" "$O/variant-$name-$r.json" 2>/dev/null)"
+        done
+    done
+fi
+if has tvariants; then
+    ensure_model
+    IFS=';' read -ra VS <<< "${VARIANTS:-new:}"
+    for r in $(seq 1 "$ROUNDS"); do
+        for v in "${VS[@]}"; do
+            name=${v%%:*}; envs=(${v#*:}); defs=EMBER_TRACE
+            for e in "${envs[@]}"; do [[ $e == EMBER_KERNEL_DEFINES=* ]] && defs="$defs,${e#EMBER_KERNEL_DEFINES=}"; done
+            t="$O/tvariant-$name-$r"
+            env "${envs[@]}" EMBER_KERNEL_DEFINES="$defs" EMBER_CUDA_TRACE="$t.txt" timeout 150 $E bench -m $F --device cuda ${TVARIANT_ARGS:--p 0 -n 64} -r 1 -o json \
+                > "$t.json" 2> "$t.log"
+            rc=$?
+            python3 bench/gpu/trace.py "$t.txt" > "$t.md" 2>&1
+            echo "tvariant $name round $r (${envs[*]}): exit $rc $(python3 -c "
+import re, sys
+h = open(sys.argv[1]).readline()
+m, a = re.search(r'median step ([0-9.]+) us', h), re.search(r'after the last launch ([0-9.]+) us', h)
+n = re.search(r'of the same ([0-9]+) launches', h)
+print(f'{n.group(1)} launches, step {float(m.group(1)):.1f} us, after it {float(a.group(1)):.1f}, chain {float(m.group(1)) - float(a.group(1)):.1f}' if m and a and n else h.strip())" "$t.md" 2>/dev/null)"
+            xz -T4 -f "$t.txt" 2>/dev/null
         done
     done
 fi
