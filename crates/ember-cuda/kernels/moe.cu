@@ -282,8 +282,9 @@ MOE_Q8_ENTRIES(q4_k, TY_Q4_K)
 MOE_Q8_ENTRIES(q6_k, TY_Q6_K)
 MOE_Q8_ENTRIES(q8_0, TY_Q8_0)
 // Q4_K gate/up at 4 lanes a unit (Q8UnitQ4KWide; the shared expert keeps its own unit, so the
-// launcher's seg stays a multiple of 8). At most 64 registers (2 blocks of 512 an SM: the 144
-// blocks of a 35B decode step in one wave on 132 SMs).
+// launcher's seg stays a multiple of 8). At most 512 threads and 64 registers (2 blocks of 512
+// an SM: the 144 blocks of a 35B decode step in one wave on 132 SMs; sm_90 spills 8 bytes for it,
+// g30's measured form).
 extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_q8w_q4_k(const MoeQ8Params q) { moe_gate_up_q8<TY_Q4_K, Q8UnitQ4KWide>(q); }
 // Q6_K down at 4 lanes a unit (Q8UnitQ6KWide; the shared expert keeps its own unit: seg a
 // multiple of 8, the launcher's choice).

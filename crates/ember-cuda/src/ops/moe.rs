@@ -644,12 +644,14 @@ impl Gpu {
         // unit's lanes (all powers of two).
         let lanes_s = |w: Option<&DeviceWeight>| w.and_then(|w| gemv_q8::unit(w.ty)).map_or(1, |(l, _)| l);
         // Gate/up: 32 rows a block, at most GU_MAX_SEG lanes a row (threads = 32 · wr · L;
-        // `EMBER_MOE_GU_SEG=32` allows 32 lanes, 1,024 threads, for measuring).
+        // `EMBER_MOE_GU_SEG=32` allows the 8-lane form 32 lanes, 1,024 threads, for measuring;
+        // the wide form is bounded at 512 threads, so at most GU_MAX_SEG).
         let wide = gu_wide() && e.gate.ty == GgmlType::Q4K && e.up.ty == GgmlType::Q4K;
         let l_gu = if wide { 4 } else { l_gu };
+        let max_seg = if wide { gu_max_seg().min(GU_MAX_SEG) } else { gu_max_seg() };
         let wr_gu = workers_per_row(e.gate.ty, n_tok * r.k * n_ff, d / w_gu, l_gu, n_sm)
             .max(lanes_s(shared.map(|s| s.gate)) / l_gu)
-            .clamp(1, (gu_max_seg() / l_gu).max(1));
+            .clamp(1, (max_seg / l_gu).max(1));
         // Down: `EMBER_MOE_DOWN_WR` sets its workers a row (a power of two, wr · L <= 128), for
         // measuring.
         let down_w = down_wide() && e.down.ty == GgmlType::Q6K;

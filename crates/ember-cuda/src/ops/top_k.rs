@@ -22,8 +22,8 @@ pub const TOPK_CHUNK: usize = 8192;
 /// wide steps 9.99 → 7.39 us each in the step's chain; 16 rows at 2,048 slightly slower than at
 /// 8,192 (1,851 against 1,860 t/s), so several rows keep [`TOPK_CHUNK`].
 pub const TOPK_CHUNK_ONE: usize = 2048;
-/// Rows at least this long take the split form (a decode step's 248k logits: ~31 blocks a row
-/// instead of one SM reading the row four times).
+/// Rows at least this long take the split form (a decode step's 248k logits: ~122 blocks for
+/// one row, ~31 a row for several, instead of one SM reading each row four times).
 pub const TOPK_SPLIT_MIN: usize = 32_768;
 
 /// A block's entries for `n_rows` rows: [`TOPK_CHUNK_ONE`] for one, else [`TOPK_CHUNK`];
@@ -72,7 +72,8 @@ impl Gpu {
     /// column 0, then the entries at `extra[extra_at[r]..extra_at[r + 1]]` (ids below n). `k`
     /// at most n; `cap` at least k plus the most extras of a row. With `split` (scratch for
     /// n_rows rows, zeroed: [n_rows · TOPK_BINS], [n_rows · 2], [n_rows · TOPK_CAND]) and k > 0,
-    /// three kernels over ~n / TOPK_CHUNK blocks a row; otherwise one block a row
+    /// three kernels over ~n / chunk blocks a row (chunk: [`TOPK_CHUNK_ONE`] for one row, else
+    /// [`TOPK_CHUNK`]; `EMBER_TOPK_CHUNK` sets it); otherwise one block a row
     /// (`kernels/top_k.cu`). The same entries either way.
     #[allow(clippy::too_many_arguments)]
     pub fn top_k_rows(
