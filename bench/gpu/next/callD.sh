@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The Q6_K MoE down at 4 lanes a unit (EMBER_MOE_DOWN_WIDE=1, built 2026-12-07 after g30, never
-# run), ~150 s on a warm machine that has the 35B and the binaries (after callP.sh): the MoE
-# test, model and references with it, tg128 against the defaults (VROUNDS rounds in turn,
-# default 3), and launch traces of both in turn (h200.sh tvariants, TROUNDS rounds: the GPU
-# chain; the down is `moe 1024x1`: 6.15-6.35 us a layer in g30).
+# Two switches built 2026-12-07 after g30, never run, ~200 s on a warm machine that has the 35B
+# and the binaries (after callP.sh): the Q6_K MoE down at 4 lanes a unit (EMBER_MOE_DOWN_WIDE=1:
+# the MoE test, model and references with it) and the route's weights kept in registers
+# (EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW: route_matches_reference, model); tg128 against the
+# defaults (VROUNDS rounds in turn, default 3), and launch traces of all three in turn (h200.sh
+# tvariants, TROUNDS rounds: the GPU chain; the down is `moe 1024x1`, 6.15-6.35 us a layer in
+# g30, the route `route 1x1`, 3.8-4.1).
 set -uo pipefail
 O=${OUT:?}/d; mkdir -p $O
 export EMBER_KERNEL_CACHE=/tmp/kc
@@ -15,9 +17,14 @@ for t in model references; do
   env $W timeout 60 /tmp/bin/$t --test-threads=1 > $O/test-$t-dwide.log 2>&1
   echo "$t: $(grep -E '^test result' $O/test-$t-dwide.log | tail -1)"
 done
-OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' VARIANTS="two:;dwide:$W" STAGES=variants \
+R=EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW
+env $R timeout 60 /tmp/bin/gpu --test-threads=1 --exact route_matches_reference > $O/test-route-regw.log 2>&1
+echo "route test (regw): $(grep -E '^test result' $O/test-route-regw.log)"
+env $R timeout 60 /tmp/bin/model --test-threads=1 > $O/test-model-regw.log 2>&1
+echo "model (regw): $(grep -E '^test result' $O/test-model-regw.log | tail -1)"
+OUT=$O ROUNDS=${VROUNDS:-3} VARIANT_ARGS='-p 0 -n 128' VARIANTS="two:;dwide:$W;regw:$R" STAGES=variants \
   timeout 100 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
-OUT=$O ROUNDS=${TROUNDS:-3} VARIANTS="two:;dwide:$W" STAGES=tvariants timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
-grep -h -E '^\| moe' $O/tvariant-*-1.md
+OUT=$O ROUNDS=${TROUNDS:-3} VARIANTS="two:;dwide:$W;regw:$R" STAGES=tvariants timeout 200 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+grep -h -E '^\| (moe|route)' $O/tvariant-*-1.md
 echo "done at $SECONDS s"
 (cd ${OUT} && tar czf d.tgz d && rm -rf d)

@@ -43,6 +43,21 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
     u32* ids = (u32*)p.ids + (u64)t * p.k;
     float* w = (float*)p.weights + (u64)t * p.k;
     float sum = 0.0f;
+#ifdef EMBER_ROUTE_REGW
+    // (EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW, for measuring: the first 32 weights stay in the
+    // register of the lane that chose them, lane j round j's, and are divided and stored once,
+    // not stored, loaded back after __syncwarp and stored again at the end of the chain. The
+    // same arithmetic: the same bits.)
+    float mine_w = 0.0f;
+#define ROUTE_KEEP_W(r, best)                    \
+    if (lane == (int)((r) % 32)) {                \
+        if ((r) < 32) mine_w = (best);            \
+        else w[r] = (best);                       \
+    }
+#else
+#define ROUTE_KEEP_W(r, best) \
+    if (lane == (int)((r) % 32)) w[r] = (best);
+#endif
 #if __CUDA_ARCH__ >= 800
     // Each round's warp argmax as two redux.sync, not five rounds of two shuffles (below, before
     // sm_80): a probability p >= 0 as the key bits(p) + 1 (monotone in p; 0 for a taken or absent
@@ -69,7 +84,7 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
         for (int i = 0; i < ROUTE_PER_LANE; ++i)
             if (lane + 32 * i == (int)best_e) key[i] = 0u;
         if (lane == 0) ids[r] = best_e;
-        if (lane == (int)(r % 32)) w[r] = best;
+        ROUTE_KEEP_W(r, best);
         sum += best;
     }
 #else
@@ -89,13 +104,19 @@ __device__ __forceinline__ void route_regs(const RouteParams& p) {
         for (int i = 0; i < ROUTE_PER_LANE; ++i)
             if (lane + 32 * i == best_e) v[i] = -1.0f;
         if (lane == 0) ids[r] = best_e;
-        if (lane == (int)(r % 32)) w[r] = best;
+        ROUTE_KEEP_W(r, best);
         sum += best;
     }
 #endif
     const float norm = fmaxf(sum, p.sum_min);
+#ifdef EMBER_ROUTE_REGW
+    if (lane < (int)p.k) w[lane] = mine_w / norm;
+    __syncwarp();
+    for (u32 r = 32 + lane; r < p.k; r += 32) w[r] = w[r] / norm;
+#else
     __syncwarp();
     for (u32 r = lane; r < p.k; r += 32) w[r] = w[r] / norm;
+#endif
 }
 
 // One warp per token, blockDim 32, dynamic shared memory n_expert floats (unused by route_regs).
