@@ -30,9 +30,20 @@ fn gpu() -> Option<&'static Gpu> {
 
 fn quantised(ty: GgmlType, rng: &mut Rng, k: usize, n_rows: usize) -> Vec<u8> {
     let w = rng.vec(k * n_rows, -1.0, 1.0);
-    let mut bytes = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
-    ember_gguf::quant::quantize(ty, &w, &mut bytes).unwrap();
-    bytes
+    common::quantise_rows(ty, &w, k)
+}
+
+/// The test weights quantised on many threads are the bytes one `quantize` call makes (host
+/// only: runs without a GPU).
+#[test]
+fn quantise_rows_is_one_quantize_call() {
+    let mut rng = Rng::new();
+    for (ty, k, n_rows) in [(GgmlType::Q4K, 512, 37), (GgmlType::Q6K, 256, 5), (GgmlType::Q8_0, 96, 1), (GgmlType::Q4K, 2048, 64)] {
+        let w = rng.vec(k * n_rows, -1.0, 1.0);
+        let mut one = vec![0u8; ty.row_bytes(k).unwrap() * n_rows];
+        ember_gguf::quant::quantize(ty, &w, &mut one).unwrap();
+        assert_eq!(common::quantise_rows(ty, &w, k), one, "{ty:?} k={k} rows={n_rows}");
+    }
 }
 
 struct Case {
