@@ -114,13 +114,12 @@ impl CudaOps {
         Ok(DeltaIn { q, k, v, g, beta })
     }
 
-    /// [`ember_ops::Ops::delta_rule_norm`]: [`CudaOps::rule_op`] then the gated norm, or one
-    /// launch (`Gpu::delta_rule_norm_seqs`: each head's last block normalises it) when the step
-    /// is one sequence's one row (decode) and a value head fits the norm's warp: the same bits
-    /// either way. Measured on an H100 (docs/perf.md g30): one sequence's decode step 17 us
-    /// shorter (the rule +3.5 us, the norm's 4.1 us launch gone, 30 layers), 16 sequences' decode
-    /// 5 % slower (1,765 against 1,860 t/s), so one sequence only. `EMBER_DELTA_NORM_FUSED=0`
-    /// never fuses, `=1` fuses every decode step (any number of sequences).
+    /// [`ember_ops::Ops::delta_rule_norm`]: [`CudaOps::rule_op`] then the gated norm, or, with
+    /// `EMBER_DELTA_NORM_FUSED=1`, one launch (`Gpu::delta_rule_norm_seqs`: each head's last
+    /// block normalises it) when every sequence of the step has one row (decode) and a value head
+    /// fits the norm's warp: the same bits either way. Off: measured on an H100 (docs/perf.md
+    /// g30), one sequence's step chain +6 us (the rule +3.5 us a layer, the norm's 4.1 us launch
+    /// gone, the kernels after it slower by about the rest), 16 sequences' decode 5 % slower.
     pub(super) fn rule_norm_op(
         &mut self,
         layer: LayerIdx,
@@ -131,13 +130,8 @@ impl CudaOps {
         z: Tensor,
     ) -> OpResult<Tensor> {
         const OP: &str = "delta_rule_norm";
-        static FUSED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-        let set = *FUSED.get_or_init(|| match std::env::var("EMBER_DELTA_NORM_FUSED").as_deref() {
-            Ok("0") => Some(false),
-            Ok("1") => Some(true),
-            _ => None,
-        });
-        let on = set.unwrap_or(self.spans.len() == 1);
+        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_DELTA_NORM_FUSED").is_some_and(|v| v == "1"));
         let width = self.weights.vector(OP, norm.w)?.len();
         let fits = on
             && width == h.d_v
