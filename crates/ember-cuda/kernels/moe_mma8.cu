@@ -303,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_mma8_down_q6_k(const Mo
 #define MOE8S_W_BYTES (2 * MOE8_ROWS * 144)          // the gate and up rows' super-block
 #define MOE8S_X_BYTES (MOE_BM * MOE8S_XLD)           // the tile's x, 256 values a pair
 #define MOE8S_XS_BYTES (8 * (MOE_BM + 1) * 8)        // their 8 block scales (d, d·Σq), [block][pair]
-#define MOE8S_STAGE_BYTES (MOE8S_W_BYTES + MOE8S_X_BYTES + MOE8S_XS_BYTES)  // 29,248 (ops/moe.rs)
+#define MOE8S_STAGE_BYTES (MOE8S_W_BYTES + MOE8S_X_BYTES + MOE8S_XS_BYTES)  // 29,248 (ops/moe/mod.rs)
 
 
 // grid (n_ff / MOE8_ROWS, max_tiles), 256 threads, MOE8S_STAGES · MOE8S_STAGE_BYTES of dynamic
@@ -423,7 +423,7 @@ struct Moe8sDown<TY_Q6_K> {
 };
 
 // grid (d / MOE8D_ROWS, max_tiles), 256 threads, 128·PITCH + 32·MOE8SD_HLD + 32·MOE8SD_SLD·8
-// bytes of dynamic shared memory (ops/moe.rs); d % 128 == 0; n_ff 256 or 512 (Q4_K), 512 (Q6_K).
+// bytes of dynamic shared memory (ops/moe/mod.rs); d % 128 == 0; n_ff 256 or 512 (Q4_K), 512 (Q6_K).
 template <int TY>
 __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
 #if __CUDA_ARCH__ >= 800
@@ -434,7 +434,7 @@ __device__ __forceinline__ void moe_mma8s_down(const MoeMma8Params& p8) {
     __shared__ u32 pair[MOE_BM];
     MoeTile tl;
     if (!moe_tile(q, tl)) return;  // the whole block
-    // The host launches only these n_ff (ops/moe.rs moe8s_down_fits); anything else would read
+    // The host launches only these n_ff (ops/moe/mod.rs moe8s_down_fits); anything else would read
     // past the staged rows.
     if (TY == TY_Q6_K ? p.n_ff != 512 : p.n_ff != 256 && p.n_ff != 512) return;
     const u32 e = tl.e /* the slot */, first = tl.first, n = tl.n;

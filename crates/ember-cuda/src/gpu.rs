@@ -224,9 +224,9 @@ pub struct Gpu {
     /// them straight into registers).
     pub(crate) moe_mma8_staged: bool,
     /// The most pairs an expert on average for the staged int8 gate/up
-    /// (`EMBER_MOE_MMA8_MAX_PAIRS`; ops/moe.rs MOE8S_MAX_PAIRS by default).
+    /// (`EMBER_MOE_MMA8_MAX_PAIRS`; ops/moe/mod.rs MOE8S_MAX_PAIRS by default).
     pub(crate) moe_mma8s_max_pairs: usize,
-    /// The same for the staged int8 down (`EMBER_MOE_MMA8_DOWN_MAX_PAIRS`; ops/moe.rs
+    /// The same for the staged int8 down (`EMBER_MOE_MMA8_DOWN_MAX_PAIRS`; ops/moe/mod.rs
     /// MOE8SD_MAX_PAIRS by default).
     pub(crate) moe_mma8s_down_max_pairs: usize,
     /// Tokens above which Fast MoE calls group by expert (`EMBER_MOE_MMA_MIN_TOKENS` overrides
