@@ -18,6 +18,15 @@ __device__ __forceinline__ uint2 ld_u64_a4(const u8* p) { return make_uint2(*(co
 template <int TY>
 struct Q8Unit;
 
+// 16 bytes of Q4_K qs against int8 x: the low nibbles' products with xl added to sl, the high
+// nibbles' with xh to sh (4 dp4a each, in word order).
+__device__ __forceinline__ void q4k_nibble_dots(uint4 q, int4 xl, int4 xh, int& sl, int& sh) {
+    sl = dp4a(q.x & 0x0F0F0F0F, xl.x, sl), sh = dp4a((q.x >> 4) & 0x0F0F0F0F, xh.x, sh);
+    sl = dp4a(q.y & 0x0F0F0F0F, xl.y, sl), sh = dp4a((q.y >> 4) & 0x0F0F0F0F, xh.y, sh);
+    sl = dp4a(q.z & 0x0F0F0F0F, xl.z, sl), sh = dp4a((q.z >> 4) & 0x0F0F0F0F, xh.z, sh);
+    sl = dp4a(q.w & 0x0F0F0F0F, xl.w, sl), sh = dp4a((q.w >> 4) & 0x0F0F0F0F, xh.w, sh);
+}
+
 // Q4_K: lane t reads qs[16t..+16]: low nibbles are weights 64p + i0.. of sub-block 2p, high
 // nibbles the same positions of sub-block 2p + 1 (p = t / 2, i0 = 16·(t % 2)). A weight is
 // d·sc·q − dmin·mn, so a sub-block's sum is d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx): the even lane of
@@ -32,10 +41,8 @@ struct Q8Unit<TY_Q4_K> {
         const int p = t / 2, i0 = 16 * (t % 2);
         const int4 xl = *(const int4*)(xq + 256 * c + 64 * p + i0);
         const int4 xh = *(const int4*)(xq + 256 * c + 64 * p + 32 + i0);
-        int sl = dp4a(q.x & 0x0F0F0F0F, xl.x, 0), sh = dp4a((q.x >> 4) & 0x0F0F0F0F, xh.x, 0);
-        sl = dp4a(q.y & 0x0F0F0F0F, xl.y, sl), sh = dp4a((q.y >> 4) & 0x0F0F0F0F, xh.y, sh);
-        sl = dp4a(q.z & 0x0F0F0F0F, xl.z, sl), sh = dp4a((q.z >> 4) & 0x0F0F0F0F, xh.z, sh);
-        sl = dp4a(q.w & 0x0F0F0F0F, xl.w, sl), sh = dp4a((q.w >> 4) & 0x0F0F0F0F, xh.w, sh);
+        int sl = 0, sh = 0;
+        q4k_nibble_dots(q, xl, xh, sl, sh);
         int sc0, mn0, sc1, mn1;
         scale_min_k4_words(2 * p, h.y, h.z, h.w, &sc0, &mn0);
         scale_min_k4_words(2 * p + 1, h.y, h.z, h.w, &sc1, &mn1);
@@ -61,14 +68,9 @@ struct Q8UnitQ4KWide {
         const i8* x = xq + 256 * c + 64 * t;
         const int4 xl0 = *(const int4*)x, xl1 = *(const int4*)(x + 16);
         const int4 xh0 = *(const int4*)(x + 32), xh1 = *(const int4*)(x + 48);
-        int sl = dp4a(q0.x & 0x0F0F0F0F, xl0.x, 0), sh = dp4a((q0.x >> 4) & 0x0F0F0F0F, xh0.x, 0);
-        sl = dp4a(q0.y & 0x0F0F0F0F, xl0.y, sl), sh = dp4a((q0.y >> 4) & 0x0F0F0F0F, xh0.y, sh);
-        sl = dp4a(q0.z & 0x0F0F0F0F, xl0.z, sl), sh = dp4a((q0.z >> 4) & 0x0F0F0F0F, xh0.z, sh);
-        sl = dp4a(q0.w & 0x0F0F0F0F, xl0.w, sl), sh = dp4a((q0.w >> 4) & 0x0F0F0F0F, xh0.w, sh);
-        sl = dp4a(q1.x & 0x0F0F0F0F, xl1.x, sl), sh = dp4a((q1.x >> 4) & 0x0F0F0F0F, xh1.x, sh);
-        sl = dp4a(q1.y & 0x0F0F0F0F, xl1.y, sl), sh = dp4a((q1.y >> 4) & 0x0F0F0F0F, xh1.y, sh);
-        sl = dp4a(q1.z & 0x0F0F0F0F, xl1.z, sl), sh = dp4a((q1.z >> 4) & 0x0F0F0F0F, xh1.z, sh);
-        sl = dp4a(q1.w & 0x0F0F0F0F, xl1.w, sl), sh = dp4a((q1.w >> 4) & 0x0F0F0F0F, xh1.w, sh);
+        int sl = 0, sh = 0;
+        q4k_nibble_dots(q0, xl0, xh0, sl, sh);
+        q4k_nibble_dots(q1, xl1, xh1, sl, sh);
         int sc0, mn0, sc1, mn1;
         scale_min_k4_words(2 * t, h.y, h.z, h.w, &sc0, &mn0);
         scale_min_k4_words(2 * t + 1, h.y, h.z, h.w, &sc1, &mn1);
