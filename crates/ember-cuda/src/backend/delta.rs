@@ -132,7 +132,7 @@ impl CudaOps {
         const OP: &str = "delta_rule_norm";
         static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_DELTA_NORM_FUSED").is_some_and(|v| v == "1"));
-        let width = self.weights.vector(OP, norm.w)?.len();
+        let width = if on { self.weights.vector(OP, norm.w)?.len() } else { 0 };
         let fits = on
             && width == h.d_v
             && h.d_v.is_multiple_of(32)
