@@ -245,16 +245,54 @@ pub fn main(a: Args) -> Result<()> {
                     } else {
                         Vec::new()
                     };
-                    for i in 0..per {
-                        let mut items: Vec<Step<'_, _>> = states
-                            .iter_mut()
-                            .enumerate()
-                            .map(|(j, st)| Step { tokens: &toks[j * per + i..j * per + i + 1], state: st, logits: Logits::Last })
-                            .collect();
-                        if top.is_empty() {
-                            backend.forward(&mut items)?;
-                        } else {
-                            backend.forward_top(&mut items, &top, &mut || {})?;
+                    let tops: Option<Vec<(usize, Vec<u32>)>> = top.iter().cloned().collect();
+                    match tops.filter(|t| !t.is_empty() && backend.runs_ahead()) {
+                        // As the engine decodes (engine/ahead.rs): step i + 1 queued before step
+                        // i's entries are read, its tokens fed after.
+                        Some(tops) => {
+                            let placeholder = [0u32];
+                            let mut items: Vec<Step<'_, _>> = states
+                                .iter_mut()
+                                .enumerate()
+                                .map(|(j, st)| Step { tokens: &toks[j * per..j * per + 1], state: st, logits: Logits::Last })
+                                .collect();
+                            backend.submit(&mut items, &tops, false)?;
+                            for i in 0..per {
+                                let next: Vec<u32> = (0..n).filter(|_| i + 1 < per).map(|j| toks[j * per + i + 1]).collect();
+                                let mut deferred = false;
+                                if !next.is_empty() {
+                                    let mut items: Vec<Step<'_, _>> = states
+                                        .iter_mut()
+                                        .map(|st| Step { tokens: &placeholder, state: st, logits: Logits::Last })
+                                        .collect();
+                                    deferred = backend.submit(&mut items, &tops, true)?;
+                                }
+                                backend.collect()?;
+                                if deferred {
+                                    backend.feed(&next)?;
+                                } else if !next.is_empty() {
+                                    let mut items: Vec<Step<'_, _>> = states
+                                        .iter_mut()
+                                        .zip(&next)
+                                        .map(|(st, t)| Step { tokens: std::slice::from_ref(t), state: st, logits: Logits::Last })
+                                        .collect();
+                                    backend.submit(&mut items, &tops, false)?;
+                                }
+                            }
+                        }
+                        None => {
+                            for i in 0..per {
+                                let mut items: Vec<Step<'_, _>> = states
+                                    .iter_mut()
+                                    .enumerate()
+                                    .map(|(j, st)| Step { tokens: &toks[j * per + i..j * per + i + 1], state: st, logits: Logits::Last })
+                                    .collect();
+                                if top.is_empty() {
+                                    backend.forward(&mut items)?;
+                                } else {
+                                    backend.forward_top(&mut items, &top, &mut || {})?;
+                                }
+                            }
                         }
                     }
                 }

@@ -131,3 +131,60 @@ extern "C" __global__ void moe_wait_add(const MoeWaitParams p) {
         out[i] = ok ? out[i] + sum[i] : nan;
     }
 }
+
+// A step's tokens fed by the host (docs/backend.md, "Running ahead"): a decode step queued while
+// the one before it still runs starts with feed_wait, which waits until the host has sampled
+// that step's tokens from the previous one's rows and written them into the feed (host memory
+// mapped into the GPU's address space, src/gpu/feed.rs), then copies them to the step's token
+// table. The rest of the step (already queued behind it) goes on from there.
+//
+// A feed, in 32-bit words:
+//   [0] fed        the step's generation, written by the host after tokens[] (release)
+//   [1] timed_out  the generation, written by feed_wait when it gave up on the host
+//   [2], [3]       unused
+//   [4 ..)         tokens[cap]
+#define FD_FED 0
+#define FD_TIMED_OUT 1
+#define FD_HEAD 4
+
+struct FeedWaitParams {
+    u64 feed;        // the feed (device address of the mapped host memory)
+    u64 step;        // one u32 of device memory: this step's generation
+    u64 tokens;      // [n] u32: the step's token table on the device
+    u64 timeout_ns;
+    u32 n, pad;
+};
+
+// One block. A host that has not fed the step after timeout_ns gets token 0 in every row (a
+// step of garbage rather than a hung stream) and `timed_out` says so; the host then fails
+// that step.
+extern "C" __global__ void feed_wait(const FeedWaitParams p) {
+    pdl_enter();
+    const u32* feed = (const u32*)p.feed;
+    __shared__ u32 ok;
+    if (threadIdx.x == 0) {
+        const u32 gen = *(const u32*)p.step;
+        const u64 t0 = global_ns();
+        u32 sleep = 32;
+        for (;;) {
+            if (ld_acquire_sys(feed + FD_FED) == gen) {
+                ok = 1;
+                break;
+            }
+            if (global_ns() - t0 > p.timeout_ns) {
+                ok = 0;
+                st_release_sys((u32*)feed + FD_TIMED_OUT, gen);
+                break;
+            }
+            // Short sleeps: the host answers within microseconds of the step ahead's end, and
+            // every microsecond here is one the GPU idles.
+            __nanosleep(sleep);
+            sleep = sleep < 128 ? 2 * sleep : 128;
+        }
+    }
+    __syncthreads();
+    // Volatile: the host rewrites tokens[] every step, so no cached copy may be read.
+    const volatile u32* src = (const volatile u32*)(feed + FD_HEAD);
+    u32* dst = (u32*)p.tokens;
+    for (u32 i = threadIdx.x; i < p.n; i += blockDim.x) dst[i] = ok ? src[i] : 0u;
+}

@@ -18,6 +18,7 @@ use crate::graph::{self, GraphStats, Pending, Recorder};
 use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
+mod feed;
 mod mailbox;
 mod profile;
 mod skip;
@@ -25,9 +26,10 @@ mod trace;
 mod transfers;
 mod uploads;
 
+pub use feed::{FEED_TIMEOUT_NS, Feed};
 pub use mailbox::{MAILBOX_TIMEOUT_NS, Mailbox};
 use profile::{FlushTime, Profile};
-pub use transfers::Download;
+pub use transfers::{DevRange, Download, LaterDownload};
 use transfers::{Small, Stage};
 pub(crate) use uploads::UploadDone;
 

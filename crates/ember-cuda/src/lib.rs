@@ -21,6 +21,9 @@ pub mod ops;
 
 pub use backend::{ACT_RESERVE, CudaOps, GRAPH_MAX_ROWS};
 pub use error::{Error, Result};
-pub use gpu::{Buf, DeviceInfo, Download, Elem, Gpu, MAILBOX_TIMEOUT_NS, Mailbox, devices, driver_version};
+pub use gpu::{
+    Buf, DevRange, DeviceInfo, Download, Elem, FEED_TIMEOUT_NS, Feed, Gpu, LaterDownload, MAILBOX_TIMEOUT_NS, Mailbox, devices,
+    driver_version,
+};
 pub use graph::GraphStats;
 pub use ops::Precision;

@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use crate::prefix_cache::{Checkpoint, PrefixCache};
 use crate::{Error, Sampler, SamplerConfig};
 
+mod ahead;
 mod scheduler;
 mod tokens;
 use scheduler::{Cached, Scheduler, Seq};
@@ -82,6 +83,35 @@ pub trait Backend: Send + 'static {
             })
             .collect())
     }
+    /// Whether the backend can run a decode step ahead ([`Backend::submit`] with `deferred`):
+    /// queue it while the step before it runs, its tokens fed once sampled from that step's
+    /// rows, so that the device goes from one step to the next without waiting for the host.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+    /// Queues a decode step: one token a sequence, each item's row's best entries `top[i] = (k,
+    /// extra)`, returned by [`Backend::collect`] (steps come back in the order they were
+    /// queued); the host goes on meanwhile. With `deferred` the items' tokens are not known yet:
+    /// [`Backend::feed`] brings them, before anything else waits for the device. Ok(false): this
+    /// step cannot be queued deferred (nothing was). Each item's state counts its token as held
+    /// from here on. On an error nothing of the step is left waiting.
+    fn submit(&mut self, items: &mut [Step<'_, Self::State>], top: &[(usize, Vec<u32>)], deferred: bool) -> Result<bool, Error> {
+        let _ = (items, top, deferred);
+        Err(Error::Backend("this backend does not queue steps".into()))
+    }
+    /// The tokens of the deferred step queued last, one per item in its order.
+    fn feed(&mut self, tokens: &[u32]) -> Result<(), Error> {
+        let _ = tokens;
+        Err(Error::Backend("this backend does not queue steps".into()))
+    }
+    /// The rows of the oldest step queued by [`Backend::submit`], one per item (waits for it).
+    /// After an error every queued step is dropped.
+    fn collect(&mut self) -> Result<Vec<ember_ops::TopRow>, Error> {
+        Err(Error::Backend("this backend does not queue steps".into()))
+    }
+    /// Drops every step [`Backend::submit`] queued (one waiting for tokens is fed zeros first):
+    /// after a failure, before the engine fails their sequences.
+    fn abandon(&mut self) {}
     /// Whether [`Backend::forward_top`] saves something over whole rows (a GPU: the selection
     /// runs there and only a few entries of the row come to the host); the engine asks for
     /// rows' best entries only then.
@@ -358,7 +388,7 @@ pub fn start<B: Backend>(mut backend: B, cfg: EngineConfig) -> Result<(EngineHan
             let ok = warm.is_ok();
             let _ = ready_tx.send(warm);
             if ok {
-                Scheduler { backend, cfg, stats, rx, active: Vec::new(), cache }.run()
+                Scheduler { backend, cfg, stats, rx, active: Vec::new(), cache, ahead: None, next_id: 0 }.run()
             }
         })
         .map_err(|e| Error::Backend(format!("spawning the engine thread: {e}")))?;

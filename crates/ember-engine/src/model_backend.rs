@@ -22,6 +22,10 @@ pub struct ModelBackend<O> {
     layout: ember_ops::StateLayout,
     /// Whether the engine asks for rows' best entries ([`Backend::prefers_top`]).
     top_reads: bool,
+    /// Steps [`Backend::submit`] queued, oldest first, and whether the newest waits for its
+    /// tokens (its row count).
+    queued: std::collections::VecDeque<ember_model::QueuedTop>,
+    unfed: Option<usize>,
 }
 
 impl<O: ember_ops::Ops> ModelBackend<O> {
@@ -39,7 +43,7 @@ impl<O: ember_ops::Ops> ModelBackend<O> {
             Ok("0") => false,
             _ => matches!(ops.device(), ember_ops::DeviceId::Gpu(_)),
         };
-        Ok(ModelBackend { model, ops, layout, top_reads })
+        Ok(ModelBackend { model, ops, layout, top_reads, queued: Default::default(), unfed: None })
     }
 
     /// Whether the engine asks this backend for rows' best entries instead of whole rows
@@ -173,6 +177,58 @@ impl<O: ember_ops::Ops + 'static> Backend for ModelBackend<O> {
 
     fn prefers_top(&self) -> bool {
         self.top_reads
+    }
+
+    fn runs_ahead(&self) -> bool {
+        self.top_reads && self.ops.defers_tokens()
+    }
+
+    fn submit(&mut self, items: &mut [Step<'_, Self::State>], top: &[(usize, Vec<u32>)], deferred: bool) -> Result<bool, Error> {
+        if self.unfed.is_some() {
+            return Err(Error::Backend("a step was queued while the one before waits for its tokens".into()));
+        }
+        let mut seqs = seq_batches(items);
+        match self.model.submit_top(&mut self.ops, &mut seqs, top, deferred) {
+            Ok(Some(q)) => {
+                self.queued.push_back(q);
+                if deferred {
+                    self.unfed = Some(items.len());
+                }
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => {
+                // The sequences' states may be half advanced: the steps queued before are
+                // dropped too (the engine fails them all).
+                self.abandon();
+                Err(model_err(e))
+            }
+        }
+    }
+
+    fn feed(&mut self, tokens: &[u32]) -> Result<(), Error> {
+        if self.unfed.take().is_none() {
+            return Err(Error::Backend("no queued step waits for tokens".into()));
+        }
+        self.model.feed(&mut self.ops, tokens).map_err(model_err)
+    }
+
+    fn collect(&mut self) -> Result<Vec<ember_ops::TopRow>, Error> {
+        let Some(q) = self.queued.pop_front() else { return Err(Error::Backend("no queued step to collect".into())) };
+        let rows = self.model.collect_top(&mut self.ops, q);
+        if rows.is_err() {
+            self.abandon();
+        }
+        rows.map_err(model_err)
+    }
+
+    fn abandon(&mut self) {
+        if let Some(n) = self.unfed.take() {
+            let _ = self.model.feed(&mut self.ops, &vec![0; n]);
+        }
+        for q in std::mem::take(&mut self.queued) {
+            let _ = self.model.collect_top(&mut self.ops, q);
+        }
     }
 
     fn kv_pages(&mut self) -> Option<(usize, usize)> {

@@ -366,12 +366,19 @@ impl Sampler {
         }
     }
 
+    /// Whether the next draw depends on the history (the penalties are on): a step whose row's
+    /// entries are asked for before the last token is known cannot serve it.
+    pub fn reads_history(&self) -> bool {
+        let c = &self.cfg;
+        let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
+        c.penalty_last_n != 0 && !off
+    }
+
     /// The tokens whose logits the penalties change for the next draw after `history` (the
     /// penalty window's distinct tokens, ascending; none when the penalties are off).
     pub fn touched_ids(&self, history: &[u32]) -> Vec<u32> {
         let c = &self.cfg;
-        let off = c.repeat_penalty == 1.0 && c.presence_penalty == 0.0 && c.frequency_penalty == 0.0;
-        if c.penalty_last_n == 0 || off {
+        if !self.reads_history() {
             return Vec::new();
         }
         let mut w = history[history.len().saturating_sub(c.penalty_last_n)..].to_vec();

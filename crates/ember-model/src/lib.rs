@@ -16,7 +16,7 @@ mod weights;
 
 pub use config::{Config, LayerKind, SUPPORTED_ARCHS};
 pub use ember_ops::Snapshot;
-pub use qwen35moe::{DeltaMode, Forward, Logits, Model, SeqBatch, StepRows};
+pub use qwen35moe::{DeltaMode, Forward, Logits, Model, QueuedTop, SeqBatch, StepRows};
 pub use state::SeqState;
 pub use weights::TensorGroup;
 

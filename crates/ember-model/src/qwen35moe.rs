@@ -307,14 +307,107 @@ impl Model {
         ops: &mut dyn Ops,
         seqs: &mut [SeqBatch],
         delta: DeltaMode,
-        mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
         before_wait: &mut dyn FnMut(),
         read: impl FnOnce(&mut dyn Ops, Tensor, &[usize]) -> Result<R, Error>,
     ) -> Result<R, Error> {
-        let c = &self.config;
+        let Some((logits, counts)) = self.queue(ops, seqs, delta, tap, before_wait, false)? else {
+            return Err(Error::BadBatch("a step with its tokens was refused".into()));
+        };
+        let out = read(ops, logits, &counts)?;
+        ops.end_step()?;
+        for s in seqs.iter_mut() {
+            s.state.n_past += s.tokens.len();
+        }
+        Ok(out)
+    }
+
+    /// Queues a decode step over `seqs` (one token each, `Logits::Last`) whose rows' best
+    /// entries (`top[i] = (k, extra)`, as [`Model::forward_batch_top`] asks) come back with
+    /// [`Model::collect_top`], without waiting for it: the host may queue the next step first.
+    /// With `deferred` the tokens are not known yet (`seqs`' tokens are not read): the step waits
+    /// on the device for [`Model::feed`], which must come before anything waits for the device.
+    /// Ok(None) when the backend cannot queue this step so ([`Ops::can_defer`]; nothing was
+    /// queued). Each state counts the token as held from here on.
+    pub fn submit_top(
+        &self,
+        ops: &mut dyn Ops,
+        seqs: &mut [SeqBatch],
+        top: &[(usize, Vec<u32>)],
+        deferred: bool,
+    ) -> Result<Option<QueuedTop>, Error> {
+        if top.len() != seqs.len() {
+            return Err(Error::BadBatch(format!("{} top requests for {} sequences", top.len(), seqs.len())));
+        }
+        if seqs.iter().any(|s| s.tokens.len() != 1 || s.logits != Logits::Last) {
+            return Err(Error::BadBatch("a queued step has one token and its logits for each sequence".into()));
+        }
+        let n = seqs.len();
+        let Some((logits, _)) = self.queue(ops, seqs, DeltaMode::Auto, None, &mut || {}, deferred)? else { return Ok(None) };
+        let k = top.iter().map(|t| t.0).max().unwrap_or(0);
+        let extra: Vec<Vec<u32>> = top.iter().map(|t| t.1.clone()).collect();
+        let queued = (|| -> Result<ember_ops::TopRead, Error> {
+            let read = ops.read_top_begin(logits, k, &extra)?;
+            ops.end_step()?;
+            Ok(read)
+        })();
+        match queued {
+            Ok(read) => {
+                for s in seqs.iter_mut() {
+                    s.state.n_past += 1;
+                }
+                Ok(Some(QueuedTop { read, n_rows: n }))
+            }
+            Err(e) => {
+                if deferred {
+                    // Nobody reads its rows; the device must not wait for its tokens.
+                    let _ = ops.feed_tokens(&vec![0; n]);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The tokens of the step [`Model::submit_top`] queued last with `deferred`, one per
+    /// sequence in its order. A token out of the vocabulary is an error (the step then runs on
+    /// token 0, and its rows are not to be used).
+    pub fn feed(&self, ops: &mut dyn Ops, tokens: &[u32]) -> Result<(), Error> {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.n_vocab) {
+            let _ = ops.feed_tokens(&vec![0; tokens.len()]);
+            return Err(Error::BadBatch(format!("token id {bad} is out of range (vocabulary has {} rows)", self.config.n_vocab)));
+        }
+        Ok(ops.feed_tokens(tokens)?)
+    }
+
+    /// The rows' best entries of a step [`Model::submit_top`] queued (waits for it), one per
+    /// sequence in its order.
+    pub fn collect_top(&self, ops: &mut dyn Ops, q: QueuedTop) -> Result<Vec<ember_ops::TopRow>, Error> {
+        let rows = ops.read_top_end(q.read)?;
+        if rows.len() != q.n_rows {
+            return Err(Error::BadBatch(format!("{} rows read for a step of {}", rows.len(), q.n_rows)));
+        }
+        Ok(rows)
+    }
+
+    /// Everything of a step up to its logits, queued (and submitted, `before_wait` run, on a
+    /// backend that overlaps): the logits handle and each sequence's number of logit rows.
+    /// With `deferred`, the batch's tokens come later ([`Model::submit_top`]); None when the
+    /// backend cannot take it so. A deferred step that fails once queued is fed token 0.
+    #[allow(clippy::type_complexity)]
+    fn queue(
+        &self,
+        ops: &mut dyn Ops,
+        seqs: &mut [SeqBatch],
+        delta: DeltaMode,
+        tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        before_wait: &mut dyn FnMut(),
+        deferred: bool,
+    ) -> Result<Option<(Tensor, Vec<usize>)>, Error> {
         for (index, s) in seqs.iter().enumerate() {
             // A bad sequence is named, and nothing has run yet: a caller may drop it and retry.
-            self.check_batch(s.tokens, s.state)
+            // (A deferred step's tokens are checked when they come.)
+            let tokens = if deferred { &[0u32][..] } else { s.tokens };
+            self.check_batch(tokens, s.state)
                 .map_err(|e| if seqs.len() == 1 { e } else { Error::InSequence { index, source: Box::new(e) } })?;
         }
         // A backend that does each op's work before returning overlaps nothing: the host work
@@ -336,9 +429,37 @@ impl Model {
             };
             counts.push(rows.len());
             batch.logit_rows.extend(rows);
-            batch.push(s.state.slot().id(), s.state.n_past, s.tokens);
+            if deferred {
+                batch.push(s.state.slot().id(), s.state.n_past, &vec![0; s.tokens.len()]);
+            } else {
+                batch.push(s.state.slot().id(), s.state.n_past, s.tokens);
+            }
+        }
+        batch.deferred = deferred;
+        if deferred && !ops.can_defer(&batch) {
+            return Ok(None);
         }
         ops.begin_step(&batch)?;
+        let n_rows = batch.n_rows();
+        let queued = self.layers_and_head(ops, delta, tap, before_wait, overlaps);
+        if queued.is_err() && deferred {
+            // Nobody reads its rows; the device must not wait for its tokens.
+            let _ = ops.feed_tokens(&vec![0; n_rows]);
+        }
+        Ok(Some((queued?, counts)))
+    }
+
+    /// The layers and the head of a begun step: its logits.
+    #[allow(clippy::type_complexity)]
+    fn layers_and_head(
+        &self,
+        ops: &mut dyn Ops,
+        delta: DeltaMode,
+        mut tap: Option<&mut dyn FnMut(&str, usize, &Mat)>,
+        before_wait: &mut dyn FnMut(),
+        overlaps: bool,
+    ) -> Result<Tensor, Error> {
+        let c = &self.config;
 
         let h = ops.embed(self.tok_embd)?; // [ΣT, D]
         see(&mut tap, ops, "embd", 0, h)?;
@@ -384,12 +505,7 @@ impl Model {
             ops.submit()?;
             before_wait();
         }
-        let out = read(ops, logits, &counts)?;
-        ops.end_step()?;
-        for s in seqs.iter_mut() {
-            s.state.n_past += s.tokens.len();
-        }
-        Ok(out)
+        Ok(logits)
     }
 
     fn check_batch(&self, tokens: &[u32], st: &SeqState) -> Result<(), Error> {
@@ -424,6 +540,13 @@ pub enum StepRows {
     Full(Mat),
     /// Its one row's best entries and the extra ids it asked for.
     Top(ember_ops::TopRow),
+}
+
+/// A step [`Model::submit_top`] queued: its rows come with [`Model::collect_top`].
+#[derive(Debug)]
+pub struct QueuedTop {
+    read: ember_ops::TopRead,
+    n_rows: usize,
 }
 
 /// One sequence of a batched forward call.

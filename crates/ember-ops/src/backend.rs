@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::{
     AttnHeads, AttnIn, AttnMats, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm,
     HostKernels, HostStore, KvCache, LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId,
-    Snapshot, StateKind, StateLayout, StoreStats, Tensor, WeightId, WeightSet,
+    Snapshot, StateKind, StateLayout, StoreStats, Tensor, TopRead, TopRow, WeightId, WeightSet,
 };
 
 /// A host backend: kernels `K`, an arena of [`Mat`]s, a [`HostStore`].
@@ -177,6 +177,9 @@ impl<K: HostKernels> Ops for HostBackend<K> {
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         const OP: &str = "begin_step";
         let dev = self.dev();
+        if batch.deferred {
+            return Err(OpError::new(OP, dev, "", "a host backend runs each op when called: it cannot wait for a step's tokens"));
+        }
         crate::check::batch(OP, dev, batch, |s| self.store.live_len(OP, s))?;
         self.used = 0;
         self.n_routes = 0;
@@ -442,6 +445,21 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         (**self).read_routing(r)
+    }
+    fn read_top_begin(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<TopRead> {
+        (**self).read_top_begin(x, k, extra)
+    }
+    fn read_top_end(&mut self, r: TopRead) -> OpResult<Vec<TopRow>> {
+        (**self).read_top_end(r)
+    }
+    fn defers_tokens(&self) -> bool {
+        (**self).defers_tokens()
+    }
+    fn can_defer(&self, batch: &Batch) -> bool {
+        (**self).can_defer(batch)
+    }
+    fn feed_tokens(&mut self, tokens: &[u32]) -> OpResult<()> {
+        (**self).feed_tokens(tokens)
     }
     fn embed(&mut self, w: WeightId) -> OpResult<Tensor> {
         (**self).embed(w)

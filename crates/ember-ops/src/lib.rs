@@ -39,7 +39,7 @@ pub use host::{HostOps, RefKernels};
 pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
 pub use ops::{HostKernels, Ops};
 pub use store::{HostStore, KvPage, PagePool, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats};
-pub use top::TopRow;
+pub use top::{TopRead, TopRow};
 /// An expert tier's counters since the backend started.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ExpertStats {
@@ -579,6 +579,10 @@ pub struct Batch {
     pub tokens: Vec<u32>,
     pub seqs: Vec<BatchSeq>,
     pub logit_rows: Vec<u32>,
+    /// The tokens are not known yet (`tokens` holds zeros): [`Ops::feed_tokens`] brings them
+    /// once the step is queued ([`Ops::can_defer`]). A decode step queued while the one ahead
+    /// of it runs, its tokens sampled from that one's rows.
+    pub deferred: bool,
 }
 
 impl Batch {

@@ -51,6 +51,46 @@ pub trait Ops: SeqStore + Send {
         Ok((0..m.n).map(|r| top::top_of_row(&m.data[r * m.d..(r + 1) * m.d], k, extra.get(r).map_or(&[], Vec::as_slice))).collect())
     }
 
+    /// [`Ops::read_top`] in two halves: the selection and its copy to the host queued behind the
+    /// work asked for so far ([`Ops::read_top_end`] waits for it and returns the rows). Between
+    /// the two the host may queue the next step (a device runs it after this one). By default
+    /// the rows are read at once ([`TopRead::Ready`]).
+    fn read_top_begin(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<TopRead> {
+        Ok(TopRead::Ready(self.read_top(x, k, extra)?))
+    }
+
+    /// The rows of a [`Ops::read_top_begin`] of this backend (in the order they were begun).
+    fn read_top_end(&mut self, r: TopRead) -> OpResult<Vec<TopRow>> {
+        match r {
+            TopRead::Ready(rows) => Ok(rows),
+            TopRead::Queued(_) => Err(OpError::new("read_top_end", self.device(), "", "a read this backend did not begin")),
+        }
+    }
+
+    /// Whether [`Ops::begin_step`] could ever take a batch whose tokens come later
+    /// ([`Batch::deferred`]); [`Ops::can_defer`] says it for one batch.
+    fn defers_tokens(&self) -> bool {
+        false
+    }
+
+    /// Whether [`Ops::begin_step`] takes `batch` with [`Batch::deferred`] set: the step's work is
+    /// queued behind a wait for its tokens on the device, and nothing until
+    /// [`Ops::feed_tokens`] waits for the device on the host (no upload that waits, no read, no
+    /// page table written mid-step). A host backend, whose ops run when called, never can.
+    fn can_defer(&self, batch: &Batch) -> bool {
+        let _ = batch;
+        false
+    }
+
+    /// The tokens of the deferred step begun last, one per row: its queued work goes on. Called
+    /// once per deferred step, before anything waits for the device; [`OpError`] when no
+    /// deferred step waits for them (a step that failed while being queued is given tokens by
+    /// its caller all the same, so that the device does not wait for them).
+    fn feed_tokens(&mut self, tokens: &[u32]) -> OpResult<()> {
+        let _ = tokens;
+        Err(OpError::new("feed_tokens", self.device(), "", "this backend does not defer a step's tokens"))
+    }
+
     /// A routing's ids and weights on the host.
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable>;
 

@@ -24,6 +24,22 @@ impl TopRow {
     }
 }
 
+/// What [`crate::Ops::read_top_begin`] gives: the rows already read, or a backend's read still
+/// queued (its own type inside), which only that backend's [`crate::Ops::read_top_end`] opens.
+pub enum TopRead {
+    Ready(Vec<TopRow>),
+    Queued(Box<dyn std::any::Any + Send>),
+}
+
+impl std::fmt::Debug for TopRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TopRead::Ready(rows) => f.debug_tuple("Ready").field(&rows.len()).finish(),
+            TopRead::Queued(_) => f.write_str("Queued"),
+        }
+    }
+}
+
 /// The order [`TopRow`] ranks by: larger value first (NaN as −∞), then the lower id.
 pub fn rank(a: (u32, f32), b: (u32, f32)) -> Ordering {
     let v = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };

@@ -194,6 +194,12 @@ pub struct Hybrid {
     /// Whether a mailbox was posted since the host last waited for the stream: a wait of this
     /// step may yet time out on the GPU (see `begin_step`).
     posted_unwaited: bool,
+    /// A deferred step was begun and not fed yet ([`Ops::feed_tokens`]): nothing may wait for
+    /// the stream, so `end_step`'s upkeep (uploads' bookkeeping, the memory watch, the heat's
+    /// save) waits for the feed.
+    unfed: bool,
+    /// That upkeep is owed (done at the feed).
+    upkeep_owed: bool,
     /// Which weights the GPU keeps ([`Ops::keep_weights`]; None: all).
     kept: Option<Vec<bool>>,
     /// Per layer, whether its experts are this GPU's to place (set at `register` from `kept`:
@@ -285,6 +291,8 @@ impl Hybrid {
             posted: Vec::new(),
             timeouts_seen: 0,
             posted_unwaited: false,
+            unfed: false,
+            upkeep_owed: false,
             kept: None,
             owned: Vec::new(),
             gpu,
@@ -425,6 +433,19 @@ impl Hybrid {
         let y = self.cpu.moe_slots(&views, x);
         self.stats.miss_secs += t0.elapsed().as_secs_f64();
         Ok(y)
+    }
+
+    /// What `end_step` does after the step's work is queued: uploads' bookkeeping and swaps
+    /// (`rebalance`), the memory watch, the heat's save now and then.
+    fn upkeep(&mut self) -> OpResult<()> {
+        self.rebalance()?;
+        self.check_memory();
+        if self.saved.elapsed() >= SAVE_EVERY
+            && let Err(e) = self.save_heat()
+        {
+            eprintln!("expert tier: could not save the heat: {e}");
+        }
+        Ok(())
     }
 
     /// Moves the hottest missing experts in, at most `max_uploads`, each replacing the coldest

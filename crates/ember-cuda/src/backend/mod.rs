@@ -87,10 +87,22 @@ pub struct CudaOps {
     top: Option<TopBufs>,
     /// Where one-row steps' host time goes, when `EMBER_CUDA_STEP_TIMES` is set.
     times: Option<step_times::StepTimes>,
+    /// The mapped memory deferred steps take their tokens from (made at the first).
+    feed: Option<crate::Feed>,
+    /// The generation of the deferred step begun last, until it is fed.
+    unfed: Option<u32>,
+    /// The last generation whose feed wait gave up that was reported.
+    feed_timeouts_seen: u32,
 }
+
+/// Rows of a deferred step at most (the feed's room; a decode step has one row a sequence).
+pub const FEED_ROWS: usize = 256;
 
 impl Drop for CudaOps {
     fn drop(&mut self) {
+        // A deferred step nobody fed: the device must not wait for it (the feed's own drop,
+        // after this, waits for the stream).
+        self.release_feed();
         if let Some(line) = self.times.as_ref().and_then(|t| t.report()) {
             eprintln!("{line}");
         }
@@ -196,7 +208,51 @@ impl CudaOps {
             generation: 0,
             top: None,
             times: step_times::from_env(),
+            feed: None,
+            unfed: None,
+            feed_timeouts_seen: 0,
             gpu,
+        })
+    }
+
+    /// Gives a deferred step that was never fed token 0 in every row, so that the device does
+    /// not wait on it (its results are garbage and nobody reads them); true when one waited.
+    fn release_feed(&mut self) -> bool {
+        let Some(generation) = self.unfed.take() else { return false };
+        if let Some(f) = &self.feed {
+            let _ = f.write(generation, &vec![0; self.batch.n_rows().min(f.cap())]);
+        }
+        true
+    }
+
+    /// An error when the feed wait of a step that ran gave up on the host (once per such step).
+    fn check_feed_timeouts(&mut self, op: &'static str) -> OpResult<()> {
+        let Some(f) = &self.feed else { return Ok(()) };
+        let t = f.timed_out();
+        if t == 0 || t == self.feed_timeouts_seen {
+            return Ok(());
+        }
+        self.feed_timeouts_seen = t;
+        Err(OpError::new(
+            op,
+            self.dev,
+            "",
+            format!("the GPU waited more than {:?} for a step's tokens", std::time::Duration::from_nanos(crate::FEED_TIMEOUT_NS)),
+        ))
+    }
+
+    /// Whether a step over `batch`'s sequences appends to no KV page that is not in the device's
+    /// page table yet, and every cache ends at its sequence's first position: then its
+    /// `kv_append`s write nothing from the host (no table upload, which waits).
+    fn kv_appends_stay_on_device(&self, batch: &Batch) -> bool {
+        // (A slot not in use fails begin_step's checks; nothing is looked up for it here.)
+        if batch.seqs.iter().any(|s| self.store.live_len("can_defer", s.slot).is_err()) {
+            return false;
+        }
+        let slots: Vec<SlotId> = batch.seqs.iter().map(|s| s.slot).collect();
+        let ns: Vec<usize> = batch.seqs.iter().map(|s| s.n).collect();
+        (0..self.store.n_kv()).all(|a| {
+            !self.store.grow_writes_table(&slots, &ns, a) && batch.seqs.iter().all(|s| self.store.cache(s.slot, a, 0).len == s.pos0)
         })
     }
 

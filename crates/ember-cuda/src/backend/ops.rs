@@ -44,6 +44,18 @@ impl Ops for CudaOps {
     fn begin_step(&mut self, batch: &Batch) -> OpResult<()> {
         const OP: &str = "begin_step";
         let dev = self.dev;
+        if self.release_feed() {
+            // Its caller failed between queuing it and feeding it, and did not feed it: a bug
+            // of the caller's, reported here (the device went on with token 0).
+            self.stepping = false;
+            return Err(OpError::new(OP, dev, "", "the deferred step before this one was never fed its tokens"));
+        }
+        if batch.deferred && !self.can_defer(batch) {
+            return Err(OpError::new(OP, dev, "", "this step cannot wait for its tokens on the device (Ops::can_defer)"));
+        }
+        if batch.deferred && self.feed.is_none() {
+            self.feed = Some(self.gpu.feed(super::FEED_ROWS).map_err(cuda(OP, dev))?);
+        }
         let graphs = self.gpu.graphs();
         if let Some(t) = &mut self.times {
             t.begin(batch.n_rows() == 1 && graphs);
@@ -85,7 +97,51 @@ impl Ops for CudaOps {
         if let Some(t) = &mut self.times {
             t.recording();
         }
+        // A deferred step starts by waiting on the device for its tokens (`feed_tokens`).
+        if batch.deferred
+            && let Some(feed) = &self.feed
+        {
+            g.feed_wait(feed, &st.generation, &mut st.tokens, batch.n_rows(), crate::FEED_TIMEOUT_NS).map_err(cuda(OP, dev))?;
+            self.unfed = Some(self.generation);
+        }
         self.stepping = true;
+        Ok(())
+    }
+
+    fn defers_tokens(&self) -> bool {
+        // `EMBER_RUN_AHEAD=0`: never (A/B runs). Not while launches are timed or traced step by
+        // step (their waits), nor without stream-ordered frees (a free would wait).
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        crate::ops::switch(&ON, "EMBER_RUN_AHEAD") && self.times.is_none() && self.gpu.host_waits_ok()
+    }
+
+    /// Also: no deferred step waits already, the rows fit the feed, and the step's `kv_append`s
+    /// need no page table upload (a sequence crossing into a new KV page takes a normal step).
+    fn can_defer(&self, batch: &Batch) -> bool {
+        self.defers_tokens()
+            && self.unfed.is_none()
+            && (1..=super::FEED_ROWS).contains(&batch.n_rows())
+            && self.kv_appends_stay_on_device(batch)
+    }
+
+    fn feed_tokens(&mut self, tokens: &[u32]) -> OpResult<()> {
+        const OP: &str = "feed_tokens";
+        let Some(generation) = self.unfed else {
+            return Err(OpError::new(OP, self.dev, "", "no deferred step waits for tokens"));
+        };
+        let n = self.batch.n_rows();
+        if tokens.len() != n {
+            self.release_feed();
+            return Err(OpError::new(OP, self.dev, format!("{} tokens", tokens.len()), format!("the deferred step has {n} rows")));
+        }
+        let Some(feed) = &self.feed else { return Err(OpError::new(OP, self.dev, "", "no feed")) };
+        let written = feed.write(generation, tokens).map_err(cuda(OP, self.dev));
+        if written.is_err() {
+            self.release_feed();
+            return written;
+        }
+        self.unfed = None;
+        self.batch.tokens.copy_from_slice(tokens);
         Ok(())
     }
 
@@ -128,6 +184,15 @@ impl Ops for CudaOps {
     /// See [`CudaOps::read_top_entries`].
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
         self.read_top_entries(x, k, extra)
+    }
+
+    /// See [`CudaOps::read_top_queue`].
+    fn read_top_begin(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<ember_ops::TopRead> {
+        self.read_top_queue(x, k, extra)
+    }
+
+    fn read_top_end(&mut self, r: ember_ops::TopRead) -> OpResult<Vec<ember_ops::TopRow>> {
+        self.read_top_wait(r)
     }
 
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {

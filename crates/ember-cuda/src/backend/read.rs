@@ -26,6 +26,23 @@ pub(super) struct TopBufs {
     /// zeroed when first needed.
     split: Option<(Buf<u32>, Buf<u32>, Buf<u32>)>,
     split_rows: usize,
+    /// What `extra` and `extra_at` were last written with (None: not known).
+    sent: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+/// What [`CudaOps::read_top_at`] gives.
+enum Top {
+    Rows(Vec<ember_ops::TopRow>),
+    Queued(QueuedTop),
+}
+
+/// A read of rows' best entries whose copy is queued ([`ember_ops::TopRead::Queued`] holds it).
+struct QueuedTop {
+    download: crate::LaterDownload,
+    rows: usize,
+    cap: usize,
+    k: usize,
+    n_extra: Vec<usize>,
 }
 
 impl CudaOps {
@@ -57,6 +74,48 @@ impl CudaOps {
     /// blocks from `TOPK_SPLIT_MIN` entries) and only the selected entries come down: for a 248k vocabulary and the default sampler chain ~42 entries a
     /// row instead of 1 MB.
     pub(super) fn read_top_entries(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
+        self.read_top_at(x, k, extra, false).map(|r| match r {
+            Top::Rows(rows) => rows,
+            Top::Queued(_) => unreachable!("read_top_at queues only when asked to"),
+        })
+    }
+
+    /// [`CudaOps::read_top_entries`] with the entries' copy queued, not waited for
+    /// ([`Gpu::download_later`]): [`CudaOps::read_top_wait`] returns the rows.
+    pub(super) fn read_top_queue(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<ember_ops::TopRead> {
+        Ok(match self.read_top_at(x, k, extra, true)? {
+            Top::Rows(rows) => ember_ops::TopRead::Ready(rows),
+            Top::Queued(q) => ember_ops::TopRead::Queued(Box::new(q)),
+        })
+    }
+
+    /// The rows of a [`CudaOps::read_top_queue`].
+    pub(super) fn read_top_wait(&mut self, r: ember_ops::TopRead) -> OpResult<Vec<ember_ops::TopRow>> {
+        const OP: &str = "read_top_end";
+        let q = match r {
+            ember_ops::TopRead::Ready(rows) => return Ok(rows),
+            ember_ops::TopRead::Queued(q) => q,
+        };
+        let Ok(q) = q.downcast::<QueuedTop>() else {
+            return Err(OpError::new(OP, self.dev, "", "a read another backend began"));
+        };
+        let bytes = self.gpu.download_wait(q.download).map_err(cuda(OP, self.dev))?;
+        // A step whose tokens never came (its feed wait gave up) ran on token 0: not its rows.
+        self.check_feed_timeouts(OP)?;
+        let n = q.rows * q.cap;
+        if bytes.len() != 8 * n {
+            return Err(OpError::new(OP, self.dev, "", format!("{} bytes for {n} entries", bytes.len())));
+        }
+        let word = |i: usize| u32::from_ne_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]);
+        Ok((0..q.rows)
+            .map(|r| {
+                let span = r * q.cap..r * q.cap + q.k + q.n_extra[r];
+                ember_ops::TopRow::from_pairs(span.map(|j| (word(j), f32::from_bits(word(n + j)))).collect())
+            })
+            .collect())
+    }
+
+    fn read_top_at(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>], later: bool) -> OpResult<Top> {
         const OP: &str = "read_top";
         let dev = self.dev;
         if !extra.is_empty() && extra.len() != x.n {
@@ -70,7 +129,7 @@ impl CudaOps {
         let cap = k + ex.iter().map(Vec::len).max().unwrap_or(0);
         if rows == 0 || cap == 0 {
             self.arena.check(OP, x)?;
-            return Ok(vec![ember_ops::TopRow::default(); rows]);
+            return Ok(Top::Rows(vec![ember_ops::TopRow::default(); rows]));
         }
         let flat: Vec<u32> = ex.concat();
         let mut at = Vec::with_capacity(rows + 1);
@@ -79,16 +138,16 @@ impl CudaOps {
             at.push(at[at.len() - 1] + e.len() as u32);
         }
         let g = &self.gpu;
-        let grow_u32 = |b: Option<Buf<u32>>, len: usize| -> crate::Result<Buf<u32>> {
+        let grow_u32 = |b: Option<Buf<u32>>, len: usize| -> crate::Result<(Buf<u32>, bool)> {
             match b {
-                Some(b) if b.len() >= len => Ok(b),
-                _ => g.alloc(len.max(1).next_power_of_two()),
+                Some(b) if b.len() >= len => Ok((b, false)),
+                _ => Ok((g.alloc(len.max(1).next_power_of_two())?, true)),
             }
         };
         let old = self.top.take();
-        let (oe, oa, oi, ov, mut split, mut split_rows) = match old {
-            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals), t.split, t.split_rows),
-            None => (None, None, None, None, None, 0),
+        let (oe, oa, oi, ov, mut split, mut split_rows, mut sent) = match old {
+            Some(t) => (Some(t.extra), Some(t.extra_at), Some(t.ids), Some(t.vals), t.split, t.split_rows, t.sent),
+            None => (None, None, None, None, None, 0, None),
         };
         // Long rows over many blocks (EMBER_TOPK_SPLIT=0: one block a row, for A/B runs).
         static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -107,21 +166,38 @@ impl CudaOps {
             Some(v) if v.len() >= rows * cap => v,
             _ => g.alloc((rows * cap).next_power_of_two()).map_err(cuda(OP, dev))?,
         };
+        let (extra_buf, new_e) = grow_u32(oe, flat.len()).map_err(cuda(OP, dev))?;
+        let (extra_at, new_a) = grow_u32(oa, rows + 1).map_err(cuda(OP, dev))?;
+        if new_e || new_a {
+            sent = None;
+        }
         let mut t = TopBufs {
-            extra: grow_u32(oe, flat.len()).map_err(cuda(OP, dev))?,
-            extra_at: grow_u32(oa, rows + 1).map_err(cuda(OP, dev))?,
-            ids: grow_u32(oi, rows * cap).map_err(cuda(OP, dev))?,
+            extra: extra_buf,
+            extra_at,
+            ids: grow_u32(oi, rows * cap).map_err(cuda(OP, dev))?.0,
             vals,
             split,
             split_rows,
+            sent: None,
         };
         let b = self.arena.buf(OP, x)?;
         let times = &mut self.times;
-        let run = (|| -> crate::Result<(Vec<u32>, Vec<f32>)> {
-            g.write_async(&mut t.extra, &flat)?;
-            g.write_async(&mut t.extra_at, &at)?;
+        // The extra ids' tables go up only when they differ from what the buffers hold (a decode
+        // step of the same sequences asks for the same ones): an upload that may wait for its
+        // pinned buffer's previous copy is one a step queued ahead must not make.
+        let same = sent.as_ref().is_some_and(|(f, a)| *f == flat && *a == at);
+        let run = (|| -> crate::Result<Top> {
+            if !same {
+                g.write_async(&mut t.extra, &flat)?;
+                g.write_async(&mut t.extra_at, &at)?;
+            }
             let scratch = t.split.as_ref().filter(|_| use_split).map(|(hist, counts, cand)| crate::ops::TopKScratch { hist, counts, cand });
             g.top_k_rows(b, rows, n, k, &t.extra, &t.extra_at, cap, &mut t.ids, &mut t.vals, scratch)?;
+            if later {
+                let parts = [crate::DevRange::new(&t.ids, 0, rows * cap)?, crate::DevRange::new(&t.vals, 0, rows * cap)?];
+                let download = g.download_later(&parts)?;
+                return Ok(Top::Queued(QueuedTop { download, rows, cap, k, n_extra: ex.iter().map(Vec::len).collect() }));
+            }
             if let Some(st) = times.as_mut().filter(|st| st.timed()) {
                 st.read_start(g.take_first_flush());
                 g.sync()?;
@@ -132,19 +208,23 @@ impl CudaOps {
             if let Some(st) = times.as_mut() {
                 st.read_end();
             }
-            Ok((ids, vals))
+            Ok(Top::Rows(
+                (0..rows)
+                    .map(|r| ember_ops::TopRow::from_pairs((r * cap..r * cap + k + ex[r].len()).map(|j| (ids[j], vals[j])).collect()))
+                    .collect(),
+            ))
         })();
         // A failed call may have stopped between the split form's kernels: its scratch is not
-        // known to be zero any more, so the next call makes a fresh one.
+        // known to be zero any more, so the next call makes a fresh one (and sends the extra ids
+        // again).
         if run.is_err() {
             t.split = None;
             t.split_rows = 0;
+        } else {
+            t.sent = Some((flat, at));
         }
         self.top = Some(t);
-        let (ids, vals) = run.map_err(cuda(OP, dev))?;
-        Ok((0..rows)
-            .map(|r| ember_ops::TopRow::from_pairs((r * cap..r * cap + k + ex[r].len()).map(|j| (ids[j], vals[j])).collect()))
-            .collect())
+        run.map_err(cuda(OP, dev))
     }
 
     /// The rows stay in the step arena; ready at an event after the work queued so far

@@ -75,6 +75,15 @@ impl Pinned {
 }
 
 impl Pinned {
+    /// The buffer's first `bytes` once the copy that last used it is done.
+    fn filled(&self, bytes: usize) -> Result<&[u8]> {
+        self.done.synchronize().map_err(drv("cuEventSynchronize"))?;
+        match self.buf.as_ref() {
+            Some(b) if b.len() >= bytes => Ok(&b.as_slice().map_err(drv("cuEventSynchronize"))?[..bytes]),
+            _ => Err(crate::error::shape("download_wait", format!("{bytes} bytes from a smaller buffer"))),
+        }
+    }
+
     /// Whether the copy that last used the buffer is done (an error counts as not).
     pub(super) fn idle(&self) -> bool {
         self.done.try_is_complete().unwrap_or(false)
@@ -94,12 +103,49 @@ pub(super) struct Small {
     down: Pinned,
     up: [Pinned; 2],
     next_up: usize,
+    /// [`Gpu::download_later`]'s, used in turn.
+    later: [Pinned; 2],
+    next_later: usize,
+    /// How many [`Gpu::download_later`]s there were, and which one each buffer holds.
+    n_later: u64,
+    later_of: [u64; 2],
 }
 
 impl Small {
     fn new(ctx: &Arc<CudaContext>) -> Result<Small> {
-        Ok(Small { down: Pinned::new(ctx)?, up: [Pinned::new(ctx)?, Pinned::new(ctx)?], next_up: 0 })
+        Ok(Small {
+            down: Pinned::new(ctx)?,
+            up: [Pinned::new(ctx)?, Pinned::new(ctx)?],
+            next_up: 0,
+            later: [Pinned::new(ctx)?, Pinned::new(ctx)?],
+            next_later: 0,
+            n_later: 0,
+            later_of: [0; 2],
+        })
     }
+}
+
+/// A range of a device buffer for [`Gpu::download_later`].
+#[derive(Debug, Clone, Copy)]
+pub struct DevRange {
+    src: u64,
+    bytes: usize,
+}
+
+impl DevRange {
+    /// `buf[at..at + len]`; an error when the range is out of the buffer.
+    pub fn new<T: Elem>(buf: &Buf<T>, at: usize, len: usize) -> Result<DevRange> {
+        range("download_later", buf.len, at, len)?;
+        Ok(DevRange { src: buf.ptr() + (at * std::mem::size_of::<T>()) as u64, bytes: len * std::mem::size_of::<T>() })
+    }
+}
+
+/// A download queued by [`Gpu::download_later`]; [`Gpu::download_wait`] waits for it.
+#[derive(Debug)]
+pub struct LaterDownload {
+    slot: usize,
+    bytes: usize,
+    nth: u64,
 }
 
 /// One range for [`Gpu::download_ranges`]: `buf[at..at + len]` into `out`, which it resizes to
@@ -345,6 +391,57 @@ impl Gpu {
             at += n;
         }
         Ok(())
+    }
+
+    /// The ranges' bytes, one after the other, copied to the host behind the work queued so far,
+    /// without waiting: into one of two pinned buffers kept for these reads, used in turn, so
+    /// that the host may queue more work (a next step) before it waits ([`Gpu::download_wait`]).
+    /// With two such reads not yet waited for, a third waits for the older one's copy first.
+    /// At most 16 MiB (`SMALL_BYTES_MAX`); an error when pinned memory cannot be had.
+    pub fn download_later(&self, parts: &[DevRange]) -> Result<LaterDownload> {
+        let total: usize = parts.iter().map(|p| p.bytes).sum();
+        self.flush()?;
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        let stream = self.stream.cu_stream();
+        let mut small = self.small.lock().unwrap_or_else(|e| e.into_inner());
+        let small = match &mut *small {
+            Some(s) => s,
+            none => none.insert(Small::new(&self.ctx)?),
+        };
+        let slot = small.next_later;
+        let Some((host, done)) = small.later[slot].take(&self.ctx, total.max(1))? else {
+            return Err(crate::error::shape("download_later", format!("{total} bytes: no pinned buffer for them")));
+        };
+        let mut at = 0;
+        let mut queued = Ok(());
+        for p in parts.iter().filter(|p| p.bytes > 0) {
+            // SAFETY: `p.src` is the start of a range inside a live buffer (DevRange::new checked
+            // it; the caller keeps the buffer until the stream is past this copy, as for any
+            // stream-ordered use); `host[at..at + bytes]` is pinned memory of `small.later[slot]`,
+            // which the host does not touch before `done`, recorded right after these copies (also
+            // when one fails), has fired.
+            queued = unsafe { result::memcpy_dtoh_async(&mut host[at..at + p.bytes], p.src, stream) }.map_err(drv("cuMemcpyDtoHAsync"));
+            if queued.is_err() {
+                break;
+            }
+            at += p.bytes;
+        }
+        done.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        queued?;
+        small.next_later = 1 - slot;
+        small.n_later += 1;
+        small.later_of[slot] = small.n_later;
+        Ok(LaterDownload { slot, bytes: total, nth: small.n_later })
+    }
+
+    /// The bytes of a [`Gpu::download_later`], once its copies are done.
+    pub fn download_wait(&self, d: LaterDownload) -> Result<Vec<u8>> {
+        let small = self.small.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(small) = small.as_ref() else { return Err(crate::error::shape("download_wait", "no download was queued")) };
+        if small.later_of[d.slot] != d.nth {
+            return Err(crate::error::shape("download_wait", "two newer reads reused its buffer (at most two may wait)"));
+        }
+        Ok(small.later[d.slot].filled(d.bytes)?.to_vec())
     }
 
     /// Zeroes `buf[at..at + len]` (stream-ordered).

@@ -3,7 +3,7 @@ use cudarc::driver::DeviceRepr;
 use super::moe::MoeRouting;
 use super::{blocks, need, u32_of};
 use crate::error::{Result, shape};
-use crate::gpu::{Buf, Gpu, Mailbox};
+use crate::gpu::{Buf, Feed, Gpu, Mailbox};
 use crate::kernels::MAILBOX;
 
 #[repr(C)]
@@ -39,6 +39,19 @@ struct MoeWaitParams {
 
 // SAFETY: plain #[repr(C)] data matching `MoeWaitParams` in kernels/mailbox.cu (5 u64, 4 u32).
 unsafe impl DeviceRepr for MoeWaitParams {}
+
+#[repr(C)]
+struct FeedWaitParams {
+    feed: u64,
+    step: u64,
+    tokens: u64,
+    timeout_ns: u64,
+    n: u32,
+    pad: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `FeedWaitParams` in kernels/mailbox.cu (4 u64, 2 u32).
+unsafe impl DeviceRepr for FeedWaitParams {}
 
 impl Gpu {
     /// Publishes a routing of `n_pairs = routing.k · n_tok` pairs in `mb` for the host (and x
@@ -112,5 +125,24 @@ impl Gpu {
         // SAFETY: sizes checked above; the mailbox holds cap_x floats of sum after its
         // routing and x, and lives while this launch may run (as for moe_post).
         unsafe { self.launch(&f, (grid, 1, 1), 256, 0, &p) }
+    }
+
+    /// Waits on the device until the host has fed the step of the generation in `step` (one
+    /// u32 on the device) through `feed`, then writes its `n` tokens to `tokens` (token 0 in
+    /// every row after `timeout_ns` without them). See kernels/mailbox.cu.
+    pub fn feed_wait(&self, feed: &Feed, step: &Buf<u32>, tokens: &mut Buf<u32>, n: usize, timeout_ns: u64) -> Result<()> {
+        const OP: &str = "feed_wait";
+        if n > feed.cap() {
+            return Err(shape(OP, format!("{n} tokens in a feed of {}", feed.cap())));
+        }
+        need(OP, "step", step, 1)?;
+        need(OP, "tokens", tokens, n)?;
+        let p =
+            FeedWaitParams { feed: feed.device_ptr(), step: step.ptr(), tokens: tokens.ptr(), timeout_ns, n: u32_of(OP, "n", n)?, pad: 0 };
+        let f = self.function(&MAILBOX, "feed_wait")?;
+        // SAFETY: sizes checked above; the feed holds cap tokens after its header, mapped for this
+        // GPU, and lives while this launch may run: its drop waits for the stream, and its owner
+        // sends recorded launches before dropping it (Feed).
+        unsafe { self.launch(&f, (1, 1, 1), 128, 0, &p) }
     }
 }

@@ -23,6 +23,8 @@ enum Room {
 
 /// One admitted request.
 pub(super) struct Seq<S> {
+    /// Unique among the engine's sequences (a step queued ahead names its rows' sequences so).
+    pub(super) id: u64,
     pub(super) job: Job,
     pub(super) state: S,
     pub(super) sampler: Sampler,
@@ -70,6 +72,11 @@ pub(super) struct Scheduler<B: Backend> {
     pub(super) rx: mpsc::Receiver<Msg>,
     pub(super) active: Vec<Seq<B::State>>,
     pub(super) cache: Option<PrefixCache<Cached<B::Snapshot>>>,
+    /// The sequences of the decode step queued ahead and fed (in its rows' order), whose rows
+    /// the next step collects (see `ahead.rs`).
+    pub(super) ahead: Option<Vec<u64>>,
+    /// The id the next admitted sequence gets.
+    pub(super) next_id: u64,
 }
 
 /// A prompt-cache entry: a state, and at a prompt's end the logits of its last token.
@@ -234,7 +241,9 @@ impl<B: Backend> Scheduler<B> {
         }
         let history = job.req.prompt.clone();
         let reserve_to = self.reserve_to(&job.req);
+        self.next_id += 1;
         self.active.push(Seq {
+            id: self.next_id,
             job,
             state,
             sampler,
@@ -261,6 +270,12 @@ impl<B: Backend> Scheduler<B> {
         self.active.retain(|s| !s.job.sink.is_closed());
         self.stats.n_cancelled.fetch_add((n_before - self.active.len()) as u64, Ordering::Relaxed);
         if self.active.is_empty() {
+            self.drop_ahead();
+            return;
+        }
+        // Decode steps queued one ahead of the other, while every sequence decodes and the
+        // backend can (`ahead.rs`); otherwise the step below.
+        if self.step_ahead() {
             return;
         }
         let caching = self.cache.is_some();
@@ -453,6 +468,12 @@ impl<B: Backend> Scheduler<B> {
             let took = take_token(&mut self.active[i], &row, n_ctx, &self.stats);
             settle(i, took, &mut done, &mut finished, &mut to_checkpoint);
         }
+        self.retire(done, finished, to_checkpoint);
+    }
+
+    /// The end of a step: the ended sequences' checkpoints, then each `done` one leaves and its
+    /// `finished` event (if any) goes out.
+    pub(super) fn retire(&mut self, done: Vec<bool>, mut finished: Vec<(usize, Event)>, to_checkpoint: Vec<usize>) {
         finished.sort_by_key(|f| f.0);
         for i in to_checkpoint {
             self.checkpoint(i, None);

@@ -75,6 +75,17 @@ pub const TOP_MAX: usize = 1024;
 /// Samples the next token of `s` from `row` (its last token's logits), sends it, and appends it
 /// to the history when the sequence goes on.
 pub(super) fn take_token<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &EngineStats) -> Took {
+    take_token_id(s, row, n_ctx, stats).1
+}
+
+/// Whether `s` goes on after its next token whatever that is, unless it is an end of
+/// generation: neither `max_tokens` nor the context ends it there ([`take_token`]'s test).
+pub(super) fn goes_on_by_count<S>(s: &Seq<S>, n_ctx: usize) -> bool {
+    s.n_generated + 1 < s.job.req.max_tokens && s.history.len() + 1 < n_ctx
+}
+
+/// [`take_token`], and the token sampled.
+pub(super) fn take_token_id<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &EngineStats) -> (u32, Took) {
     let n_prompt = s.job.req.prompt.len();
     let (id, full) = match row {
         Row::Full(row) => {
@@ -89,6 +100,10 @@ pub(super) fn take_token<S>(s: &mut Seq<S>, row: &Row, n_ctx: usize, stats: &Eng
     };
     s.n_generated += 1;
     stats.tokens_generated.fetch_add(1, Ordering::Relaxed);
+    (id, took(s, id, full, n_prompt, n_ctx, stats))
+}
+
+fn took<S>(s: &mut Seq<S>, id: u32, full: Option<Cow<'_, [f32]>>, n_prompt: usize, n_ctx: usize, stats: &EngineStats) -> Took {
     if s.job.req.eog.contains(&id) {
         return Took::Ends(Event::Finished { reason: FinishReason::Eog, n_prompt, n_generated: s.n_generated });
     }

@@ -11,7 +11,7 @@ use ember_ops::{
     WeightSet,
 };
 
-use super::{Hybrid, MissPath, SAVE_EVERY, X_WITH_ROUTING_BYTES, kv_pages_within, say};
+use super::{Hybrid, MissPath, X_WITH_ROUTING_BYTES, kv_pages_within, say};
 impl SeqStore for Hybrid {
     fn configure(&mut self, layout: StateLayout, slots: usize, kv_pages: usize) -> OpResult<()> {
         self.drain()?;
@@ -120,6 +120,7 @@ impl Ops for Hybrid {
             self.gpu.gpu().sync().map_err(|e| OpError::new("begin_step", self.gpu.device(), "", e.to_string()))?;
         }
         self.gpu.begin_step(batch)?;
+        self.unfed = batch.deferred;
         self.check_timeouts()
     }
     fn end_step(&mut self) -> OpResult<()> {
@@ -128,12 +129,26 @@ impl Ops for Hybrid {
         self.heat.advance(self.step_tokens);
         self.stats.tokens += self.step_tokens as u64;
         self.step_tokens = 0;
-        self.rebalance()?;
-        self.check_memory();
-        if self.saved.elapsed() >= SAVE_EVERY
-            && let Err(e) = self.save_heat()
-        {
-            eprintln!("expert tier: could not save the heat: {e}");
+        if self.unfed {
+            self.upkeep_owed = true;
+            return Ok(());
+        }
+        self.upkeep()
+    }
+    /// Only with every routed expert of every layer on the GPU (a tier's misses wait on the
+    /// host mid-step) and no mailbox posted.
+    fn defers_tokens(&self) -> bool {
+        !self.partial.iter().any(|p| *p) && self.gpu.defers_tokens()
+    }
+    fn can_defer(&self, batch: &Batch) -> bool {
+        self.defers_tokens() && self.posted.is_empty() && !self.posted_unwaited && self.gpu.can_defer(batch)
+    }
+    fn feed_tokens(&mut self, tokens: &[u32]) -> OpResult<()> {
+        let fed = self.gpu.feed_tokens(tokens);
+        self.unfed = false;
+        fed?;
+        if std::mem::take(&mut self.upkeep_owed) {
+            self.upkeep()?;
         }
         Ok(())
     }
@@ -168,6 +183,17 @@ impl Ops for Hybrid {
             self.check_timeouts()?;
         }
         Ok(t)
+    }
+    fn read_top_begin(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<ember_ops::TopRead> {
+        self.drain()?;
+        self.gpu.read_top_begin(x, k, extra)
+    }
+    fn read_top_end(&mut self, r: ember_ops::TopRead) -> OpResult<Vec<ember_ops::TopRow>> {
+        let rows = self.gpu.read_top_end(r)?;
+        // It waited for the stream (as read_top does when it brings entries down).
+        self.posted_unwaited = false;
+        self.check_timeouts()?;
+        Ok(rows)
     }
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
         self.drain()?;
