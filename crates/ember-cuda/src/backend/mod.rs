@@ -241,9 +241,9 @@ impl CudaOps {
         ))
     }
 
-    /// Whether a step over `batch`'s sequences appends to no KV page that is not in the device's
-    /// page table yet, and every cache ends at its sequence's first position: then its
-    /// `kv_append`s write nothing from the host (no table upload, which waits).
+    /// Whether a step over `batch`'s sequences can have its KV pages reserved and their table
+    /// written before it is queued (the pool has them), and every cache ends at its sequence's
+    /// first position: then its `kv_append`s write nothing from the host.
     fn kv_appends_stay_on_device(&self, batch: &Batch) -> bool {
         // (A slot not in use fails begin_step's checks; nothing is looked up for it here.)
         if batch.seqs.iter().any(|s| self.store.live_len("can_defer", s.slot).is_err()) {
@@ -251,9 +251,8 @@ impl CudaOps {
         }
         let slots: Vec<SlotId> = batch.seqs.iter().map(|s| s.slot).collect();
         let ns: Vec<usize> = batch.seqs.iter().map(|s| s.n).collect();
-        (0..self.store.n_kv()).all(|a| {
-            !self.store.grow_writes_table(&slots, &ns, a) && batch.seqs.iter().all(|s| self.store.cache(s.slot, a, 0).len == s.pos0)
-        })
+        self.store.can_reserve(&slots, &ns)
+            && (0..self.store.n_kv()).all(|a| batch.seqs.iter().all(|s| self.store.cache(s.slot, a, 0).len == s.pos0))
     }
 
     /// The GPU (device info, timings).

@@ -88,6 +88,16 @@ impl Ops for CudaOps {
             (&mut st.generation, &generation[..]),
         ];
         put_all(g, &mut items).map_err(cuda(OP, dev))?;
+        // A deferred step's KV pages are taken and their table queued now, before its wait for
+        // the tokens: its kv_appends then write nothing from the host (can_defer checked the
+        // pool has them).
+        if batch.deferred {
+            let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+            for a in 0..self.store.n_kv() {
+                self.store.reserve(g, OP, &self.slots, &ns, a)?;
+            }
+            self.store.sync_table(g, OP)?;
+        }
         // A small step's launches are recorded from here and replayed as CUDA graphs (in lists
         // of 32, 64, .. 512 launches, and at the first call that touches the stream: `read`,
         // an upload, a page table write; see crate::graph).
@@ -115,8 +125,9 @@ impl Ops for CudaOps {
         crate::ops::switch(&ON, "EMBER_RUN_AHEAD") && self.times.is_none() && self.gpu.host_waits_ok()
     }
 
-    /// Also: no deferred step waits already, the rows fit the feed, and the step's `kv_append`s
-    /// need no page table upload (a sequence crossing into a new KV page takes a normal step).
+    /// Also: no deferred step waits already, the rows fit the feed, the pool has the step's KV
+    /// pages (`begin_step` takes them and queues their table before the wait), and every cache
+    /// is at its sequence's position.
     fn can_defer(&self, batch: &Batch) -> bool {
         self.defers_tokens()
             && self.unfed.is_none()

@@ -250,6 +250,25 @@ impl DevStore {
     /// first. Returns each sequence's length before. Nothing changes when the pool has too few
     /// pages: an error naming the pool.
     pub fn grow(&mut self, gpu: &Gpu, op: &'static str, slots: &[SlotId], n: &[usize], a: usize) -> OpResult<Vec<usize>> {
+        self.reserve(gpu, op, slots, n, a)?;
+        let mut before = Vec::with_capacity(slots.len());
+        for (s, &n) in slots.iter().zip(n) {
+            let i = s.0 as usize;
+            before.push(self.slots[i].caches[2 * a].len);
+            if n > 0 {
+                for kv in 0..2 {
+                    self.slots[i].caches[2 * a + kv].len += n;
+                }
+            }
+        }
+        Ok(before)
+    }
+
+    /// [`DevStore::grow`]'s pages without the rows: every page the `n[i]` more rows need is in
+    /// the cache's list (and the host table) and not shared, and the caches' lengths stay. A
+    /// step that reserves before it is queued ([`DevStore::can_reserve`]) writes no table from
+    /// its `kv_append`s.
+    pub fn reserve(&mut self, gpu: &Gpu, op: &'static str, slots: &[SlotId], n: &[usize], a: usize) -> OpResult<()> {
         let (need, most) = self.page_need(slots, n, a);
         if need > self.free.len() {
             return Err(err(
@@ -263,10 +282,8 @@ impl DevStore {
             self.grow_stride(most);
         }
         let pb = self.page_bytes();
-        let mut before = Vec::with_capacity(slots.len());
         for (s, &n) in slots.iter().zip(n) {
             let i = s.0 as usize;
-            before.push(self.slots[i].caches[2 * a].len);
             for kv in 0..2 {
                 let ci = 2 * a + kv;
                 let len = self.slots[i].caches[ci].len;
@@ -295,13 +312,18 @@ impl DevStore {
                     self.slots[i].caches[ci].pages.push(p);
                     changed = true;
                 }
-                self.slots[i].caches[ci].len = len + n;
                 if changed {
                     self.write_table(i, ci);
                 }
             }
         }
-        Ok(before)
+        Ok(())
+    }
+
+    /// Whether the pool holds the pages [`DevStore::reserve`] takes for `n[i]` more rows of
+    /// every attention layer of each `slots[i]`.
+    pub fn can_reserve(&self, slots: &[SlotId], n: &[usize]) -> bool {
+        (0..self.n_kv()).map(|a| self.page_need(slots, n, a).0).sum::<usize>() <= self.free.len()
     }
 
     fn table_row(&self, slot: usize, ci: usize) -> usize {
@@ -338,10 +360,13 @@ impl DevStore {
             self.dev_table = None;
             self.dev_table = Some(gpu.zeros(len).map_err(cuda(op, self.dev))?);
         }
+        // Queued, not waited for (through a pinned buffer): a page table written mid-step no
+        // longer stalls the step, and one written before a step queued ahead does not wait
+        // for the step before it.
         if let Some(t) = self.dev_table.as_mut()
             && !self.table.is_empty()
         {
-            gpu.write(t, &self.table).map_err(cuda(op, self.dev))?;
+            gpu.write_async(t, &self.table).map_err(cuda(op, self.dev))?;
         }
         self.dirty = false;
         Ok(())

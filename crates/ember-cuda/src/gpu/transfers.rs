@@ -97,11 +97,17 @@ impl Drop for Pinned {
     }
 }
 
-/// The small transfers' pinned buffers: one for downloads, two used in turn for uploads (the
-/// host fills one while the copy from the other may still be queued behind the GPU's work).
+/// Pinned buffers for uploads, used in turn: the host waits for a buffer's last copy only when
+/// `UP` newer uploads are queued. Four: a step queued ahead (docs/backend.md) makes its batch's
+/// and its page table's uploads, and at times a top-k table's, while the step before runs, and
+/// none of them may wait for a copy queued behind its own wait for tokens.
+const UP: usize = 4;
+
+/// The small transfers' pinned buffers: one for downloads, `UP` used in turn for uploads (the
+/// host fills one while the copies from the others may still be queued behind the GPU's work).
 pub(super) struct Small {
     down: Pinned,
-    up: [Pinned; 2],
+    up: [Pinned; UP],
     next_up: usize,
     /// [`Gpu::download_later`]'s, used in turn.
     later: [Pinned; 2],
@@ -115,7 +121,7 @@ impl Small {
     fn new(ctx: &Arc<CudaContext>) -> Result<Small> {
         Ok(Small {
             down: Pinned::new(ctx)?,
-            up: [Pinned::new(ctx)?, Pinned::new(ctx)?],
+            up: [Pinned::new(ctx)?, Pinned::new(ctx)?, Pinned::new(ctx)?, Pinned::new(ctx)?],
             next_up: 0,
             later: [Pinned::new(ctx)?, Pinned::new(ctx)?],
             next_later: 0,
@@ -204,10 +210,10 @@ impl Gpu {
         self.sync()
     }
 
-    /// [`Gpu::write`] without the wait: `data` is copied into one of two pinned buffers of this
+    /// [`Gpu::write`] without the wait: `data` is copied into one of `UP` pinned buffers of this
     /// GPU, used in turn, and the copy to the device goes on the stream (after the work queued
     /// before, before the work queued after). The host waits only to reuse a buffer whose copy
-    /// is still queued, i.e. when two newer uploads are. Over 16 MiB (`SMALL_BYTES_MAX`), or when
+    /// is still queued, i.e. when `UP` newer uploads are. Over 16 MiB (`SMALL_BYTES_MAX`), or when
     /// pinned memory cannot be had, it is [`Gpu::write`], which waits.
     pub fn write_async<T: Elem>(&self, buf: &mut Buf<T>, data: &[T]) -> Result<()> {
         if data.len() > buf.len() {
@@ -236,7 +242,7 @@ impl Gpu {
                 // after this copy, has fired.
                 unsafe { result::memcpy_htod_async(buf.ptr(), &*host, self.stream.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"))?;
                 done.record(&self.stream).map_err(drv("cuEventRecord"))?;
-                small.next_up = 1 - b;
+                small.next_up = (b + 1) % UP;
                 return Ok(());
             }
         }
@@ -244,7 +250,7 @@ impl Gpu {
     }
 
     /// Overwrites the start of each buffer with its data, without waiting (a step's small
-    /// uploads): every item is copied into one of the two small pinned buffers (each item at a
+    /// uploads): every item is copied into one of the small pinned upload buffers (each item at a
     /// 16-byte boundary), and the copies to the device go on the stream back to back, as in
     /// [`Gpu::write_async`]. Over 16 MiB in all, or when pinned memory cannot be had, the copies
     /// go pageable and the stream is waited on once.
@@ -287,7 +293,7 @@ impl Gpu {
                     }
                 }
                 done.record(&self.stream).map_err(drv("cuEventRecord"))?;
-                small.next_up = 1 - b;
+                small.next_up = (b + 1) % UP;
                 return queued;
             }
         }

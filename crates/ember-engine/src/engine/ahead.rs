@@ -15,7 +15,8 @@
 //! restored prompt's first token) waits for the steps queued ahead to be collected (the engine
 //! then takes a normal step), as does a sampler whose draw depends on the token before
 //! (penalties: their ids must be known when the step is queued), a request for logprobs or
-//! for whole rows, and any step the backend cannot queue so (a KV page boundary on the GPU).
+//! for whole rows, and any step the backend cannot queue so (on the GPU: a KV page pool without
+//! the pages the step needs).
 
 use std::sync::atomic::Ordering;
 
