@@ -5,7 +5,7 @@
 #     which now run decode steps ahead (engine/ahead.rs, docs/backend.md "Running ahead");
 #     llama.cpp builds beside them (LLAMA=1, default here) for callH.sh after;
 #   * run-ahead against EMBER_RUN_AHEAD=0, and run-ahead with a step in one graph
-#     (EMBER_CUDA_GRAPH_FIRST=512: a step queued ahead has no reason to send its first launches
+#     (EMBER_AHEAD_FIRST=512: a step queued ahead has no reason to send its first launches
 #     early, and the 3-4 boundaries between a step's graphs have no programmatic edge): tg128 (3
 #     rounds in turn), the launch traces (1 round: the median step; with run-ahead the host's
 #     gap moves into `feed_wait`, module mailbox), 16 sequences at depth 4096 (2 rounds);
@@ -17,7 +17,7 @@ export EMBER_KERNEL_CACHE=/tmp/kc
 tar -C /tmp -xJf .gpu/bin.tar.xz
 OUT=$O LLAMA=${LLAMA:-1} SKIP_TESTS=nvrtc_compile STAGES=tests,serve ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "tests+serve done at $SECONDS s"
-V="ahead:;off:EMBER_RUN_AHEAD=0;one:EMBER_CUDA_GRAPH_FIRST=512"
+V="ahead:;off:EMBER_RUN_AHEAD=0;one:EMBER_AHEAD_FIRST=512"
 OUT=$O ROUNDS=3 VARIANT_ARGS='-p 0 -n 128' VARIANTS="$V" STAGES=variants timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "tg128 A/B done at $SECONDS s"
 OUT=$O ROUNDS=1 VARIANTS="$V" STAGES=tvariants timeout 150 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'

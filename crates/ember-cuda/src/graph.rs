@@ -174,9 +174,9 @@ impl Recorder {
         self.programmatic = on;
     }
 
-    /// The next list is a step's first: it fills at [`FIRST_CHUNK`] launches.
-    pub fn restart_chunks(&mut self) {
-        self.limit = 0;
+    /// The next list is a step's first: it fills at `first` launches, or [`FIRST_CHUNK`]'s.
+    pub fn restart_chunks(&mut self, first: Option<usize>) {
+        self.limit = first.unwrap_or(0);
     }
 
     /// Stores one launch; `params` are the bytes of its parameter struct. True when the list

@@ -102,7 +102,13 @@ impl Ops for CudaOps {
         // of 32, 64, .. 512 launches, and at the first call that touches the stream: `read`,
         // an upload, a page table write; see crate::graph).
         if batch.n_rows() <= GRAPH_MAX_ROWS {
-            g.begin_record();
+            // A deferred step's launches wait behind the step before it anyway: its first list
+            // may be as long as `EMBER_AHEAD_FIRST` says (for measuring a step in one graph: the
+            // boundaries between a step's graphs have no programmatic edge).
+            static AHEAD_FIRST: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+            let ahead_first = *AHEAD_FIRST
+                .get_or_init(|| std::env::var("EMBER_AHEAD_FIRST").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0));
+            g.begin_record_first(if batch.deferred { ahead_first } else { None });
         }
         if let Some(t) = &mut self.times {
             t.recording();
