@@ -414,15 +414,17 @@ impl Gpu {
     /// the same work in the same order. A no-op when graphs are off (`EMBER_CUDA_GRAPH=0`,
     /// [`Gpu::set_graphs`]) or under `EMBER_CUDA_PROFILE` (which times every launch).
     pub fn begin_record(&self) {
-        self.begin_record_first(None);
+        self.begin_record_with(None, false);
     }
 
     /// [`Gpu::begin_record`] with the step's first list sent at `first` launches (None: the
-    /// default, [`graph::FIRST_CHUNK`] or `EMBER_CUDA_GRAPH_FIRST`).
-    pub fn begin_record_first(&self, first: Option<usize>) {
+    /// default, [`graph::FIRST_CHUNK`] or `EMBER_CUDA_GRAPH_FIRST`), and with `build_now` its
+    /// lists seen for the first time built as graphs at once, not launched one by one (a step
+    /// queued behind a wait for the host: [`graph::Recorder::restart_chunks`]).
+    pub fn begin_record_with(&self, first: Option<usize>, build_now: bool) {
         let on = self.graphs.load(Ordering::Relaxed) && self.profile.is_none();
         self.recording.store(on, Ordering::Relaxed);
-        self.recorder.lock().unwrap_or_else(|e| e.into_inner()).restart_chunks(first);
+        self.recorder.lock().unwrap_or_else(|e| e.into_inner()).restart_chunks(first, build_now);
         self.awaiting_first.store(on, Ordering::Relaxed);
         if let Some(t) = &self.flush_time {
             t.lock().unwrap_or_else(|e| e.into_inner()).record_start = Some(std::time::Instant::now());

@@ -117,6 +117,8 @@ pub(crate) struct Recorder {
     seen: Vec<u64>,
     /// Launches that fill the list being recorded (doubles at each flush of a step).
     limit: usize,
+    /// Build a list seen for the first time as a graph at once ([`Recorder::restart_chunks`]).
+    build_now: bool,
     tick: u64,
     /// Whether graphs chain their kernels with programmatic edges (see the module doc).
     programmatic: bool,
@@ -175,8 +177,13 @@ impl Recorder {
     }
 
     /// The next list is a step's first: it fills at `first` launches, or [`FIRST_CHUNK`]'s.
-    pub fn restart_chunks(&mut self, first: Option<usize>) {
+    /// With `build_now`, this step's lists seen for the first time are built as graphs at once
+    /// rather than launched kernel by kernel (a step queued behind a wait for the host: its
+    /// ~500 kernels one by one could fill the stream's queue of ~1,000 launches, and a host
+    /// blocked on a full queue cannot end the wait).
+    pub fn restart_chunks(&mut self, first: Option<usize>, build_now: bool) {
         self.limit = first.unwrap_or(0);
+        self.build_now = build_now;
     }
 
     /// Stores one launch; `params` are the bytes of its parameter struct. True when the list
@@ -256,8 +263,11 @@ impl Recorder {
                 }
             }
         } else if launches.len() >= MIN_NODES {
-            if let Some(j) = self.seen.iter().position(|h| *h == hash) {
-                self.seen.remove(j);
+            let seen = self.seen.iter().position(|h| *h == hash);
+            if seen.is_some() || self.build_now {
+                if let Some(j) = seen {
+                    self.seen.remove(j);
+                }
                 // SAFETY: the caller's contract, passed on.
                 match unsafe { self.build(hash, launches) } {
                     Ok(g) => {

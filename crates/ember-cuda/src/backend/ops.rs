@@ -108,7 +108,7 @@ impl Ops for CudaOps {
             static AHEAD_FIRST: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
             let ahead_first = *AHEAD_FIRST
                 .get_or_init(|| std::env::var("EMBER_AHEAD_FIRST").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0));
-            g.begin_record_first(if batch.deferred { ahead_first } else { None });
+            g.begin_record_with(if batch.deferred { ahead_first } else { None }, batch.deferred);
         }
         if let Some(t) = &mut self.times {
             t.recording();
@@ -131,13 +131,15 @@ impl Ops for CudaOps {
         crate::ops::switch(&ON, "EMBER_RUN_AHEAD") && self.times.is_none() && self.gpu.host_waits_ok()
     }
 
-    /// Also: no deferred step waits already, the rows fit the feed, the pool has the step's KV
-    /// pages (`begin_step` takes them and queues their table before the wait), and every cache
-    /// is at its sequence's position.
+    /// Also: no deferred step waits already, the step is recorded (graphs on, at most
+    /// `GRAPH_MAX_ROWS` rows: a few graph launches behind the wait, not ~500 kernels), the pool
+    /// has the step's KV pages (`begin_step` takes them and queues their table before the
+    /// wait), and every cache is at its sequence's position.
     fn can_defer(&self, batch: &Batch) -> bool {
         self.defers_tokens()
             && self.unfed.is_none()
-            && (1..=super::FEED_ROWS).contains(&batch.n_rows())
+            && self.gpu.graphs()
+            && (1..=GRAPH_MAX_ROWS.min(super::FEED_ROWS)).contains(&batch.n_rows())
             && self.kv_appends_stay_on_device(batch)
     }
 
