@@ -126,11 +126,8 @@ pub fn main(a: Args) -> Result<()> {
     let engine = match &a.script {
         Some(text) => {
             tracing::warn!("--script: every response is the given text, not the model's output");
-            let backend = ScriptBackend {
-                n_vocab: model.config.n_vocab,
-                script: tok.encode(text, true),
-                eog: tok.eos_id().context("--script needs an EOS token")?,
-            };
+            let backend =
+                ScriptBackend::new(model.config.n_vocab, tok.encode(text, true), tok.eos_id().context("--script needs an EOS token")?);
             ember_engine::start(backend, cfg)
         }
         None => {

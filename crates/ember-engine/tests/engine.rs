@@ -54,7 +54,7 @@ fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
 }
 
 fn script(tokens: &[u32]) -> ScriptBackend {
-    ScriptBackend { n_vocab: 100, script: tokens.to_vec(), eog: 99 }
+    ScriptBackend::new(100, tokens.to_vec(), 99)
 }
 
 #[test]
