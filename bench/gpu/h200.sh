@@ -59,6 +59,9 @@
 #          sequences), alternating, ROUNDS rounds (LLAMA=0: ember only)
 #   pressure  bench/gpu/pressure.py: `ember serve` on the ud-q4_k_m 35B while another process
 #          takes GPU memory in steps below the server's reserve and gives it back
+#   ghttp  issue 19's HTTP figure: `ember serve --device cuda` + `ember bench-http` (greedy,
+#          depth 512, one client) against `ember bench -p 512 -n 128 -d 0,512`, for each of
+#          HTTP_AB (default: the defaults alone), ROUNDS rounds; logs ghttp-*.json
 #   cpuab  ember against itself on this host's CPU (GPU hidden) with and without the environment
 #          CPU_AB (e.g. CPU_AB=EMBER_CPU_PAR_ZEROS=1), alternating, ROUNDS rounds, at each of
 #          CPU_THREADS (default 16,8): `ember bench --device cpu -t T -p 512 -n 128 -r 2`
@@ -246,6 +249,30 @@ m, a = re.search(r'median step ([0-9.]+) us', h), re.search(r'after the last lau
 n = re.search(r'of the same ([0-9]+) launches', h)
 print(f'{n.group(1)} launches, step {float(m.group(1)):.1f} us, after it {float(a.group(1)):.1f}, chain {float(m.group(1)) - float(a.group(1)):.1f}' if m and a and n else h.strip())" "$t.md" 2>/dev/null)"
             xz -T4 -f "$t.txt" 2>/dev/null
+        done
+    done
+fi
+if has ghttp; then
+    # Issue 19's HTTP figure: `ember serve --device cuda` + `ember bench-http` (one client,
+    # greedy, depth 512, HTTP_RUNS runs) against `ember bench -p 512 -n 128 -d 0,512` in the same
+    # call; each HTTP_AB variant (`;`-separated `name:ENV=V ..`, default the defaults alone) in
+    # turn, ROUNDS rounds.
+    ensure_model
+    IFS=';' read -ra VS <<< "${HTTP_AB:-def:}"
+    for r in $(seq 1 "$ROUNDS"); do
+        for v in "${VS[@]}"; do
+            name=${v%%:*}; envs=(${v#*:})
+            env "${envs[@]}" timeout 200 $E bench -m $F --device cuda -p 512 -n 128 -d 0,512 -r 2 -o json > "$O/ghttp-bench-$name-$r.json" 2> "$O/ghttp-bench-$name-$r.log"
+            env "${envs[@]}" $E serve -m $F --device cuda --port 8098 --parallel 1 -c 8192 > "$O/ghttp-serve-$name-$r.log" 2>&1 & S=$!
+            for i in $(seq 1 240); do curl -s http://127.0.0.1:8098/v1/models > /dev/null && break; sleep 1; done
+            timeout 200 $E bench-http --url http://127.0.0.1:8098 --depths 512 --n-predict 128 --runs ${HTTP_RUNS:-3} -o json > "$O/ghttp-$name-$r.json" 2> "$O/ghttp-$name-$r.log"
+            echo "ghttp $name round $r (${envs[*]}): exit $?"; kill $S; wait $S 2>/dev/null
+            python3 -c "
+import json, sys
+b = {('pp%d' % x['n_prompt'] if x['n_prompt'] else 'tg%d' % x['n_gen']) + ('@d%d' % x['n_depth'] if x.get('n_depth') else ''): x['avg_ts'] for x in json.load(open(sys.argv[1]))}
+h = json.load(open(sys.argv[2]))[0]
+print('  http prefill %.1f vs pp512 %.1f (%.3f); decode %.2f vs tg128@d512 %.2f (%.3f)' % (h['prefill_ts'], b['pp512'], h['prefill_ts'] / b['pp512'], h['decode_ts'], b['tg128@d512'], h['decode_ts'] / b['tg128@d512']))
+" "$O/ghttp-bench-$name-$r.json" "$O/ghttp-$name-$r.json"
         done
     done
 fi
