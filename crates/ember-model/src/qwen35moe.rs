@@ -439,9 +439,9 @@ impl Model {
         if deferred && !ops.can_defer(&batch) {
             return Ok(None);
         }
-        ops.begin_step(&batch)?;
         let n_rows = batch.n_rows();
-        let queued = self.layers_and_head(ops, delta, tap, before_wait, overlaps);
+        let queued =
+            ops.begin_step(&batch).map_err(Error::from).and_then(|()| self.layers_and_head(ops, delta, tap, before_wait, overlaps));
         if queued.is_err() && deferred {
             // Nobody reads its rows; the device must not wait for its tokens.
             let _ = ops.feed_tokens(&vec![0; n_rows]);
