@@ -70,7 +70,7 @@ def tools(version):
 def source(name):
     """The text NVRTC compiles for kernel `name` (kernels.rs: prelude + listed parts + NAME.cu)."""
     rs = open(os.path.join(CRATE, "src", "kernels.rs")).read()
-    m = re.search(r'kernel!\(\w+, "' + re.escape(name) + r'"((?:, \w+)*)\);', rs)
+    m = re.search(r'kernel(?:_90a)?!\(\w+, "' + re.escape(name) + r'"((?:, \w+)*)\);', rs)
     if not m:
         sys.exit(f"no kernel!(.., \"{name}\", ..) in src/kernels.rs")
     # The shared parts: `const NAME: &str = include_str!("../kernels/FILE");`

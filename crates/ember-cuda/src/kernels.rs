@@ -18,12 +18,16 @@ const MOE_H: &str = include_str!("../kernels/moe.cuh");
 const MMA8: &str = include_str!("../kernels/mma8.cuh");
 const ASYNC: &str = include_str!("../kernels/async.cuh");
 const NORM: &str = include_str!("../kernels/norm.cuh");
+const WGMMA_H: &str = include_str!("../kernels/wgmma.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
 pub struct Kernel {
     pub name: &'static str,
     parts: &'static [&'static str],
+    /// Compiled for the arch-specific target (`sm_90a`, which wgmma needs) on a GPU of compute
+    /// capability 9.0; for the plain target elsewhere (its sources guard what needs it).
+    pub arch_specific: bool,
 }
 
 impl Kernel {
@@ -40,7 +44,16 @@ impl Kernel {
 
 macro_rules! kernel {
     ($id:ident, $name:literal $(, $part:expr)*) => {
-        pub static $id: Kernel = Kernel { name: $name, parts: &[$($part,)* include_str!(concat!("../kernels/", $name, ".cu"))] };
+        pub static $id: Kernel =
+            Kernel { name: $name, parts: &[$($part,)* include_str!(concat!("../kernels/", $name, ".cu"))], arch_specific: false };
+    };
+}
+
+/// A [`kernel!`] compiled for `sm_90a` on compute capability 9.0 ([`Kernel::arch_specific`]).
+macro_rules! kernel_90a {
+    ($id:ident, $name:literal $(, $part:expr)*) => {
+        pub static $id: Kernel =
+            Kernel { name: $name, parts: &[$($part,)* include_str!(concat!("../kernels/", $name, ".cu"))], arch_specific: true };
     };
 }
 
@@ -69,6 +82,7 @@ kernel!(ATTENTION, "attention", ATTN);
 kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
 kernel!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, ATTN);
 kernel!(ATTENTION_DECODE_MMA, "attention_decode_mma", DEQUANT, MMA, ASYNC, ATTN);
+kernel_90a!(WGMMA, "wgmma", DEQUANT, MMA, ASYNC, WGMMA_H);
 
 /// Every kernel source (the NVRTC compile test walks this).
 pub static ALL: &[&Kernel] = &[
@@ -97,6 +111,7 @@ pub static ALL: &[&Kernel] = &[
     &ATTENTION_DECODE,
     &ATTENTION_PREFILL,
     &ATTENTION_DECODE_MMA,
+    &WGMMA,
 ];
 
 /// NVRTC options for every kernel. No `--use_fast_math`: the kernels are checked against the
@@ -158,9 +173,10 @@ fn fnv128(parts: &[&[u8]]) -> u128 {
 pub fn load_or_compile(nvrtc: &Nvrtc, kernel: &'static Kernel, cc: u32) -> Result<Image> {
     let src = defines_from_env() + &kernel.source();
     let (maj, min) = nvrtc.version();
-    let key = fnv128(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), format!("nvrtc {maj}.{min} sm_{cc}").as_bytes()]);
+    let a = if kernel.arch_specific && cc == 90 { "a" } else { "" };
+    let key = fnv128(&[src.as_bytes(), OPTIONS.join(" ").as_bytes(), format!("nvrtc {maj}.{min} sm_{cc}{a}").as_bytes()]);
     let dir = cache_dir();
-    let stem = format!("{}-sm{cc}-{key:032x}", kernel.name);
+    let stem = format!("{}-sm{cc}{a}-{key:032x}", kernel.name);
     if let Some(d) = &dir {
         if let Ok(b) = std::fs::read(d.join(format!("{stem}.cubin"))) {
             return Ok(Image::Cubin(b));
@@ -169,7 +185,7 @@ pub fn load_or_compile(nvrtc: &Nvrtc, kernel: &'static Kernel, cc: u32) -> Resul
             return Ok(Image::Ptx(s));
         }
     }
-    let image = nvrtc.compile(kernel.name, &src, cc, OPTIONS)?;
+    let image = nvrtc.compile_kernel(kernel, &src, cc, OPTIONS)?;
     if let Some(d) = &dir {
         let (ext, bytes) = match &image {
             Image::Cubin(b) => ("cubin", b.as_slice()),

@@ -152,6 +152,22 @@ impl Nvrtc {
         format!("{} ({code})", s.to_string_lossy())
     }
 
+    /// [`Nvrtc::compile`] of `kernel`'s source `src` (the kernel's own, or with defines), for
+    /// the arch-specific target `sm_90a` when the kernel asks for it and `cc` is 90 (a CUBIN, or
+    /// PTX for `compute_90a`).
+    pub fn compile_kernel(&self, kernel: &'static crate::kernels::Kernel, src: &str, cc: u32, options: &[&str]) -> Result<Image> {
+        if !(kernel.arch_specific && cc == 90) {
+            return self.compile(kernel.name, src, cc, options);
+        }
+        if self.cubin.is_some() {
+            match self.compile_as(kernel.name, src, "sm_90a", options, true) {
+                Err(Error::Nvrtc { msg, .. }) if msg.ends_with(&format!("({NVRTC_ERROR_INVALID_OPTION})")) => {}
+                other => return other,
+            }
+        }
+        self.compile_as(kernel.name, src, "compute_90a", options, false)
+    }
+
     /// Compiles `src` for compute capability `cc` (e.g. 90): a CUBIN for `sm_{cc}`; PTX for the
     /// newest architecture NVRTC knows below it when it lacks `sm_{cc}` or CUBIN output.
     pub fn compile(&self, kernel: &'static str, src: &str, cc: u32, options: &[&str]) -> Result<Image> {

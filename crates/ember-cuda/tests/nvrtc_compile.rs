@@ -24,7 +24,7 @@ fn every_kernel_compiles_for_sm75_sm86_sm90() {
     for kernel in ALL {
         for cc in [75, 86, 90] {
             let t = std::time::Instant::now();
-            let image = nvrtc.compile(kernel.name, &kernel.source(), cc, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
+            let image = nvrtc.compile_kernel(kernel, &kernel.source(), cc, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
             let Image::Cubin(bytes) = image else { panic!("{} sm_{cc}: PTX instead of a CUBIN", kernel.name) };
             // An ELF image.
             assert_eq!(&bytes[..4], b"\x7fELF", "{} sm_{cc}", kernel.name);
@@ -55,7 +55,7 @@ fn every_kernel_switch_compiles_for_sm90() {
         assert!(!users.is_empty(), "no kernel source names {name}");
         for kernel in users {
             let src = format!("#define {name} 1\n{}", kernel.source());
-            let image = nvrtc.compile(kernel.name, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let image = nvrtc.compile_kernel(kernel, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(matches!(image, Image::Cubin(_)), "{} with {name}: PTX instead of a CUBIN", kernel.name);
             println!("{} with {name}: compiles", kernel.name);
         }

@@ -21,6 +21,7 @@ mod rms_norm;
 mod route;
 mod select_rows;
 mod top_k;
+mod wgmma;
 
 pub use attention::{
     ATTENTION_DECODE_ENTRIES, ATTENTION_DECODE_SPLITS, ATTENTION_MMA_MIN_ROW_KEYS, ATTENTION_MMA_MIN_ROWS, ATTENTION_SPLIT_KEYS,
