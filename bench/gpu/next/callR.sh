@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next session's first call (~480 s on a fresh machine; pack as bench/gpu/README.md says):
 # every GPU test binary (the new `ahead`: steps queued ahead give the rows of steps run one by one
-# bit for bit; an unfed step does not hang) and serve-check at the tree's defaults, which now run
+# bit for bit; an unfed step does not hang; the new `wgmma`: the sm_90a building blocks of
+# docs/attention-wgmma.md against the host) and serve-check at the tree's defaults, which now run
 # decode steps ahead (engine/ahead.rs, docs/backend.md "Running ahead"), while llama.cpp builds
 # and the 35B is written; then it waits for the build, so that callS.sh (right after, on the warm
 # machine) measures on a quiet host, and callH.sh after that has llama.cpp.
