@@ -301,6 +301,32 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
 }
 #endif
 
+#if defined(EMBER_WGMMA) && defined(EMBER_ATTN_WGMMA)
+// (EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA, for measuring; docs/attention-wgmma.md step 1: S = Q·Kᵀ
+// by wgmma, Q and K in 128-byte-swizzled tiles, P·V as before.)
+#define ATM_WG 1
+// stage_page into a swizzled tile (kernels/wgmma.cuh) of 64 keys: the same copies, each to its
+// swizzled address; head_dim a multiple of 64 (the caller's test).
+template <int TY, int THREADS>
+__device__ __forceinline__ void stage_page_sw(u8* buf, const u8* page, u32 row_bytes, u32 e0, u32 nk, u32 d8s) {
+    const u32 base = smem_addr(buf);
+    for (u32 u = threadIdx.x; u < AT_N * d8s; u += THREADS) {
+        const u32 key = u / d8s, d8 = u % d8s * 8;
+        const u8* src = page + (u64)(key < nk ? key : 0) * row_bytes;
+        if (TY == KV_F16) {
+            cp_async16_at(base + sw128_offset(AT_N, key, d8), src + 2 * (u64)(e0 + d8), key < nk ? 16 : 0);
+        } else {
+            Row8<TY> raw;
+            raw.load(src, e0 + d8, key < nk);
+            float x[8];
+            raw.get(x);
+            *(uint4*)(buf + sw128_offset(AT_N, key, d8)) = pack8(x);
+        }
+    }
+    cp_async_commit();
+}
+#endif
+
 // W warps: a tile of M = 16·W query vectors (attention_mma: 4, attention_mma_w8: 8).
 template <int TY, int W>
 __device__ void attend_mma(const AttentionParams& p, u16* qs) {
@@ -309,6 +335,17 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     u16 *ks = qs + M * ATM_LD, *vs = ks + 64 * ATM_LD;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane >> 2, t = lane & 3;
     const u32 hd = p.head_dim, hb = p.heads_per_block, tr = M / hb, d8s = hd / 8;
+#ifdef ATM_WG
+    // Q [M][256] and K [64][256] swizzled from a 1,024-aligned start (the launch's shared memory
+    // has the slack), V after them in the padded layout; head_dim a multiple of 64, else as before.
+    const bool wg = hd % 64 == 0;
+    if (wg) {
+        const u32 pad = (1024 - (smem_addr(qs) & 1023)) & 1023;
+        qs = (u16*)((u8*)qs + pad);
+        ks = qs + M * 256;
+        vs = ks + 64 * 256;
+    }
+#endif
     const u32* seq_n = (const u32*)p.seq_n;
     u32 ti = blockIdx.x, s = 0;
     for (; s < p.n_seq; ++s) {
@@ -350,7 +387,12 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     };
     const u32 e0 = kvh * hd;
     if (k_lo < k_hi) {
-        stage_page<TY, THREADS>(ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+#ifdef ATM_WG
+        if (wg) {
+            stage_page_sw<TY, THREADS>((u8*)ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+        } else
+#endif
+            stage_page<TY, THREADS>(ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
         stage_page<TY, THREADS>(vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
     }
     // Q: vector i = (row i / hb, head h0 + i % hb), scaled, as f16; zeros past the tile's rows.
@@ -367,6 +409,12 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) x[e] = 0.0f;
         }
+#ifdef ATM_WG
+        if (wg) {
+            *(uint4*)((u8*)qs + sw128_offset(M, i, d8)) = pack8(x);
+            continue;
+        }
+#endif
         *(uint4*)(qs + i * ATM_LD + d8) = pack8(x);
     }
 
@@ -388,11 +436,29 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     for (u32 kb = k_lo; kb < k_hi; kb += AT_N) {
         const u32 next = kb + AT_N, nk_next = next < k_hi ? min((u32)AT_N, k_hi - next) : 0;
         cp_async_wait<1>();  // this page's K (its V may still be in flight)
+#ifdef ATM_WG
+        if (wg) fence_proxy_async();  // Q's and K's generic-proxy writes, for wgmma's reads
+#endif
         __syncthreads();
         // S = Q·Kᵀ: 8 tiles of 8 keys.
         float sc[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#ifdef ATM_WG
+        // By wgmma: warpgroup w/4's 64 rows against the page's 64 keys, 16 dims a step; its
+        // accumulator layout is sc's (tile j's values of rows g, g + 8 at keys 8j + 2t, + 1).
+        if (wg) {
+            float(&d)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
+            const u32 qa = smem_addr(qs) + (warp / 4) * 64 * 128, ka = smem_addr(ks);
+            wgmma_fence();
+            for (u32 s16 = 0; s16 < hd / 16; ++s16) {
+                const u32 c = s16 / 4 * 128, b = s16 % 4 * 32;
+                wgmma_ss_64x64(d, wgmma_desc(qa + c * M + b, 16, 1024), wgmma_desc(ka + c * AT_N + b, 16, 1024), s16 > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+        } else
+#endif
 #pragma unroll 2  // the next 16 dims' loads issued before this step's mmas
         for (u32 k0 = 0; k0 < hd; k0 += 16) {
             u32 a[4];
@@ -407,7 +473,12 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         }
         __syncthreads();  // every warp is done with K: the next page's K loads meanwhile
         if (nk_next > 0) {
-            stage_page<TY, THREADS>(ks, page(tk, next), p.row_bytes, e0, nk_next, d8s);
+#ifdef ATM_WG
+            if (wg) {
+                stage_page_sw<TY, THREADS>((u8*)ks, page(tk, next), p.row_bytes, e0, nk_next, d8s);
+            } else
+#endif
+                stage_page<TY, THREADS>(ks, page(tk, next), p.row_bytes, e0, nk_next, d8s);
         } else {
             cp_async_commit();
         }

@@ -80,7 +80,7 @@ kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention", ATTN);
 kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
-kernel!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, ATTN);
+kernel_90a!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, WGMMA_H, ATTN);
 kernel!(ATTENTION_DECODE_MMA, "attention_decode_mma", DEQUANT, MMA, ASYNC, ATTN);
 kernel_90a!(WGMMA, "wgmma", DEQUANT, MMA, ASYNC, WGMMA_H);
 

@@ -48,7 +48,8 @@ fn a_compile_error_is_an_error_with_the_log() {
 /// whose source names it, for sm_90: a switch that measurements turn on must compile.
 #[test]
 fn every_kernel_switch_compiles_for_sm90() {
-    const SWITCHES: [&str; 5] = ["EMBER_MMA_F32_DECODE", "EMBER_TRACE", "EMBER_AD_PF0", "EMBER_Q6_A2", "EMBER_ROUTE_REGW"];
+    const SWITCHES: [&str; 6] =
+        ["EMBER_MMA_F32_DECODE", "EMBER_TRACE", "EMBER_AD_PF0", "EMBER_Q6_A2", "EMBER_ROUTE_REGW", "EMBER_ATTN_WGMMA"];
     let Some(nvrtc) = nvrtc() else { return };
     for name in SWITCHES {
         let users: Vec<_> = ALL.iter().filter(|k| k.source().contains(name)).collect();
