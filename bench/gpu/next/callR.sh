@@ -4,9 +4,9 @@
 # bit for bit; an unfed step does not hang; the new `wgmma`: the sm_90a building blocks of
 # docs/attention-wgmma.md against the host) and serve-check at the tree's defaults, which now run
 # decode steps ahead (engine/ahead.rs, docs/backend.md "Running ahead"), while llama.cpp builds
-# and the 35B is written; then, while the build finishes, prompt attention's Q·Kᵀ on wgmma
-# (EMBER_ATTN_WGMMA: its test against the reference, bench_attention_mma both ways); then it
-# waits for the build, so that callS.sh (right after, on the warm
+# and the 35B is written; then, while the build finishes, prompt attention on wgmma
+# (EMBER_ATTN_WGMMA: Q·Kᵀ; with EMBER_ATTN_WGMMA_PV also P·V: the test against the reference
+# under each, bench_attention_mma plain and under each); then it waits for the build, so that callS.sh (right after, on the warm
 # machine) measures on a quiet host, and callH.sh after that has llama.cpp.
 set -uo pipefail
 L=${LIMIT:-560}
@@ -17,11 +17,14 @@ OUT=$O LLAMA=1 SKIP_TESTS=nvrtc_compile STAGES=tests,serve timeout $(( L - 20 ))
 echo "tests+serve done at $SECONDS s"
 # While llama.cpp builds (GPU idle): prompt attention's Q·Kᵀ by wgmma (EMBER_ATTN_WGMMA, step 1 of
 # docs/attention-wgmma.md) against the reference, then the attention benchmark both ways.
-W=EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA
-env $W timeout 150 /tmp/bin/attention --test-threads=1 --nocapture tiles_match_the_reference > $O/test-attn-wgmma.log 2>&1
-echo "attention tiles with wgmma: exit $? $(grep -E '^test result|tiles vs reference' $O/test-attn-wgmma.log | tr '\n' ' ')"
-for v in plain wgmma; do
-  e=(); [[ $v == wgmma ]] && e=($W)
+W=EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA; W2=EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA,EMBER_ATTN_WGMMA_PV
+for v in wgmma wgmma2; do
+  e=($W); [[ $v == wgmma2 ]] && e=($W2)
+  env "${e[@]}" timeout 150 /tmp/bin/attention --test-threads=1 --nocapture tiles_match_the_reference > $O/test-attn-$v.log 2>&1
+  echo "attention tiles with $v: exit $? $(grep -E '^test result|tiles vs reference' $O/test-attn-$v.log | tr '\n' ' ')"
+done
+for v in plain wgmma wgmma2; do
+  e=(); [[ $v == wgmma ]] && e=($W); [[ $v == wgmma2 ]] && e=($W2)
   env "${e[@]}" timeout 120 /tmp/bin/attention --test-threads=1 --nocapture --ignored bench_attention_mma > $O/bench-attn-$v.log 2>&1
   echo "bench_attention_mma $v: exit $?"; grep -v '^running\|^test \|^$' $O/bench-attn-$v.log | tail -8
 done

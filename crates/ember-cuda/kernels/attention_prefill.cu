@@ -305,6 +305,11 @@ __device__ __forceinline__ void stage_page(u16* buf, const u8* page, u32 row_byt
 // (EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA, for measuring; docs/attention-wgmma.md step 1: S = Q·Kᵀ
 // by wgmma, Q and K in 128-byte-swizzled tiles, P·V as before.)
 #define ATM_WG 1
+#ifdef EMBER_ATTN_WGMMA_PV
+// (With EMBER_ATTN_WGMMA_PV too, step 2: O += P·V by register-A wgmmas, V swizzled as K is and
+// read through the transposed-B descriptor; head_dim 256 only.)
+#define ATM_WG_PV 1
+#endif
 // stage_page into a swizzled tile (kernels/wgmma.cuh) of 64 keys: the same copies, each to its
 // swizzled address; head_dim a multiple of 64 (the caller's test).
 template <int TY, int THREADS>
@@ -339,6 +344,9 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
     // Q [M][256] and K [64][256] swizzled from a 1,024-aligned start (the launch's shared memory
     // has the slack), V after them in the padded layout; head_dim a multiple of 64, else as before.
     const bool wg = hd % 64 == 0;
+#ifdef ATM_WG_PV
+    const bool wgv = wg && hd == 256;
+#endif
     if (wg) {
         const u32 pad = (1024 - (smem_addr(qs) & 1023)) & 1023;
         qs = (u16*)((u8*)qs + pad);
@@ -393,7 +401,12 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         } else
 #endif
             stage_page<TY, THREADS>(ks, page(tk, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
-        stage_page<TY, THREADS>(vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+#ifdef ATM_WG_PV
+        if (wgv) {
+            stage_page_sw<TY, THREADS>((u8*)vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
+        } else
+#endif
+            stage_page<TY, THREADS>(vs, page(tv, k_lo), p.row_bytes, e0, min((u32)AT_N, k_hi - k_lo), d8s);
     }
     // Q: vector i = (row i / hb, head h0 + i % hb), scaled, as f16; zeros past the tile's rows.
     for (u32 u = tid; u < M * d8s; u += THREADS) {
@@ -521,6 +534,9 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
             }
         }
         cp_async_wait<1>();  // this page's V (the next page's K may still be in flight)
+#ifdef ATM_WG_PV
+        if (wgv) fence_proxy_async();  // V's generic-proxy writes, for wgmma's reads
+#endif
         __syncthreads();
         // O += P·V: 4 steps of 16 keys, head_dim / 16 pairs of 8-dim tiles.
         // Pairs of tiles outside, the 4 key steps inside: one head_dim test a pair instead of
@@ -534,6 +550,20 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
             pa[kk][2] = pack_f16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
             pa[kk][3] = pack_f16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
+#ifdef ATM_WG_PV
+        // By wgmma: warpgroup w/4's 64 rows, 4 steps of 16 keys against all 256 dims (o's layout
+        // is the m64n256 accumulator's: tile n's values at d[4n + c]); o was just rescaled by
+        // ordinary instructions, hence the fence first.
+        if (wgv) {
+            float(&d)[128] = *reinterpret_cast<float(*)[128]>(&o[0][0]);
+            const u32 va = smem_addr(vs);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs_64x256(d, pa[kk], wgmma_desc(va + kk * 2048, AT_N * 128, 1024), 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+        } else
+#endif
 #pragma unroll
         for (int n = 0; n < 32; n += 2) {
             if (8 * n >= (int)hd) break;
@@ -548,7 +578,12 @@ __device__ void attend_mma(const AttentionParams& p, u16* qs) {
         }
         __syncthreads();  // every warp is done with V: the next page's V loads meanwhile
         if (nk_next > 0) {
-            stage_page<TY, THREADS>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
+#ifdef ATM_WG_PV
+            if (wgv) {
+                stage_page_sw<TY, THREADS>((u8*)vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
+            } else
+#endif
+                stage_page<TY, THREADS>(vs, page(tv, next), p.row_bytes, e0, nk_next, d8s);
         } else {
             cp_async_commit();
         }
