@@ -12,6 +12,7 @@ struct WgmmaCheckParams {
     u64 p;  // [64][64] f16
     u64 s;  // [64][64] f32 out
     u64 o;  // [64][256] f32 out
+    u32 v_lbo, v_sbo;  // V's descriptor offsets (bytes): 8192 and 1024 as attention uses them
 };
 
 // Dynamic shared memory: 1 KiB of slack (the tiles start 1,024-aligned), then Q, K, V tiles of
@@ -71,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wgmma_check(const WgmmaChec
     }
     wgmma_fence();
 #pragma unroll
-    for (u32 kk = 0; kk < 4; ++kk) wgmma_rs_64x256(o, a[kk], wgmma_desc(tv + kk * 2048, 64 * 128, 1024), kk > 0);
+    for (u32 kk = 0; kk < 4; ++kk) wgmma_rs_64x256(o, a[kk], wgmma_desc(tv + kk * 2048, p.v_lbo, p.v_sbo), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     float* oo = (float*)p.o;

@@ -17,9 +17,11 @@ struct WgmmaCheckParams {
     p: u64,
     s: u64,
     o: u64,
+    v_lbo: u32,
+    v_sbo: u32,
 }
 
-// SAFETY: plain #[repr(C)] data matching `WgmmaCheckParams` in kernels/wgmma.cu (6 u64).
+// SAFETY: plain #[repr(C)] data matching `WgmmaCheckParams` in kernels/wgmma.cu (6 u64, 2 u32).
 unsafe impl DeviceRepr for WgmmaCheckParams {}
 
 /// The kernel's dynamic shared memory: 1 KiB of slack to align its tiles, then three tiles of 64
@@ -33,10 +35,20 @@ impl Gpu {
     }
 
     /// S = Q·Kᵀ [64 x 64] and O = P·V [64 x 256] by wgmma, one warpgroup: `q`, `k`, `v` [64][256]
-    /// and `p` [64][64] f16 values (bits), row-major; `s`, `o` f32. On a GPU without wgmma
-    /// ([`Gpu::has_wgmma`]) the outputs are NaN.
+    /// and `p` [64][64] f16 values (bits), row-major; `s`, `o` f32; V read through a descriptor
+    /// with leading and stride byte offsets `v_offsets` (attention's: (8192, 1024)). On a GPU
+    /// without wgmma ([`Gpu::has_wgmma`]) the outputs are NaN.
     #[allow(clippy::too_many_arguments)]
-    pub fn wgmma_check(&self, q: &Buf<u16>, k: &Buf<u16>, v: &Buf<u16>, p: &Buf<u16>, s: &mut Buf<f32>, o: &mut Buf<f32>) -> Result<()> {
+    pub fn wgmma_check(
+        &self,
+        q: &Buf<u16>,
+        k: &Buf<u16>,
+        v: &Buf<u16>,
+        p: &Buf<u16>,
+        s: &mut Buf<f32>,
+        o: &mut Buf<f32>,
+        v_offsets: (u32, u32),
+    ) -> Result<()> {
         const OP: &str = "wgmma_check";
         for (name, b) in [("q", q), ("k", k), ("v", v)] {
             need(OP, name, b, 64 * 256)?;
@@ -47,7 +59,16 @@ impl Gpu {
         let f = self.function(&WGMMA, "wgmma_check")?;
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
             .map_err(|e| shape(OP, format!("{SMEM} bytes of shared memory a block: {e:?}")))?;
-        let prm = WgmmaCheckParams { q: q.ptr(), k: k.ptr(), v: v.ptr(), p: p.ptr(), s: s.ptr(), o: o.ptr() };
+        let prm = WgmmaCheckParams {
+            q: q.ptr(),
+            k: k.ptr(),
+            v: v.ptr(),
+            p: p.ptr(),
+            s: s.ptr(),
+            o: o.ptr(),
+            v_lbo: v_offsets.0,
+            v_sbo: v_offsets.1,
+        };
         // SAFETY: sizes checked above; one block of 128 threads reads 64·256 values of q, k, v and
         // 64·64 of p, writes 64·64 of s and 64·256 of o, within SMEM bytes of shared memory.
         unsafe { self.launch(&f, (1, 1, 1), 128, SMEM as u32, &prm) }
