@@ -250,7 +250,8 @@ pub fn main(a: Args) -> Result<()> {
                         // As the engine decodes (engine/ahead.rs): step i + 1 queued before step
                         // i's entries are read, its tokens fed after.
                         Some(tops) => {
-                            let placeholder = [0u32];
+                            // One token slot a sequence; a deferred step does not read it (its tokens come by feed).
+                            let fed_later = [0u32];
                             let mut items: Vec<Step<'_, _>> = states
                                 .iter_mut()
                                 .enumerate()
@@ -261,10 +262,8 @@ pub fn main(a: Args) -> Result<()> {
                                 let next: Vec<u32> = (0..n).filter(|_| i + 1 < per).map(|j| toks[j * per + i + 1]).collect();
                                 let mut deferred = false;
                                 if !next.is_empty() {
-                                    let mut items: Vec<Step<'_, _>> = states
-                                        .iter_mut()
-                                        .map(|st| Step { tokens: &placeholder, state: st, logits: Logits::Last })
-                                        .collect();
+                                    let mut items: Vec<Step<'_, _>> =
+                                        states.iter_mut().map(|st| Step { tokens: &fed_later, state: st, logits: Logits::Last }).collect();
                                     deferred = backend.submit(&mut items, &tops, true)?;
                                 }
                                 backend.collect()?;

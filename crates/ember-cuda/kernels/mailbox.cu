@@ -36,6 +36,23 @@ __device__ __forceinline__ u64 global_ns() {
     return t;
 }
 
+// Thread 0 waits until `word` holds `gen` (acquire, system scope: the host's writes before it are
+// then visible), sleeping between polls up to `max_sleep` ns; after `timeout_ns` it gives up,
+// writes `gen` to `timed_out` and returns 0. Returns 1 when the word came.
+__device__ __forceinline__ u32 wait_host_word(const u32* word, u32 gen, u64 timeout_ns, u32* timed_out, u32 max_sleep) {
+    const u64 t0 = global_ns();
+    u32 sleep = 32;
+    for (;;) {
+        if (ld_acquire_sys(word) == gen) return 1;
+        if (global_ns() - t0 > timeout_ns) {
+            st_release_sys(timed_out, gen);
+            return 0;
+        }
+        __nanosleep(sleep);
+        sleep = sleep < max_sleep ? 2 * sleep : max_sleep;
+    }
+}
+
 struct MoePostParams {
     u64 ids;      // [n_pairs] u32, the routing on the device
     u64 weights;  // [n_pairs] f32
@@ -104,24 +121,8 @@ extern "C" __global__ void moe_wait_add(const MoeWaitParams p) {
     if (*(const u32*)p.need == 0) return;
     const u32* box = (const u32*)p.box;
     __shared__ u32 ok;
-    if (threadIdx.x == 0) {
-        const u32 gen = *(const u32*)p.step;
-        const u64 t0 = global_ns();
-        u32 sleep = 32;
-        for (;;) {
-            if (ld_acquire_sys(box + MB_DONE) == gen) {
-                ok = 1;
-                break;
-            }
-            if (global_ns() - t0 > p.timeout_ns) {
-                ok = 0;
-                st_release_sys((u32*)box + MB_TIMED_OUT, gen);  // every block that gives up
-                break;
-            }
-            __nanosleep(sleep);
-            sleep = sleep < 512 ? 2 * sleep : 512;
-        }
-    }
+    // (Every block that gives up writes `timed_out`.)
+    if (threadIdx.x == 0) ok = wait_host_word(box + MB_DONE, *(const u32*)p.step, p.timeout_ns, (u32*)box + MB_TIMED_OUT, 512);
     __syncthreads();
     // Volatile: the host rewrites sum[] every step, so no cached copy may be read.
     const volatile float* sum = (const volatile float*)(box + MB_HEAD + 2 * p.cap_pairs + p.cap_x);
@@ -162,26 +163,9 @@ extern "C" __global__ void feed_wait(const FeedWaitParams p) {
     pdl_enter();
     const u32* feed = (const u32*)p.feed;
     __shared__ u32 ok;
-    if (threadIdx.x == 0) {
-        const u32 gen = *(const u32*)p.step;
-        const u64 t0 = global_ns();
-        u32 sleep = 32;
-        for (;;) {
-            if (ld_acquire_sys(feed + FD_FED) == gen) {
-                ok = 1;
-                break;
-            }
-            if (global_ns() - t0 > p.timeout_ns) {
-                ok = 0;
-                st_release_sys((u32*)feed + FD_TIMED_OUT, gen);
-                break;
-            }
-            // Short sleeps: the host answers within microseconds of the step ahead's end, and
-            // every microsecond here is one the GPU idles.
-            __nanosleep(sleep);
-            sleep = sleep < 128 ? 2 * sleep : 128;
-        }
-    }
+    // Short sleeps: the host answers within microseconds of the step ahead's end, and every
+    // microsecond here is one the GPU idles.
+    if (threadIdx.x == 0) ok = wait_host_word(feed + FD_FED, *(const u32*)p.step, p.timeout_ns, (u32*)feed + FD_TIMED_OUT, 128);
     __syncthreads();
     // Volatile: the host rewrites tokens[] every step, so no cached copy may be read.
     const volatile u32* src = (const volatile u32*)(feed + FD_HEAD);

@@ -103,14 +103,14 @@ fn ahead(m: &Model, ops: &mut CudaOps) -> (Vec<Vec<TopRow>>, usize) {
     let (mut st, mut next) = start(m, ops);
     let top = |n: usize| vec![(K, Vec::new()); n];
     let submit = |ops: &mut CudaOps, st: &mut [SeqState], who: &[usize], toks: Option<&[u32]>| {
-        let placeholder = [0u32];
+        let fed_later = [0u32];
         let per: Vec<[u32; 1]> = who.iter().enumerate().map(|(j, _)| [toks.map_or(0, |t| t[j])]).collect();
         let mut seqs: Vec<SeqBatch> = st
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| who.contains(i))
             .zip(&per)
-            .map(|((_, st), t)| SeqBatch { tokens: if toks.is_some() { t } else { &placeholder }, state: st, logits: Logits::Last })
+            .map(|((_, st), t)| SeqBatch { tokens: if toks.is_some() { t } else { &fed_later }, state: st, logits: Logits::Last })
             .collect();
         m.submit_top(ops, &mut seqs, &top(who.len()), toks.is_none()).unwrap()
     };

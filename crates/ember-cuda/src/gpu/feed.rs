@@ -9,10 +9,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use cudarc::driver::{CudaStream, result, sys};
+use cudarc::driver::{CudaStream, result};
 
 use super::Gpu;
-use crate::error::{Result, drv, shape};
+use crate::error::{Result, shape};
 
 /// Words before the tokens (kernels/mailbox.cu `FD_HEAD`).
 const HEAD: usize = 4;
@@ -42,21 +42,8 @@ unsafe impl Send for Feed {}
 impl Gpu {
     /// A feed for steps of up to `cap` rows.
     pub fn feed(&self, cap: usize) -> Result<Feed> {
-        let words = HEAD + cap;
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: allocates `4 · words` bytes of page-locked host memory; nothing else owns it.
-        let host = unsafe { result::malloc_host(4 * words, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(drv("cuMemHostAlloc"))?
-            .cast::<u32>();
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP just above; the call writes the
-        // device address of that allocation.
-        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
-        let feed = Feed { host, dev, cap, stream: self.stream.clone() };
-        rc.result().map_err(drv("cuMemHostGetDevicePointer"))?;
-        // SAFETY: the allocation holds `words` u32 (page-aligned), no kernel knows it yet.
-        unsafe { std::ptr::write_bytes(feed.host, 0, words) };
-        Ok(feed)
+        let (host, dev) = self.mapped_words(HEAD + cap)?;
+        Ok(Feed { host, dev, cap, stream: self.stream.clone() })
     }
 }
 

@@ -53,6 +53,15 @@ impl Gpu {
     pub fn mailbox(&self, cap_pairs: usize, cap_x: usize) -> Result<Mailbox> {
         let words = Mailbox::words_for(cap_pairs, cap_x);
         let need = self.zeros(1)?;
+        let (host, dev) = self.mapped_words(words)?;
+        Ok(Mailbox { host, dev, cap_pairs, cap_x, need, stream: self.stream.clone(), timeout_ns: MAILBOX_TIMEOUT_NS })
+    }
+
+    /// `words` u32 of zeroed page-locked host memory mapped into this GPU's address space
+    /// (`cuMemHostAlloc(DEVICEMAP | PORTABLE)`): the host pointer and the device address. The
+    /// caller owns the allocation and frees it with `cuMemFreeHost` once no launch can read it
+    /// (the mailboxes, [`super::Feed`]).
+    pub(super) fn mapped_words(&self, words: usize) -> Result<(*mut u32, u64)> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: allocates `4 · words` bytes of page-locked host memory; nothing else owns it.
         let host = unsafe { result::malloc_host(4 * words, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
@@ -62,11 +71,16 @@ impl Gpu {
         // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP just above; the call writes the
         // device address of that allocation.
         let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
-        let mb = Mailbox { host, dev, cap_pairs, cap_x, need, stream: self.stream.clone(), timeout_ns: MAILBOX_TIMEOUT_NS };
-        rc.result().map_err(drv("cuMemHostGetDevicePointer"))?;
+        if let Err(e) = rc.result() {
+            // SAFETY: `host` came from cuMemHostAlloc above and nothing else knows it.
+            unsafe {
+                let _ = result::free_host(host.cast());
+            }
+            return Err(drv("cuMemHostGetDevicePointer")(e));
+        }
         // SAFETY: the allocation holds `words` u32 (page-aligned), no kernel knows it yet.
-        unsafe { std::ptr::write_bytes(mb.host, 0, words) };
-        Ok(mb)
+        unsafe { std::ptr::write_bytes(host, 0, words) };
+        Ok((host, dev))
     }
 }
 

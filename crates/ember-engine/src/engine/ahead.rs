@@ -62,13 +62,14 @@ impl<B: Backend> Scheduler<B> {
         let mut queued_next = false;
         if let (false, Some(tops)) = (next.is_empty(), &tops) {
             let tops: Vec<(usize, Vec<u32>)> = next.iter().map(|&i| tops[i].clone()).collect();
-            let placeholder = [0u32];
+            // One token slot a sequence; a deferred step does not read it (its tokens come by feed).
+            let fed_later = [0u32];
             let mut items: Vec<Step<B::State>> = self
                 .active
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| next.contains(i))
-                .map(|(_, s)| Step { tokens: &placeholder, state: &mut s.state, logits: Logits::Last })
+                .map(|(_, s)| Step { tokens: &fed_later, state: &mut s.state, logits: Logits::Last })
                 .collect();
             match self.backend.submit(&mut items, &tops, true) {
                 Ok(q) => queued_next = q,
