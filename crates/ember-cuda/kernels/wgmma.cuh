@@ -32,6 +32,19 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// Registers a wgmma reads or writes pinned in place (CUTLASS's warpgroup_fence_operand): ordinary
+// instructions that write them stay before the next wgmma_fence, and those that read its results
+// stay after the wait that follows this, whatever the compiler's scheduling.
+template <int N>
+__device__ __forceinline__ void wgmma_keep(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_keep(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's reads.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

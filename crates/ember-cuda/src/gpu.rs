@@ -209,6 +209,10 @@ pub struct Gpu {
     /// at every depth where the GPU allows their shared memory, 0 never; unset (None): from
     /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
     attn_mma_wide: Option<bool>,
+    /// Whether those wide tiles run as `attention_wg` (both products on wgmma, pages in flight
+    /// two deep; docs/attention-wgmma.md step 3) where it applies (`EMBER_ATTN_WG=1`; off by
+    /// default until measured; [`Gpu::set_attention_wg`]).
+    attn_wg: AtomicBool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -310,6 +314,7 @@ impl Gpu {
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
+            attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_some_and(|v| v == "1")),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -354,6 +359,17 @@ impl Gpu {
     /// (None: unset, the launcher chooses by depth).
     pub(crate) fn attn_mma_wide_on(&self) -> Option<bool> {
         self.attn_mma_wide
+    }
+
+    /// Whether the wide prompt tiles may run as `attention_wg` (`EMBER_ATTN_WG=1`).
+    pub(crate) fn attn_wg_on(&self) -> bool {
+        self.attn_wg.load(Ordering::Relaxed)
+    }
+
+    /// Lets the wide prompt tiles run as `attention_wg` where it applies, or not (what
+    /// `EMBER_ATTN_WG` sets at the start; for tests and measuring).
+    pub fn set_attention_wg(&self, on: bool) {
+        self.attn_wg.store(on, Ordering::Relaxed);
     }
 
     /// Query heads of every decode attention block that `EMBER_ATTN_HEADS` asks for (0: none,

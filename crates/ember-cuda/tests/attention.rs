@@ -503,6 +503,62 @@ fn bench_attention_tiles() {
     }
 }
 
+/// `rel` of `attention_wg` (both products on wgmma, docs/attention-wgmma.md step 3) against
+/// `attention_mma_w8` (mma.sync) on the same f16 inputs: the products are the same, their f32
+/// sums' order is not, so a P rounded to f16 may differ by an ulp. Not yet measured on a GPU:
+/// the bound is REL_FAST, what each of them keeps against the reference.
+const REL_WG: f32 = REL_FAST;
+
+/// `attention_wg` against `attention_mma_w8` at the 35B model's shape (16 query heads, 2 KV
+/// heads, head_dim 256, F16 cache): one sequence of 1..512 rows at depths from 4,096 keys (where
+/// the tiles take 128 query vectors a block) to 9,000, rows ending inside a page and on its end,
+/// one key range and several (`n_split`: the partial results and the merge).
+#[test]
+fn wg_tiles_match_the_mma_tiles() {
+    let g = match Gpu::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    if !g.has_wgmma() {
+        println!("skipped: compute capability {} has no wgmma", g.info().sm());
+        return;
+    }
+    let (nh, nkv, hd) = (16usize, 2usize, 256usize);
+    let max_pos = 9000 + 512;
+    let mut rng = Rng::new(41);
+    let cache = Cache::filled(&g, GgmlType::F16, nkv * hd, max_pos, &mut rng);
+    let mut worst = 0f32;
+    for (n, depth) in [(512usize, 4096usize), (1, 4100), (37, 4163), (300, 5000), (512, 8960), (130, 9000)] {
+        let q = g.upload(&rng.mat(n, nh * hd, 1.0).data).unwrap();
+        let (seq_row0, slot0, seq_n) = (g.zeros::<u32>(1).unwrap(), g.zeros::<u32>(1).unwrap(), g.upload(&[n as u32]).unwrap());
+        let seqs = SeqRows { row0: &seq_row0, n: &seq_n, slot: &slot0, n_seq: 1 };
+        let row_slot = g.zeros::<u32>(n).unwrap();
+        let pos = g.upload(&(depth as u32..(depth + n) as u32).collect::<Vec<_>>()).unwrap();
+        let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / 16.0, &[n], depth + n);
+        s.path = AttentionPath::Tiles;
+        s.fast = true;
+        let mut outs = Vec::new();
+        for wg in [false, true] {
+            g.set_attention_wg(wg);
+            assert_eq!(g.attention_uses_wg(&s, GgmlType::F16), wg, "{n} rows at {depth}");
+            let mut out = g.zeros::<f32>(n * nh * hd).unwrap();
+            let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+            g.attention(&cache.pages(), s, &q, &seqs, &row_slot, &pos, &mut out, &mut scratch).unwrap();
+            outs.push(g.download(&out).unwrap());
+        }
+        g.set_attention_wg(false);
+        let e = conformance::max_rel(&outs[0], &outs[1]);
+        println!("attention_wg, {n:>3} rows at depth {depth}, {} ranges: max rel {e:.2e} to attention_mma_w8", g.attention_splits(&s));
+        assert!(outs[1].iter().all(|x| x.is_finite()), "{n} rows at {depth}: non-finite output");
+        assert!(e <= REL_WG, "{n} rows at {depth}: rel {e:e}");
+        worst = worst.max(e);
+    }
+    println!("attention_wg against attention_mma_w8: max rel {worst:.2e}");
+}
+
 /// The tensor-core tiles alone at the 35B model's shape (16 query heads, 2 KV heads, head_dim
 /// 256, F16 cache): 512 rows at depths 0..32768, GPU ms per call and TFLOP/s, for A/B runs of
 /// the kernel's switches (`EMBER_KERNEL_DEFINES`); the tiles' agreement with the reference is
@@ -532,7 +588,8 @@ fn bench_attention_mma() {
         let ms = gpu_ms(&g, 10, || g.attention(&cache.pages(), s, &q_all, &seqs, &row_slot, &pos, &mut out, &mut scratch));
         let pairs: f64 = (0..n).map(|i| (depth + i + 1) as f64).sum();
         let tflops = 4.0 * (nh * hd) as f64 * pairs / ms / 1e9;
-        println!("bench attention_mma {n} rows at depth {depth:>5}: {ms:8.3} ms ({tflops:6.1} TFLOP/s, {} ranges)", g.attention_splits(&s));
+        let kernel = if g.attention_uses_wg(&s, GgmlType::F16) { "attention_wg" } else { "attention_mma" };
+        println!("bench {kernel} {n} rows at depth {depth:>5}: {ms:8.3} ms ({tflops:6.1} TFLOP/s, {} ranges)", g.attention_splits(&s));
     }
 }
 

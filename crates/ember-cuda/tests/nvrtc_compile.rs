@@ -64,15 +64,18 @@ fn every_kernel_switch_compiles_for_sm90() {
 }
 
 /// Prompt attention's wgmma steps together (`EMBER_ATTN_WGMMA` and `EMBER_ATTN_WGMMA_PV`: the
-/// second builds on the first), for sm_90a.
+/// second builds on the first; `EMBER_ATTN_V_SWAP`, V's descriptor offsets swapped for them and
+/// `attention_wg`), for sm_90a.
 #[test]
 fn attention_wgmma_switches_compile_together() {
     let Some(nvrtc) = nvrtc() else { return };
     let kernel = &ember_cuda::kernels::ATTENTION_PREFILL;
-    let src = format!("#define EMBER_ATTN_WGMMA 1\n#define EMBER_ATTN_WGMMA_PV 1\n{}", kernel.source());
-    assert!(kernel.source().contains("EMBER_ATTN_WGMMA_PV"));
-    let image = nvrtc.compile_kernel(kernel, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
-    assert!(matches!(image, Image::Cubin(_)), "PTX instead of a CUBIN");
+    assert!(kernel.source().contains("EMBER_ATTN_WGMMA_PV") && kernel.source().contains("EMBER_ATTN_V_SWAP"));
+    for swap in ["", "#define EMBER_ATTN_V_SWAP 1\n"] {
+        let src = format!("#define EMBER_ATTN_WGMMA 1\n#define EMBER_ATTN_WGMMA_PV 1\n{swap}{}", kernel.source());
+        let image = nvrtc.compile_kernel(kernel, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(image, Image::Cubin(_)), "PTX instead of a CUBIN");
+    }
 }
 
 /// Every `attention_decode` entry the launcher names (`ATTENTION_DECODE_ENTRIES`: one per cache

@@ -28,6 +28,10 @@ const MMA_SMEM: u32 = 3 * 64 * 264 * 2;
 /// The same for `attention_mma_w8` (`ATM_SMEM_W8`: a Q tile of 128 rows; 132 KiB).
 const MMA_W8_THREADS: u32 = 256;
 const MMA_W8_SMEM: u32 = (128 + 2 * 64) * 264 * 2;
+/// The same for `attention_wg` (head_dim 256, F16, sm_90a): Q [128][256] and two stages each of
+/// K and V [64][256] as f16, 1,024-aligned (1 KiB of slack): 193 KiB.
+const WG_THREADS: u32 = 256;
+const WG_SMEM: u32 = 1024 + 128 * 256 * 2 + 4 * 64 * 256 * 2;
 /// Warps of an `attention_merge` block (`ATT_MERGE_WARPS`).
 const MERGE_WARPS: u32 = 8;
 /// Floats of partial results [`AttentionPath::Auto`] lets the decode kernel take (128 MiB: 16
@@ -437,6 +441,18 @@ impl Gpu {
         Ok(f.set_attribute(attr, MMA_W8_SMEM as i32).is_ok().then_some(f))
     }
 
+    /// `attention_wg` with its shared memory allowed, where the wide tiles of a `ty` cache of
+    /// head_dim `hd` may take it: `EMBER_ATTN_WG=1`, compute capability 9.0 (its module is built
+    /// for sm_90a there), an F16 cache of head_dim 256.
+    fn attention_wg_function(&self, ty: GgmlType, hd: usize) -> Result<Option<CudaFunction>> {
+        if !(self.attn_wg_on() && self.has_wgmma() && ty == GgmlType::F16 && hd == 256) {
+            return Ok(None);
+        }
+        let f = self.function(&ATTENTION_PREFILL, "attention_wg")?;
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        Ok(f.set_attribute(attr, WG_SMEM as i32).is_ok().then_some(f))
+    }
+
     /// Whether the tensor-core tiles of `s` take 128 query vectors a block: rows of at least
     /// [`ATTN_MMA_WIDE_MIN_KEYS`] keys (`EMBER_ATTN_MMA_WIDE=1`: always, `=0`: never), the tiles on
     /// tensor cores, and the GPU allows the 132 KiB of shared memory (sm_80, sm_90).
@@ -485,6 +501,13 @@ impl Gpu {
     /// Whether [`Gpu::attention`] takes the tensor-core tiles for `s`.
     pub fn attention_uses_mma(&self, s: &AttentionShape) -> bool {
         self.attention_plan(s).kind == AttentionPath::Tiles && matches!(self.attention_mma_function(s), Ok(Some(_)))
+    }
+
+    /// Whether [`Gpu::attention`] runs `s` over a `ty` cache on `attention_wg` (the wide tiles
+    /// with both products on wgmma; [`Gpu::set_attention_wg`]).
+    pub fn attention_uses_wg(&self, s: &AttentionShape, ty: GgmlType) -> bool {
+        let plan = self.attention_plan(s);
+        plan.kind == AttentionPath::Tiles && plan.wide && matches!(self.attention_wg_function(ty, s.head_dim), Ok(Some(_)))
     }
 
     /// Whether [`Gpu::attention`] runs `s` on the tiles (see [`AttentionPath`]).
@@ -612,6 +635,13 @@ impl Gpu {
             if plan.kind == AttentionPath::Tiles {
                 let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
                 let tiles = u32_of(OP, "tiles", s.n_tiles)?;
+                if plan.wide
+                    && let Some(f) = self.attention_wg_function(pages.ty, hd)?
+                {
+                    let tiles = u32_of(OP, "tiles", s.n_tiles_wide)?;
+                    self.launch(&f, (tiles, groups, p.n_split), WG_THREADS, WG_SMEM, &p)?;
+                    return if plan.n_split > 1 { merge(self) } else { Ok(()) };
+                }
                 if plan.wide
                     && let Some(f) = self.attention_mma_w8_function()?
                 {
