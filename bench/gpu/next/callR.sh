@@ -20,7 +20,8 @@ echo "tests+serve done at $SECONDS s"
 # (8192, 1024) then the swap; EMBER_ATTN_V_SWAP takes the swap), then, most telling first, each
 # variant's test against the reference at the wide tiles (128 query vectors, attention_mma_w8's
 # shape) and the benchmark: wg = attention_wg (EMBER_ATTN_WG=1, step 3: both products on wgmma,
-# pages two deep, the softmax beside P·V), wgmma2 = EMBER_ATTN_WGMMA + _PV (step 2), wgmma =
+# pages two deep, the softmax beside P·V), wgps = the same with P·V's P from shared memory
+# (EMBER_ATTN_WG_PS), wgmma2 = EMBER_ATTN_WGMMA + _PV (step 2), wgmma =
 # EMBER_ATTN_WGMMA (step 1, S only); each stops short of the limit.
 SW=
 grep -q "with (1024, 8192) it matches: true" $O/test-wgmma.log 2>/dev/null && SW=EMBER_ATTN_V_SWAP
@@ -28,12 +29,13 @@ echo "wgmma: $(grep -E '^V offsets|^test result' $O/test-wgmma.log 2>/dev/null |
 defs() { case $1 in
   plain) echo "${SW:+EMBER_KERNEL_DEFINES=$SW}";;
   wg) echo "${SW:+EMBER_KERNEL_DEFINES=$SW} EMBER_ATTN_WG=1";;
+  wgps) echo "EMBER_KERNEL_DEFINES=EMBER_ATTN_WG_PS${SW:+,$SW} EMBER_ATTN_WG=1";;
   wgmma2) echo "EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA,EMBER_ATTN_WGMMA_PV${SW:+,$SW}";;
   wgmma) echo "EMBER_KERNEL_DEFINES=EMBER_ATTN_WGMMA";;
 esac; }
-for v in wg wgmma2 wgmma; do
+for v in wg wgps wgmma2 wgmma; do
   (( SECONDS < L - 90 )) || { echo "no time for the $v tests"; break; }
-  tests=tiles_match_the_reference; [[ $v == wg ]] && tests=tile
+  tests=tiles_match_the_reference; [[ $v == wg* ]] && tests=tile
   env $(defs $v) EMBER_ATTN_MMA_WIDE=1 timeout 120 /tmp/bin/attention --test-threads=1 --nocapture $tests > $O/test-attn-$v.log 2>&1
   echo "attention tiles ($v, wide): exit $? $(grep -E '^test result|tiles vs reference|against attention_mma_w8' $O/test-attn-$v.log | tr '\n' ' ')"
   (( SECONDS < L - 60 )) || { echo "no time for the $v benchmark"; break; }

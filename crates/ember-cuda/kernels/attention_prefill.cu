@@ -671,7 +671,8 @@ extern "C" __global__ void __launch_bounds__(2 * ATM_THREADS, 1) attention_mma_w
 //   wait for that; O by page n's correction, P(n) = f16(S(n)); then, once every warp is past
 //   both products, load K(n + 2) and V(n + 1) into the stages just freed.
 // Shared memory (1,024-aligned: the launch gives 1 KiB of slack): Q [128][256], K twice and V
-// twice [64][256], each a 128-byte-swizzled tile (wgmma.cuh): 192 KiB. Same grid, parameters,
+// twice [64][256], each a 128-byte-swizzled tile (wgmma.cuh): 192 KiB (and with
+// EMBER_ATTN_WG_PS, P [64][64] a warpgroup after them: 208 KiB; the launch gives that). Same grid, parameters,
 // masking, partial results and bad-id handling as attend_mma; the launcher picks it only where
 // attention_mma_w8 would run with these types and sizes on compute capability 9.0.
 #define WG_TILE (AT_N * 256 * 2)
@@ -767,12 +768,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_wg(const Attentio
     }
 
     float o[128], sc[32], m[2], l[2], corr[2];
+#ifndef EMBER_ATTN_WG_PS
     u32 pa[4][4];
+#endif
 #pragma unroll
     for (int n = 0; n < 128; ++n) o[n] = 0.0f;
 #pragma unroll
     for (int a = 0; a < 2; ++a) m[a] = ATT_NEG_INF, l[a] = 0.0f, corr[a] = 1.0f;
     const u32 qw = qa + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows of Q
+#ifdef EMBER_ATTN_WG_PS
+    // (EMBER_KERNEL_DEFINES=EMBER_ATTN_WG_PS: P·V reads P from shared memory, after the V
+    // stages, 8 KiB a warpgroup, so no registers of P are held while it runs; prow is this
+    // thread's row g of its warp's 16 in the tile, bytes.)
+    const u32 pw = va + 2 * WG_TILE + (warp / 4) * AT_N * 128;
+    u8* const ps = qs + (pw - qa);
+    const u32 prow = (16 * (warp % 4) + g) * 128 + 4 * t;
+#endif
     // The steps of a page, each the whole warpgroup's. The loop below issues both products
     // unconditionally (page 0's S and the last page's P·V are peeled off): with a wgmma issued
     // under a condition ptxas cannot tell which group a wait leaves running and serialises them.
@@ -799,11 +810,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_wg(const Attentio
     auto issue_pv = [&](u32 n) {
         const u32 vt = va + (n & 1) * WG_TILE;
         wgmma_keep(o);
+#ifdef EMBER_ATTN_WG_PS
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss_64x256(o, wgmma_desc(pw + kk * 32, 16, 1024), wgmma_desc(vt + kk * 2048, WG_V_LBO, WG_V_SBO), 1);
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_keep(pa[kk]);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_64x256(o, pa[kk], wgmma_desc(vt + kk * 2048, WG_V_LBO, WG_V_SBO), 1);
+#endif
         wgmma_commit();
     };
     // Online softmax of page n for rows g and g + 8 (a quad of lanes shares a row): sc becomes
@@ -862,6 +879,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_wg(const Attentio
                 o[4 * j + 2 * a + 1] *= corr[a];
             }
         }
+#ifdef EMBER_ATTN_WG_PS
+        // P(n) into the warpgroup's swizzled [64 rows][64 keys] tile: this thread's keys 8j + 2t,
+        // + 1 of its rows g and g + 8 (the fence and the barrier at the next page's top make the
+        // stores visible to the wgmma).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            *(u32*)(ps + prow + ((j ^ g) << 4)) = pack_f16x2(sc[4 * j], sc[4 * j + 1]);
+            *(u32*)(ps + prow + 8 * 128 + ((j ^ g) << 4)) = pack_f16x2(sc[4 * j + 2], sc[4 * j + 3]);
+        }
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             pa[kk][0] = pack_f16x2(sc[8 * kk], sc[8 * kk + 1]);
@@ -869,6 +896,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attention_wg(const Attentio
             pa[kk][2] = pack_f16x2(sc[8 * kk + 4], sc[8 * kk + 5]);
             pa[kk][3] = pack_f16x2(sc[8 * kk + 6], sc[8 * kk + 7]);
         }
+#endif
     };
     // Once every warp is past S(n) and P(n - 1)·V(n - 1): K(n + 2) and V(n + 1) into the stages
     // they freed.

@@ -28,10 +28,11 @@ const MMA_SMEM: u32 = 3 * 64 * 264 * 2;
 /// The same for `attention_mma_w8` (`ATM_SMEM_W8`: a Q tile of 128 rows; 132 KiB).
 const MMA_W8_THREADS: u32 = 256;
 const MMA_W8_SMEM: u32 = (128 + 2 * 64) * 264 * 2;
-/// The same for `attention_wg` (head_dim 256, F16, sm_90a): Q [128][256] and two stages each of
-/// K and V [64][256] as f16, 1,024-aligned (1 KiB of slack): 193 KiB.
+/// The same for `attention_wg` (head_dim 256, F16, sm_90a): Q [128][256], two stages each of K
+/// and V [64][256] and (its `EMBER_ATTN_WG_PS` form) P [64][64] for each warpgroup, as f16,
+/// 1,024-aligned (1 KiB of slack): 209 KiB.
 const WG_THREADS: u32 = 256;
-const WG_SMEM: u32 = 1024 + 128 * 256 * 2 + 4 * 64 * 256 * 2;
+const WG_SMEM: u32 = 1024 + 128 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2;
 /// Warps of an `attention_merge` block (`ATT_MERGE_WARPS`).
 const MERGE_WARPS: u32 = 8;
 /// Floats of partial results [`AttentionPath::Auto`] lets the decode kernel take (128 MiB: 16
