@@ -28,6 +28,12 @@ const SMALL_BYTES_MIN: usize = 64 << 10;
 /// it: the host does not write, read or free the buffer before that copy is done.
 pub(super) struct Pinned {
     buf: Option<PinnedHostSlice<u8>>,
+    /// Buffers outgrown, freed with this one: `cuMemFreeHost` waits for the whole device (an
+    /// H100 measured it blocking until a kernel queued ahead finished), and a step queued ahead
+    /// waits in `feed_wait` for the host, which may be growing a buffer before it feeds the
+    /// step (docs/backend.md "Running ahead"). Powers of two from SMALL_BYTES_MIN: together less
+    /// than the buffer that replaced them.
+    retired: Vec<PinnedHostSlice<u8>>,
     done: CudaEvent,
     /// The smallest allocation refused so far (not asked for again).
     refused: usize,
@@ -36,7 +42,7 @@ pub(super) struct Pinned {
 impl Pinned {
     pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Pinned> {
         let done = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(drv("cuEventCreate"))?;
-        Ok(Pinned { buf: None, done, refused: usize::MAX })
+        Ok(Pinned { buf: None, retired: Vec::new(), done, refused: usize::MAX })
     }
 
     /// The buffer's first `bytes`, once the copy that last used it is done (grown first if
@@ -52,8 +58,9 @@ impl Pinned {
             return Ok(None);
         }
         if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
-            // The old buffer's last copy is done (above), so it may go.
-            self.buf = None;
+            // The old buffer's last copy is done (above); it is freed with this one, not now
+            // (see `retired`).
+            self.retired.extend(self.buf.take());
             // SAFETY: the memory is uninitialised until the write_bytes below, and nothing
             // reads it before.
             match unsafe { ctx.alloc_pinned_with_flags::<u8>(want, 0) } {
