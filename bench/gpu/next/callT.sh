@@ -6,7 +6,7 @@
 # which way the GPU reads V's descriptor (tests/wgmma.rs), attention_wg's tests against
 # attention_mma_w8 and the reference at the wide tiles and bench_attention_mma with it and
 # without; then issue 19's table against llama.cpp (pp8192 and tg128 at depth 0 and 32768, one
-# round; with EMBER_ATTN_WG=1 where attention_wg passed its tests); then tg128 run-ahead against
+# round; attention_wg, the default, off where it failed its tests); then tg128 run-ahead against
 # EMBER_RUN_AHEAD=0 if time is left.
 set -uo pipefail
 L=${LIMIT:-570}
@@ -24,12 +24,12 @@ env "${D[@]}" EMBER_ATTN_WG=1 EMBER_ATTN_MMA_WIDE=1 timeout 100 /tmp/bin/attenti
 WG_RC=$?
 echo "attention tiles (wg, wide): exit $WG_RC $(grep -E '^test result|tiles vs reference|against attention_mma_w8' $O/test-attn-wg.log | tr '\n' ' ')"
 for v in wg plain; do
-  e=("${D[@]}"); [[ $v == wg ]] && e+=(EMBER_ATTN_WG=1)
+  e=("${D[@]}"); [[ $v == plain ]] && e+=(EMBER_ATTN_WG=0)
   env "${e[@]}" timeout 45 /tmp/bin/attention --test-threads=1 --nocapture --ignored bench_attention_mma > $O/bench-attn-$v.log 2>&1
   echo "bench_attention_mma $v: exit $?"; grep '^bench' $O/bench-attn-$v.log
 done
 echo "attention done at $SECONDS s"
-T=("${D[@]}"); [[ $WG_RC == 0 ]] && T+=(EMBER_ATTN_WG=1)
+T=("${D[@]}"); [[ $WG_RC == 0 ]] || T+=(EMBER_ATTN_WG=0)
 echo "table with: ${T[*]:-defaults}"
 (( SECONDS < L - 120 )) && env "${T[@]}" OUT=$O ROUNDS=1 PROMPTS=8192 DEPTHS=32768 STAGES=bench timeout $(( L - 15 - SECONDS )) \
   ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'

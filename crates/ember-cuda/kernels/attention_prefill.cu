@@ -664,7 +664,8 @@ extern "C" __global__ void __launch_bounds__(2 * ATM_THREADS, 1) attention_mma_w
 
 // attention_wg: attention_mma_w8's tiles (128 query vectors, 8 warps = two warpgroups of 64
 // rows) for an F16 cache of head_dim 256 with both products on wgmma and the pages in flight
-// two deep (docs/attention-wgmma.md step 3; sm_90a only, EMBER_ATTN_WG=1, for measuring). Per
+// two deep (docs/attention-wgmma.md step 3; sm_90a only; EMBER_ATTN_WG=0 turns it off: it gives
+// attention_mma_w8's bits at 1.7x its speed on an H100, docs/perf.md g32). Per
 // page n, every thread of a warpgroup:
 //   wait for K(n) and V(n - 1); issue S(n) = Q·K(n)ᵀ and O += P(n - 1)·V(n - 1); wait for S(n)
 //   only and run page n's softmax on the CUDA cores while the tensor cores add P(n - 1)·V(n - 1);

@@ -210,8 +210,9 @@ pub struct Gpu {
     /// `ATTN_MMA_WIDE_MIN_KEYS` keys (ops/attention.rs).
     attn_mma_wide: Option<bool>,
     /// Whether those wide tiles run as `attention_wg` (both products on wgmma, pages in flight
-    /// two deep; docs/attention-wgmma.md step 3) where it applies (`EMBER_ATTN_WG=1`; off by
-    /// default until measured; [`Gpu::set_attention_wg`]).
+    /// two deep; docs/attention-wgmma.md step 3) where it applies (`EMBER_ATTN_WG=0`: never;
+    /// [`Gpu::set_attention_wg`]). Measured on an H100 (docs/perf.md g32): the same bits as
+    /// `attention_mma_w8`, 1.67x its speed at 32768 keys; the 35B's pp8192 @ d32768 +18 %.
     attn_wg: AtomicBool,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
@@ -314,7 +315,7 @@ impl Gpu {
             attn_decode: std::env::var_os("EMBER_ATTN_DECODE").is_none_or(|v| v != "0"),
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
-            attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_some_and(|v| v == "1")),
+            attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -361,7 +362,7 @@ impl Gpu {
         self.attn_mma_wide
     }
 
-    /// Whether the wide prompt tiles may run as `attention_wg` (`EMBER_ATTN_WG=1`).
+    /// Whether the wide prompt tiles may run as `attention_wg` (`EMBER_ATTN_WG=0` turns it off).
     pub(crate) fn attn_wg_on(&self) -> bool {
         self.attn_wg.load(Ordering::Relaxed)
     }
