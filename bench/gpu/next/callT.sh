@@ -16,20 +16,17 @@ tar -C /tmp -xJf .gpu/bin.tar.xz
 OUT=$O LLAMA=1 SKIP_TESTS=nvrtc_compile,gemv_q8,matmul,delta_rule,mailbox,upload,top_k STAGES=tests,serve timeout 250 \
   ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "tests+serve done at $SECONDS s"
-SW=
-grep -q "with (1024, 8192) it matches: true" $O/test-wgmma.log 2>/dev/null && SW=EMBER_ATTN_V_SWAP
-echo "wgmma: $(grep -E '^V offsets|^test result' $O/test-wgmma.log 2>/dev/null | tr '\n' ' ') -> V swap: ${SW:-no}"
-D=(); [[ -n $SW ]] && D=(EMBER_KERNEL_DEFINES=$SW)
-env "${D[@]}" EMBER_ATTN_WG=1 EMBER_ATTN_MMA_WIDE=1 timeout 100 /tmp/bin/attention --test-threads=1 --nocapture tile > $O/test-attn-wg.log 2>&1
+echo "wgmma: $(grep -E '^V offsets|^test result' $O/test-wgmma.log 2>/dev/null | tr '\n' ' ')"
+env EMBER_ATTN_WG=1 EMBER_ATTN_MMA_WIDE=1 timeout 100 /tmp/bin/attention --test-threads=1 --nocapture tile > $O/test-attn-wg.log 2>&1
 WG_RC=$?
 echo "attention tiles (wg, wide): exit $WG_RC $(grep -E '^test result|tiles vs reference|against attention_mma_w8' $O/test-attn-wg.log | tr '\n' ' ')"
 for v in wg plain; do
-  e=("${D[@]}"); [[ $v == plain ]] && e+=(EMBER_ATTN_WG=0)
+  e=(); [[ $v == plain ]] && e+=(EMBER_ATTN_WG=0)
   env "${e[@]}" timeout 45 /tmp/bin/attention --test-threads=1 --nocapture --ignored bench_attention_mma > $O/bench-attn-$v.log 2>&1
   echo "bench_attention_mma $v: exit $?"; grep '^bench' $O/bench-attn-$v.log
 done
 echo "attention done at $SECONDS s"
-T=("${D[@]}"); [[ $WG_RC == 0 ]] || T+=(EMBER_ATTN_WG=0)
+T=(); [[ $WG_RC == 0 ]] || T+=(EMBER_ATTN_WG=0)
 echo "table with: ${T[*]:-defaults}"
 (( SECONDS < L - 120 )) && env "${T[@]}" OUT=$O ROUNDS=1 PROMPTS=8192 DEPTHS=32768 STAGES=bench timeout $(( L - 15 - SECONDS )) \
   ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'

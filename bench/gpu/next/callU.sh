@@ -17,11 +17,7 @@ E=/tmp/bin/ember; F=/tmp/35b.gguf
 t() { local n=$1; shift; local t0=$SECONDS; env "$@" timeout 150 /tmp/bin/$n --test-threads=1 --nocapture ${FILTER:-} > $O/test-$n${TAG:-}.log 2>&1
   echo "test $n${TAG:-}: exit $? in $(( SECONDS - t0 )) s: $(grep '^test result' $O/test-$n${TAG:-}.log | tail -1)"; }
 t wgmma
-SW=
-grep -q "with (1024, 8192) it matches: true" $O/test-wgmma.log && SW=EMBER_ATTN_V_SWAP
-grep -E '^V offsets' $O/test-wgmma.log; echo "V swap: ${SW:-no}"
-D=(); [[ -n $SW ]] && D=(EMBER_KERNEL_DEFINES=$SW)
-(FILTER=tile TAG=-wg t attention "${D[@]}" EMBER_ATTN_WG=1 EMBER_ATTN_MMA_WIDE=1) & AT=$!
+(FILTER=tile TAG=-wg t attention EMBER_ATTN_WG=1 EMBER_ATTN_MMA_WIDE=1) & AT=$!
 t ahead
 t model
 t graph
@@ -32,7 +28,7 @@ timeout 120 python3 bench/gpu/serve-check.py $E > $O/serve-check.log 2>&1
 echo "serve-check: exit $?"; grep -E '^(ok|FAIL)' $O/serve-check.log
 for v in wg plain; do
   (( SECONDS < L - 40 )) || break
-  e=("${D[@]}"); [[ $v == plain ]] && e+=(EMBER_ATTN_WG=0)
+  e=(); [[ $v == plain ]] && e+=(EMBER_ATTN_WG=0)
   env "${e[@]}" timeout 40 /tmp/bin/attention --test-threads=1 --nocapture --ignored bench_attention_mma > $O/bench-attn-$v.log 2>&1
   echo "bench_attention_mma $v: exit $?"; grep '^bench' $O/bench-attn-$v.log
 done

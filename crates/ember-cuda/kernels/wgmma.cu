@@ -19,6 +19,23 @@ struct WgmmaCheckParams {
 // 64 rows x 256 halves (32 KiB each).
 #define WGC_TILE (64 * 256 * 2)
 
+#ifdef EMBER_WGMMA
+// A warpgroup's m64nN accumulator (this thread's N / 2 values, the mma.m16n8 layout of its
+// warp's 16 rows) into row-major out [64][N].
+template <int H>
+__device__ __forceinline__ void wgc_store(const float (&d)[H], float* out, u32 warp, u32 g, u32 t) {
+    constexpr u32 N = 2 * H;
+#pragma unroll
+    for (int j = 0; j < H / 4; ++j) {
+        const u32 r = 16 * warp + g, c = 8 * j + 2 * t;
+        out[r * N + c] = d[4 * j];
+        out[r * N + c + 1] = d[4 * j + 1];
+        out[(r + 8) * N + c] = d[4 * j + 2];
+        out[(r + 8) * N + c + 1] = d[4 * j + 3];
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(128, 1) wgmma_check(const WgmmaCheckParams p) {
     const u32 tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 #ifdef EMBER_WGMMA
@@ -46,15 +63,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wgmma_check(const WgmmaChec
     }
     wgmma_commit();
     wgmma_wait<0>();
-    float* so = (float*)p.s;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const u32 r = 16 * warp + g, c = 8 * j + 2 * t;
-        so[r * 64 + c] = s[4 * j];
-        so[r * 64 + c + 1] = s[4 * j + 1];
-        so[(r + 8) * 64 + c] = s[4 * j + 2];
-        so[(r + 8) * 64 + c + 1] = s[4 * j + 3];
-    }
+    wgc_store(s, (float*)p.s, warp, g, t);
     // O = P·V: k-step kk covers keys 16kk .. 16kk + 16 (2,048 bytes of each chunk); V's chunks
     // are the N direction, 64 rows x 128 bytes (8 KiB) apart.
     float o[128];
@@ -75,15 +84,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) wgmma_check(const WgmmaChec
     for (u32 kk = 0; kk < 4; ++kk) wgmma_rs_64x256(o, a[kk], wgmma_desc(tv + kk * 2048, p.v_lbo, p.v_sbo), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
-    float* oo = (float*)p.o;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const u32 r = 16 * warp + g, c = 8 * j + 2 * t;
-        oo[r * 256 + c] = o[4 * j];
-        oo[r * 256 + c + 1] = o[4 * j + 1];
-        oo[(r + 8) * 256 + c] = o[4 * j + 2];
-        oo[(r + 8) * 256 + c + 1] = o[4 * j + 3];
-    }
+    wgc_store(o, (float*)p.o, warp, g, t);
 #else
     const float nan = __int_as_float(0x7fc00000);
     for (u32 i = tid; i < 64 * 64; i += 128) ((float*)p.s)[i] = nan;

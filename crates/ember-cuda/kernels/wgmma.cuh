@@ -13,6 +13,13 @@
 #define EMBER_WGMMA 1
 #endif
 
+// The descriptor offsets (bytes) of a page's V tile [64 keys][256] read as P·V's MN-major B: the
+// leading offset is the stride between 64-wide dim chunks (64 rows of 128 bytes), the stride
+// offset the next 8 keys' 1,024 bytes (CUTLASS's and ThunderKittens' MN-major layout; on an H100
+// tests/wgmma.rs found this pair right and the swapped one wrong).
+#define WG_V_LBO (64 * 128)
+#define WG_V_SBO 1024
+
 // Byte offset of value (row, d) in an R-row swizzled tile (d < 256).
 __device__ __forceinline__ u32 sw128_offset(u32 rows, u32 row, u32 d) {
     return (d / 64) * rows * 128 + row * 128 + ((((d % 64) / 8) ^ (row % 8)) << 4) + (d % 8) * 2;

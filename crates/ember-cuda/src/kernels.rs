@@ -19,6 +19,7 @@ const MMA8: &str = include_str!("../kernels/mma8.cuh");
 const ASYNC: &str = include_str!("../kernels/async.cuh");
 const NORM: &str = include_str!("../kernels/norm.cuh");
 const WGMMA_H: &str = include_str!("../kernels/wgmma.cuh");
+const ATTN_TILE: &str = include_str!("../kernels/attention_tile.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -80,7 +81,8 @@ kernel!(MAILBOX, "mailbox");
 kernel!(KV_APPEND, "kv_append");
 kernel!(ATTENTION, "attention", ATTN);
 kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
-kernel_90a!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, WGMMA_H, ATTN);
+kernel_90a!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, WGMMA_H, ATTN, ATTN_TILE);
+kernel_90a!(ATTENTION_WG, "attention_wg", DEQUANT, MMA, ASYNC, WGMMA_H, ATTN, ATTN_TILE);
 kernel!(ATTENTION_DECODE_MMA, "attention_decode_mma", DEQUANT, MMA, ASYNC, ATTN);
 kernel_90a!(WGMMA, "wgmma", DEQUANT, MMA, ASYNC, WGMMA_H);
 
@@ -110,6 +112,7 @@ pub static ALL: &[&Kernel] = &[
     &ATTENTION,
     &ATTENTION_DECODE,
     &ATTENTION_PREFILL,
+    &ATTENTION_WG,
     &ATTENTION_DECODE_MMA,
     &WGMMA,
 ];

@@ -64,15 +64,18 @@ fn every_kernel_switch_compiles_for_sm90() {
 }
 
 /// Prompt attention's wgmma steps together (`EMBER_ATTN_WGMMA` and `EMBER_ATTN_WGMMA_PV`: the
-/// second builds on the first; `EMBER_ATTN_V_SWAP`, V's descriptor offsets swapped for them and
-/// `attention_wg`; `EMBER_ATTN_WG_PS`, attention_wg's P in shared memory), for sm_90a.
+/// second builds on the first), and `attention_wg` with P in shared memory (`EMBER_ATTN_WG_PS`),
+/// for sm_90a.
 #[test]
 fn attention_wgmma_switches_compile_together() {
     let Some(nvrtc) = nvrtc() else { return };
-    let kernel = &ember_cuda::kernels::ATTENTION_PREFILL;
-    assert!(kernel.source().contains("EMBER_ATTN_WGMMA_PV") && kernel.source().contains("EMBER_ATTN_V_SWAP"));
-    for swap in ["", "#define EMBER_ATTN_V_SWAP 1\n", "#define EMBER_ATTN_WG_PS 1\n"] {
-        let src = format!("#define EMBER_ATTN_WGMMA 1\n#define EMBER_ATTN_WGMMA_PV 1\n{swap}{}", kernel.source());
+    let cases = [
+        (&ember_cuda::kernels::ATTENTION_PREFILL, "#define EMBER_ATTN_WGMMA 1\n#define EMBER_ATTN_WGMMA_PV 1\n", "EMBER_ATTN_WGMMA_PV"),
+        (&ember_cuda::kernels::ATTENTION_WG, "#define EMBER_ATTN_WG_PS 1\n", "EMBER_ATTN_WG_PS"),
+    ];
+    for (kernel, defines, name) in cases {
+        assert!(kernel.source().contains(name));
+        let src = format!("{defines}{}", kernel.source());
         let image = nvrtc.compile_kernel(kernel, &src, 90, OPTIONS).unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(image, Image::Cubin(_)), "PTX instead of a CUBIN");
     }

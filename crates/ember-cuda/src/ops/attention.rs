@@ -5,7 +5,7 @@ use super::kv_append::{KV_PAGE, KvPages};
 use super::{SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
-use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_DECODE_MMA, ATTENTION_PREFILL};
+use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_DECODE_MMA, ATTENTION_PREFILL, ATTENTION_WG};
 use ember_gguf::GgmlType;
 
 const OP: &str = "attention";
@@ -451,7 +451,7 @@ impl Gpu {
         if !(self.attn_wg_on() && self.has_wgmma() && ty == GgmlType::F16 && hd == 256) {
             return Ok(None);
         }
-        let f = self.function(&ATTENTION_PREFILL, "attention_wg")?;
+        let f = self.function(&ATTENTION_WG, "attention_wg")?;
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         Ok(f.set_attribute(attr, WG_SMEM as i32).is_ok().then_some(f))
     }
