@@ -638,18 +638,17 @@ impl Gpu {
             if plan.kind == AttentionPath::Tiles {
                 let groups = u32_of(OP, "head groups", nh / s.heads_per_tile())?;
                 let tiles = u32_of(OP, "tiles", s.n_tiles)?;
-                if plan.wide
-                    && let Some(f) = self.attention_wg_function(pages.ty, hd)?
-                {
+                // The wide tiles: on wgmma where it applies, else on mma.sync.
+                let wide = match plan.wide {
+                    false => None,
+                    true => match self.attention_wg_function(pages.ty, hd)? {
+                        Some(f) => Some((f, WG_THREADS, WG_SMEM)),
+                        None => self.attention_mma_w8_function()?.map(|f| (f, MMA_W8_THREADS, MMA_W8_SMEM)),
+                    },
+                };
+                if let Some((f, threads, smem)) = wide {
                     let tiles = u32_of(OP, "tiles", s.n_tiles_wide)?;
-                    self.launch(&f, (tiles, groups, p.n_split), WG_THREADS, WG_SMEM, &p)?;
-                    return if plan.n_split > 1 { merge(self) } else { Ok(()) };
-                }
-                if plan.wide
-                    && let Some(f) = self.attention_mma_w8_function()?
-                {
-                    let tiles = u32_of(OP, "tiles", s.n_tiles_wide)?;
-                    self.launch(&f, (tiles, groups, p.n_split), MMA_W8_THREADS, MMA_W8_SMEM, &p)?;
+                    self.launch(&f, (tiles, groups, p.n_split), threads, smem, &p)?;
                     return if plan.n_split > 1 { merge(self) } else { Ok(()) };
                 }
                 if let Some(f) = self.attention_mma_function(&s)? {
