@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# 2026-12-07 session, call 1 (~580 s on a fresh machine): every GPU test binary and serve-check
+# at the tree's defaults (attention_wg and run-ahead on, the tile helpers shared), while
+# llama.cpp builds and the 35B is written; attention_wg below 4,096 keys (EMBER_ATTN_MMA_WIDE=1)
+# tested and timed while the build finishes; then, on a quiet host, tg128 with run-ahead against
+# EMBER_RUN_AHEAD=0 and a step in one graph, and callD's two switches (the wide Q6_K down, the
+# route's register weights: their tests first), 3 rounds in turn.
+set -uo pipefail
+L=${LIMIT:-580}
+O=${OUT:?}/w; mkdir -p $O
+export EMBER_KERNEL_CACHE=/tmp/kc
+E=/tmp/bin/ember; F=/tmp/m/35b.gguf
+tar -C /tmp -xJf .gpu/bin.tar.xz
+OUT=$O LLAMA=1 SKIP_TESTS=nvrtc_compile STAGES=tests,serve timeout 330 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+echo "tests+serve done at $SECONDS s"
+env EMBER_ATTN_MMA_WIDE=1 timeout 100 /tmp/bin/attention --test-threads=1 --nocapture tile > $O/test-attn-wide.log 2>&1
+echo "attention tiles (wide everywhere): exit $? $(grep -E '^test result' $O/test-attn-wide.log | tr '\n' ' ')"
+OUT=$O ROUNDS=1 VARIANT_ARGS='-p 512,2048,8192 -n 0' VARIANTS="default:;wide:EMBER_ATTN_MMA_WIDE=1" STAGES=variants timeout 90 \
+  ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+W=EMBER_MOE_DOWN_WIDE=1; R=EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW
+env $W timeout 90 /tmp/bin/gemv_q8 --test-threads=1 --exact moe_q8_matches_quantised_reference > $O/test-moe-dwide.log 2>&1
+echo "moe test (dwide): $(grep -E '^test result' $O/test-moe-dwide.log)"
+env $W timeout 60 /tmp/bin/model --test-threads=1 > $O/test-model-dwide.log 2>&1
+echo "model (dwide): $(grep -E '^test result' $O/test-model-dwide.log | tail -1)"
+env $R timeout 60 /tmp/bin/gpu --test-threads=1 --exact route_matches_reference > $O/test-route-regw.log 2>&1
+echo "route test (regw): $(grep -E '^test result' $O/test-route-regw.log)"
+env $R timeout 60 /tmp/bin/model --test-threads=1 > $O/test-model-regw.log 2>&1
+echo "model (regw): $(grep -E '^test result' $O/test-model-regw.log | tail -1)"
+while [[ -f /tmp/llama/building ]] && (( SECONDS < L - 200 )); do sleep 2; done
+echo "llama.cpp: $( [[ -f /tmp/llama/building ]] && echo still building || echo "built (exit $(cat /tmp/llama/built 2>/dev/null))") at $SECONDS s"
+V="ahead:;off:EMBER_RUN_AHEAD=0;one:EMBER_AHEAD_FIRST=512;dwide:$W;regw:$R"
+OUT=$O ROUNDS=3 VARIANT_ARGS='-p 0 -n 128' VARIANTS="$V" STAGES=variants timeout $(( L - 10 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+echo "done at $SECONDS s"
+cp /tmp/llama/build.log $O/ 2>/dev/null
+(cd ${OUT} && tar czf w.tgz w && rm -rf w)
