@@ -214,6 +214,11 @@ pub struct Gpu {
     /// [`Gpu::set_attention_wg`]). Measured on an H100 (docs/perf.md g32): the same bits as
     /// `attention_mma_w8`, 1.67x its speed at 32768 keys; the 35B's pp8192 @ d32768 +18 %.
     attn_wg: AtomicBool,
+    /// Whether a one-token MoE prelude (residual add, norm, router, routing) runs as one
+    /// cluster launch, `moe_route` (`EMBER_MOE_ROUTE=0`: the three launches).
+    moe_route: AtomicBool,
+    /// Whether `moe_route`'s cluster of 16 fits this GPU (asked of the driver at its first use).
+    moe_route_fits: std::sync::OnceLock<bool>,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -316,6 +321,8 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
             attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
+            moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_none_or(|v| v != "0")),
+            moe_route_fits: std::sync::OnceLock::new(),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -371,6 +378,20 @@ impl Gpu {
     /// `EMBER_ATTN_WG` sets at the start; for tests and measuring).
     pub fn set_attention_wg(&self, on: bool) {
         self.attn_wg.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn moe_route_on(&self) -> bool {
+        self.moe_route.load(Ordering::Relaxed)
+    }
+
+    /// Lets a one-token MoE prelude run as one `moe_route` launch where it applies, or not
+    /// (what `EMBER_MOE_ROUTE` sets at the start; for tests and measuring).
+    pub fn set_moe_route(&self, on: bool) {
+        self.moe_route.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn moe_route_fits(&self) -> &std::sync::OnceLock<bool> {
+        &self.moe_route_fits
     }
 
     /// Query heads of every decode attention block that `EMBER_ATTN_HEADS` asks for (0: none,

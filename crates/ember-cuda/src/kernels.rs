@@ -20,6 +20,7 @@ const ASYNC: &str = include_str!("../kernels/async.cuh");
 const NORM: &str = include_str!("../kernels/norm.cuh");
 const WGMMA_H: &str = include_str!("../kernels/wgmma.cuh");
 const ATTN_TILE: &str = include_str!("../kernels/attention_tile.cuh");
+const ROUTE_H: &str = include_str!("../kernels/route.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -67,7 +68,8 @@ kernel!(ADD, "add");
 kernel!(GATE, "gate");
 kernel!(SELECT_ROWS, "select_rows");
 kernel!(TOP_K, "top_k");
-kernel!(ROUTE, "route");
+kernel!(ROUTE, "route", ROUTE_H);
+kernel!(MOE_ROUTE, "moe_route", NORM, ROUTE_H);
 kernel!(ATTN_PREP, "attn_prep");
 kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
@@ -98,6 +100,7 @@ pub static ALL: &[&Kernel] = &[
     &SELECT_ROWS,
     &TOP_K,
     &ROUTE,
+    &MOE_ROUTE,
     &ATTN_PREP,
     &DELTA_PREP,
     &CONV1D_SILU,

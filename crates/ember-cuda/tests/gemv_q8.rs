@@ -452,3 +452,55 @@ fn bench_gemv_q8() {
         println!("{line}");
     }
 }
+
+/// `moe_route` (one cluster launch: the residual add, the norm with its int8 copy, the router's
+/// and the gate row's GEMV, the route) gives the bits of the three launches it replaces:
+/// `add_rms_norm_q8`, the F32 GEMV of both weights in one launch, `route`. Shapes: the 35B's, a
+/// half-size one, a tiny one (one value per lane of chunk, one warp a row) and experts that
+/// leave blocks without rows.
+#[test]
+fn moe_route_matches_its_three_launches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    let f32_rows = |w: &[f32]| -> Vec<u8> { w.iter().flat_map(|v| v.to_le_bytes()).collect() };
+    let ty = GgmlType::Q8_0;
+    let mut ran = 0;
+    for (d, n_expert, k) in [(2048, 256, 8), (1024, 128, 8), (96, 8, 2), (2048, 60, 4)] {
+        if !g.uses_moe_route(d, n_expert, k) {
+            println!("moe_route d={d} experts={n_expert} k={k}: not on this GPU (sm_{})", g.info().sm());
+            continue;
+        }
+        ran += 1;
+        let h0 = rng.vec(d, -3.0, 3.0);
+        let m = g.upload(&rng.vec(d, -1.0, 1.0)).unwrap();
+        let w = g.upload(&rng.vec(d, 0.5, 1.5)).unwrap();
+        let router = g.upload_weight(GgmlType::F32, d, n_expert, &f32_rows(&rng.vec(d * n_expert, -0.1, 0.1))).unwrap();
+        let gate = g.upload_weight(GgmlType::F32, d, 1, &f32_rows(&rng.vec(d, -0.1, 0.1))).unwrap();
+        let wt = g.upload_weight(ty, d, 33, &quantised(ty, &mut rng, d, 33)).unwrap();
+        let nan = |n: usize| g.upload(&vec![f32::NAN; n]).unwrap();
+        // The three launches.
+        let (mut h1, mut f1, mut y1) = (g.upload(&h0).unwrap(), nan(d), nan(33));
+        g.add_rms_norm_q8(&mut h1, &m, 1, d, &w, 1e-6, &mut f1).unwrap();
+        g.gemv_q8_quantized(&[wt.all()], d, &mut [&mut y1]).unwrap();
+        let (mut logits, mut gs1) = (nan(n_expert), nan(1));
+        g.matmul_multi_prec(&[router.all(), gate.all()], &f1, 1, &mut [&mut logits, &mut gs1], Precision::Fast).unwrap();
+        let (mut ids1, mut w1) = (g.upload(&vec![u32::MAX; k]).unwrap(), nan(k));
+        g.route(&logits, 1, n_expert, k, &mut ids1, &mut w1).unwrap();
+        // The one launch.
+        let (mut h2, mut f2, mut y2, mut gs2, mut w2) = (g.upload(&h0).unwrap(), nan(d), nan(33), nan(1), nan(k));
+        let mut ids2 = g.upload(&vec![u32::MAX; k]).unwrap();
+        let before = g.q8_generation();
+        let generation = g.moe_route(&mut h2, &m, &w, 1e-6, router.all(), gate.all(), k, &mut f2, &mut gs2, &mut ids2, &mut w2).unwrap();
+        assert!(generation > before && g.q8_generation() == generation);
+        g.gemv_q8_quantized(&[wt.all()], d, &mut [&mut y2]).unwrap();
+        let what = format!("d={d} experts={n_expert} k={k}");
+        assert_eq!(g.download(&h2).unwrap(), g.download(&h1).unwrap(), "{what}: h + m");
+        assert_eq!(g.download(&f2).unwrap(), g.download(&f1).unwrap(), "{what}: the norm");
+        assert_eq!(g.download(&y2).unwrap(), g.download(&y1).unwrap(), "{what}: the GEMV on the int8 copy");
+        assert_eq!(g.download(&gs2).unwrap(), g.download(&gs1).unwrap(), "{what}: the gate row's dot");
+        assert_eq!(g.download(&ids2).unwrap(), g.download(&ids1).unwrap(), "{what}: the experts");
+        assert_eq!(g.download(&w2).unwrap(), g.download(&w1).unwrap(), "{what}: their weights");
+        println!("moe_route {what}: the three launches' bits");
+    }
+    println!("moe_route: {ran} of 4 shapes ran");
+}

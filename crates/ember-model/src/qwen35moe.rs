@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ember_gguf::GgufFile;
 pub use ember_ops::DeltaMode;
 use ember_ops::{
-    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, GatedNorm, KvType, LayerIdx, Mat, MoeWeights, Ops, Routing,
+    AttnHeads, AttnPrep, Batch, DeltaHeads, DeltaPrep, Gate, GateUp, GatedNorm, KvType, LayerIdx, Mat, MoeIn, MoeWeights, Ops, Routing,
     StateLayout, Tensor, WeightId, WeightSet,
 };
 
@@ -480,8 +480,7 @@ impl Model {
                 Mixer::DeltaNet(dn) => dn.forward(c, ops, li, x_in, delta)?,
                 Mixer::Attention(at) => at.forward(c, ops, li, x_in)?,
             };
-            let f = ops.add_rms_norm(h, m, layer.post_norm, c.rms_eps)?; // h += m; [ΣT, D]
-            let (y, routing) = layer.moe.forward(li, c, ops, f)?;
+            let (y, routing) = layer.moe.forward(li, c, ops, h, m, layer.post_norm)?; // h += m first
             if let Some(t) = tap.as_mut() {
                 let r = ops.read_routing(routing)?;
                 let k = r.k;
@@ -603,10 +602,22 @@ impl DeltaNet {
 impl Moe {
     /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
     /// qwen35moe.md §6.6: routing and the expert FFNs are ops.
-    fn forward(&self, layer: LayerIdx, c: &Config, ops: &mut dyn Ops, f: Tensor) -> Result<(Tensor, Routing), Error> {
-        let [logits, gs]: [Tensor; 2] = take(ops.matmul_many(&[self.router, self.shared_gate_inp], f)?);
-        // logits [T, E] (F32 router), gs [T, 1]: scalar gate of the shared expert
-        let routing = ops.route(logits, c.n_expert_used)?;
+    /// The residual add of the mixer's output `m` into `h` and the norm `norm` before the
+    /// experts are the block's first step, with the router: one op (a backend may run the
+    /// prelude in one launch).
+    fn forward(
+        &self,
+        layer: LayerIdx,
+        c: &Config,
+        ops: &mut dyn Ops,
+        h: Tensor,
+        m: Tensor,
+        norm: WeightId,
+    ) -> Result<(Tensor, Routing), Error> {
+        // h += m; f = norm(h) [T, D]; router logits [T, E] (F32) routed to the top k; gs [T, 1]:
+        // the shared expert's scalar gate
+        let MoeIn { x: f, shared_gate: gs, routing } =
+            ops.add_norm_route(h, m, norm, c.rms_eps, self.router, self.shared_gate_inp, c.n_expert_used)?;
         let y = ops.moe(layer, f, routing, gs)?; // [T, D] = Σ_e w_e·y_e + σ(gs)·s
         Ok((y, routing))
     }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::{
     AttnHeads, AttnIn, AttnMats, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMats, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm,
-    HostKernels, HostStore, KvCache, LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot, SlotId,
-    Snapshot, StateKind, StateLayout, StoreStats, Tensor, TopRead, TopRow, WeightId, WeightSet,
+    HostKernels, HostStore, KvCache, LayerIdx, Mark, Mat, MoeIn, OpError, OpResult, Ops, RouteTable, Routing, SeqSpan, SeqStore, Slot,
+    SlotId, Snapshot, StateKind, StateLayout, StoreStats, Tensor, TopRead, TopRow, WeightId, WeightSet,
 };
 
 /// A host backend: kernels `K`, an arena of [`Mat`]s, a [`HostStore`].
@@ -519,6 +519,18 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     }
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         (**self).route(logits, k)
+    }
+    fn add_norm_route(
+        &mut self,
+        h: Tensor,
+        x: Tensor,
+        norm: WeightId,
+        eps: f32,
+        router: WeightId,
+        shared_gate: WeightId,
+        k: usize,
+    ) -> OpResult<MoeIn> {
+        (**self).add_norm_route(h, x, norm, eps, router, shared_gate, k)
     }
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
         (**self).moe(layer, x, routing, shared_gate)

@@ -551,6 +551,15 @@ pub struct AttnIn {
     pub k: Tensor,
 }
 
+/// What [`Ops::add_norm_route`] returns: the normed row the experts read [T, D], the shared
+/// expert's gate logit [T, 1], and the routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeIn {
+    pub x: Tensor,
+    pub shared_gate: Tensor,
+    pub routing: Routing,
+}
+
 /// The inputs of the delta rule ([`Ops::delta_prep`]): q, k [T, n_k_head·d_k], v
 /// [T, n_v_head·d_v], g and β [T, n_v_head].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

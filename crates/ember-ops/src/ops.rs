@@ -179,6 +179,30 @@ pub trait Ops: SeqStore + Send {
     /// id), renormalised.
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing>;
 
+    /// [`Ops::add_rms_norm`] of `h` and `x` with the norm weight `norm`, then [`Ops::matmul_many`]
+    /// of the `router` and the shared expert's gate row `shared_gate` on its output, then
+    /// [`Ops::route`] of the router's logits to the top `k`: the MoE block's prelude. A device
+    /// backend may run it in one launch; the results are the three ops'.
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm_route(
+        &mut self,
+        h: Tensor,
+        x: Tensor,
+        norm: WeightId,
+        eps: f32,
+        router: WeightId,
+        shared_gate: WeightId,
+        k: usize,
+    ) -> OpResult<MoeIn> {
+        let f = self.add_rms_norm(h, x, norm, eps)?;
+        let gs = self.matmul_many(&[router, shared_gate], f)?;
+        let &[logits, shared_gate] = gs.as_slice() else {
+            return Err(OpError::new("add_norm_route", self.device(), format!("{} outputs", gs.len()), "matmul_many of 2 weights"));
+        };
+        let routing = self.route(logits, k)?;
+        Ok(MoeIn { x: f, shared_gate, routing })
+    }
+
     /// The mixture of experts of `layer` on `routing` plus the gated shared expert
     /// (qwen35moe.md §6.6 steps 4–7); `shared_gate` [N, 1]. Returns [N, D].
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor>;

@@ -161,6 +161,23 @@ impl Arena {
         (live_mut(wa), live(rb), live_mut(&mut hi[0]))
     }
 
+    /// [`Arena::trio`] with a fourth buffer `d` to write, after `c`.
+    pub fn quad(&mut self, a: u32, b: u32, c: u32, d: u32) -> (&mut Buf<f32>, &Buf<f32>, &mut Buf<f32>, &mut Buf<f32>) {
+        assert!(c < d, "quad: buffer {d} must come after {c}");
+        let (lo, hi) = self.held.split_at_mut(d as usize);
+        let (lo, mid) = lo.split_at_mut(c as usize);
+        let (a, b) = (a as usize, b as usize);
+        assert!(a.max(b) < c as usize && a != b, "quad: buffers {a} and {b} must differ and come before {c}");
+        let (wa, rb) = if a < b {
+            let (l, h) = lo.split_at_mut(b);
+            (&mut l[a], &h[0])
+        } else {
+            let (l, h) = lo.split_at_mut(a);
+            (&mut h[0], &l[b])
+        };
+        (live_mut(wa), live(rb), live_mut(&mut mid[0]), live_mut(&mut hi[0]))
+    }
+
     /// Buffer `a` to write and buffer `b` to read (`a != b`, both live).
     pub fn pair(&mut self, a: u32, b: u32) -> (&mut Buf<f32>, &Buf<f32>) {
         let (a, b) = (a as usize, b as usize);

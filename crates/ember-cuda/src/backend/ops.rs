@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ember_ops::{
     AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm, KvRows, LayerIdx, Mark, Mat,
-    OpError, OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
+    MoeIn, OpError, OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
 };
 
 use crate::Buf;
@@ -533,6 +533,28 @@ impl Ops for CudaOps {
 
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         self.route_op(logits, k)
+    }
+
+    fn add_norm_route(
+        &mut self,
+        h: Tensor,
+        x: Tensor,
+        norm: WeightId,
+        eps: f32,
+        router: WeightId,
+        shared_gate: WeightId,
+        k: usize,
+    ) -> OpResult<MoeIn> {
+        if let Some(r) = self.moe_route_fused(h, x, norm, eps, router, shared_gate, k)? {
+            return Ok(r);
+        }
+        let f = self.add_rms_norm(h, x, norm, eps)?;
+        let gs = self.matmul_many(&[router, shared_gate], f)?;
+        let &[logits, shared_gate] = gs.as_slice() else {
+            return Err(OpError::new("add_norm_route", self.dev, format!("{} outputs", gs.len()), "matmul_many of 2 weights"));
+        };
+        let routing = self.route(logits, k)?;
+        Ok(MoeIn { x: f, shared_gate, routing })
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {

@@ -1,6 +1,7 @@
 //! Routings on the device: the route op and the reads of a routing's ids and weights.
 
-use ember_ops::{ExpertId, Mat, OpResult, RouteTable, Routing, Tensor, check};
+use ember_gguf::GgmlType;
+use ember_ops::{ExpertId, Mat, MoeIn, OpResult, RouteTable, Routing, Tensor, WeightId, check};
 
 use super::{CudaOps, cuda, shape_of};
 use crate::Download;
@@ -14,6 +15,48 @@ impl CudaOps {
         let (r, rb) = self.routes.alloc(&self.gpu, OP, logits.n, k, logits.d)?;
         self.gpu.route(lb, logits.n, logits.d, k, &mut rb.ids, &mut rb.weights).map_err(cuda(OP, self.dev))?;
         Ok(r)
+    }
+
+    /// [`ember_ops::Ops::add_norm_route`] as one `moe_route` launch ([`crate::Gpu::moe_route`]):
+    /// one token under Fast (where the norm leaves its int8 copy), F32 router and gate rows,
+    /// where the GPU runs the kernel; `None` elsewhere (the caller runs the three ops).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_route_fused(
+        &mut self,
+        h: Tensor,
+        x: Tensor,
+        norm: WeightId,
+        eps: f32,
+        router: WeightId,
+        shared_gate: WeightId,
+        k: usize,
+    ) -> OpResult<Option<MoeIn>> {
+        const OP: &str = "add_norm_route";
+        let d = h.d;
+        if h.id == x.id || h.n != 1 || x.n != 1 || x.d != d || !self.gpu.uses_gemv_q8(GgmlType::Q8_0, d, 1, self.precision) {
+            return Ok(None);
+        }
+        self.arena.check(OP, h)?;
+        self.arena.check(OP, x)?;
+        let wv = self.weights.vector(OP, norm)?;
+        let (_, rw) = self.weights.matrix(OP, router)?;
+        let (_, gw) = self.weights.matrix(OP, shared_gate)?;
+        let n_expert = rw.n_rows;
+        let f32_rows = |ty: GgmlType, kk: usize| ty == GgmlType::F32 && kk == d;
+        if wv.len() != d || !f32_rows(rw.ty, rw.k) || !f32_rows(gw.ty, gw.k) || gw.n_rows != 1 || !self.gpu.uses_moe_route(d, n_expert, k) {
+            return Ok(None);
+        }
+        if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+            self.q8_x = None; // h changes: its int8 copy is stale
+        }
+        let f = self.arena.alloc(&self.gpu, OP, 1, d)?;
+        let gs = self.arena.alloc(&self.gpu, OP, 1, 1)?;
+        let (r, rb) = self.routes.alloc(&self.gpu, OP, 1, k, n_expert)?;
+        let (hb, xb, fb, gb) = self.arena.quad(h.id, x.id, f.id, gs.id);
+        let generation =
+            self.gpu.moe_route(hb, xb, wv, eps, rw.all(), gw.all(), k, fb, gb, &mut rb.ids, &mut rb.weights).map_err(cuda(OP, self.dev))?;
+        self.q8_x = Some((f.id, generation));
+        Ok(Some(MoeIn { x: f, shared_gate: gs, routing: r }))
     }
 
     /// [`ember_ops::Ops::read_routing`] and [`ember_ops::Ops::read`] of `x` with one wait for

@@ -242,7 +242,7 @@ const GEMV_WARPS: usize = 4;
 /// weight of few rows gives each of its rows 2 or 4 warps over its 256-weight chunks, so that
 /// enough warps are in flight to hide the memory latency (with one warp a row, a 512-row weight
 /// fills 128 warps on a 132-SM GPU, each walking its row's chunks one after another).
-fn gemv_ksplit(n_rows: usize, k: usize) -> usize {
+pub(super) fn gemv_ksplit(n_rows: usize, k: usize) -> usize {
     let mut ks = if std::env::var_os("EMBER_GEMV_KSPLIT").is_some_and(|v| v == "0") {
         1
     } else if n_rows <= 1024 {

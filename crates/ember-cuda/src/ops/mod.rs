@@ -16,6 +16,7 @@ mod kv_append;
 mod mailbox;
 mod matmul;
 mod moe;
+mod moe_route;
 mod q6_repack;
 mod rms_norm;
 mod route;

@@ -76,8 +76,14 @@ impl Extra<'_> {
 /// the same order, so the fused and int8 forms give the plain form's bits). A row of the model's
 /// width (2,048) in one pass of 1,024 threads: the norm is a latency chain (load, block sum,
 /// store), so the fewer steps per thread the better; heads (g <= 128) one warp.
-fn block_of(g: usize) -> u32 {
+pub(super) fn block_of(g: usize) -> u32 {
     if g <= 128 { 32 } else { g.div_ceil(2).next_multiple_of(32).min(1024) as u32 }
+}
+
+/// The parameters of `h ← h + a`, then the norm of h's one `g`-wide row into out, for a kernel
+/// that runs rms_norm's code in its own launch (moe_route).
+pub(super) fn add_norm_params(h: &Buf<f32>, a: &Buf<f32>, w: &Buf<f32>, out: &Buf<f32>, g: usize, eps: f32) -> Result<RmsNormParams> {
+    Extra { add: Some(a), gate: None }.params(h, w, out, g, 1, eps)
 }
 
 /// The parameters of a gated norm of `n_group` groups of `g` values of x into out (`gate`'s

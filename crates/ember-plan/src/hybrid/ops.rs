@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use ember_ops::{
     AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, ExpertId, ExpertStats, Gate, GatedNorm,
-    LayerIdx, Mark, Mat, OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor, WeightId,
-    WeightSet,
+    LayerIdx, Mark, Mat, MoeIn, OpError, OpResult, Ops, RouteTable, Routing, SeqStore, Slot, Snapshot, StateLayout, StoreStats, Tensor,
+    WeightId, WeightSet,
 };
 
 use super::{Hybrid, MissPath, X_WITH_ROUTING_BYTES, kv_pages_within, say};
@@ -284,6 +284,18 @@ impl Ops for Hybrid {
     }
     fn route(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         self.gpu.route(logits, k)
+    }
+    fn add_norm_route(
+        &mut self,
+        h: Tensor,
+        x: Tensor,
+        norm: WeightId,
+        eps: f32,
+        router: WeightId,
+        shared_gate: WeightId,
+        k: usize,
+    ) -> OpResult<MoeIn> {
+        self.gpu.add_norm_route(h, x, norm, eps, router, shared_gate, k)
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {
