@@ -24,6 +24,10 @@ env EMBER_ATTN_MMA_WIDE=1 timeout 100 /tmp/bin/attention --test-threads=1 --noca
 echo "attention tiles (wide everywhere): exit $? $(grep -E '^test result' $O/test-attn-wide.log | tr '\n' ' ')"
 OUT=$O ROUNDS=1 VARIANT_ARGS='-p 512,2048,8192 -n 0' VARIANTS="default:;wide:EMBER_ATTN_MMA_WIDE=1" STAGES=variants timeout 90 \
   ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
+for t in model conformance; do
+  env EMBER_DELTA_NORM_FUSED=2 timeout 90 /tmp/bin/$t --test-threads=1 > $O/test-$t-dn2.log 2>&1
+  echo "$t (delta_rule_norm_cluster): exit $? $(grep -E '^test result' $O/test-$t-dn2.log | tail -1)"
+done
 W=EMBER_MOE_DOWN_WIDE=1; R=EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW
 env $W timeout 90 /tmp/bin/gemv_q8 --test-threads=1 --exact moe_q8_matches_quantised_reference > $O/test-moe-dwide.log 2>&1
 echo "moe test (dwide): $(grep -E '^test result' $O/test-moe-dwide.log)"
@@ -35,7 +39,7 @@ env $R timeout 60 /tmp/bin/model --test-threads=1 > $O/test-model-regw.log 2>&1
 echo "model (regw): $(grep -E '^test result' $O/test-model-regw.log | tail -1)"
 while [[ -f /tmp/llama/building ]] && (( SECONDS < L - 200 )); do sleep 2; done
 echo "llama.cpp: $( [[ -f /tmp/llama/building ]] && echo still building || echo "built (exit $(cat /tmp/llama/built 2>/dev/null))") at $SECONDS s"
-V="ahead:;mr0:EMBER_MOE_ROUTE=0;off:EMBER_RUN_AHEAD=0;dwide:$W;regw:$R"
+V="ahead:;mr0:EMBER_MOE_ROUTE=0;dn2:EMBER_DELTA_NORM_FUSED=2;off:EMBER_RUN_AHEAD=0;dwide:$W;regw:$R"
 OUT=$O ROUNDS=3 VARIANT_ARGS='-p 0 -n 128' VARIANTS="$V" STAGES=variants timeout $(( L - 10 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "done at $SECONDS s"
 cp /tmp/llama/build.log $O/ 2>/dev/null

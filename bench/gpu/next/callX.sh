@@ -8,9 +8,9 @@ L=${LIMIT:-560}
 O=${OUT:?}/x; mkdir -p $O
 export EMBER_KERNEL_CACHE=/tmp/kc
 [[ -x /tmp/bin/ember ]] || tar -C /tmp -xJf .gpu/bin.tar.xz
-TV=${TV:-"ahead:;mr0:EMBER_MOE_ROUTE=0;off:EMBER_RUN_AHEAD=0;dwide:EMBER_MOE_DOWN_WIDE=1;regw:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW"}
+TV=${TV:-"ahead:;mr0:EMBER_MOE_ROUTE=0;dn2:EMBER_DELTA_NORM_FUSED=2;off:EMBER_RUN_AHEAD=0;dwide:EMBER_MOE_DOWN_WIDE=1;regw:EMBER_KERNEL_DEFINES=EMBER_ROUTE_REGW"}
 OUT=$O ROUNDS=1 VARIANTS="$TV" STAGES=tvariants timeout 130 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
-grep -h -E '^\| (moe|route|mailbox|rms_norm|matmul)|launches, [0-9]+ steps' $O/tvariant-*-1.md
+grep -h -E '^\| (moe|route|mailbox|rms_norm|matmul|delta)|launches, [0-9]+ steps' $O/tvariant-*-1.md
 echo "traces done at $SECONDS s"
 OUT=$O ROUNDS=2 VARIANT_ARGS='-p 0 -n 128 -d 4096 --n-seq 16' VARIANTS="ahead:;off:EMBER_RUN_AHEAD=0" STAGES=variants \
   timeout 100 ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'

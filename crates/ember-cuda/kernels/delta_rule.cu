@@ -175,3 +175,46 @@ extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
     if (!last || threadIdx.x >= 32) return;
     norm_regs_group<true>(dn.r, dn.q, wv, t * p.n_v_head + h, (u64)dn.r.n_group * dn.r.g, lane, 32, nullptr);
 }
+
+// delta_rule_norm_cluster: delta_rule_norm_seqs for value heads of d_v = 128 (sm_90) with the
+// cluster's barrier where that kernel counts: 16 columns a block (512 threads), a cluster of
+// DN_CLUSTER = 8 blocks a head, so the barrier (release / acquire at the cluster's scope: every
+// block's stores of o seen by all after it) tells the head's first block that the head is done,
+// and that block's warp 0 normalises it as the counting kernel's last block does (the same
+// arithmetic: the same bits). No counters, no atomic at the device's scope.
+#define DN_CLUSTER 8
+#if __CUDA_ARCH__ >= 900
+#define DN_CLUSTER_DIMS __cluster_dims__(DN_CLUSTER, 1, 1)
+#else
+#define DN_CLUSTER_DIMS
+#endif
+
+// blockDim 512, grid (n_v_head · 128 / 16, n_seq).
+extern "C" __global__ void DN_CLUSTER_DIMS __launch_bounds__(512) delta_rule_norm_cluster(const DeltaNormParams dn) {
+#if __CUDA_ARCH__ >= 900
+    const DeltaSeqsParams& p = dn.d;
+    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y;
+    if (threadIdx.x == 0) {
+        const u32 slot = ((const u32*)p.slot)[s];
+        if (slot < p.n_slots)
+            prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * (blockDim.x / 32) * p.d_k);
+    }
+    float wv[NORM_REGS];
+    norm_regs_w(dn.r, wv, threadIdx.x % 32, 32);
+    pdl_enter();
+    const u32 col = col0 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 t = ((const u32*)p.row0)[s], slot = ((const u32*)p.slot)[s];
+    if (slot >= p.n_slots) {
+        if (lane == 0) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
+    } else {
+        float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * p.d_k;
+        delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t,
+                     t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
+    }
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (rank != 0 || threadIdx.x >= 32) return;
+    norm_regs_group<true>(dn.r, dn.q, wv, t * p.n_v_head + col0 / p.d_v, (u64)dn.r.n_group * dn.r.g, lane, 32, nullptr);
+#endif
+}

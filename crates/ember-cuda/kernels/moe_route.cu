@@ -82,7 +82,7 @@ __device__ __forceinline__ float mr_dot_part(const float* w, const float* x, u32
 #endif
 
 // Dynamic shared memory: (R + 1)·d floats of rows, d of f, n_expert of logits, 4·(R + 1) of part
-// sums (moe_route_smem in src/ops/route.rs).
+// sums (smem_bytes in src/ops/moe_route.rs).
 extern "C" __global__ void MR_CLUSTER __launch_bounds__(MR_THREADS, 1) moe_route(const MoeRouteParams p) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(16) float sm[];

@@ -447,7 +447,11 @@ fn delta_rule_norm_is_the_two_launches() {
     use ember_gguf::GgmlType;
     let Some(g) = gpu() else { return };
     let mut rng = Rng::new();
-    for (nk, dk, nv, dv) in [(16usize, 128usize, 32usize, 128usize), (2, 64, 4, 32)] {
+    for (nk, dk, nv, dv, cluster) in [(16usize, 128usize, 32usize, 128usize, false), (2, 64, 4, 32, false), (16, 128, 32, 128, true)] {
+        if cluster && !g.delta_norm_cluster_fits(dv) {
+            println!("delta_rule_norm_cluster: not on sm_{}", g.info().sm());
+            continue;
+        }
         let (n_slots, len) = (5, nv * dv * dk);
         let (offset, stride) = (3, 3 + len + 5);
         let at = StateAt { slot_stride: stride, offset, len, n_slots };
@@ -489,9 +493,9 @@ fn delta_rule_norm_is_the_two_launches() {
             let norm = HeadNorm { w: &w, eps: 1e-6, gate: &z, act };
             let before = g.q8_generation();
             let generation =
-                g.delta_rule_norm_seqs(shape, input(), seqs, &vec![1; n], &mut s_fused, at, &mut o1, norm, &mut y1, q8).unwrap();
+                g.delta_rule_norm_seqs(shape, input(), seqs, &vec![1; n], &mut s_fused, at, &mut o1, norm, &mut y1, q8, cluster).unwrap();
             assert_eq!(generation.is_some(), q8, "a generation only with the int8 copy");
-            let what = format!("{nv}x{dv} call {call} {act:?}");
+            let what = format!("{nv}x{dv} call {call} {act:?} cluster {cluster}");
             for (name, f, t) in [("o", &o1, &o2), ("y", &y1, &y2)] {
                 let (f, t) = (g.download(f).unwrap(), g.download(t).unwrap());
                 for (j, (a, b)) in f.iter().zip(&t).enumerate() {
@@ -514,6 +518,6 @@ fn delta_rule_norm_is_the_two_launches() {
                 assert_eq!(&now[2 * stride..3 * stride], &all[2 * stride..3 * stride], "{what}: slot 2 untouched");
             }
         }
-        println!("delta_rule_norm {nk}x{dk} / {nv}x{dv}: the two launches' bits");
+        println!("delta_rule_norm {nk}x{dk} / {nv}x{dv} (cluster {cluster}): the two launches' bits");
     }
 }

@@ -116,7 +116,8 @@ impl CudaOps {
 
     /// [`ember_ops::Ops::delta_rule_norm`]: [`CudaOps::rule_op`] then the gated norm, or, with
     /// `EMBER_DELTA_NORM_FUSED=1`, one launch (`Gpu::delta_rule_norm_seqs`: each head's last
-    /// block normalises it) when every sequence of the step has one row (decode) and a value head
+    /// block normalises it; `=2`: its cluster form, each head's first block normalising it after
+    /// the cluster's barrier, where the GPU and d_v allow) when every sequence of the step has one row (decode) and a value head
     /// fits the norm's warp: the same bits either way. Off: measured on an H100 (docs/perf.md
     /// g30), one sequence's step chain +6 us (the rule +3.5 us a layer, the norm's 4.1 us launch
     /// gone, the kernels after it slower by about the rest), 16 sequences' decode 5 % slower.
@@ -130,8 +131,13 @@ impl CudaOps {
         z: Tensor,
     ) -> OpResult<Tensor> {
         const OP: &str = "delta_rule_norm";
-        static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *FUSED.get_or_init(|| std::env::var_os("EMBER_DELTA_NORM_FUSED").is_some_and(|v| v == "1"));
+        static FUSED: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+        let form = *FUSED.get_or_init(|| match std::env::var("EMBER_DELTA_NORM_FUSED").as_deref() {
+            Ok("1") => 1,
+            Ok("2") => 2,
+            _ => 0,
+        });
+        let on = form == 1 || form == 2 && self.gpu.delta_norm_cluster_fits(h.d_v);
         let width = if on { self.weights.vector(OP, norm.w)?.len() } else { 0 };
         let fits = on
             && width == h.d_v
@@ -164,7 +170,8 @@ impl CudaOps {
         let [ob, _, yb, ..] = &mut outs[..] else { unreachable!("three buffers were just allocated") };
         let input = rule_input(&ins, x);
         let hn = HeadNorm { w: wv, eps: norm.eps, gate: &ins[z.id as usize], act: act_of(norm.act) };
-        let generation = self.gpu.delta_rule_norm_seqs(shape, input, seqs, &lens, state, at, ob, hn, yb, q8).map_err(cuda(OP, dev))?;
+        let generation =
+            self.gpu.delta_rule_norm_seqs(shape, input, seqs, &lens, state, at, ob, hn, yb, q8, form == 2).map_err(cuda(OP, dev))?;
         if let Some(generation) = generation {
             self.q8_x = Some((y.id, generation));
         }

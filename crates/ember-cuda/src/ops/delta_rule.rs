@@ -279,6 +279,12 @@ impl Gpu {
         }
     }
 
+    /// Whether [`Gpu::delta_rule_norm_seqs`] may take its cluster form for value heads of
+    /// `d_v`: compute capability 9.0+ (clusters) and d_v = 128 (8 blocks of 16 columns a head).
+    pub fn delta_norm_cluster_fits(&self, d_v: usize) -> bool {
+        self.info().sm() >= 90 && d_v == 128
+    }
+
     /// The scan of the sequences of fewer than `below` tokens (checked by the caller).
     #[allow(clippy::too_many_arguments)]
     fn scan(
@@ -308,7 +314,9 @@ impl Gpu {
     /// delta rule's o, `y` the norm, and with `q8` the int8 scratch y's copy (as
     /// [`Gpu::rms_norm_gate_q8`]; its generation returned). Each head's last block to finish
     /// normalises it (kernels/delta_rule.cu), with the same sums as the norm's own launch: the
-    /// same bits as the two launches. d_v a multiple of 32, at most 128.
+    /// same bits as the two launches. d_v a multiple of 32, at most 128. With `cluster`
+    /// (where [`Gpu::delta_norm_cluster_fits`]), `delta_rule_norm_cluster`: a cluster of 8
+    /// blocks of 16 columns a head, whose barrier stands where the counting kernel counts.
     #[allow(clippy::too_many_arguments)]
     pub fn delta_rule_norm_seqs(
         &self,
@@ -322,8 +330,12 @@ impl Gpu {
         norm: HeadNorm<'_>,
         y: &mut Buf<f32>,
         q8: bool,
+        cluster: bool,
     ) -> Result<Option<u64>> {
         const OP: &str = "delta_rule_norm_seqs";
+        if cluster && !self.delta_norm_cluster_fits(s.d_v) {
+            return Err(shape(OP, format!("d_v = {} on sm_{}: the cluster form needs d_v 128 and sm_90", s.d_v, self.info().sm())));
+        }
         check_seqs(OP, s, &i, seqs, state, at, out)?;
         let (t, nv, dv) = (s.n_tok, s.n_v_head, s.d_v);
         if lens.len() != seqs.n_seq || seqs.n_seq != t || lens.iter().any(|&n| n != 1) {
@@ -344,10 +356,17 @@ impl Gpu {
         if nv * dv == 0 || t == 0 {
             return Ok(generation);
         }
-        let count = self.counters(t * nv)?;
+        let count = if cluster { 0 } else { self.counters(t * nv)? };
         let d = seqs_params(s, &i, seqs, state, at, out, u32::MAX)?;
         let r = super::rms_norm::gated_norm_params(out, norm.w, y, dv, t * nv, norm.eps, norm.gate, norm.act)?;
         let p = DeltaNormParams { d, r, q, count };
+        if cluster {
+            let f = self.function(&DELTA_RULE, "delta_rule_norm_cluster")?;
+            // SAFETY: as below, without counters; d_v = 128 (checked) makes a cluster of 8 blocks
+            // of 16 columns one head, so n_v_head · d_v / 16 blocks are whole clusters.
+            unsafe { self.launch(&f, ((nv * dv / 16) as u32, t as u32, 1), 512, 0, &p)? };
+            return Ok(generation);
+        }
         let f = self.function(&DELTA_RULE, "delta_rule_norm_seqs")?;
         // SAFETY: sizes checked above and by check_seqs; one row a sequence (lens), inside the
         // rows (the caller's contract, as for delta_rule_seqs); the kernel skips slots >= n_slots;
