@@ -12,7 +12,10 @@
 // its dots) and normalises it; each block's logits go into block 0's shared memory; after the
 // cluster's barrier block 0 writes h, f and f's int8 copy, and its first warp routes.
 // The chain it replaces (docs/perf.md g19, g30): the norm ~3.9 us, the router ~2.8, the route
-// ~4.1, three links.
+// ~4.1, three links. Measured on an H100 (g33): the 35B's decode 3.6 % slower than with those
+// three launches (likely, not traced: a 1,024-thread block with 149 KB of shared memory cannot sit beside the out
+// projection's GEMV blocks, so the router's rows are copied after it, not under it, by 16 SMs):
+// off by default (EMBER_MOE_ROUTE=1).
 
 #define MR_BLOCKS 16
 #define MR_THREADS 1024

@@ -215,7 +215,8 @@ pub struct Gpu {
     /// `attention_mma_w8`, 1.67x its speed at 32768 keys; the 35B's pp8192 @ d32768 +18 %.
     attn_wg: AtomicBool,
     /// Whether a one-token MoE prelude (residual add, norm, router, routing) runs as one
-    /// cluster launch, `moe_route` (`EMBER_MOE_ROUTE=0`: the three launches).
+    /// cluster launch, `moe_route` (`EMBER_MOE_ROUTE=1`; off by default: decode 3.6 % slower
+    /// than the three launches on an H100, docs/perf.md g33).
     moe_route: AtomicBool,
     /// Whether `moe_route`'s cluster of 16 fits this GPU (asked of the driver at its first use).
     moe_route_fits: std::sync::OnceLock<bool>,
@@ -321,7 +322,7 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
             attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
-            moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_none_or(|v| v != "0")),
+            moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_some_and(|v| v == "1")),
             moe_route_fits: std::sync::OnceLock::new(),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),

@@ -461,6 +461,7 @@ fn bench_gemv_q8() {
 #[test]
 fn moe_route_matches_its_three_launches() {
     let Some(g) = gpu() else { return };
+    g.set_moe_route(true); // off by default (docs/perf.md g33); this binary's other tests do not read it
     let mut rng = Rng::new();
     let f32_rows = |w: &[f32]| -> Vec<u8> { w.iter().flat_map(|v| v.to_le_bytes()).collect() };
     let ty = GgmlType::Q8_0;

@@ -2,7 +2,8 @@
 //! int8 copy, the router's logits and the shared expert's gate from it, and the routing, the
 //! bits of `add_rms_norm_q8`, the router's GEMV and `route` run one after another, where a
 //! one-token step chains them as three launches (~11 us of the 35B's decode step a layer on an
-//! H100, docs/perf.md g30).
+//! H100, docs/perf.md g30). Measured on an H100 (g33): tg128 436 against 452 t/s with the three
+//! launches, so off by default (`EMBER_MOE_ROUTE=1` turns it on).
 
 use cudarc::driver::{CudaFunction, DeviceRepr, sys};
 
@@ -60,7 +61,8 @@ fn smem_bytes(d: usize, n_expert: usize) -> usize {
 impl Gpu {
     /// Whether [`Gpu::moe_route`] runs for rows `d` wide, `n_expert` experts and the top `k`:
     /// compute capability 9.0+ (clusters), a cluster of 16 that fits the GPU, `d` a multiple of
-    /// 32 whose norm fits rms_norm's registers, at most 256 experts, and `EMBER_MOE_ROUTE` not 0.
+    /// 32 whose norm fits rms_norm's registers, at most 256 experts, and `EMBER_MOE_ROUTE=1` (or
+    /// [`Gpu::set_moe_route`]).
     pub fn uses_moe_route(&self, d: usize, n_expert: usize, k: usize) -> bool {
         self.moe_route_on()
             && self.info().sm() >= 90
