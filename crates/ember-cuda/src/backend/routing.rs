@@ -18,8 +18,9 @@ impl CudaOps {
     }
 
     /// [`ember_ops::Ops::add_norm_route`] as one `moe_route` launch ([`crate::Gpu::moe_route`]):
-    /// one token under Fast (where the norm leaves its int8 copy), F32 router and gate rows,
-    /// where the GPU runs the kernel; `None` elsewhere (the caller runs the three ops).
+    /// with `EMBER_MOE_ROUTE=1` (off by default: slower on an H100, docs/perf.md g33), one token
+    /// under Fast (where the norm leaves its int8 copy), F32 router and gate rows, where the GPU
+    /// runs the kernel; `None` elsewhere (the caller runs the three ops).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe_route_fused(
         &mut self,
@@ -33,7 +34,13 @@ impl CudaOps {
     ) -> OpResult<Option<MoeIn>> {
         const OP: &str = "add_norm_route";
         let d = h.d;
-        if h.id == x.id || h.n != 1 || x.n != 1 || x.d != d || !self.gpu.uses_gemv_q8(GgmlType::Q8_0, d, 1, self.precision) {
+        if !self.gpu.moe_route_on()
+            || h.id == x.id
+            || h.n != 1
+            || x.n != 1
+            || x.d != d
+            || !self.gpu.uses_gemv_q8(GgmlType::Q8_0, d, 1, self.precision)
+        {
             return Ok(None);
         }
         self.arena.check(OP, h)?;
