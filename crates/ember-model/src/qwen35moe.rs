@@ -601,10 +601,9 @@ impl DeltaNet {
 
 impl Moe {
     /// Routed experts (softmax over all, top-k, renormalised) plus the gated shared expert,
-    /// qwen35moe.md §6.6: routing and the expert FFNs are ops.
-    /// The residual add of the mixer's output `m` into `h` and the norm `norm` before the
-    /// experts are the block's first step, with the router: one op (a backend may run the
-    /// prelude in one launch).
+    /// qwen35moe.md §6.6: routing and the expert FFNs are ops. The residual add of the mixer's
+    /// output `m` into `h` and the norm `norm` before the experts come first, with the router
+    /// and the routing, as one op (`Ops::add_norm_route`: a backend may run it in one launch).
     fn forward(
         &self,
         layer: LayerIdx,
