@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# callY.sh cut to ~430 s (the session's device time after refused starts): moe_route's test and
+# The 2026-12-08 session's one call, cut to ~430 s (the device time left after refused starts): moe_route's test and
 # the model's through it first; the touched test binaries (delta_rule with the cluster form,
 # gemv_q8, conformance, hybrid, ahead, attention, graph, split) and serve-check while llama.cpp
 # builds and the 35B is written; tg128 at the defaults against EMBER_MOE_ROUTE=0 and

@@ -141,26 +141,37 @@ __device__ __forceinline__ u32 atomic_inc_acq_rel(u32* p, u32 limit) {
 #endif
 }
 
-// blockDim 128, grid (n_v_head · d_v / 4, n_seq).
-extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
+// The delta rule part of the fused kernels below: this block's columns col0.. (a warp each) of
+// sequence s's one row t, after asking for their state in L2 and reading the norm's weight into
+// wv before pdl_enter; a slot out of range gives NaN o.
+__device__ __forceinline__ void delta_norm_rule_part(const DeltaNormParams& dn, u32 col0, u32 s, u32* t, float (&wv)[NORM_REGS]) {
     const DeltaSeqsParams& p = dn.d;
-    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y;
     if (threadIdx.x == 0) {
         const u32 slot = ((const u32*)p.slot)[s];
-        if (slot < p.n_slots) prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * 4 * p.d_k);
+        if (slot < p.n_slots)
+            prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * (blockDim.x / 32) * p.d_k);
     }
-    float wv[NORM_REGS];
     norm_regs_w(dn.r, wv, threadIdx.x % 32, 32);
     pdl_enter();
     const u32 col = col0 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const u32 t = ((const u32*)p.row0)[s], slot = ((const u32*)p.slot)[s];
+    const u32 slot = ((const u32*)p.slot)[s];
+    *t = ((const u32*)p.row0)[s];
     if (slot >= p.n_slots) {
-        if (lane == 0) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
+        if (lane == 0) ((float*)p.out)[(u64)*t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
     } else {
         float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * p.d_k;
-        delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t,
-                     t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
+        delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, *t,
+                     *t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
     }
+}
+
+// blockDim 128, grid (n_v_head · d_v / 4, n_seq).
+extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
+    const DeltaSeqsParams& p = dn.d;
+    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y, lane = threadIdx.x % 32;
+    u32 t;
+    float wv[NORM_REGS];
+    delta_norm_rule_part(dn, col0, s, &t, wv);
     // The block's outputs, then its count: the block's barrier, then thread 0's increment with
     // release and acquire at the device's scope (the arrive of a grid barrier: the barrier makes
     // the block's stores thread 0's to release; the last block's acquire, then its barrier, make
@@ -193,28 +204,12 @@ extern "C" __global__ void delta_rule_norm_seqs(const DeltaNormParams dn) {
 extern "C" __global__ void DN_CLUSTER_DIMS __launch_bounds__(512) delta_rule_norm_cluster(const DeltaNormParams dn) {
 #if __CUDA_ARCH__ >= 900
     const DeltaSeqsParams& p = dn.d;
-    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y;
-    if (threadIdx.x == 0) {
-        const u32 slot = ((const u32*)p.slot)[s];
-        if (slot < p.n_slots)
-            prefetch_l2((const float*)p.state + slot * p.slot_stride + p.offset + (u64)col0 * p.d_k, 4ull * (blockDim.x / 32) * p.d_k);
-    }
+    const u32 col0 = blockIdx.x * (blockDim.x / 32), s = blockIdx.y, lane = threadIdx.x % 32;
+    u32 t;
     float wv[NORM_REGS];
-    norm_regs_w(dn.r, wv, threadIdx.x % 32, 32);
-    pdl_enter();
-    const u32 col = col0 + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const u32 t = ((const u32*)p.row0)[s], slot = ((const u32*)p.slot)[s];
-    if (slot >= p.n_slots) {
-        if (lane == 0) ((float*)p.out)[(u64)t * p.n_v_head * p.d_v + col] = __int_as_float(0x7fffffff);
-    } else {
-        float* st = (float*)p.state + slot * p.slot_stride + p.offset + (u64)col * p.d_k;
-        delta_column((const float*)p.q, (const float*)p.k, (const float*)p.v, (const float*)p.g, (const float*)p.beta, st, (float*)p.out, t,
-                     t + 1, p.n_k_head, p.d_k, p.n_v_head, p.d_v, col, lane);
-    }
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    if (rank != 0 || threadIdx.x >= 32) return;
+    delta_norm_rule_part(dn, col0, s, &t, wv);
+    cluster_sync();
+    if (cluster_rank() != 0 || threadIdx.x >= 32) return;
     norm_regs_group<true>(dn.r, dn.q, wv, t * p.n_v_head + col0 / p.d_v, (u64)dn.r.n_group * dn.r.g, lane, 32, nullptr);
 #endif
 }

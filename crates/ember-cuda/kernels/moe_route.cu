@@ -36,28 +36,6 @@ struct MoeRouteParams {
 };
 
 #if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// v into the float at `p` (this block's shared memory) of block `rank` of the cluster.
-__device__ __forceinline__ void st_cluster_f32(const float* p, u32 rank, float v) {
-    u32 a = (u32)__cvta_generic_to_shared(p), ra;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-}
-
-// The cluster's barrier in two halves, every thread of every block: arrive, then wait until every
-// thread has arrived. With release / acquire, what each wrote before arriving (any block's
-// shared memory, global memory) is seen by all after the wait.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // The GEMV's sum for one part of a row (matmul.cu's gemv<TY_F32> with one token: warp part j of
 // ks takes chunks j, j + ks, ..; lane l weights 256c + 8l .. + 8), w and x in shared memory.
 __device__ __forceinline__ float mr_dot_part(const float* w, const float* x, u32 d, u32 part, u32 ks, u32 lane) {

@@ -98,6 +98,29 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// Thread-block clusters (sm_90+; kernels that use them are empty below): this block's rank in
+// its cluster, the cluster's barrier in two halves (every thread of every block: arrive, then wait
+// until all have arrived; with release / acquire, what each wrote before arriving, in any block's
+// shared memory or in global memory, is seen by all after the wait), and a store into another
+// block's shared memory at the address this block's `p` has in its own.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void st_cluster_f32(const float* p, u32 rank, float v) {
+    u32 a = (u32)__cvta_generic_to_shared(p), ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
+}
+#endif
+
 // Asks for bytes [p, p + n) to be brought into L2 (sm_90+: one bulk prefetch, a hint that
 // never faults or blocks; before sm_90 nothing). The range shrinks to whole 16-byte chunks
 // inside it, as the instruction needs. Kernels call it on their weights *before* pdl_enter:

@@ -37,7 +37,7 @@ pub use backend::HostBackend;
 pub use error::{OpError, OpResult};
 pub use host::{HostOps, RefKernels};
 pub use ids::{DeviceId, ExpertId, LayerIdx, WeightId};
-pub use ops::{HostKernels, Ops};
+pub use ops::{HostKernels, Ops, add_norm_route_ops};
 pub use store::{HostStore, KvPage, PagePool, SeqStore, Slot, SlotId, SnapInfo, Snapshot, StateKind, StateLayout, StoreStats};
 pub use top::{TopRead, TopRow};
 /// An expert tier's counters since the backend started.

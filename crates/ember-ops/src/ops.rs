@@ -194,13 +194,7 @@ pub trait Ops: SeqStore + Send {
         shared_gate: WeightId,
         k: usize,
     ) -> OpResult<MoeIn> {
-        let f = self.add_rms_norm(h, x, norm, eps)?;
-        let gs = self.matmul_many(&[router, shared_gate], f)?;
-        let &[logits, shared_gate] = gs.as_slice() else {
-            return Err(OpError::new("add_norm_route", self.device(), format!("{} outputs", gs.len()), "matmul_many of 2 weights"));
-        };
-        let routing = self.route(logits, k)?;
-        Ok(MoeIn { x: f, shared_gate, routing })
+        add_norm_route_ops(self, h, x, norm, eps, router, shared_gate, k)
     }
 
     /// The mixture of experts of `layer` on `routing` plus the gated shared expert
@@ -354,4 +348,26 @@ pub trait HostKernels: Send + Sync {
 
     /// Rows `rows` of `x`, in that order (the rows that get logits).
     fn select_rows(&self, x: &Mat, rows: &[usize]) -> OpResult<Mat>;
+}
+
+/// [`Ops::add_norm_route`] as its three ops ([`Ops::add_rms_norm`], [`Ops::matmul_many`],
+/// [`Ops::route`]): the trait's default, and what a backend that fuses it runs where it does not.
+#[allow(clippy::too_many_arguments)]
+pub fn add_norm_route_ops<O: Ops + ?Sized>(
+    ops: &mut O,
+    h: Tensor,
+    x: Tensor,
+    norm: WeightId,
+    eps: f32,
+    router: WeightId,
+    shared_gate: WeightId,
+    k: usize,
+) -> OpResult<MoeIn> {
+    let f = ops.add_rms_norm(h, x, norm, eps)?;
+    let gs = ops.matmul_many(&[router, shared_gate], f)?;
+    let &[logits, shared_gate] = gs.as_slice() else {
+        return Err(OpError::new("add_norm_route", ops.device(), format!("{} outputs", gs.len()), "matmul_many of 2 weights"));
+    };
+    let routing = ops.route(logits, k)?;
+    Ok(MoeIn { x: f, shared_gate, routing })
 }

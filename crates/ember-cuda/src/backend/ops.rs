@@ -545,16 +545,10 @@ impl Ops for CudaOps {
         shared_gate: WeightId,
         k: usize,
     ) -> OpResult<MoeIn> {
-        if let Some(r) = self.moe_route_fused(h, x, norm, eps, router, shared_gate, k)? {
-            return Ok(r);
+        match self.moe_route_fused(h, x, norm, eps, router, shared_gate, k)? {
+            Some(r) => Ok(r),
+            None => ember_ops::add_norm_route_ops(self, h, x, norm, eps, router, shared_gate, k),
         }
-        let f = self.add_rms_norm(h, x, norm, eps)?;
-        let gs = self.matmul_many(&[router, shared_gate], f)?;
-        let &[logits, shared_gate] = gs.as_slice() else {
-            return Err(OpError::new("add_norm_route", self.dev, format!("{} outputs", gs.len()), "matmul_many of 2 weights"));
-        };
-        let routing = self.route(logits, k)?;
-        Ok(MoeIn { x: f, shared_gate, routing })
     }
 
     fn moe(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor) -> OpResult<Tensor> {

@@ -64,6 +64,11 @@ impl Gpu {
     /// 32 whose norm fits rms_norm's registers, at most 256 experts, and `EMBER_MOE_ROUTE=1` (or
     /// [`Gpu::set_moe_route`]).
     pub fn uses_moe_route(&self, d: usize, n_expert: usize, k: usize) -> bool {
+        self.moe_route_runs(d, n_expert, k) && self.moe_route_function().is_ok_and(|f| f.is_some())
+    }
+
+    /// [`Gpu::uses_moe_route`] but for whether a cluster fits (the kernel's function).
+    fn moe_route_runs(&self, d: usize, n_expert: usize, k: usize) -> bool {
         self.moe_route_on()
             && self.info().sm() >= 90
             && d > 0
@@ -72,7 +77,6 @@ impl Gpu {
             && (1..=MAX_EXPERTS).contains(&n_expert)
             && (1..=n_expert).contains(&k)
             && smem_bytes(d, n_expert) <= MAX_SMEM
-            && self.moe_route_function().is_ok_and(|f| f.is_some())
     }
 
     /// The kernel with its shared memory and cluster size allowed, if a cluster of it fits.
@@ -133,7 +137,7 @@ impl Gpu {
                 return Err(shape(OP, format!("{name}: {} rows of {} x {}, want F32 rows of {d}", w.n_rows, w.k(), w.ty().name())));
             }
         }
-        if !self.uses_moe_route(d, n_expert, k) {
+        if !self.moe_route_runs(d, n_expert, k) {
             return Err(shape(OP, format!("width {d}, {n_expert} experts, top {k}: not for this kernel or GPU")));
         }
         need(OP, "h", h, d)?;
