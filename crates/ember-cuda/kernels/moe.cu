@@ -144,14 +144,19 @@ __device__ __forceinline__ void moe_shared_gate_up_ty(const MoeQ8Params& q, u32 
     if (tid % seg == 0) hv[tid / seg] = valid ? silu_f(g) * u : 0.0f;
 }
 
-// The shared expert's blocks: rows blockIdx.x · MOE_GU_ROWS.. of token t (blocks past n_ff_s
-// write nothing; n_ff_s is a multiple of 32).
-__device__ __forceinline__ void moe_shared_gate_up(const MoeQ8Params& q, u32 t, int seg, float* part, float* hv) {
+// The shared expert's rows blockIdx.x · MOE_GU_ROWS.. of token t into hv (of its gate/up type).
+__device__ __forceinline__ void moe_shared_gate_up_hv(const MoeQ8Params& q, u32 t, int seg, float* part, float* hv) {
     switch (q.ty_s_gu) {
         case TY_Q4_K: moe_shared_gate_up_ty<TY_Q4_K>(q, t, seg, part, hv); break;
         case TY_Q6_K: moe_shared_gate_up_ty<TY_Q6_K>(q, t, seg, part, hv); break;
         case TY_Q8_0: moe_shared_gate_up_ty<TY_Q8_0>(q, t, seg, part, hv); break;
     }
+}
+
+// The shared expert's blocks: rows blockIdx.x · MOE_GU_ROWS.. of token t (blocks past n_ff_s
+// write nothing; n_ff_s is a multiple of 32).
+__device__ __forceinline__ void moe_shared_gate_up(const MoeQ8Params& q, u32 t, int seg, float* part, float* hv) {
+    moe_shared_gate_up_hv(q, t, seg, part, hv);
     const u32 r0 = blockIdx.x * MOE_GU_ROWS;
     if (r0 < q.n_ff_s) moe_gu_quantize(q, hv, (u64)q.m.n_tok * q.m.k_top * q.m.n_ff + (u64)t * q.n_ff_s + r0);
 }
@@ -181,26 +186,14 @@ __device__ __forceinline__ float moe_shared_down(const MoeQ8Params& q, u32 t, in
     return MOE_NAN;
 }
 
-// grid (ceil(max(n_ff, n_ff_s) / MOE_GU_ROWS), n_tok · k_top (+ n_tok with the shared
-// expert)), MOE_GU_ROWS · wr · L threads.
-template <int TY, class U = Q8Unit<TY>>
-__device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
+// Routed pair `pair` (expert e) of a one-token or few-token gate/up: this block's rows
+// blockIdx.x · MOE_GU_ROWS.. into hv (NaN for an id out of range, 0 for a row past n_ff or an
+// expert not here), `seg` lanes a row.
+template <int TY, class U>
+__device__ __forceinline__ void moe_gate_up_pair_hv(const MoeQ8Params& q, u32 pair, u32 e, int seg, float* part, float* hv) {
     const MoeParams& p = q.m;
-    __shared__ float part[MOE_GU_MAX_SEG];
-    __shared__ float hv[MOE_GU_ROWS];
-    const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
-    if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
-        const u32 r0 = blockIdx.x * MOE_GU_ROWS;
-        if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a step's kernels
-            const u32 rb = q.row_bytes_s_gu, nr = min((u32)MOE_GU_ROWS, q.n_ff_s - r0);
-            prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)r0 * rb, (u64)nr * rb);
-        }
-        pdl_enter();
-        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part, hv);
-        return;
-    }
-    pdl_enter();
-    const u32 pair = blockIdx.y, t = pair / p.k_top, e = ((const u32*)p.ids)[pair];
+    const int tid = threadIdx.x, wr = seg / U::L;
+    const u32 t = pair / p.k_top;
     const int r = blockIdx.x * MOE_GU_ROWS + tid / seg, wk = (tid % seg) / U::L, l = tid % U::L;
     const bool valid = r < (int)p.n_ff;
     const u32 s = e < p.n_expert ? moe_slot(p, e) : MOE_MISS;
@@ -221,6 +214,29 @@ __device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
     // A pair not here: moe_down_q8 skips it (its h is zeros); an id out of range: NaN, which
     // moe_down_q8 also flags from the id.
     if (tid % seg == 0) hv[tid / seg] = e >= p.n_expert ? MOE_NAN : (valid && s != MOE_MISS ? silu_f(g) * u : 0.0f);
+}
+
+// grid (ceil(max(n_ff, n_ff_s) / MOE_GU_ROWS), n_tok · k_top (+ n_tok with the shared
+// expert)), MOE_GU_ROWS · wr · L threads.
+template <int TY, class U = Q8Unit<TY>>
+__device__ __forceinline__ void moe_gate_up_q8(const MoeQ8Params& q) {
+    const MoeParams& p = q.m;
+    __shared__ float part[MOE_GU_MAX_SEG];
+    __shared__ float hv[MOE_GU_ROWS];
+    const int tid = threadIdx.x, wr = q.wr, seg = wr * U::L;
+    if (blockIdx.y >= p.n_tok * p.k_top) {  // the shared expert's blocks (block-uniform)
+        const u32 r0 = blockIdx.x * MOE_GU_ROWS;
+        if (tid < 2 && r0 < q.n_ff_s) {  // its weights: never written by a step's kernels
+            const u32 rb = q.row_bytes_s_gu, nr = min((u32)MOE_GU_ROWS, q.n_ff_s - r0);
+            prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)r0 * rb, (u64)nr * rb);
+        }
+        pdl_enter();
+        moe_shared_gate_up(q, blockIdx.y - p.n_tok * p.k_top, seg, part, hv);
+        return;
+    }
+    pdl_enter();
+    const u32 pair = blockIdx.y, e = ((const u32*)p.ids)[pair];
+    moe_gate_up_pair_hv<TY, U>(q, pair, e, seg, part, hv);
     const u32 r0 = blockIdx.x * MOE_GU_ROWS;
     if (r0 < p.n_ff) moe_gu_quantize(q, hv, (u64)pair * p.n_ff + r0);
 }
@@ -289,6 +305,135 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_q8w_q4_k(const 
 // Q6_K down at 4 lanes a unit (Q8UnitQ6KWide; the shared expert keeps its own unit: seg a
 // multiple of 8, the launcher's choice).
 extern "C" __global__ void moe_down_q8w_q6_k(const MoeQ8Params q) { moe_down_q8<TY_Q6_K, Q8UnitQ6KWide>(q); }
+
+// ---- One token's MoE in one launch: an expert's gate/up and down in one cluster (sm_90+) ----
+// moe_fused_q8_<down type>: a cluster of MF_CLUSTER blocks an expert (grid (MF_CLUSTER, k_top + 1):
+// the k routed pairs, then the shared expert), n_ff = MF_CLUSTER · MOE_GU_ROWS. Block b of a
+// cluster does what gate/up's block b does (rows 32b.. of h, Q4_K at 4 lanes a unit, the same
+// sums: moe_gate_up_pair_hv, moe_shared_gate_up_hv) and quantises them (warp_q8) into its own
+// shared memory, not into global h; after the cluster's barrier it gathers the other blocks' 31
+// int8 blocks of h from their shared memory, so each block holds the expert's whole h, and runs
+// its d / MF_CLUSTER rows of the expert's down against it, from shared memory: the block copies
+// those rows there (cp.async) as soon as it knows the expert, under its gate/up. Its rows'
+// weighted sums (routing weight, or sigmoid of the shared gate logit) go to parts[pair], one row
+// of d an expert; the norm after the MoE adds the k + 1 rows in order (rms_norm's n_add). One
+// link of the decode chain where gate/up and down made two, and down's weights are in shared
+// memory when its dots start. Each expert's down row is one seg_sum of its lanes times its weight:
+// not moe_down_q8's grouping (which weights each unit and sums the experts in the lanes).
+struct MoeFusedParams {
+    MoeQ8Params q;   // q.xq: x's int8 copy; the shared expert (sg, su, sd, gs) is required
+    u64 parts;       // [k_top + 1, d] f32
+    u32 down_rows;   // rows of down a block: d / MF_CLUSTER, a multiple of MF_THREADS / MF_SEG
+    u32 act_bytes;   // shared memory before the down rows: n_ff int8 and n_ff / 32 float2s, to 16 bytes
+};
+
+#define MF_CLUSTER 16
+#define MF_SEG 16  // lanes a row, gate/up (4 workers of 4) and down
+#define MF_THREADS (MOE_GU_ROWS * MF_SEG)
+
+// Rows [0, n_rows) of a down slice in shared memory (`rb` bytes a row, k = n_ff) against the
+// expert's int8 h (act: n_ff values, then their float2 scales), weighted, into out[0, n_rows).
+template <class U>
+__device__ __forceinline__ void mf_down(const u8* rows, u32 rb, u32 n_rows, const u8* act, u32 n_ff, float w, float* out) {
+    constexpr int WR = MF_SEG / U::L;
+    const int tid = threadIdx.x, wk = (tid % MF_SEG) / U::L, l = tid % U::L;
+    const int n_units = n_ff / U::W;
+    const i8* xq = (const i8*)act;
+    const float2* xd = (const float2*)(act + n_ff);
+    for (u32 r = tid / MF_SEG; r < n_rows; r += MF_THREADS / MF_SEG) {
+        float acc = 0.0f;
+        for (int c = wk; c < n_units; c += WR) acc += U::dot(rows + (u64)r * rb, n_units, c, l, xq, xd);
+        acc = seg_sum(acc, MF_SEG, nullptr);  // seg <= 32: shuffles only
+        if (tid % MF_SEG == 0) out[r] = w * acc;
+    }
+}
+
+template <class UD>
+__device__ __forceinline__ void moe_fused_q8(const MoeFusedParams& f) {
+#if __CUDA_ARCH__ >= 900
+    const MoeQ8Params& q = f.q;
+    const MoeParams& p = q.m;
+    extern __shared__ __align__(16) u8 mf_sm[];
+    __shared__ float part[MOE_GU_MAX_SEG];
+    __shared__ float hv[MOE_GU_ROWS];
+    u8* act = mf_sm;
+    u8* rows = mf_sm + f.act_bytes;
+    const u32 tid = threadIdx.x, rank = blockIdx.x;  // the cluster spans x: its rank is blockIdx.x
+    const u32 r0 = rank * f.down_rows;
+    const bool shared = blockIdx.y >= p.k_top;  // block-uniform; no thread leaves early (the barriers)
+    auto stage = [&](const u8* src, u32 n) {
+        for (u32 i = 16 * tid; i < n; i += 16 * MF_THREADS) copy16_async(rows + i, src + i);
+    };
+    float w;
+    bool nan = false;
+    if (shared) {
+        // Its weights are never written by a step's kernels: asked for before the wait.
+        if (tid < 2) {
+            const u32 rb = q.row_bytes_s_gu;
+            prefetch_l2((const u8*)(tid ? q.su : q.sg) + (u64)rank * MOE_GU_ROWS * rb, (u64)MOE_GU_ROWS * rb);
+        }
+        stage((const u8*)q.sd + (u64)r0 * q.row_bytes_s_down, f.down_rows * q.row_bytes_s_down);
+        pdl_enter();
+        moe_shared_gate_up_hv(q, 0, MF_SEG, part, hv);
+        w = sigmoid_f(((const float*)q.gs)[0]);
+    } else {
+        pdl_enter();
+        const u32 pair = blockIdx.y, e = ((const u32*)p.ids)[pair];
+        nan = e >= p.n_expert;
+        if (!nan) stage((const u8*)p.down + ((u64)e * p.d + r0) * p.row_bytes_down, f.down_rows * p.row_bytes_down);
+        moe_gate_up_pair_hv<TY_Q4_K, Q8UnitQ4KWide>(q, pair, e, MF_SEG, part, hv);
+        w = ((const float*)p.weights)[pair];
+    }
+    __syncthreads();  // hv complete
+    // Warp 0 writes the block's int8 block of h and arrives with release (on sm_90 a GPU-scope
+    // fence: one warp's, not the block's); the others have written nothing the cluster reads.
+    if (tid < 32) {
+        warp_q8(hv[tid], act, p.n_ff, rank * MOE_GU_ROWS + tid);
+        cluster_arrive();
+    } else {
+        cluster_arrive_relaxed();
+    }
+    cluster_wait();  // every block's int8 block of h is in its shared memory (and every block runs)
+    // The other blocks' int8 blocks: 8 words of values and 2 of (d, d·Σq) each.
+    if (tid < 10 * MF_CLUSTER) {
+        const u32 src = tid / 10, wd = tid % 10;
+        if (src != rank) {
+            u32* a = wd < 8 ? (u32*)(act + 32 * src) + wd : (u32*)(act + p.n_ff + 8 * src) + (wd - 8);
+            *a = ld_cluster_u32(a, src);
+        }
+    }
+    cluster_arrive_relaxed();  // done with the others' shared memory (each load's value is stored)
+    copy_async_wait();
+    __syncthreads();  // h whole, the down rows in place
+    float* out = (float*)f.parts + (u64)blockIdx.y * p.d + r0;
+    if (nan) {
+        for (u32 r = tid; r < f.down_rows; r += MF_THREADS) out[r] = MOE_NAN;
+    } else if (!shared) {
+        mf_down<UD>(rows, p.row_bytes_down, f.down_rows, act, p.n_ff, w, out);
+    } else {
+        switch (q.ty_s_down) {
+            case TY_Q4_K: mf_down<Q8Unit<TY_Q4_K>>(rows, q.row_bytes_s_down, f.down_rows, act, p.n_ff, w, out); break;
+            case TY_Q6_K: mf_down<Q8Unit<TY_Q6_K>>(rows, q.row_bytes_s_down, f.down_rows, act, p.n_ff, w, out); break;
+            case TY_Q8_0: mf_down<Q8Unit<TY_Q8_0>>(rows, q.row_bytes_s_down, f.down_rows, act, p.n_ff, w, out); break;
+        }
+    }
+    cluster_wait();  // the others are done with this block's shared memory before it leaves
+#endif
+}
+
+#if __CUDA_ARCH__ >= 900
+#define MF_CLUSTER_DIMS __cluster_dims__(MF_CLUSTER, 1, 1)
+#else
+#define MF_CLUSTER_DIMS
+#endif
+// 512 threads and 64 registers, as moe_gate_up_q8w_q4_k (two blocks an SM); a cluster of 16 is
+// past the portable 8 (the launcher allows it and asks the driver whether it fits).
+extern "C" __global__ void MF_CLUSTER_DIMS __launch_bounds__(MF_THREADS, 2) moe_fused_q8_q4_k(const MoeFusedParams f) {
+    moe_fused_q8<Q8Unit<TY_Q4_K>>(f);
+}
+extern "C" __global__ void MF_CLUSTER_DIMS __launch_bounds__(MF_THREADS, 2) moe_fused_q8_q6_k(const MoeFusedParams f) {
+    moe_fused_q8<Q8Unit<TY_Q6_K>>(f);
+}
 
 // ---- Prompt batches on tensor cores (Precision::Fast, sm_80+), grouped by expert ----
 // moe_plan lists the (token, slot) pairs of each expert and cuts each list into tiles of

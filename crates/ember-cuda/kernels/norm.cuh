@@ -7,11 +7,22 @@ struct RmsNormParams {
     u64 out;  // [n_group · g] f32
     u32 g, n_group;
     float eps;
-    u32 pad;
-    u64 add;   // [n_group · g] f32, or 0
+    u32 n_add;  // rows of `add` summed (in order) before they are added to x: 0 or 1, one
+    u64 add;    // [n_add, n_group · g] f32, or 0
     u64 gate;  // [n_group · g] f32, or 0
     u32 act, pad2;
 };
+
+// Value i of the addend of a group whose `add` row starts at a: a[i], or with n_add > 1 the sum
+// of the n_add rows' values i in row order (a one-launch MoE's experts, moe_fused_q8).
+__device__ __forceinline__ float norm_add_of(const RmsNormParams& p, const float* a, u32 i) {
+    float v = a[i];
+    if (p.n_add > 1) {
+        const u64 st = (u64)p.n_group * p.g;
+        for (u32 k = 1; k < p.n_add; ++k) v += a[k * st + i];
+    }
+    return v;
+}
 
 // The norm with each thread's values of its group in registers (g <= NORM_REGS · blockDim: the
 // model's 2,048-wide rows at 1,024 threads, 2 a thread): the weight's values are read before
@@ -41,7 +52,8 @@ __device__ __forceinline__ void norm_regs_w(const RmsNormParams& p, float (&wv)[
 // takes part: the block sum of a 32-thread block without its barriers (the same sums, so the
 // same bits as rms_norm's launch of 32 threads a group), and x read through L2 (other blocks of
 // the same kernel wrote it).
-template <bool ONE_WARP>
+// PARTS: the addend is norm_add_of's sum of n_add rows (n_add > 1), else add's one row.
+template <bool ONE_WARP, bool PARTS = false>
 __device__ __forceinline__ void norm_regs_group(const RmsNormParams& p, u64 q, const float (&wv)[NORM_REGS], u32 group, u64 n, u32 tid,
                                                 u32 nthr, float* scratch) {
     float xv[NORM_REGS], av[NORM_REGS], gv[NORM_REGS];
@@ -54,7 +66,7 @@ __device__ __forceinline__ void norm_regs_group(const RmsNormParams& p, u64 q, c
         const u32 i = tid + j * nthr;
         const bool in = i < p.g;
         xv[j] = in ? (ONE_WARP ? __ldcg(x + i) : x[i]) : 0.0f;
-        av[j] = in && a ? a[i] : 0.0f;
+        av[j] = in && a ? (PARTS ? norm_add_of(p, a, i) : a[i]) : 0.0f;
         gv[j] = in && gt ? gt[i] : 0.0f;
     }
     float ss = 0.0f;
@@ -93,11 +105,12 @@ __device__ __forceinline__ void norm_regs_group(const RmsNormParams& p, u64 q, c
     }
 }
 
-// One block a group, every thread of it.
+// One block a group, every thread of it (PARTS: n_add > 1 rows of add summed).
+template <bool PARTS = false>
 __device__ __forceinline__ void norm_regs(const RmsNormParams& p, u64 q) {
     float wv[NORM_REGS];
     norm_regs_w(p, wv, threadIdx.x, blockDim.x);
     pdl_enter();
     __shared__ float scratch[32];
-    norm_regs_group<false>(p, q, wv, blockIdx.x, (u64)gridDim.x * p.g, threadIdx.x, blockDim.x, scratch);
+    norm_regs_group<false, PARTS>(p, q, wv, blockIdx.x, (u64)gridDim.x * p.g, threadIdx.x, blockDim.x, scratch);
 }

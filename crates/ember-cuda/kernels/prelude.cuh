@@ -101,8 +101,9 @@ __device__ __forceinline__ void pdl_enter() {
 // Thread-block clusters (sm_90+; kernels that use them are empty below): this block's rank in
 // its cluster, the cluster's barrier in two halves (every thread of every block: arrive, then wait
 // until all have arrived; with release / acquire, what each wrote before arriving, in any block's
-// shared memory or in global memory, is seen by all after the wait), and a store into another
-// block's shared memory at the address this block's `p` has in its own.
+// shared memory or in global memory, is seen by all after the wait; `cluster_arrive` with release,
+// `cluster_arrive_relaxed` without), and a load from / a store into another block's shared memory
+// at the address this block's `p` has in its own.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;
@@ -113,6 +114,14 @@ __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// The 4 bytes at the address this block's `p` has in its own shared memory, from block `rank`'s.
+__device__ __forceinline__ u32 ld_cluster_u32(const void* p, u32 rank) {
+    u32 a = (u32)__cvta_generic_to_shared(p), ra, v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(ra) : "memory");
+    return v;
 }
 __device__ __forceinline__ void st_cluster_f32(const float* p, u32 rank, float v) {
     u32 a = (u32)__cvta_generic_to_shared(p), ra;

@@ -73,3 +73,9 @@ extern "C" __global__ void rms_norm_q8(const RmsNormQ8Params q) {
         warp_q8(v, (u8*)q.q, n, base + i);
     }
 }
+
+// rms_norm_parts, rms_norm_q8_parts: rms_norm and rms_norm_q8 whose add is the sum of its n_add > 1
+// rows (norm_add_of: a one-launch MoE's experts, moe_fused_q8), for rows whose norm fits in
+// registers (norm_regs_fit; the launcher's check). Their own entries: the plain ones' code stays.
+extern "C" __global__ void rms_norm_parts(const RmsNormParams p) { norm_regs<true>(p, 0); }
+extern "C" __global__ void rms_norm_q8_parts(const RmsNormQ8Params q) { norm_regs<true>(q.r, q.q); }

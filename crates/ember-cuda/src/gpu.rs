@@ -220,6 +220,12 @@ pub struct Gpu {
     moe_route: AtomicBool,
     /// Whether `moe_route`'s cluster of 16 fits this GPU (asked of the driver at its first use).
     moe_route_fits: std::sync::OnceLock<bool>,
+    /// Whether a one-token int8 MoE with its shared expert runs as one launch, a cluster an
+    /// expert (`moe_fused_q8_<down type>`: gate/up, then down from shared memory; the norm after
+    /// it adds the experts' rows). `EMBER_MOE_FUSED=1` (or [`Gpu::set_moe_fused`]).
+    moe_fused: AtomicBool,
+    /// Whether a cluster of `moe_fused_q8_<type>` fits this GPU, per down type (Q4_K, Q6_K).
+    moe_fused_fits: [std::sync::OnceLock<bool>; 2],
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -324,6 +330,8 @@ impl Gpu {
             attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
             moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_some_and(|v| v == "1")),
             moe_route_fits: std::sync::OnceLock::new(),
+            moe_fused: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "1")),
+            moe_fused_fits: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -393,6 +401,20 @@ impl Gpu {
 
     pub(crate) fn moe_route_fits(&self) -> &std::sync::OnceLock<bool> {
         &self.moe_route_fits
+    }
+
+    pub(crate) fn moe_fused_on(&self) -> bool {
+        self.moe_fused.load(Ordering::Relaxed)
+    }
+
+    /// Lets a one-token int8 MoE run as one `moe_fused_q8` launch where it applies, or not
+    /// (`EMBER_MOE_FUSED` sets the start).
+    pub fn set_moe_fused(&self, on: bool) {
+        self.moe_fused.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn moe_fused_fits(&self, q6: bool) -> &std::sync::OnceLock<bool> {
+        &self.moe_fused_fits[usize::from(q6)]
     }
 
     /// Query heads of every decode attention block that `EMBER_ATTN_HEADS` asks for (0: none,

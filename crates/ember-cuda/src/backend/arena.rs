@@ -26,6 +26,19 @@ pub(super) struct Arena {
     /// lives to the step's end, as before it existed: for A/B runs).
     keep_all: bool,
     dev: DeviceId,
+    /// A one-token MoE run as one launch ([`Parts`]) whose output is not summed yet.
+    pending: Option<Parts>,
+}
+
+/// A one-token MoE run as one launch (`Gpu::moe_fused_q8`): its output handle `out` is not
+/// written; handle `parts` holds its `n` experts' rows (each of out's size), which the residual
+/// add or norm that takes `out` sums itself, and [`CudaOps`](super::CudaOps) sums into `out`
+/// before anything else reads it. Until then every other op is refused `out`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Parts {
+    pub out: u32,
+    pub parts: u32,
+    pub n: usize,
 }
 
 fn no_tensor(op: &'static str, dev: DeviceId, t: Tensor) -> OpError {
@@ -58,13 +71,29 @@ impl Index<usize> for Ins<'_> {
 impl Arena {
     pub fn new(dev: DeviceId) -> Self {
         let keep_all = !crate::ops::switch_now("EMBER_ARENA_FREE");
-        Arena { held: Vec::new(), shapes: Vec::new(), spares: Vec::new(), made: 0, keep_all, dev }
+        Arena { held: Vec::new(), shapes: Vec::new(), spares: Vec::new(), made: 0, keep_all, dev, pending: None }
     }
 
     /// Frees every handle (their buffers stay, as spares for the next step).
     pub fn reset(&mut self) {
         self.spares.extend(self.held.drain(..).flatten());
         self.shapes.clear();
+        self.pending = None;
+    }
+
+    /// Records a one-launch MoE's output as not summed yet (both handles live).
+    pub fn set_pending(&mut self, p: Parts) {
+        self.pending = Some(p);
+    }
+
+    /// The one-launch MoE whose output handle is `t`, if its sum is pending.
+    pub fn pending(&self, t: Tensor) -> Option<Parts> {
+        self.pending.filter(|p| p.out == t.id)
+    }
+
+    /// Its sum is in its output now (or nobody will read it).
+    pub fn clear_pending(&mut self) {
+        self.pending = None;
     }
 
     /// Device bytes the arena holds (live handles and spares).
@@ -115,11 +144,27 @@ impl Arena {
                 self.spares.push(b);
             }
         }
+        if self.pending.is_some_and(|p| self.held[p.out as usize].is_none() || self.held[p.parts as usize].is_none()) {
+            self.pending = None;
+        }
         Ok(())
     }
 
     /// Checks that `t` is a live handle of this step.
     pub fn check(&self, op: &'static str, t: Tensor) -> OpResult<()> {
+        if self.pending(t).is_some() {
+            return Err(OpError::new(
+                op,
+                self.dev,
+                format!("tensor {} {}x{}", t.id, t.n, t.d),
+                "a one-launch MoE's output whose experts are not summed yet (only add, add_rms_norm and reads take it)",
+            ));
+        }
+        self.check_live(op, t)
+    }
+
+    /// [`Arena::check`] that takes a pending MoE output too.
+    pub fn check_live(&self, op: &'static str, t: Tensor) -> OpResult<()> {
         let i = t.id as usize;
         match self.shapes.get(i) {
             Some(&s) if s == (t.n, t.d) && self.held[i].is_some() => Ok(()),

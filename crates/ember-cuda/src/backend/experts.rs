@@ -3,8 +3,9 @@
 
 use ember_ops::{ExpertId, LayerIdx, OpError, OpResult, RouteTable, Routing, Tensor, check};
 
+use super::arena::Parts;
 use super::{CudaOps, cuda, shape_of};
-use crate::ops::{Act, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+use crate::ops::{Act, DeviceWeight, MOE_MISS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, SharedWeights, moe_scratch_len};
 use crate::{Buf, Mailbox};
 
 /// Where [`CudaOps::moe_streamed`] puts a batch's experts: `n_slots` experts stacked like a
@@ -164,6 +165,12 @@ impl CudaOps {
         let (n, n_ffs) = (x.n, sg.n_rows);
         let held = self.q8_holds(x);
         let (gpu, arena, prec) = (&self.gpu, &mut self.arena, self.precision);
+        let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };
+        let q8 = |w: &DeviceWeight| gpu.uses_gemv_q8(w.ty, w.k, n, prec);
+        let int8 = q8(sg) && q8(su) && gpu.moe_uses_q8(experts, prec) && !gpu.moe_grouped(n, m.n_expert, prec);
+        // One token, every expert here: the whole MoE in one launch where it applies
+        // (moe_fused_q8: each expert's output a row of `parts`, summed by what reads `out`).
+        let fused = int8 && n == 1 && gpu.moe_shared_on() && gpu.uses_moe_fused(experts, SharedWeights { gate: sg, up: su, down: sd }, x.d);
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
         let out = arena.alloc(gpu, OP, n, d_out)?;
@@ -175,15 +182,18 @@ impl CudaOps {
         for (rows, width) in [(n, routing.k * m.n_ff + n_ffs), (n, n_ffs), (n, n_ffs), (n, d_out), (1, grouped)] {
             arena.alloc(gpu, OP, rows, width)?;
         }
+        let parts = if fused { Some(arena.alloc(gpu, OP, routing.k + 1, d_out)?) } else { None };
         let (rb, _) = self.routes.get(OP, routing)?;
         let (ins, mut outs) = arena.split(out.id);
-        let [ob, hb, gb, ub, db, sb, ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
+        let [ob, hb, gb, ub, db, sb, rest @ ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
         let mut run = || -> crate::Result<()> {
-            let experts = MoeExperts { gate, up, down, n_expert: m.n_expert, slots };
             let routed = MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k };
-            let q8 = |w: &DeviceWeight| gpu.uses_gemv_q8(w.ty, w.k, n, prec);
-            if q8(sg) && q8(su) && gpu.moe_uses_q8(experts, prec) && !gpu.moe_grouped(n, m.n_expert, prec) {
+            if let [pb] = rest {
+                let shared = MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gsb };
+                return gpu.moe_fused_q8(experts, shared, xb, routed, hb, pb, held);
+            }
+            if int8 {
                 // One token on int8 activations: x quantised once for the shared expert's gate
                 // and up and the routed experts' (which then quantise their h over it).
                 if !held {
@@ -211,6 +221,9 @@ impl CudaOps {
             gpu.moe_shared_add(ob, db, gsb, n, d_out)
         };
         run().map_err(cuda(OP, dev))?;
+        if let Some(p) = parts {
+            self.arena.set_pending(Parts { out: out.id, parts: p.id, n: routing.k + 1 });
+        }
         Ok(out)
     }
 

@@ -347,6 +347,42 @@ impl CudaOps {
         self.q8_x == Some((x.id, self.gpu.q8_generation()))
     }
 
+    /// Sums a one-launch MoE's experts into its output `t` if they are pending (before
+    /// anything but the residual add or norm reads it).
+    fn settle(&mut self, op: &'static str, t: Tensor) -> OpResult<()> {
+        let Some(p) = self.arena.pending(t) else { return Ok(()) };
+        self.arena.clear_pending();
+        self.arena.check(op, t)?;
+        let (ob, pb) = self.arena.pair(p.out, p.parts);
+        self.gpu.add_parts(ob, pb, p.n, t.n * t.d, true).map_err(cuda(op, self.dev))
+    }
+
+    /// `h ← h + Σ parts` and the norm of h with its int8 copy (as `add_rms_norm`), from a
+    /// one-launch MoE's pending output `x`: its experts' rows read by the norm itself. None when
+    /// the norm over parts does not take this row (the caller sums them first).
+    fn add_rms_norm_parts(&mut self, h: Tensor, x: Tensor, p: arena::Parts, w: ember_ops::WeightId, eps: f32) -> OpResult<Option<Tensor>> {
+        const OP: &str = "add_rms_norm";
+        self.arena.check(OP, h)?;
+        self.arena.check_live(OP, x)?;
+        check::same(OP, self.dev, &shape_of(h), &shape_of(x))?;
+        let wv = self.weights.vector(OP, w)?;
+        check::rms_norm(OP, self.dev, &shape_of(h), wv.len())?;
+        if !self.gpu.norm_parts_fit(h.d, wv.len()) {
+            return Ok(None);
+        }
+        if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+            self.q8_x = None; // h changes: its int8 copy is stale
+        }
+        let y = self.arena.alloc(&self.gpu, OP, h.n, h.d)?;
+        let q8 = self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, h.d, h.n, self.precision);
+        let (hb, pb, yb) = self.arena.trio(h.id, p.parts, y.id);
+        let generation = self.gpu.add_rms_norm_parts(hb, pb, p.n, h.n, h.d, wv, eps, yb, q8).map_err(cuda(OP, self.dev))?;
+        if let Some(g) = generation {
+            self.q8_x = Some((y.id, g));
+        }
+        Ok(Some(y))
+    }
+
     fn in_place(
         &mut self,
         op: &'static str,

@@ -197,16 +197,19 @@ impl Ops for CudaOps {
     }
 
     fn read(&mut self, x: Tensor) -> OpResult<Mat> {
+        self.settle("read", x)?;
         self.read_rows(x)
     }
 
     /// See [`CudaOps::read_top_entries`].
     fn read_top(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<Vec<ember_ops::TopRow>> {
+        self.settle("read_top", x)?;
         self.read_top_entries(x, k, extra)
     }
 
     /// See [`CudaOps::read_top_queue`].
     fn read_top_begin(&mut self, x: Tensor, k: usize, extra: &[Vec<u32>]) -> OpResult<ember_ops::TopRead> {
+        self.settle("read_top_begin", x)?;
         self.read_top_queue(x, k, extra)
     }
 
@@ -220,6 +223,7 @@ impl Ops for CudaOps {
 
     /// See [`CudaOps::export_rows_at`].
     fn export_rows(&mut self, x: Tensor) -> OpResult<Option<ember_ops::DeviceRows>> {
+        self.settle("export_rows", x)?;
         self.export_rows_at(x)
     }
 
@@ -357,11 +361,33 @@ impl Ops for CudaOps {
     }
 
     fn add(&mut self, h: Tensor, x: Tensor) -> OpResult<()> {
-        self.in_place("add", h, x, |g, h, x, n| g.add(h, x, n))
+        const OP: &str = "add";
+        if let Some(p) = self.arena.pending(x)
+            && h.id != x.id
+        {
+            // A one-launch MoE's output: its experts' rows straight into h.
+            self.arena.check(OP, h)?;
+            self.arena.check_live(OP, x)?;
+            check::same(OP, self.dev, &shape_of(h), &shape_of(x))?;
+            if self.q8_x.is_some_and(|(id, _)| id == h.id) {
+                self.q8_x = None; // h changes: its int8 copy is stale
+            }
+            let (hb, pb) = self.arena.pair(h.id, p.parts);
+            return self.gpu.add_parts(hb, pb, p.n, h.n * h.d, false).map_err(cuda(OP, self.dev));
+        }
+        self.settle(OP, x)?;
+        self.in_place(OP, h, x, |g, h, x, n| g.add(h, x, n))
     }
 
     fn add_rms_norm(&mut self, h: Tensor, x: Tensor, w: WeightId, eps: f32) -> OpResult<Tensor> {
         const OP: &str = "add_rms_norm";
+        if let Some(p) = self.arena.pending(x)
+            && h.id != x.id
+            && let Some(y) = self.add_rms_norm_parts(h, x, p, w, eps)?
+        {
+            return Ok(y);
+        }
+        self.settle(OP, x)?;
         if h.id == x.id {
             self.add(h, x)?;
             return self.rms_norm(h, w, eps);

@@ -38,7 +38,9 @@ pub use kv_append::{KV_PAGE, KvPages};
 pub use matmul::{
     DeviceWeight, GEMV_MAX_TOKENS, GEMV_MULTI, MMA_MIN_TOKENS, MMA8_MAX_TOKENS, MMV_PROMPT_MAX_ROWS, MatmulKernel, Precision, WeightRef,
 };
-pub use moe::{DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, moe_scratch_len};
+pub use moe::{
+    DownForm, GateUpForm, MOE_MISS, MOE_MMA_MIN_TOKENS, MoeExperts, MoeRouting, MoeSharedQ8, MoeSlots, SharedWeights, moe_scratch_len,
+};
 pub(crate) use moe::{MOE8S_MAX_PAIRS, MOE8SD_MAX_PAIRS};
 pub use q6_repack::q6k_repack_row;
 pub use route::ROUTE_SUM_MIN;

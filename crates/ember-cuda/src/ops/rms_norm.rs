@@ -16,7 +16,7 @@ pub(super) struct RmsNormParams {
     g: u32,
     n_group: u32,
     eps: f32,
-    pad: u32,
+    n_add: u32,
     add: u64,
     gate: u64,
     act: u32,
@@ -63,7 +63,7 @@ impl Extra<'_> {
             g: u32_of(OP, "g", g)?,
             n_group: u32_of(OP, "groups", n_group)?,
             eps,
-            pad: 0,
+            n_add: 0,
             add: self.add.map_or(0, Buf::ptr),
             gate: self.gate.map_or(0, |(b, _)| b.ptr()),
             act: self.gate.map_or(0, |(_, a)| (a == Act::Sigmoid) as u32),
@@ -200,6 +200,61 @@ impl Gpu {
         out: &mut Buf<f32>,
     ) -> Result<u64> {
         self.norm_q8(h, Extra { add: Some(a), gate: None }, n, d, w, eps, out)
+    }
+
+    /// Whether [`Gpu::add_rms_norm_parts`] takes rows `d` wide with a weight of `g`.
+    pub fn norm_parts_fit(&self, d: usize, g: usize) -> bool {
+        g > 0 && d == g && g.is_multiple_of(32) && g <= 4 * block_of(g) as usize
+    }
+
+    /// `h ← h + Σ_j parts[j]` (the `n_parts` rows of n·d values of `parts`, added in order
+    /// first), then [`Gpu::rms_norm`] of h, in one launch, with the int8 copy too when `q8` (as
+    /// [`Gpu::add_rms_norm_q8`]; then Some of its generation): the norm after a one-launch MoE
+    /// ([`Gpu::moe_fused_q8`]), whose experts' outputs are the parts. Rows whose norm fits in
+    /// registers (a row's d at most 4 a thread of its block), d a multiple of 32 for the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_parts(
+        &self,
+        h: &mut Buf<f32>,
+        parts: &Buf<f32>,
+        n_parts: usize,
+        n: usize,
+        d: usize,
+        w: &Buf<f32>,
+        eps: f32,
+        out: &mut Buf<f32>,
+        q8: bool,
+    ) -> Result<Option<u64>> {
+        let g = w.len();
+        if !self.norm_parts_fit(d, g) || n_parts < 2 {
+            return Err(shape(OP, format!("width {d}, weight length {g}, {n_parts} parts: not for the norm over parts")));
+        }
+        need(OP, "x", h, n * d)?;
+        need(OP, "out", out, n * d)?;
+        need(OP, "parts", parts, n_parts * n * d)?;
+        let mut r = Extra { add: Some(parts), gate: None }.params(h, w, out, g, n, eps)?;
+        r.n_add = u32_of(OP, "parts", n_parts)?;
+        let block = block_of(g);
+        if !q8 {
+            if n == 0 {
+                return Ok(None);
+            }
+            let f = self.function(&RMS_NORM, "rms_norm_parts")?;
+            // SAFETY: h and out hold n·d floats, parts n_parts·n·d, w d = g; one block a row, whose
+            // g values fit in registers (at most 4 a thread of block_of(g)).
+            unsafe { self.launch(&f, (r.n_group, 1, 1), block, 0, &r)? };
+            return Ok(None);
+        }
+        let q = self.q8_scratch(super::q8_bytes(n * d))?;
+        let generation = self.bump_q8_generation();
+        if n == 0 {
+            return Ok(Some(generation));
+        }
+        let p = RmsNormQ8Params { r, q };
+        let f = self.function(&RMS_NORM, "rms_norm_q8_parts")?;
+        // SAFETY: as above; the scratch holds q8_bytes(n·d); g % 32 == 0 keeps the warps whole.
+        unsafe { self.launch(&f, (p.r.n_group, 1, 1), block, 0, &p)? };
+        Ok(Some(generation))
     }
 
     /// [`Gpu::rms_norm_q8`] of x with `extra` (see [`Gpu::norm`]).

@@ -10,7 +10,9 @@ use crate::gpu::{Buf, Gpu};
 use crate::kernels::{MOE, MOE_MMA8, MOE_SHARED};
 use crate::ops::DeviceWeight;
 
+mod fused;
 mod q8;
+pub use fused::SharedWeights;
 pub use q8::MoeSharedQ8;
 
 const OP: &str = "moe";

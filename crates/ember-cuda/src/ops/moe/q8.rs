@@ -33,7 +33,7 @@ fn gu_max_seg() -> usize {
 /// a unit, half the header loads and scale decodes a weight). Measured on an H100 (docs/perf.md
 /// g30): the 35B's one-token gate/up 8.63 → 8.09 us a layer in the step's chain; 16 sequences
 /// (grouped, not this kernel) unchanged. `EMBER_MOE_GU_WIDE=0`: the 8-lane form.
-fn gu_wide() -> bool {
+pub(super) fn gu_wide() -> bool {
     static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *WIDE.get_or_init(|| !std::env::var("EMBER_MOE_GU_WIDE").is_ok_and(|v| v == "0"))
 }
@@ -53,21 +53,21 @@ fn down_wr() -> Option<usize> {
 }
 
 #[repr(C)]
-struct MoeQ8Params {
-    m: MoeParams,
-    xq: u64,
-    sg: u64,
-    su: u64,
-    sd: u64,
-    gs: u64,
-    wr: u32,
-    n_hq: u32,
-    ty_s_gu: u32,
-    ty_s_down: u32,
-    row_bytes_s_gu: u32,
-    row_bytes_s_down: u32,
-    n_ff_s: u32,
-    prefetch: u32,
+pub(super) struct MoeQ8Params {
+    pub(super) m: MoeParams,
+    pub(super) xq: u64,
+    pub(super) sg: u64,
+    pub(super) su: u64,
+    pub(super) sd: u64,
+    pub(super) gs: u64,
+    pub(super) wr: u32,
+    pub(super) n_hq: u32,
+    pub(super) ty_s_gu: u32,
+    pub(super) ty_s_down: u32,
+    pub(super) row_bytes_s_gu: u32,
+    pub(super) row_bytes_s_down: u32,
+    pub(super) n_ff_s: u32,
+    pub(super) prefetch: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeQ8Params` in kernels/moe.cu (MoeParams is 104
@@ -89,19 +89,24 @@ impl MoeSharedQ8<'_> {
     /// Whether [`Gpu::moe_q8`] can take it with experts `e` over rows of `d`: int8 types whose
     /// blocks tile the rows, shapes that chain, gate and up of one type.
     pub fn fits(&self, e: MoeExperts<'_>, d: usize) -> bool {
-        let tiles = |w: &DeviceWeight| gemv_q8::unit(w.ty).is_some_and(|(_, bw)| w.k.is_multiple_of(bw));
-        let n_ff_s = self.gate.n_rows;
-        self.gate.ty == self.up.ty
-            && tiles(self.gate)
-            && tiles(self.down)
-            && self.gate.k == d
-            && self.up.k == d
-            && self.up.n_rows == n_ff_s
-            && self.down.k == n_ff_s
-            && self.down.n_rows == d
-            && n_ff_s.is_multiple_of(32)
-            && gemv_q8::unit(e.gate.ty).is_some()
+        shared_fits(self.gate, self.up, self.down, e, d)
     }
+}
+
+/// [`MoeSharedQ8::fits`] of a shared expert's gate, up and down.
+pub(super) fn shared_fits(gate: &DeviceWeight, up: &DeviceWeight, down: &DeviceWeight, e: MoeExperts<'_>, d: usize) -> bool {
+    let tiles = |w: &DeviceWeight| gemv_q8::unit(w.ty).is_some_and(|(_, bw)| w.k.is_multiple_of(bw));
+    let n_ff_s = gate.n_rows;
+    gate.ty == up.ty
+        && tiles(gate)
+        && tiles(down)
+        && gate.k == d
+        && up.k == d
+        && up.n_rows == n_ff_s
+        && down.k == n_ff_s
+        && down.n_rows == d
+        && n_ff_s.is_multiple_of(32)
+        && gemv_q8::unit(e.gate.ty).is_some()
 }
 
 impl Gpu {
