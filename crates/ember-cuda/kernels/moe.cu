@@ -320,12 +320,21 @@ extern "C" __global__ void moe_down_q8w_q6_k(const MoeQ8Params q) { moe_down_q8<
 // link of the decode chain where gate/up and down made two, and down's weights are in shared
 // memory when its dots start. Each expert's down row is one seg_sum of its lanes times its weight:
 // not moe_down_q8's grouping (which weights each unit and sums the experts in the lanes).
+// With `logits` set, the routing runs here too, where the route kernel ran before: warp 0 of every
+// routed block runs route_regs on the router's logits (the route kernel's code: the same ids and
+// weights), the block takes its pair's expert and weight, and block 0 of each routed cluster
+// writes its pair's id and weight to q.m.ids, q.m.weights (what the route kernel leaves there).
 struct MoeFusedParams {
     MoeQ8Params q;   // q.xq: x's int8 copy; the shared expert (sg, su, sd, gs) is required
     u64 parts;       // [k_top + 1, d] f32
     u32 down_rows;   // rows of down a block: d / MF_CLUSTER, a multiple of MF_THREADS / MF_SEG
     u32 act_bytes;   // shared memory before the down rows: n_ff int8 and n_ff / 32 float2s, to 16 bytes
+    u64 logits;      // [n_expert] f32: the router's logits to route here (n_expert <= 32 · ROUTE_PER_LANE), or 0
+    float sum_min;   // the route's clamp of the chosen probabilities' sum (ROUTE_SUM_MIN)
+    u32 pad;
 };
+
+#define MF_MAX_K 32  // routed pairs a routing here may hold (route_regs' weights in shared memory)
 
 #define MF_CLUSTER 16
 #define MF_SEG 16  // lanes a row, gate/up (4 workers of 4) and down
@@ -378,11 +387,33 @@ __device__ __forceinline__ void moe_fused_q8(const MoeFusedParams& f) {
         w = sigmoid_f(((const float*)q.gs)[0]);
     } else {
         pdl_enter();
-        const u32 pair = blockIdx.y, e = ((const u32*)p.ids)[pair];
+        const u32 pair = blockIdx.y;
+        u32 e;
+        if (f.logits) {
+            __shared__ u32 r_ids[MF_MAX_K];
+            __shared__ float r_w[MF_MAX_K];
+            if (tid < 32) {
+                RouteParams rp;
+                rp.n_tok = 1;
+                rp.n_expert = p.n_expert;
+                rp.k = p.k_top;
+                rp.sum_min = f.sum_min;
+                route_regs(rp, (const float*)f.logits, r_ids, r_w);
+            }
+            __syncthreads();
+            e = r_ids[pair];
+            if (rank == 0 && tid == 0) {
+                ((u32*)p.ids)[pair] = e;
+                ((float*)p.weights)[pair] = r_w[pair];
+            }
+            w = r_w[pair];
+        } else {
+            e = ((const u32*)p.ids)[pair];
+        }
         nan = e >= p.n_expert;
         if (!nan) stage((const u8*)p.down + ((u64)e * p.d + r0) * p.row_bytes_down, f.down_rows * p.row_bytes_down);
         moe_gate_up_pair_hv<TY_Q4_K, Q8UnitQ4KWide>(q, pair, e, MF_SEG, part, hv);
-        w = ((const float*)p.weights)[pair];
+        if (!f.logits) w = ((const float*)p.weights)[pair];
     }
     __syncthreads();  // hv complete
     // Warp 0 writes the block's int8 block of h and arrives with release (on sm_90 a GPU-scope

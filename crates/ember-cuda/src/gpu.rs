@@ -222,8 +222,11 @@ pub struct Gpu {
     moe_route_fits: std::sync::OnceLock<bool>,
     /// Whether a one-token int8 MoE with its shared expert runs as one launch, a cluster an
     /// expert (`moe_fused_q8_<down type>`: gate/up, then down from shared memory; the norm after
-    /// it adds the experts' rows). `EMBER_MOE_FUSED=1` (or [`Gpu::set_moe_fused`]).
+    /// it adds the experts' rows). `EMBER_MOE_FUSED=1` or `2` (or [`Gpu::set_moe_fused`]).
     moe_fused: AtomicBool,
+    /// Whether that launch also routes the router's logits itself, where the route kernel ran
+    /// before it (`EMBER_MOE_FUSED=2`, or [`Gpu::set_moe_fused_route`]).
+    moe_fused_route: AtomicBool,
     /// Whether a cluster of `moe_fused_q8_<type>` fits this GPU, per down type (Q4_K, Q6_K).
     moe_fused_fits: [std::sync::OnceLock<bool>; 2],
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
@@ -330,7 +333,8 @@ impl Gpu {
             attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
             moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_some_and(|v| v == "1")),
             moe_route_fits: std::sync::OnceLock::new(),
-            moe_fused: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "1")),
+            moe_fused: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "1" || v == "2")),
+            moe_fused_route: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "2")),
             moe_fused_fits: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
@@ -411,6 +415,16 @@ impl Gpu {
     /// (`EMBER_MOE_FUSED` sets the start).
     pub fn set_moe_fused(&self, on: bool) {
         self.moe_fused.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn moe_fused_route_on(&self) -> bool {
+        self.moe_fused_route.load(Ordering::Relaxed)
+    }
+
+    /// Lets the one-launch MoE route the router's logits itself where it runs, or not
+    /// (`EMBER_MOE_FUSED=2` sets the start).
+    pub fn set_moe_fused_route(&self, on: bool) {
+        self.moe_fused_route.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn moe_fused_fits(&self, q6: bool) -> &std::sync::OnceLock<bool> {

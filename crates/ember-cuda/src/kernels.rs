@@ -75,7 +75,7 @@ kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule", NORM);
 kernel!(DELTA_CHUNKED, "delta_chunked");
-kernel!(MOE, "moe", DEQUANT, MMA, Q8, MOE_H);
+kernel!(MOE, "moe", DEQUANT, MMA, Q8, MOE_H, ROUTE_H);
 kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H, MMA8);
 kernel!(MATMUL_MMA8, "matmul_mma8", DEQUANT, MMA8);
 kernel!(MOE_SHARED, "moe_shared");

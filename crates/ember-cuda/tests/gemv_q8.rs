@@ -512,7 +512,8 @@ fn moe_route_matches_its_three_launches() {
 /// 512) with each down type the kernel has, a Q8_0 shared expert, a narrower d, and an expert id
 /// out of range (NaN, as the two launches give). Both paths stay within moe_q8's bound of the
 /// reference (2e-4 of Σ|w·h| a row; measured: see the printed worst), the residual and the norm
-/// follow, the norm's int8 copy is what a GEMV then reads, and two runs give the same bits.
+/// follow, the norm's int8 copy is what a GEMV then reads, and two runs give the same bits; with
+/// the routing inside the launch, the route kernel's ids and weights and the same parts.
 #[test]
 fn moe_fused_matches_the_two_launches() {
     let Some(g) = gpu() else { return };
@@ -587,7 +588,7 @@ fn moe_fused_matches_the_two_launches() {
         let mut runs = Vec::new();
         for _ in 0..2 {
             let mut parts = nan((k + 1) * d);
-            g.moe_fused_q8(experts, shared, &xb, r, &hs, &mut parts, false).unwrap();
+            g.moe_fused_q8(experts, shared, &xb, r, None, &hs, &mut parts, false).unwrap();
             let (mut h2, mut f2, mut y2) = (g.upload(&h0).unwrap(), nan(d), nan(33));
             let before = g.q8_generation();
             let generation = g.add_rms_norm_parts(&mut h2, &parts, k + 1, 1, d, &nw, 1e-6, &mut f2, true).unwrap();
@@ -662,6 +663,24 @@ fn moe_fused_matches_the_two_launches() {
                 *worst = worst.max(err / scale[i]);
             }
         }
+        // The routing inside the launch (EMBER_MOE_FUSED=2): the route kernel's ids and weights,
+        // and the parts of the launch given them.
+        g.set_moe_fused_route(true);
+        if g.moe_fused_routes(n_expert, k) {
+            let lb = g.upload(&logits.data).unwrap();
+            let (mut ids_r, mut w_r) = (g.upload(&vec![u32::MAX; k]).unwrap(), nan(k));
+            g.route(&lb, 1, n_expert, k, &mut ids_r, &mut w_r).unwrap();
+            let (ids_in, w_in) = (g.upload(&vec![u32::MAX; k]).unwrap(), nan(k));
+            let (mut parts_in, mut parts_ex) = (nan((k + 1) * d), nan((k + 1) * d));
+            g.moe_fused_q8(experts, shared, &xb, MoeRouting { ids: &ids_in, weights: &w_in, k }, Some(&lb), &hs, &mut parts_in, false)
+                .unwrap();
+            g.moe_fused_q8(experts, shared, &xb, MoeRouting { ids: &ids_r, weights: &w_r, k }, None, &hs, &mut parts_ex, false).unwrap();
+            assert_eq!(g.download(&ids_in).unwrap(), g.download(&ids_r).unwrap(), "{what}: the ids routed in the launch");
+            let bits = |b: &Buf<f32>| g.download(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&w_in), bits(&w_r), "{what}: the weights routed in the launch");
+            assert_eq!(bits(&parts_in), bits(&parts_ex), "{what}: the parts with the routing in the launch");
+        }
+        g.set_moe_fused_route(false);
         // The norm of h and its int8 copy through a GEMV: what moe's output difference moves.
         let rel = |a: &[f32], b: &[f32]| {
             let m = b.iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -4,7 +4,8 @@
 //! MoE on and off, fed the same tokens: every decode step's logits close (the experts' sums in
 //! another grouping), not bit-equal (the one launch ran), and the same greedy choice. The
 //! prompt runs the grouped MoE on both; the last layer's residual add takes the experts' rows
-//! through `add`, the others through the norm after the MoE.
+//! through `add`, the others through the norm after the MoE. With the routing inside the launch
+//! too (`EMBER_MOE_FUSED=2`), the same logits bit for bit.
 //!
 //! With no NVIDIA driver, or below compute capability 9.0 (clusters), the test prints why and
 //! passes (CI has no GPU).
@@ -99,5 +100,13 @@ fn one_launch_moe_decodes_as_the_two_launches() {
         assert!(ba == bb || gap <= 2.0 * moved, "step {i}: the greedy choice differs ({ba} against {bb}, gap {gap}, moved {moved})");
     }
     assert_eq!(same_bits, 1, "decode steps bit-equal to the two launches': the one-launch MoE did not run");
+    // The routing inside the one launch (EMBER_MOE_FUSED=2): the route kernel's choices, so
+    // the one launch's logits bit for bit.
+    let mut routed = CudaOps::new(0).unwrap();
+    routed.gpu().set_moe_fused(true);
+    routed.gpu().set_moe_fused_route(true);
+    routed.register(m.weights().clone()).unwrap();
+    let (got_r, _) = decode(&m, &mut routed, &prompt, &toks, steps);
+    assert!(got_r == got, "the one launch routing itself gives other logits than with the route kernel");
     println!("one-launch MoE: {steps} decode steps, logits within {worst:e} (relative L2) of the two launches', same greedy tokens");
 }

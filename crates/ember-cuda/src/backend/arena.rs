@@ -256,15 +256,44 @@ pub(super) struct Routes {
     shapes: Vec<(usize, usize, usize)>,
     used: usize,
     dev: DeviceId,
+    /// A routing not computed yet, and the logits it is to be computed from: its route left to
+    /// the one-launch MoE that reads it (`Gpu::moe_fused_q8` with route logits), or to the
+    /// route kernel when anything else asks for it first ([`CudaOps`](super::CudaOps)'s
+    /// `settle_route`). Until then [`Routes::get`] refuses it.
+    pending: Option<(u32, Tensor)>,
 }
 
 impl Routes {
     pub fn new(dev: DeviceId) -> Self {
-        Routes { bufs: Vec::new(), shapes: Vec::new(), used: 0, dev }
+        Routes { bufs: Vec::new(), shapes: Vec::new(), used: 0, dev, pending: None }
     }
 
     pub fn reset(&mut self) {
         self.used = 0;
+        self.pending = None;
+    }
+
+    /// Records routing `r` (just allocated) as to be computed from `logits` later.
+    pub fn defer(&mut self, r: Routing, logits: Tensor) {
+        self.pending = Some((r.id, logits));
+    }
+
+    /// The logits routing `r` is still to be computed from, if it is pending.
+    pub fn pending(&self, r: Routing) -> Option<Tensor> {
+        self.pending.filter(|p| p.0 == r.id).map(|p| p.1)
+    }
+
+    /// It is computed now (or being computed by the launch just queued).
+    pub fn clear_pending(&mut self) {
+        self.pending = None;
+    }
+
+    /// [`Routes::get`], pending or not (for the launch that computes it), to write.
+    pub fn get_mut_any(&mut self, op: &'static str, r: Routing) -> OpResult<&mut RouteBufs> {
+        match self.shapes[..self.used].get(r.id as usize) {
+            Some(&(n, k, _)) if (n, k) == (r.n_tok, r.k) => Ok(&mut self.bufs[r.id as usize]),
+            _ => Err(OpError::new(op, self.dev, format!("routing {}", r.id), "no such routing in this step")),
+        }
     }
 
     /// The next routing handle, its buffers grown if too small.
@@ -287,6 +316,14 @@ impl Routes {
 
     /// A routing of this step, with the number of experts it was routed over.
     pub fn get(&self, op: &'static str, r: Routing) -> OpResult<(&RouteBufs, usize)> {
+        if self.pending(r).is_some() {
+            return Err(OpError::new(op, self.dev, format!("routing {}", r.id), "not computed yet (its route is deferred)"));
+        }
+        self.get_any(op, r)
+    }
+
+    /// [`Routes::get`], pending or not.
+    pub fn get_any(&self, op: &'static str, r: Routing) -> OpResult<(&RouteBufs, usize)> {
         match self.shapes[..self.used].get(r.id as usize) {
             Some(&(n, k, e)) if (n, k) == (r.n_tok, r.k) => Ok((&self.bufs[r.id as usize], e)),
             _ => Err(OpError::new(op, self.dev, format!("routing {}", r.id), "no such routing in this step")),

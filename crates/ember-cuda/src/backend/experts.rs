@@ -89,6 +89,7 @@ impl CudaOps {
     /// wait (kernels/mailbox.cu). `layer` must hold only some of its experts.
     pub fn moe_post(&mut self, layer: LayerIdx, routing: Routing, x: Tensor, mb: &Mailbox) -> OpResult<()> {
         const OP: &str = "moe_post";
+        self.settle_route(OP, routing)?;
         let dev = self.dev;
         let m = *self.weights.reg.moe(OP, layer)?;
         self.arena.check(OP, x)?;
@@ -121,7 +122,7 @@ impl CudaOps {
         const OP: &str = "moe";
         let dev = self.dev;
         let m = *self.weights.reg.moe(OP, layer)?;
-        let (_, routed_over) = self.routes.get(OP, routing)?;
+        let (_, routed_over) = self.routes.get_any(OP, routing)?;
         self.arena.check(OP, x)?;
         self.arena.check(OP, shared_gate)?;
         let nk = routing.n_tok * routing.k;
@@ -171,6 +172,12 @@ impl CudaOps {
         // One token, every expert here: the whole MoE in one launch where it applies
         // (moe_fused_q8: each expert's output a row of `parts`, summed by what reads `out`).
         let fused = int8 && n == 1 && gpu.moe_shared_on() && gpu.uses_moe_fused(experts, SharedWeights { gate: sg, up: su, down: sd }, x.d);
+        // A routing left to this launch (route_op) is computed in it; any other MoE runs the
+        // route kernel first.
+        let route_in = self.routes.pending(routing).filter(|_| fused && gpu.moe_fused_routes(m.n_expert, routing.k));
+        if route_in.is_none() {
+            super::routing::settle_route(gpu, arena, &mut self.routes, dev, OP, routing)?;
+        }
         // The output, then scratch: the routed experts' hidden rows, the shared expert's gate,
         // up and down outputs (consecutive, after the output).
         let out = arena.alloc(gpu, OP, n, d_out)?;
@@ -183,7 +190,7 @@ impl CudaOps {
             arena.alloc(gpu, OP, rows, width)?;
         }
         let parts = if fused { Some(arena.alloc(gpu, OP, routing.k + 1, d_out)?) } else { None };
-        let (rb, _) = self.routes.get(OP, routing)?;
+        let (rb, _) = self.routes.get_any(OP, routing)?;
         let (ins, mut outs) = arena.split(out.id);
         let [ob, hb, gb, ub, db, sb, rest @ ..] = &mut outs[..] else { unreachable!("six buffers were just allocated") };
         let (xb, gsb) = (&ins[x.id as usize], &ins[shared_gate.id as usize]);
@@ -191,7 +198,7 @@ impl CudaOps {
             let routed = MoeRouting { ids: &rb.ids, weights: &rb.weights, k: routing.k };
             if let [pb] = rest {
                 let shared = MoeSharedQ8 { gate: sg, up: su, down: sd, gate_logit: gsb };
-                return gpu.moe_fused_q8(experts, shared, xb, routed, hb, pb, held);
+                return gpu.moe_fused_q8(experts, shared, xb, routed, route_in.map(|l| &ins[l.id as usize]), hb, pb, held);
             }
             if int8 {
                 // One token on int8 activations: x quantised once for the shared expert's gate
@@ -221,6 +228,9 @@ impl CudaOps {
             gpu.moe_shared_add(ob, db, gsb, n, d_out)
         };
         run().map_err(cuda(OP, dev))?;
+        if route_in.is_some() {
+            self.routes.clear_pending(); // the launch wrote its ids and weights
+        }
         if let Some(p) = parts {
             self.arena.set_pending(Parts { out: out.id, parts: p.id, n: routing.k + 1 });
         }

@@ -218,6 +218,7 @@ impl Ops for CudaOps {
     }
 
     fn read_routing(&mut self, r: Routing) -> OpResult<RouteTable> {
+        self.settle_route("read_routing", r)?;
         Ok(self.download_routing("read_routing", r, None)?.0)
     }
 

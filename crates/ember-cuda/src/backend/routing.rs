@@ -1,20 +1,34 @@
 //! Routings on the device: the route op and the reads of a routing's ids and weights.
 
 use ember_gguf::GgmlType;
-use ember_ops::{ExpertId, Mat, MoeIn, OpResult, RouteTable, Routing, Tensor, WeightId, check};
+use ember_ops::{DeviceId, ExpertId, Mat, MoeIn, OpResult, RouteTable, Routing, Tensor, WeightId, check};
 
+use super::arena::{Arena, Routes};
 use super::{CudaOps, cuda, shape_of};
 use crate::Download;
 
 impl CudaOps {
     /// [`ember_ops::Ops::route`]: one warp per token (kernels/route.cu).
+    /// One token's routing is left to the one-launch MoE after it where that can route
+    /// (`EMBER_MOE_FUSED=2`: [`crate::Gpu::moe_fused_routes`]); anything else that asks for it
+    /// first runs the route kernel then ([`CudaOps::settle_route`]).
     pub(super) fn route_op(&mut self, logits: Tensor, k: usize) -> OpResult<Routing> {
         const OP: &str = "route";
         let lb = self.arena.buf(OP, logits)?;
         check::route(OP, self.dev, &shape_of(logits), k)?;
         let (r, rb) = self.routes.alloc(&self.gpu, OP, logits.n, k, logits.d)?;
+        if logits.n == 1 && self.gpu.moe_fused_on() && self.gpu.moe_fused_routes(logits.d, k) {
+            self.routes.defer(r, logits);
+            return Ok(r);
+        }
         self.gpu.route(lb, logits.n, logits.d, k, &mut rb.ids, &mut rb.weights).map_err(cuda(OP, self.dev))?;
         Ok(r)
+    }
+
+    /// Runs the route kernel for routing `r` if its route was deferred (before anything but
+    /// the one-launch MoE reads it).
+    pub(super) fn settle_route(&mut self, op: &'static str, r: Routing) -> OpResult<()> {
+        settle_route(&self.gpu, &self.arena, &mut self.routes, self.dev, op, r)
     }
 
     /// [`ember_ops::Ops::add_norm_route`] as one `moe_route` launch ([`crate::Gpu::moe_route`]):
@@ -70,6 +84,7 @@ impl CudaOps {
     /// the stream instead of two: what an expert tier needs on the host for a decode step's
     /// misses (the routing to find them, `x` to compute them).
     pub fn read_routing_with(&mut self, r: Routing, x: Tensor) -> OpResult<(RouteTable, Mat)> {
+        self.settle_route("read_routing_with", r)?;
         let (table, data) = self.download_routing("read_routing_with", r, Some(x))?;
         Ok((table, Mat { n: x.n, d: x.d, data }))
     }
@@ -90,4 +105,20 @@ impl CudaOps {
         let table = RouteTable { n_tok: r.n_tok, k: r.k, ids: ids.into_iter().map(|e| ExpertId(e as u16)).collect(), weights };
         Ok((table, data))
     }
+}
+
+/// [`CudaOps::settle_route`] on the fields it needs (for callers that hold others borrowed).
+pub(super) fn settle_route(
+    gpu: &crate::Gpu,
+    arena: &Arena,
+    routes: &mut Routes,
+    dev: DeviceId,
+    op: &'static str,
+    r: Routing,
+) -> OpResult<()> {
+    let Some(logits) = routes.pending(r) else { return Ok(()) };
+    routes.clear_pending();
+    let lb = arena.buf(op, logits)?;
+    let rb = routes.get_mut_any(op, r)?;
+    gpu.route(lb, logits.n, logits.d, r.k, &mut rb.ids, &mut rb.weights).map_err(cuda(op, dev))
 }

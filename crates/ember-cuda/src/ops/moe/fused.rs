@@ -14,6 +14,7 @@ use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::MOE;
 use crate::ops::gemv_q8::q8_bytes;
+use crate::ops::route::ROUTE_SUM_MIN;
 use crate::ops::{DeviceWeight, u32_of};
 
 /// Blocks a cluster (one expert; kernels/moe.cu's MF_CLUSTER), rows of h a block
@@ -24,6 +25,10 @@ const SEG: usize = 16;
 const THREADS: usize = GU_ROWS * SEG;
 /// The most dynamic shared memory a block asks for: two blocks an SM (the 35B: 54,400 bytes).
 const MAX_SMEM: usize = 100 * 1024;
+/// The most experts and routed pairs the routing inside the launch takes (kernels/route.cuh's
+/// 32 · ROUTE_PER_LANE, moe.cu's MF_MAX_K).
+const ROUTE_MAX_EXPERTS: usize = 256;
+const ROUTE_MAX_K: usize = 32;
 
 #[repr(C)]
 struct MoeFusedParams {
@@ -31,10 +36,13 @@ struct MoeFusedParams {
     parts: u64,
     down_rows: u32,
     act_bytes: u32,
+    logits: u64,
+    sum_min: f32,
+    pad: u32,
 }
 
 // SAFETY: plain #[repr(C)] data matching `MoeFusedParams` in kernels/moe.cu (MoeQ8Params is 176
-// bytes, a multiple of 8, then a u64 and two u32: no padding).
+// bytes, a multiple of 8, then a u64, two u32, a u64, an f32 and a u32: no padding).
 unsafe impl DeviceRepr for MoeFusedParams {}
 
 /// Shared memory before a block's down rows: h's n_ff int8 values and their n_ff / 32 (d, d·Σq)
@@ -88,6 +96,12 @@ impl Gpu {
             && s.down.ptr().is_multiple_of(16)
     }
 
+    /// Whether [`Gpu::moe_fused_q8`] can also route `n_expert` experts to the top `k` itself
+    /// (`EMBER_MOE_FUSED=2` or [`Gpu::set_moe_fused_route`], where the one launch runs at all).
+    pub fn moe_fused_routes(&self, n_expert: usize, k: usize) -> bool {
+        self.moe_fused_route_on() && (1..=ROUTE_MAX_EXPERTS).contains(&n_expert) && (1..=ROUTE_MAX_K.min(n_expert)).contains(&k)
+    }
+
     /// The kernel for a Q6_K (else Q4_K) down with its shared memory and cluster size allowed, if
     /// a cluster of it fits.
     fn moe_fused_function(&self, q6: bool) -> Result<Option<CudaFunction>> {
@@ -124,7 +138,10 @@ impl Gpu {
     /// of its gate logit), whose sum is what [`Gpu::moe_q8`] writes to its `out` (another
     /// grouping of the same sums: not its bits). x quantised first unless `x_quantized` (the
     /// caller's last [`Gpu::quantize_q8`] was this x). `h` is the MoE's scratch (unused here:
-    /// each cluster keeps its expert's h in shared memory). Only where [`Gpu::uses_moe_fused`].
+    /// each cluster keeps its expert's h in shared memory). With `route_logits` (the router's
+    /// [n_expert] logits; where [`Gpu::moe_fused_routes`]) the launch routes them itself, as
+    /// [`Gpu::route`] would, and writes r's ids and weights: the route's launch is not needed.
+    /// Only where [`Gpu::uses_moe_fused`].
     #[allow(clippy::too_many_arguments)]
     pub fn moe_fused_q8(
         &self,
@@ -132,6 +149,7 @@ impl Gpu {
         s: MoeSharedQ8<'_>,
         x: &Buf<f32>,
         r: MoeRouting<'_>,
+        route_logits: Option<&Buf<f32>>,
         h: &Buf<f32>,
         parts: &mut Buf<f32>,
         x_quantized: bool,
@@ -143,6 +161,12 @@ impl Gpu {
         let q6 = e.down.ty == GgmlType::Q6K;
         let func = self.moe_fused_function(q6)?.ok_or_else(|| shape(OP, "no cluster of 16 fits this GPU".to_string()))?;
         crate::ops::need(OP, "parts", parts, (r.k + 1) * d)?;
+        if let Some(l) = route_logits {
+            if !self.moe_fused_routes(e.n_expert, r.k) {
+                return Err(shape(OP, format!("{} experts, top {}: not routed inside the one-launch MoE", e.n_expert, r.k)));
+            }
+            crate::ops::need(OP, "router logits", l, e.n_expert)?;
+        }
         crate::ops::need(OP, "shared gate logit", s.gate_logit, 1)?;
         let (m, _) = self.moe_params(e, x, 1, r, h, parts)?;
         if !x_quantized {
@@ -166,7 +190,15 @@ impl Gpu {
             prefetch: 0,
         };
         let down_rows = d / CLUSTER;
-        let f = MoeFusedParams { q, parts: parts.ptr(), down_rows: down_rows as u32, act_bytes: act_bytes(n_ff) as u32 };
+        let f = MoeFusedParams {
+            q,
+            parts: parts.ptr(),
+            down_rows: down_rows as u32,
+            act_bytes: act_bytes(n_ff) as u32,
+            logits: route_logits.map_or(0, Buf::ptr),
+            sum_min: ROUTE_SUM_MIN,
+            pad: 0,
+        };
         let smem = act_bytes(n_ff) + down_rows * e.down.row_bytes.max(s.down.row_bytes);
         let blocks_y = u32_of(OP, "k + 1", r.k + 1)?;
         // SAFETY: moe_params checked the stacked weights (every expert at its index: no slots),
@@ -174,7 +206,9 @@ impl Gpu {
         // both experts, so a cluster's 16 blocks of 32 rows are its h; d / 16 down rows a block,
         // whole 16-byte chunks of 16-byte aligned rows, which smem <= MAX_SMEM holds after h's
         // int8 copy) and the types it dispatches on; parts holds (k + 1)·d floats, the gate
-        // logit 1; the int8 scratch holds x's quantisation. Grid (16, k + 1) in clusters of 16
+        // logit 1; the int8 scratch holds x's quantisation; with route logits, they hold n_expert
+        // values (at most 256, k at most 32: route_regs' registers, the kernel's MF_MAX_K), and
+        // the routing's ids and weights k each (moe_params). Grid (16, k + 1) in clusters of 16
         // along x, 512 threads, as the function allows.
         unsafe { self.launch(&func, (CLUSTER as u32, blocks_y, 1), THREADS as u32, smem as u32, &f) }
     }
