@@ -212,6 +212,14 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_MERGE_WARPS) attention_mer
             nu += sm_num[w][i];
             de += sm_den[w];
         }
-        o[i] = bad ? ATT_NAN : nu / de;
+        float v = bad ? ATT_NAN : nu / de;
+        // The gate (and the int8 copy: hd a multiple of 32, one pass of whole warps) where the
+        // launcher sets it.
+        if (p.gate) {
+            const u64 oi = ((u64)r * p.n_head + n) * hd + i;
+            v = attn_gated(p, v, oi);
+            if (p.q8) warp_q8(v, (u8*)p.q8, (u64)p.n_rows * p.n_head * hd, oi);
+        }
+        o[i] = v;
     }
 }

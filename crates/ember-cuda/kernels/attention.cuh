@@ -26,7 +26,41 @@ struct AttentionParams {
     u32 n_kv, n_slots, n_pages, n_split;
     u32 keys_per_split, n_seq, heads_per_block;
     float scale;
+    // The gate after attention (decode on tensor cores, attention_decode_mma, and
+    // attention_merge only): with `gate` set, out ← out ⊙ act(gate) (act: SiLU 0, sigmoid 1;
+    // gate.cu's product), and with `q8` set also out's int8 copy (warp_q8's bits) for the int8
+    // GEMV after it. gate: [n_rows, n_head · hd] f32, or 0; q8: the int8 scratch, or 0.
+    u64 gate, q8;
+    u32 act, pad;
 };
+
+// Value v of the output at index i (of n_rows · n_head · hd) after the gate.
+__device__ __forceinline__ float attn_gated(const AttentionParams& p, float v, u64 i) {
+    const float g = ((const float*)p.gate)[i];
+    return v * (p.act == 0 ? silu_f(g) : sigmoid_f(g));
+}
+
+// The int8 copy of 4 consecutive values y at index i (a multiple of 4) of an n-value vector,
+// 8 consecutive lanes of a warp holding one block of 32 (i / 4 the lane's position in it): the
+// bits of warp_q8 with one value a lane (the block's largest magnitude, d = amax / 127, each
+// value rounded to the nearest of its multiples, their integer sum), every lane of the warp
+// taking part.
+__device__ __forceinline__ void quad_q8(const float (&y)[4], u8* q, u64 n, u64 i) {
+    float amax = fmaxf(fmaxf(fabsf(y[0]), fabsf(y[1])), fmaxf(fabsf(y[2]), fabsf(y[3])));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    int qv[4], s = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        qv[j] = amax > 0.0f ? __float2int_rn(y[j] / d) : 0;
+        s += qv[j];
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    *(u32*)(q + i) = (u32)(u8)(i8)qv[0] | (u32)(u8)(i8)qv[1] << 8 | (u32)(u8)(i8)qv[2] << 16 | (u32)(u8)(i8)qv[3] << 24;
+    if (i % 32 == 0) ((float2*)(q + n))[i / 32] = make_float2(d, d * (float)s);
+}
 
 // Keys of each range of a decode row of n_keys keys (attention_decode.cu,
 // attention_decode_mma.cu): whole pages, about `splits` ranges, a function of the row's own keys.

@@ -211,7 +211,16 @@ __device__ void attend_decode_mma(const AttentionParams& p, u16* sm) {
         float y[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) y[i] = bad ? ATT_NAN : p.n_split == 1 ? acc[i] / den : acc[i];
+        // The gate (and the int8 copy) on the output: whole warps of 8-lane blocks where the
+        // launcher sets it (D a multiple of 128: hb · D / 4 threads a multiple of 32).
+        const bool gated = p.n_split == 1 && p.gate;
+        const u64 oi = ((u64)r * p.n_head + h0 + h) * D + d;
+        if (gated) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) y[i] = attn_gated(p, y[i], oi + i);
+        }
         *(float4*)(dst + d) = f4(y[0], y[1], y[2], y[3]);
+        if (gated && p.q8) quad_q8(y, (u8*)p.q8, (u64)p.n_rows * p.n_head * D, oi);
         if (p.n_split > 1 && d == 0) {
             float* ml = (float*)p.part_ml + at * 2;
             ml[0] = bad ? ATT_NAN : mx;

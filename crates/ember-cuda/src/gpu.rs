@@ -227,6 +227,9 @@ pub struct Gpu {
     /// Whether that launch also routes the router's logits itself, where the route kernel ran
     /// before it (`EMBER_MOE_FUSED=2`, or [`Gpu::set_moe_fused_route`]).
     moe_fused_route: AtomicBool,
+    /// Whether the gate after a decode step's attention runs in the attention's own launches
+    /// (`EMBER_ATTN_GATE=1`, or [`Gpu::set_attention_gate`]; where [`Gpu::attention_gates`]).
+    attn_gate: AtomicBool,
     /// Whether a cluster of `moe_fused_q8_<type>` fits this GPU, per down type (Q4_K, Q6_K).
     moe_fused_fits: [std::sync::OnceLock<bool>; 2],
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
@@ -336,6 +339,7 @@ impl Gpu {
             moe_fused: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "1" || v == "2")),
             moe_fused_route: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "2")),
             moe_fused_fits: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
+            attn_gate: AtomicBool::new(std::env::var_os("EMBER_ATTN_GATE").is_some_and(|v| v == "1")),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -425,6 +429,16 @@ impl Gpu {
     /// (`EMBER_MOE_FUSED=2` sets the start).
     pub fn set_moe_fused_route(&self, on: bool) {
         self.moe_fused_route.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn attention_gate_on(&self) -> bool {
+        self.attn_gate.load(Ordering::Relaxed)
+    }
+
+    /// Lets the gate after a decode step's attention run in the attention's launches, or not
+    /// (`EMBER_ATTN_GATE` sets the start).
+    pub fn set_attention_gate(&self, on: bool) {
+        self.attn_gate.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn moe_fused_fits(&self, q6: bool) -> &std::sync::OnceLock<bool> {

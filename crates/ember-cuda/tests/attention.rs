@@ -17,12 +17,13 @@
 //! 1, 2, 4 and 8 query heads a block and the launcher's choice, depths 16..32768.
 //! `decode_mma_matches_the_decode_kernel`: the decode path on tensor cores (Fast, F16) against
 //! the scalar decode kernel; `bench_attention_decode_mma` times the two.
+//! `gated_decode_is_attention_then_gate`: the gate in that path's launches, the two ops' bits.
 //!
 //! With no NVIDIA driver every test prints why and passes (CI has no GPU).
 
 use std::sync::Arc;
 
-use ember_cuda::ops::{ATTENTION_DECODE_SPLITS, AttentionPath, AttentionShape, KV_PAGE, KvPages, Precision, SeqRows};
+use ember_cuda::ops::{ATTENTION_DECODE_SPLITS, Act, AttentionPath, AttentionShape, KV_PAGE, KvPages, Precision, SeqRows};
 use ember_cuda::{Buf, CudaOps, Gpu};
 use ember_gguf::GgmlType;
 use ember_ops::conformance::{self, Rng};
@@ -352,6 +353,65 @@ fn decode_mma_matches_the_decode_kernel() {
         worst_all = worst_all.max(worst);
     }
     println!("decode on tensor cores vs the scalar kernel: max rel {worst_all:.2e}");
+}
+
+/// The gate in the attention's launches (`attention_gated`, the tensor-core decode kernel's
+/// epilogue with one key range, the merge's with several) against `attention` then `gate_q8`:
+/// the same output bits and the same int8 copy (read back through a GEMV), at head_dims 128 and
+/// 256, 1 and 9 rows, 1 to 64 ranges, both activations.
+#[test]
+fn gated_decode_is_attention_then_gate() {
+    let Ok(g) = Gpu::new(0) else {
+        println!("skipped: no GPU");
+        return;
+    };
+    let mut rng = Rng::new(43);
+    let positions = [0u32, 15, 64, 700, 4999, 3, 1000, 2500, 4000];
+    let mut ran = 0;
+    for (hd, nh, nkv) in [(256usize, 16usize, 2usize), (128, 4, 2)] {
+        let cache = Cache::filled(&g, GgmlType::F16, nkv * hd, 5000, &mut rng);
+        let per = nh * hd;
+        for (n, splits, act) in [(1usize, 1usize, Act::Sigmoid), (1, 64, Act::Sigmoid), (9, 3, Act::Silu), (9, 1, Act::Sigmoid)] {
+            let max_keys = positions[..n].iter().map(|&p| p as usize + 1).max().unwrap();
+            let mut s = AttentionShape::new(nh, nkv, hd, 1.0 / (hd as f32).sqrt(), &vec![1; n], max_keys);
+            (s.path, s.fast, s.decode_splits) = (AttentionPath::Decode, true, splits);
+            if !g.attention_gates(&s, GgmlType::F16) {
+                println!("gated decode {hd}x{nh}/{nkv}: not on this GPU");
+                continue;
+            }
+            ran += 1;
+            let qb = g.upload(&rng.mat(n, per, 2.0).data).unwrap();
+            let gb = g.upload(&rng.mat(n, per, 3.0).data).unwrap();
+            let row0 = g.upload(&(0..n as u32).collect::<Vec<_>>()).unwrap();
+            let (seq_n, slot) = (g.upload(&vec![1u32; n]).unwrap(), g.zeros::<u32>(n).unwrap());
+            let seqs = SeqRows { row0: &row0, n: &seq_n, slot: &slot, n_seq: n };
+            let pos = g.upload(&positions[..n]).unwrap();
+            // A GEMV over the whole int8 copy (all n rows as one vector: the copy's layout).
+            let w = rng.mat(7, n * per, 1.0).data;
+            let mut wq = vec![0u8; GgmlType::Q8_0.row_bytes(n * per).unwrap() * 7];
+            ember_gguf::quant::quantize(GgmlType::Q8_0, &w, &mut wq).unwrap();
+            let probe = g.upload_weight(GgmlType::Q8_0, n * per, 7, &wq).unwrap();
+            let mut scratch = g.zeros::<f32>(g.attention_scratch(&s).max(1)).unwrap();
+            // The two ops.
+            let mut o1 = g.zeros::<f32>(n * per).unwrap();
+            g.attention(&cache.pages(), s, &qb, &seqs, &slot, &pos, &mut o1, &mut scratch).unwrap();
+            g.gate_q8(&mut o1, &gb, n * per, act).unwrap();
+            let mut y1 = g.zeros::<f32>(7).unwrap();
+            g.gemv_q8_quantized(&[probe.all()], n * per, &mut [&mut y1]).unwrap();
+            // The one.
+            let mut o2 = g.zeros::<f32>(n * per).unwrap();
+            let generation = g.attention_gated(&cache.pages(), s, &qb, &seqs, &slot, &pos, &mut o2, &mut scratch, &gb, act, true).unwrap();
+            assert!(generation.is_some_and(|v| v == g.q8_generation()), "the int8 copy's generation");
+            let mut y2 = g.zeros::<f32>(7).unwrap();
+            g.gemv_q8_quantized(&[probe.all()], n * per, &mut [&mut y2]).unwrap();
+            let what = format!("{hd}x{nh}/{nkv}, {n} rows, {splits} ranges, {act:?}");
+            let bits = |b: &Buf<f32>| g.download(b).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&o2), bits(&o1), "{what}: the gated output");
+            assert_eq!(bits(&y2), bits(&y1), "{what}: the int8 copy through a GEMV");
+            println!("gated decode {what}: the two ops' bits");
+        }
+    }
+    println!("gated decode: {ran} cases ran");
 }
 
 /// A one-sequence, one-layer paged cache on the device: `n_pages` pages for K then as many for

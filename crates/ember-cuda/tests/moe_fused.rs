@@ -5,7 +5,8 @@
 //! another grouping), not bit-equal (the one launch ran), and the same greedy choice. The
 //! prompt runs the grouped MoE on both; the last layer's residual add takes the experts' rows
 //! through `add`, the others through the norm after the MoE. With the routing inside the launch
-//! too (`EMBER_MOE_FUSED=2`), the same logits bit for bit.
+//! too (`EMBER_MOE_FUSED=2`), and then the gate after attention in the attention's launches
+//! (`EMBER_ATTN_GATE=1`; head_dim 128 here for that), the same logits bit for bit.
 //!
 //! With no NVIDIA driver, or below compute capability 9.0 (clusters), the test prints why and
 //! passes (CI has no GPU).
@@ -19,7 +20,17 @@ use ember_ops::{KvType, Ops};
 use ember_synth::{Plan, Recipe, Shape, SynthOptions};
 
 fn synthetic() -> Model {
-    let shape = Shape { n_embd: 512, n_expert: 16, n_expert_used: 4, n_ff_exp: 512, n_ff_shexp: 512, ..Shape::preset("tiny").unwrap() };
+    // head_dim 128: the tensor-core decode attention, which can take the gate in its launches.
+    let shape = Shape {
+        n_embd: 512,
+        head_dim: 128,
+        n_rot: 32,
+        n_expert: 16,
+        n_expert_used: 4,
+        n_ff_exp: 512,
+        n_ff_shexp: 512,
+        ..Shape::preset("tiny").unwrap()
+    };
     let opts = SynthOptions { shape, recipe: Recipe::Q4KM, seed: 7, skew: 0.5, preset: "custom".into() };
     let plan = Plan::new(opts, &ember_synth::bundled_vocab().unwrap()).unwrap();
     let path = std::env::temp_dir().join(format!("ember-moe-fused-{}.gguf", std::process::id()));
@@ -108,5 +119,15 @@ fn one_launch_moe_decodes_as_the_two_launches() {
     routed.register(m.weights().clone()).unwrap();
     let (got_r, _) = decode(&m, &mut routed, &prompt, &toks, steps);
     assert!(got_r == got, "the one launch routing itself gives other logits than with the route kernel");
+    // And the gate after attention in the attention's launches (EMBER_ATTN_GATE=1): the gate
+    // op's bits, so the same logits again.
+    let mut gated = CudaOps::new(0).unwrap();
+    gated.gpu().set_moe_fused(true);
+    gated.gpu().set_moe_fused_route(true);
+    gated.gpu().set_attention_gate(true);
+    gated.register(m.weights().clone()).unwrap();
+    let (got_g, _) = decode(&m, &mut gated, &prompt, &toks, steps);
+    assert!(got_g == got, "the gate in the attention's launches gives other logits than the gate op");
+    println!("the routing in the one launch, and the attention's gate in its launches: the same logits bit for bit");
     println!("one-launch MoE: {steps} decode steps, logits within {worst:e} (relative L2) of the two launches', same greedy tokens");
 }

@@ -575,8 +575,7 @@ impl Attention {
         let a = ops.attn_prep(prep, qg, k)?; // q, gate [ΣT, nh·hd], k normed + rotated at the step's positions
         ops.kv_append(layer, a.k, v)?; // every sequence's rows onto its slot
         let heads = AttnHeads { n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-        let o = ops.attention(layer, heads, a.q)?; // [ΣT, nh·hd]
-        ops.gate(o, a.gate, Gate::Sigmoid)?;
+        let o = ops.attention_gate(layer, heads, a.q, a.gate, Gate::Sigmoid)?; // [ΣT, nh·hd] ⊙ σ(gate)
         Ok(ops.matmul(self.wo, o)?) // [ΣT, D]
     }
 }

@@ -491,6 +491,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
         (**self).attention(layer, h, q)
     }
+    fn attention_gate(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        (**self).attention_gate(layer, h, q, g, act)
+    }
     fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
         (**self).conv1d_silu(layer, x, w)
     }

@@ -470,6 +470,14 @@ pub fn run_with(make: &mut dyn FnMut(Arc<WeightSet>) -> Box<dyn Ops>, tol: Toler
                 let y = p.both("attention", |o, i| o.attention(layer, heads, q[i]));
                 let (got, want) = p.read(y);
                 check(&mut r, format!("attention {kv:?}"), max_rel(&got.data, &want.data), tol.rel);
+                // With its gate (a backend may run it in the attention's launches).
+                let g = p.up(&rng.mat(n, 8 * 64, 2.0));
+                let y = p.both("attention_gate", |o, i| o.attention_gate(layer, heads, q[i], g[i], Gate::Sigmoid));
+                let (got, want) = p.read(y);
+                // The attention's own bound (its gate multiplies each value by a number in (0, 1)).
+                let (err, bound) = (max_rel(&got.data, &want.data), own.get(&format!("attention {kv:?}"), tol.rel));
+                assert!(err <= bound, "attention_gate {kv:?}: error {err:.3e} > bound {bound:.1e}");
+                r.note(format!("attention_gate {kv:?}"), err);
             }
             for layer in [LayerIdx(1), LayerIdx(3)] {
                 let x = p.up(&rng.mat(n, 40, 1.0));

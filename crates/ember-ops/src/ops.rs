@@ -136,6 +136,15 @@ pub trait Ops: SeqStore + Send {
     /// `layer` (token t of a sequence at pos0 sees positions 0..=pos0 + t).
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor>;
 
+    /// [`Ops::attention`], then [`Ops::gate`] of its output by `g` with `act`: the attention
+    /// mixer before its output projection. A device backend may run both in the attention's
+    /// launches; the results are the two ops'.
+    fn attention_gate(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        let o = self.attention(layer, h, q)?;
+        self.gate(o, g, act)?;
+        Ok(o)
+    }
+
     /// Causal depthwise conv (taps `[ch][j]`) over each sequence's conv history of `layer` and
     /// its rows of `x`, then SiLU; the history is updated.
     fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor>;

@@ -553,6 +553,14 @@ impl Ops for Split {
         Ok(self.wrap(p, y))
     }
 
+    fn attention_gate(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        let p = self.layer("attention_gate", layer)?;
+        let q = self.on("attention_gate", q, p)?;
+        let g = self.on("attention_gate", g, p)?;
+        let y = self.parts[p].attention_gate(layer, h, q, g, act)?;
+        Ok(self.wrap(p, y))
+    }
+
     fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
         let p = self.layer("conv1d_silu", layer)?;
         let x = self.on("conv1d_silu", x, p)?;

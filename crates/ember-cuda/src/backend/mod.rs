@@ -27,11 +27,11 @@ mod store;
 mod weights;
 
 use ember_ops::{
-    Batch, DeviceId, Gate, LayerIdx, Mat, OpError, OpResult, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind, StateLayout, StoreStats,
-    Tensor, WeightInfo, check,
+    AttnHeads, Batch, DeviceId, Gate, KvRows, LayerIdx, Mat, OpError, OpResult, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind,
+    StateLayout, StoreStats, Tensor, WeightInfo, check,
 };
 
-use crate::ops::{Act, Precision, StateAt};
+use crate::ops::{Act, AttentionShape, Precision, SeqRows, StateAt};
 use crate::{Buf, Gpu};
 
 use arena::{Arena, Routes};
@@ -345,6 +345,59 @@ impl CudaOps {
     /// written the scratch or x since).
     fn q8_holds(&self, x: Tensor) -> bool {
         self.q8_x == Some((x.id, self.gpu.q8_generation()))
+    }
+
+    /// [`ember_ops::Ops::attention`], with `gate` (g, act) also `y ⊙= act(g)` and its int8
+    /// copy (as the gate op leaves them) in the attention's launches where the GPU does that for
+    /// this call (`EMBER_ATTN_GATE=1`, [`crate::Gpu::attention_gates`]); the bool says whether it did.
+    fn attention_with(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, gate: Option<(Tensor, Gate)>) -> OpResult<(Tensor, bool)> {
+        const OP: &str = "attention";
+        let dev = self.dev;
+        self.rows_check(OP, q)?;
+        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
+        self.arena.check(OP, q)?;
+        self.live_slots(OP)?;
+        check::spans(OP, dev, &self.spans, q.n, self.spans.len())?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for (sp, slot) in self.spans.iter().zip(&self.slots) {
+            let rows = |kv| {
+                let mut r = KvRows::new(ty, width);
+                r.len = self.store.cache(*slot, a, kv).len;
+                r
+            };
+            check::attention(OP, dev, &h.shape(sp), &Mat { n: sp.n, d: q.d, data: Vec::new() }, &rows(0), &rows(1))?;
+        }
+        self.store.sync_table(&self.gpu, OP)?;
+        let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
+        let seq_rows: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        let mut shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
+        shape.fast = self.precision == Precision::Fast;
+        // The output, then the scratch of the split over the keys (always allocated, so the
+        // handles that follow do not depend on the depth).
+        let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
+        self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
+        let pages = self.store.kv_pages(OP, dev, a)?;
+        let (ins, mut outs) = self.arena.split(y.id);
+        let [yb, sb, ..] = &mut outs[..] else { unreachable!("two buffers were just allocated") };
+        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
+        let (row_slot, pos) = (&self.step.row_slot, &self.step.pos);
+        let gated = gate.filter(|&(g, _)| {
+            self.gpu.attention_gate_on() && g.id != y.id && (g.n, g.d) == (q.n, q.d) && self.gpu.attention_gates(&shape, pages.ty)
+        });
+        if let Some((g, act)) = gated {
+            let q8 = self.gpu.uses_gemv_q8(ember_gguf::GgmlType::Q8_0, q.d, q.n, self.precision) && q.d.is_multiple_of(32);
+            let act = act_of(act);
+            let generation = self
+                .gpu
+                .attention_gated(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb, &ins[g.id as usize], act, q8)
+                .map_err(cuda(OP, dev))?;
+            if let Some(n) = generation {
+                self.q8_x = Some((y.id, n));
+            }
+            return Ok((y, true));
+        }
+        self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
+        Ok((y, false))
     }
 
     /// Sums a one-launch MoE's experts into its output `t` if they are pending (before

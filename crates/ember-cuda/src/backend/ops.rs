@@ -9,7 +9,7 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{AttentionShape, AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI, Precision, SeqRows};
+use crate::ops::{AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
@@ -463,37 +463,17 @@ impl Ops for CudaOps {
     }
 
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
-        const OP: &str = "attention";
-        let dev = self.dev;
-        self.rows_check(OP, q)?;
-        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
-        self.arena.check(OP, q)?;
-        self.live_slots(OP)?;
-        check::spans(OP, dev, &self.spans, q.n, self.spans.len())?;
-        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
-        for (sp, slot) in self.spans.iter().zip(&self.slots) {
-            let rows = |kv| {
-                let mut r = KvRows::new(ty, width);
-                r.len = self.store.cache(*slot, a, kv).len;
-                r
-            };
-            check::attention(OP, dev, &h.shape(sp), &Mat { n: sp.n, d: q.d, data: Vec::new() }, &rows(0), &rows(1))?;
+        Ok(self.attention_with(layer, h, q, None)?.0)
+    }
+
+    /// The gate in the attention's own launches where the GPU does that for this call
+    /// (`EMBER_ATTN_GATE=1`: the tensor-core decode kernel; [`crate::Gpu::attention_gates`]),
+    /// else the two ops.
+    fn attention_gate(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        let (y, gated) = self.attention_with(layer, h, q, Some((g, act)))?;
+        if !gated {
+            self.gate(y, g, act)?;
         }
-        self.store.sync_table(&self.gpu, OP)?;
-        let max_keys = self.spans.iter().map(|s| s.pos0 + s.n).max().unwrap_or(0);
-        let seq_rows: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
-        let mut shape = AttentionShape::new(h.n_head, h.n_head_kv, h.head_dim, h.scale, &seq_rows, max_keys);
-        shape.fast = self.precision == Precision::Fast;
-        // The output, then the scratch of the split over the keys (always allocated, so the
-        // handles that follow do not depend on the depth).
-        let y = self.arena.alloc(&self.gpu, OP, q.n, q.d)?;
-        self.arena.alloc(&self.gpu, OP, 1, self.gpu.attention_scratch(&shape).max(1))?;
-        let pages = self.store.kv_pages(OP, dev, a)?;
-        let (ins, mut outs) = self.arena.split(y.id);
-        let [yb, sb, ..] = &mut outs[..] else { unreachable!("two buffers were just allocated") };
-        let seqs = SeqRows { row0: &self.step.seq_row0, n: &self.step.seq_n, slot: &self.step.seq_slot, n_seq: self.spans.len() };
-        let (row_slot, pos) = (&self.step.row_slot, &self.step.pos);
-        self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
         Ok(y)
     }
 

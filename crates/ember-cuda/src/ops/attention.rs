@@ -2,7 +2,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, DeviceRepr};
 
 use super::kv_append::{KV_PAGE, KvPages};
-use super::{SeqRows, need, u32_of};
+use super::{Act, SeqRows, need, u32_of};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::{ATTENTION, ATTENTION_DECODE, ATTENTION_DECODE_MMA, ATTENTION_PREFILL, ATTENTION_WG};
@@ -344,9 +344,14 @@ struct AttentionParams {
     n_seq: u32,
     heads_per_block: u32,
     scale: f32,
+    gate: u64,
+    q8: u64,
+    act: u32,
+    pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cuh.
+// SAFETY: plain #[repr(C)] data matching `AttentionParams` in kernels/attention.cuh (10 u64, 16
+// 4-byte fields, 2 u64, 2 u32: no padding).
 unsafe impl DeviceRepr for AttentionParams {}
 
 /// How one call runs: which kernels and how many key ranges of how many keys (the decode path:
@@ -501,6 +506,13 @@ impl Gpu {
         s.fast && self.has_mma() && self.attn_mma_on() && s.head_dim.is_multiple_of(16)
     }
 
+    /// Whether [`Gpu::attention_gated`] runs `s` over a `ty` cache with the gate in its own
+    /// launches: the tensor-core decode kernel (its epilogue with one key range a row, else the
+    /// merge's) at head_dim a multiple of 128 (whole warps of the epilogue's 8-lane int8 blocks).
+    pub fn attention_gates(&self, s: &AttentionShape, ty: GgmlType) -> bool {
+        s.head_dim.is_multiple_of(128) && self.attention_decode_uses_mma(s, ty)
+    }
+
     /// Whether [`Gpu::attention`] takes the tensor-core tiles for `s`.
     pub fn attention_uses_mma(&self, s: &AttentionShape) -> bool {
         self.attention_plan(s).kind == AttentionPath::Tiles && matches!(self.attention_mma_function(s), Ok(Some(_)))
@@ -550,6 +562,51 @@ impl Gpu {
         pos: &Buf<u32>,
         out: &mut Buf<f32>,
         scratch: &mut Buf<f32>,
+    ) -> Result<()> {
+        self.attention_to(pages, s, q, seqs, row_slot, pos, out, scratch, None).map(drop)
+    }
+
+    /// [`Gpu::attention`], then `out ⊙= act(gate)` ([`Gpu::gate`]'s product) in the same launches,
+    /// and with `q8` the int8 copy of out in the GPU's int8 scratch, as [`Gpu::gate_q8`] leaves it
+    /// (then Some of its [`Gpu::q8_generation`]): the bits of the two ops. Only where
+    /// [`Gpu::attention_gates`].
+    #[allow(clippy::too_many_arguments)] // the op's inputs, output and scratch
+    pub fn attention_gated(
+        &self,
+        pages: &KvPages<'_>,
+        s: AttentionShape,
+        q: &Buf<f32>,
+        seqs: &SeqRows<'_>,
+        row_slot: &Buf<u32>,
+        pos: &Buf<u32>,
+        out: &mut Buf<f32>,
+        scratch: &mut Buf<f32>,
+        gate: &Buf<f32>,
+        act: Act,
+        q8: bool,
+    ) -> Result<Option<u64>> {
+        if !self.attention_gates(&s, pages.ty) {
+            return Err(shape(OP, format!("head_dim {} over {} rows: no gate in the attention's launches", s.head_dim, pages.ty.name())));
+        }
+        let n = s.n_rows * s.n_head * s.head_dim;
+        need(OP, "gate", gate, n)?;
+        let (q8p, generation) = if q8 { (self.q8_scratch(super::q8_bytes(n))?, Some(self.bump_q8_generation())) } else { (0, None) };
+        self.attention_to(pages, s, q, seqs, row_slot, pos, out, scratch, Some((gate.ptr(), q8p, act)))?;
+        Ok(generation)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_to(
+        &self,
+        pages: &KvPages<'_>,
+        s: AttentionShape,
+        q: &Buf<f32>,
+        seqs: &SeqRows<'_>,
+        row_slot: &Buf<u32>,
+        pos: &Buf<u32>,
+        out: &mut Buf<f32>,
+        scratch: &mut Buf<f32>,
+        gated: Option<(u64, u64, Act)>,
     ) -> Result<()> {
         let rb = pages.check(OP)?;
         let (nh, nkv, hd) = (s.n_head, s.n_head_kv, s.head_dim);
@@ -609,6 +666,10 @@ impl Gpu {
                 _ => s.heads_per_tile(),
             } as u32,
             scale: s.scale,
+            gate: gated.map_or(0, |g| g.0),
+            q8: gated.map_or(0, |g| g.1),
+            act: gated.is_some_and(|g| g.2 == Act::Sigmoid) as u32,
+            pad: 0,
         };
         let merge = |gpu: &Gpu| -> Result<()> {
             let f = gpu.function(&ATTENTION, "attention_merge")?;

@@ -256,6 +256,9 @@ impl Ops for Hybrid {
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
         self.gpu.attention(layer, h, q)
     }
+    fn attention_gate(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor, g: Tensor, act: Gate) -> OpResult<Tensor> {
+        self.gpu.attention_gate(layer, h, q, g, act)
+    }
     fn conv1d_silu(&mut self, layer: LayerIdx, x: Tensor, w: WeightId) -> OpResult<Tensor> {
         self.gpu.conv1d_silu(layer, x, w)
     }
