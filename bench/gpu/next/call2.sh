@@ -8,7 +8,7 @@ L=${LIMIT:-585}
 O=${OUT:?}/c2; mkdir -p $O
 export EMBER_KERNEL_CACHE=/tmp/kc
 [[ -f /tmp/winner.env ]] && set -a && . /tmp/winner.env && set +a
-echo "EMBER_MOE_FUSED=${EMBER_MOE_FUSED:-unset} EMBER_ATTN_GATE=${EMBER_ATTN_GATE:-unset}"
+echo "EMBER_MOE_FUSED=${EMBER_MOE_FUSED:-unset} EMBER_ATTN_GATE=${EMBER_ATTN_GATE:-unset} EMBER_ATTN_PREP_KV=${EMBER_ATTN_PREP_KV:-unset}"
 OUT=$O ROUNDS=1 PROMPTS=512,8192 DEPTHS=32768 STAGES=bench timeout $(( L - 130 )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'
 echo "bench done at $SECONDS s"
 OUT=$O NSEQ=16 BDEPTH=4096 ROUNDS=1 STAGES=batched timeout $(( L - 5 - SECONDS )) ./bench/gpu/h200.sh 2>&1 | grep -v '^name\|^NVIDIA'

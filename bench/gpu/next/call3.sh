@@ -11,7 +11,7 @@ echo "tests done at $SECONDS s"
 mkdir -p $O/fused
 for t in model conformance references graph ahead hybrid split attention; do
     [[ -x /tmp/bin/$t ]] || continue
-    EMBER_MOE_FUSED=2 EMBER_ATTN_GATE=1 timeout 120 /tmp/bin/$t --nocapture --test-threads=1 > $O/fused/test-$t.log 2>&1
+    EMBER_MOE_FUSED=2 EMBER_ATTN_GATE=1 EMBER_ATTN_PREP_KV=1 timeout 120 /tmp/bin/$t --nocapture --test-threads=1 > $O/fused/test-$t.log 2>&1
     echo "fused: test $t: exit $? at $SECONDS s: $(grep '^test result' $O/fused/test-$t.log)"
 done
 (( SECONDS < L - 100 )) && OUT=$O ROUNDS=2 VARIANT_ARGS='-p 0 -n 128' VARIANTS="ahead:;off:EMBER_RUN_AHEAD=0" STAGES=variants \

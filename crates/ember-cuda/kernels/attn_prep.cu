@@ -14,6 +14,12 @@ struct AttnPrepParams {
     u64 k_out;   // [n_tok, n_head_kv · hd] f32
     u32 n_tok, n_head, n_head_kv, head_dim, n_rot, pad;
     float eps, rope_base;
+    // With kv.pool set, each k head's block also writes its head of k (normed, rotated) and of
+    // v into the step row's K and V cache rows (kv_append's conversions, kv_store.cuh), so the
+    // kv_append launch after it is not needed (head_dim a multiple of 32: Q8_0 blocks stay
+    // inside a head).
+    KvDest kv;
+    u64 v;  // [n_tok, n_head_kv · hd] f32
 };
 
 // grid (n_head + n_head_kv, n_tok), blockDim a multiple of 32; dynamic shared memory
@@ -48,6 +54,11 @@ extern "C" __global__ void attn_prep(const AttnPrepParams p) {
     __syncthreads();
     const u32 half = p.n_rot / 2;
     const double pos = (double)((const u32*)p.pos)[t];
+    // A k head with kv.pool set: its K and V rows in the cache (block-uniform; null: skipped).
+    const bool to_kv = !is_q && p.kv.pool;
+    u8* kr = to_kv ? kv_row(p.kv, t, 0) : nullptr;
+    u8* vr = to_kv ? kv_row(p.kv, t, 1) : nullptr;
+    const float* vs = (const float*)p.v + (u64)t * p.n_head_kv * hd + (u64)h * hd;
     for (u32 i = threadIdx.x; i < hd; i += blockDim.x) {
         float o = v[i];
         if (i < p.n_rot) {
@@ -58,5 +69,16 @@ extern "C" __global__ void attn_prep(const AttnPrepParams p) {
             o = i < half ? a * c - b * s : a * s + b * c;
         }
         dst[i] = o;
+        // Head h of the K and V rows: value e of a row (whole warps: hd a multiple of 32, so a
+        // Q8_0 block's 32 values are one warp's, lane e % 32).
+        const u32 e = h * hd + i;
+        if (kr) {
+            if (p.kv.ty == KV_Q8_0) kv_store_q8(kr, e / 32, (int)(e % 32), o);
+            else kv_store(kr, p.kv.ty, e, o);
+        }
+        if (vr) {
+            if (p.kv.ty == KV_Q8_0) kv_store_q8(vr, e / 32, (int)(e % 32), vs[i]);
+            else kv_store(vr, p.kv.ty, e, vs[i]);
+        }
     }
 }

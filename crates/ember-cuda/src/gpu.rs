@@ -230,6 +230,9 @@ pub struct Gpu {
     /// Whether the gate after a decode step's attention runs in the attention's own launches
     /// (`EMBER_ATTN_GATE=1`, or [`Gpu::set_attention_gate`]; where [`Gpu::attention_gates`]).
     attn_gate: AtomicBool,
+    /// Whether attn_prep's k heads write their rows into the KV caches themselves, where the
+    /// kv_append launch wrote them (`EMBER_ATTN_PREP_KV=1`, or [`Gpu::set_attn_prep_kv`]).
+    attn_prep_kv: AtomicBool,
     /// Whether a cluster of `moe_fused_q8_<type>` fits this GPU, per down type (Q4_K, Q6_K).
     moe_fused_fits: [std::sync::OnceLock<bool>; 2],
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
@@ -340,6 +343,7 @@ impl Gpu {
             moe_fused_route: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "2")),
             moe_fused_fits: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
             attn_gate: AtomicBool::new(std::env::var_os("EMBER_ATTN_GATE").is_some_and(|v| v == "1")),
+            attn_prep_kv: AtomicBool::new(std::env::var_os("EMBER_ATTN_PREP_KV").is_some_and(|v| v == "1")),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -439,6 +443,16 @@ impl Gpu {
     /// (`EMBER_ATTN_GATE` sets the start).
     pub fn set_attention_gate(&self, on: bool) {
         self.attn_gate.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn attn_prep_kv_on(&self) -> bool {
+        self.attn_prep_kv.load(Ordering::Relaxed)
+    }
+
+    /// Lets attn_prep write the step's K and V rows itself where the model asks for both ops,
+    /// or not (`EMBER_ATTN_PREP_KV` sets the start).
+    pub fn set_attn_prep_kv(&self, on: bool) {
+        self.attn_prep_kv.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn moe_fused_fits(&self, q6: bool) -> &std::sync::OnceLock<bool> {

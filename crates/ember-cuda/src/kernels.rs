@@ -21,6 +21,7 @@ const NORM: &str = include_str!("../kernels/norm.cuh");
 const WGMMA_H: &str = include_str!("../kernels/wgmma.cuh");
 const ATTN_TILE: &str = include_str!("../kernels/attention_tile.cuh");
 const ROUTE_H: &str = include_str!("../kernels/route.cuh");
+const KV_STORE: &str = include_str!("../kernels/kv_store.cuh");
 
 /// One compilation unit: an op's `.cu` file and the shared parts it needs.
 #[derive(Debug)]
@@ -70,7 +71,7 @@ kernel!(SELECT_ROWS, "select_rows");
 kernel!(TOP_K, "top_k");
 kernel!(ROUTE, "route", ROUTE_H);
 kernel!(MOE_ROUTE, "moe_route", NORM, ROUTE_H);
-kernel!(ATTN_PREP, "attn_prep");
+kernel!(ATTN_PREP, "attn_prep", KV_STORE);
 kernel!(DELTA_PREP, "delta_prep");
 kernel!(CONV1D_SILU, "conv1d_silu");
 kernel!(DELTA_RULE, "delta_rule", NORM);
@@ -80,7 +81,7 @@ kernel!(MOE_MMA8, "moe_mma8", DEQUANT, MOE_H, MMA8);
 kernel!(MATMUL_MMA8, "matmul_mma8", DEQUANT, MMA8);
 kernel!(MOE_SHARED, "moe_shared");
 kernel!(MAILBOX, "mailbox");
-kernel!(KV_APPEND, "kv_append");
+kernel!(KV_APPEND, "kv_append", KV_STORE);
 kernel!(ATTENTION, "attention", ATTN);
 kernel!(ATTENTION_DECODE, "attention_decode", ATTN);
 kernel_90a!(ATTENTION_PREFILL, "attention_prefill", DEQUANT, MMA, ASYNC, WGMMA_H, ATTN, ATTN_TILE);

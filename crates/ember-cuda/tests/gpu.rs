@@ -12,8 +12,8 @@
 
 use ember_cuda::Error;
 use ember_cuda::ops::{
-    Act, AttnPrepIn, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DownForm, GateUpForm, MoeExperts,
-    MoeRouting,
+    Act, AttnPrepIn, AttnPrepKv, AttnPrepShape, DeltaIn, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape, DeltaShape, DownForm, GateUpForm,
+    KV_PAGE, KvPages, MoeExperts, MoeRouting,
 };
 use ember_gguf::GgmlType;
 use ember_ops::{ExpertView, Mat, MoeSlot, WeightId, WeightView, reference};
@@ -177,6 +177,62 @@ fn attn_prep_matches_reference() {
         check_rel(&format!("{what} gate"), &g.download(&gate).unwrap(), &want.gate.data, 0.0, 0.0);
         let e2 = check_rel(&format!("{what} k"), &g.download(&ko).unwrap(), &want.k.data, 1e-5, 1e-5);
         println!("{what}: max rel err q {e1:.2e} k {e2:.2e}");
+    }
+}
+
+/// attn_prep writing the step's K and V rows into the caches itself (`attn_prep_kv`) against
+/// attn_prep then kv_append: the same outputs and the same cache bytes (every page of both
+/// caches), for each cache type, rows of several slots at scattered positions, one row whose
+/// slot is out of range (skipped by both).
+#[test]
+fn attn_prep_writes_the_rows_kv_append_writes() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new();
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0] {
+        for (n_tok, n_head, n_head_kv, head_dim, n_rot) in [(1, 16, 2, 256, 64), (7, 4, 2, 64, 32), (3, 2, 1, 128, 16)] {
+            if !g.attn_prep_writes_kv(head_dim) {
+                continue;
+            }
+            let width = n_head_kv * head_dim;
+            let (n_slots, stride) = (3usize, 4usize);
+            let n_pages = n_slots * 2 * stride; // one layer: every (slot, K/V) page row its own pages
+            let rb = ty.row_bytes(width).unwrap();
+            let table: Vec<u32> = (0..n_pages as u32).rev().collect();
+            let shape = AttnPrepShape { n_tok, n_head, n_head_kv, head_dim, n_rot, eps: 1e-6, rope_base: 10_000_000.0 };
+            let (qg, k, v) = (
+                g.upload(&rng.vec(n_tok * n_head * 2 * head_dim, -3.0, 3.0)).unwrap(),
+                g.upload(&rng.vec(n_tok * width, -3.0, 3.0)).unwrap(),
+                g.upload(&rng.vec(n_tok * width, -3.0, 3.0)).unwrap(),
+            );
+            let (qn, kn) = (g.upload(&rng.vec(head_dim, 0.5, 1.5)).unwrap(), g.upload(&rng.vec(head_dim, 0.5, 1.5)).unwrap());
+            let pos: Vec<u32> = (0..n_tok).map(|_| rng.below(stride * KV_PAGE) as u32).collect();
+            let mut slots: Vec<u32> = (0..n_tok).map(|i| (i % n_slots) as u32).collect();
+            if n_tok > 2 {
+                slots[1] = n_slots as u32 + 4; // out of range: no row written
+            }
+            let (posb, slotb, tableb) = (g.upload(&pos).unwrap(), g.upload(&slots).unwrap(), g.upload(&table).unwrap());
+            let run = |fused: bool| {
+                let pool = g.upload(&vec![0x5au8; n_pages * KV_PAGE * rb]).unwrap();
+                let pages = KvPages { pool: &pool, table: &tableb, ty, width, n_pages, stride, n_kv: 1, n_slots, layer: 0 };
+                let (mut q, mut gate, mut ko) =
+                    (poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * n_head * head_dim), poisoned(g, n_tok * width));
+                let inputs = AttnPrepIn { qg: &qg, k: &k, q_norm: &qn, k_norm: &kn, pos: &posb };
+                if fused {
+                    let kv = AttnPrepKv { pages: &pages, v: &v, row_slot: &slotb, pos: &posb };
+                    g.attn_prep_kv(shape, inputs, &mut q, &mut gate, &mut ko, Some(kv)).unwrap();
+                } else {
+                    g.attn_prep(shape, inputs, &mut q, &mut gate, &mut ko).unwrap();
+                    g.kv_append(&pages, &ko, &v, n_tok, &slotb, &posb).unwrap();
+                }
+                let bits = |b: &ember_cuda::Buf<f32>| g.download(b).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (bits(&q), bits(&gate), bits(&ko), g.download(&pool).unwrap())
+            };
+            let (two, one) = (run(false), run(true));
+            let what = format!("{} t={n_tok} h={n_head}/{n_head_kv} hd={head_dim}", ty.name());
+            assert!(one.0 == two.0 && one.1 == two.1 && one.2 == two.2, "{what}: q, gate or k differ");
+            assert!(one.3 == two.3, "{what}: the caches differ");
+            println!("attn_prep with the KV rows {what}: the two ops' outputs and cache bytes");
+        }
     }
 }
 

@@ -6,7 +6,8 @@
 //! prompt runs the grouped MoE on both; the last layer's residual add takes the experts' rows
 //! through `add`, the others through the norm after the MoE. With the routing inside the launch
 //! too (`EMBER_MOE_FUSED=2`), and then the gate after attention in the attention's launches
-//! (`EMBER_ATTN_GATE=1`; head_dim 128 here for that), the same logits bit for bit.
+//! (`EMBER_ATTN_GATE=1`; head_dim 128 here for that) and the K and V rows written by attn_prep
+//! (`EMBER_ATTN_PREP_KV=1`), the same logits bit for bit.
 //!
 //! With no NVIDIA driver, or below compute capability 9.0 (clusters), the test prints why and
 //! passes (CI has no GPU).
@@ -119,15 +120,17 @@ fn one_launch_moe_decodes_as_the_two_launches() {
     routed.register(m.weights().clone()).unwrap();
     let (got_r, _) = decode(&m, &mut routed, &prompt, &toks, steps);
     assert!(got_r == got, "the one launch routing itself gives other logits than with the route kernel");
-    // And the gate after attention in the attention's launches (EMBER_ATTN_GATE=1): the gate
-    // op's bits, so the same logits again.
+    // And the gate after attention in the attention's launches (EMBER_ATTN_GATE=1), the K and V
+    // rows written by attn_prep (EMBER_ATTN_PREP_KV=1): the two ops' bits each, so the same
+    // logits again.
     let mut gated = CudaOps::new(0).unwrap();
     gated.gpu().set_moe_fused(true);
     gated.gpu().set_moe_fused_route(true);
     gated.gpu().set_attention_gate(true);
+    gated.gpu().set_attn_prep_kv(true);
     gated.register(m.weights().clone()).unwrap();
     let (got_g, _) = decode(&m, &mut gated, &prompt, &toks, steps);
-    assert!(got_g == got, "the gate in the attention's launches gives other logits than the gate op");
-    println!("the routing in the one launch, and the attention's gate in its launches: the same logits bit for bit");
+    assert!(got_g == got, "the attention's gate in its launches and attn_prep's KV rows give other logits than the ops");
+    println!("the routing in the one launch, the attention's gate in its launches, attn_prep's KV rows: the same logits bit for bit");
     println!("one-launch MoE: {steps} decode steps, logits within {worst:e} (relative L2) of the two launches', same greedy tokens");
 }

@@ -572,8 +572,9 @@ impl Attention {
             q_norm: self.q_norm,
             k_norm: self.k_norm,
         };
-        let a = ops.attn_prep(prep, qg, k)?; // q, gate [ΣT, nh·hd], k normed + rotated at the step's positions
-        ops.kv_append(layer, a.k, v)?; // every sequence's rows onto its slot
+        // q, gate [ΣT, nh·hd], k normed + rotated at the step's positions; k and v appended to
+        // every sequence's rows of its slot
+        let a = ops.attn_prep_append(layer, prep, qg, k, v)?;
         let heads = AttnHeads { n_head: nh, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
         let o = ops.attention_gate(layer, heads, a.q, a.gate, Gate::Sigmoid)?; // [ΣT, nh·hd] ⊙ σ(gate)
         Ok(ops.matmul(self.wo, o)?) // [ΣT, D]

@@ -488,6 +488,9 @@ impl<T: Ops + ?Sized> Ops for Box<T> {
     fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
         (**self).kv_append(layer, k, v)
     }
+    fn attn_prep_append(&mut self, layer: LayerIdx, s: AttnPrep, qg: Tensor, k: Tensor, v: Tensor) -> OpResult<AttnIn> {
+        (**self).attn_prep_append(layer, s, qg, k, v)
+    }
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
         (**self).attention(layer, h, q)
     }

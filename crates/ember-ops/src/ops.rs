@@ -132,6 +132,15 @@ pub trait Ops: SeqStore + Send {
     /// attention layer `layer` of its slot.
     fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()>;
 
+    /// [`Ops::attn_prep`], then [`Ops::kv_append`] of its k and `v` to layer `layer`: the
+    /// attention mixer between its projections and the attention. A device backend may run both
+    /// in one launch; the results (the returned tensors and the KV rows) are the two ops'.
+    fn attn_prep_append(&mut self, layer: LayerIdx, s: AttnPrep, qg: Tensor, k: Tensor, v: Tensor) -> OpResult<AttnIn> {
+        let a = self.attn_prep(s, qg, k)?;
+        self.kv_append(layer, a.k, v)?;
+        Ok(a)
+    }
+
     /// Causal GQA attention of every sequence's rows of `q` over its slot's K/V rows of
     /// `layer` (token t of a sequence at pos0 sees positions 0..=pos0 + t).
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor>;

@@ -546,6 +546,22 @@ impl Ops for Split {
         self.parts[p].kv_append(layer, k, v)
     }
 
+    fn attn_prep_append(&mut self, layer: LayerIdx, s: AttnPrep, qg: Tensor, k: Tensor, v: Tensor) -> OpResult<AttnIn> {
+        const OP: &str = "attn_prep_append";
+        let p = self.layer(OP, layer)?;
+        if self.of_weight(OP, s.q_norm)? != p {
+            // The prep's weights and the layer's caches on different parts: each op where it lives.
+            let a = self.attn_prep(s, qg, k)?;
+            self.kv_append(layer, a.k, v)?;
+            return Ok(a);
+        }
+        let qg = self.on(OP, qg, p)?;
+        let k = self.on(OP, k, p)?;
+        let v = self.on(OP, v, p)?;
+        let a = self.parts[p].attn_prep_append(layer, s, qg, k, v)?;
+        Ok(AttnIn { q: self.wrap(p, a.q), gate: self.wrap(p, a.gate), k: self.wrap(p, a.k) })
+    }
+
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
         let p = self.layer("attention", layer)?;
         let q = self.on("attention", q, p)?;

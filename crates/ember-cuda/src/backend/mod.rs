@@ -400,6 +400,35 @@ impl CudaOps {
         Ok((y, false))
     }
 
+    /// kv_append's checks of the step's rows `k` and `v` for attention layer `layer`, and the
+    /// caches grown to take them (pages in the table, the table on the device; the rows'
+    /// positions uploaded when a cache is not at the step's positions): the layer's ordinal
+    /// among the KV layers, and whether the rows go at the step's positions (else `kv_pos`).
+    fn kv_prepare(&mut self, op: &'static str, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<(usize, bool)> {
+        let dev = self.dev;
+        self.rows_check(op, k)?;
+        let a = self.store.ordinal(op, layer, StateKind::Kv)?;
+        self.arena.check(op, k)?;
+        self.arena.check(op, v)?;
+        self.live_slots(op)?;
+        check::spans(op, dev, &self.spans, k.n, self.spans.len())?;
+        check::same(op, dev, &shape_of(k), &shape_of(v))?;
+        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
+        for sp in &self.spans {
+            check::kv_append(op, dev, &KvRows::new(ty, width), &Mat { n: sp.n, d: k.d, data: Vec::new() })?;
+        }
+        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
+        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
+        let at_pos0 = self.kv_at_pos0(a);
+        let before = self.store.grow(&self.gpu, op, &self.slots, &ns, a)?;
+        self.store.sync_table(&self.gpu, op)?;
+        if !at_pos0 {
+            let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
+            put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(op, dev))?;
+        }
+        Ok((a, at_pos0))
+    }
+
     /// Sums a one-launch MoE's experts into its output `t` if they are pending (before
     /// anything but the residual add or norm reads it).
     fn settle(&mut self, op: &'static str, t: Tensor) -> OpResult<()> {

@@ -4,16 +4,16 @@
 use std::sync::Arc;
 
 use ember_ops::{
-    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm, KvRows, LayerIdx, Mark, Mat,
-    MoeIn, OpError, OpResult, Ops, RouteTable, Routing, StateKind, Tensor, WeightId, WeightSet, check,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeltaHeads, DeltaIn, DeltaMode, DeltaPrep, DeviceId, Gate, GatedNorm, LayerIdx, Mark, Mat, MoeIn,
+    OpError, OpResult, Ops, RouteTable, Routing, Tensor, WeightId, WeightSet, check,
 };
 
 use crate::Buf;
-use crate::ops::{AttnPrepIn, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI};
+use crate::ops::{AttnPrepIn, AttnPrepKv, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
-use super::{CudaOps, GRAPH_MAX_ROWS, act_of, check_matmul, cuda, put, put_all, shape_of};
+use super::{CudaOps, GRAPH_MAX_ROWS, act_of, check_matmul, cuda, put_all, shape_of};
 
 impl Ops for CudaOps {
     fn name(&self) -> &'static str {
@@ -435,31 +435,45 @@ impl Ops for CudaOps {
 
     fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
         const OP: &str = "kv_append";
-        let dev = self.dev;
-        self.rows_check(OP, k)?;
-        let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
-        self.arena.check(OP, k)?;
-        self.arena.check(OP, v)?;
-        self.live_slots(OP)?;
-        check::spans(OP, dev, &self.spans, k.n, self.spans.len())?;
-        check::same(OP, dev, &shape_of(k), &shape_of(v))?;
-        let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
-        for sp in &self.spans {
-            check::kv_append(OP, dev, &KvRows::new(ty, width), &Mat { n: sp.n, d: k.d, data: Vec::new() })?;
-        }
-        let ns: Vec<usize> = self.spans.iter().map(|s| s.n).collect();
-        // The rows go at each cache's end: the step's positions unless a cache is elsewhere.
-        let at_pos0 = self.kv_at_pos0(a);
-        let before = self.store.grow(&self.gpu, OP, &self.slots, &ns, a)?;
-        self.store.sync_table(&self.gpu, OP)?;
-        if !at_pos0 {
-            let pos: Vec<u32> = before.iter().zip(&self.spans).flat_map(|(b, s)| (*b..*b + s.n).map(|p| p as u32)).collect();
-            put(&self.gpu, &mut self.step.kv_pos, &pos).map_err(cuda(OP, dev))?;
-        }
-        let pages = self.store.kv_pages(OP, dev, a)?;
+        let (a, at_pos0) = self.kv_prepare(OP, layer, k, v)?;
+        let pages = self.store.kv_pages(OP, self.dev, a)?;
         let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
         let (kb, vb) = (self.arena.buf(OP, k)?, self.arena.buf(OP, v)?);
-        self.gpu.kv_append(&pages, kb, vb, k.n, &self.step.row_slot, pos).map_err(cuda(OP, dev))
+        self.gpu.kv_append(&pages, kb, vb, k.n, &self.step.row_slot, pos).map_err(cuda(OP, self.dev))
+    }
+
+    /// Where the GPU does that (`EMBER_ATTN_PREP_KV=1`, head_dim a multiple of 32), attn_prep's
+    /// k heads write their rows of k and v into the caches themselves: one launch, the two ops'
+    /// bits.
+    fn attn_prep_append(&mut self, layer: LayerIdx, s: AttnPrep, qg: Tensor, k: Tensor, v: Tensor) -> OpResult<AttnIn> {
+        if !self.gpu.attn_prep_kv_on() || !self.gpu.attn_prep_writes_kv(s.head_dim) {
+            let a = self.attn_prep(s, qg, k)?;
+            self.kv_append(layer, a.k, v)?;
+            return Ok(a);
+        }
+        const OP: &str = "attn_prep_append";
+        self.rows_check(OP, qg)?;
+        self.arena.check(OP, qg)?;
+        self.arena.check(OP, k)?;
+        let lens = (self.weights.vector(OP, s.q_norm)?.len(), self.weights.vector(OP, s.k_norm)?.len());
+        check::attn_prep(OP, self.dev, &s, lens, &shape_of(qg), &shape_of(k), &self.pos)?;
+        // The prep's checks first: the caches grow only for a call that then runs.
+        let (a, at_pos0) = self.kv_prepare(OP, layer, k, v)?;
+        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
+        let pages = self.store.kv_pages(OP, self.dev, a)?;
+        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
+        let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
+        let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
+        let shape =
+            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
+        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
+        let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
+        let kv = AttnPrepKv { pages: &pages, v: &ins[v.id as usize], row_slot: &self.step.row_slot, pos };
+        self.gpu.attn_prep_kv(shape, input, qb, gb, kb, Some(kv)).map_err(cuda(OP, self.dev))?;
+        Ok(AttnIn { q, gate, k: ko })
     }
 
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {

@@ -44,16 +44,14 @@ impl KvPages<'_> {
     }
 }
 
+/// Where a step's K and V rows go in the paged caches (kernels/kv_store.cuh's `KvDest`).
 #[repr(C)]
-struct KvAppendParams {
-    k: u64,
-    v: u64,
+#[derive(Clone, Copy)]
+pub(super) struct KvDest {
     pool: u64,
     table: u64,
     row_slot: u64,
     pos: u64,
-    n_rows: u32,
-    width: u32,
     ty: u32,
     row_bytes: u32,
     stride: u32,
@@ -64,7 +62,46 @@ struct KvAppendParams {
     pad: u32,
 }
 
-// SAFETY: plain #[repr(C)] data matching `KvAppendParams` in kernels/kv_append.cu.
+impl KvDest {
+    /// No cache: a launch that takes a `KvDest` and writes no rows.
+    pub(super) fn none() -> KvDest {
+        KvDest { pool: 0, table: 0, row_slot: 0, pos: 0, ty: 0, row_bytes: 0, stride: 0, layer: 0, n_kv: 0, n_slots: 0, n_pages: 0, pad: 0 }
+    }
+
+    /// The caches of `pages` at the step's rows' slots and positions (`row_slot`, `pos`: at
+    /// least `n_rows` each), after checking the pages (see [`KvPages::check`]).
+    pub(super) fn new(op: &'static str, pages: &KvPages<'_>, n_rows: usize, row_slot: &Buf<u32>, pos: &Buf<u32>) -> Result<KvDest> {
+        let rb = pages.check(op)?;
+        need(op, "row slots", row_slot, n_rows)?;
+        need(op, "positions", pos, n_rows)?;
+        Ok(KvDest {
+            pool: pages.pool.ptr(),
+            table: pages.table.ptr(),
+            row_slot: row_slot.ptr(),
+            pos: pos.ptr(),
+            ty: pages.ty.id(),
+            row_bytes: u32_of(op, "row bytes", rb)?,
+            stride: u32_of(op, "stride", pages.stride)?,
+            layer: pages.layer as u32,
+            n_kv: u32_of(op, "n_kv", pages.n_kv)?,
+            n_slots: u32_of(op, "n_slots", pages.n_slots)?,
+            n_pages: u32_of(op, "n_pages", pages.n_pages)?,
+            pad: 0,
+        })
+    }
+}
+
+#[repr(C)]
+struct KvAppendParams {
+    k: u64,
+    v: u64,
+    dst: KvDest,
+    n_rows: u32,
+    width: u32,
+}
+
+// SAFETY: plain #[repr(C)] data matching `KvAppendParams` and `KvDest` in kernels/kv_append.cu
+// and kv_store.cuh (KvDest: 4 u64, 8 u32, 64 bytes; then 2 u32: no padding).
 unsafe impl DeviceRepr for KvAppendParams {}
 
 impl Gpu {
@@ -80,32 +117,14 @@ impl Gpu {
         row_slot: &Buf<u32>,
         pos: &Buf<u32>,
     ) -> Result<()> {
-        let rb = pages.check(OP)?;
+        let dst = KvDest::new(OP, pages, n_rows, row_slot, pos)?;
         need(OP, "k", k, n_rows * pages.width)?;
         need(OP, "v", v, n_rows * pages.width)?;
-        need(OP, "row slots", row_slot, n_rows)?;
-        need(OP, "positions", pos, n_rows)?;
         if n_rows == 0 || pages.width == 0 {
             return Ok(());
         }
-        let p = KvAppendParams {
-            k: k.ptr(),
-            v: v.ptr(),
-            pool: pages.pool.ptr(),
-            table: pages.table.ptr(),
-            row_slot: row_slot.ptr(),
-            pos: pos.ptr(),
-            n_rows: u32_of(OP, "n_rows", n_rows)?,
-            width: u32_of(OP, "width", pages.width)?,
-            ty: pages.ty.id(),
-            row_bytes: u32_of(OP, "row bytes", rb)?,
-            stride: u32_of(OP, "stride", pages.stride)?,
-            layer: pages.layer as u32,
-            n_kv: u32_of(OP, "n_kv", pages.n_kv)?,
-            n_slots: u32_of(OP, "n_slots", pages.n_slots)?,
-            n_pages: u32_of(OP, "n_pages", pages.n_pages)?,
-            pad: 0,
-        };
+        let p =
+            KvAppendParams { k: k.ptr(), v: v.ptr(), dst, n_rows: u32_of(OP, "n_rows", n_rows)?, width: u32_of(OP, "width", pages.width)? };
         let f = self.function(&KV_APPEND, "kv_append")?;
         // SAFETY: k and v hold n_rows·width floats, row_slot and pos n_rows values; the pool holds
         // n_pages pages and the table n_slots·n_kv·2 rows of stride ids (checked above); the kernel

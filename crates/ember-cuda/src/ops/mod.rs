@@ -28,7 +28,7 @@ pub use attention::{
     ATTENTION_DECODE_ENTRIES, ATTENTION_DECODE_SPLITS, ATTENTION_MMA_MIN_ROW_KEYS, ATTENTION_MMA_MIN_ROWS, ATTENTION_SPLIT_KEYS,
     ATTENTION_TILE_MIN_KEYS, ATTENTION_TILE_MIN_ROWS, AttentionPath, AttentionShape, decode_keys_per_split,
 };
-pub use attn_prep::{AttnPrepIn, AttnPrepShape};
+pub use attn_prep::{AttnPrepIn, AttnPrepKv, AttnPrepShape};
 pub use delta_prep::{CONV_PREP_MAX_DK, ConvPart, DeltaPrepIn, DeltaPrepOut, DeltaPrepShape};
 pub use delta_rule::{DELTA_AUTO_CHUNKED_FROM, DELTA_CHUNK, DELTA_NORM_MAX_DV, DeltaIn, DeltaShape, HeadNorm};
 pub use gate::Act;

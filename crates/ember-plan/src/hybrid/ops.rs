@@ -253,6 +253,13 @@ impl Ops for Hybrid {
         }
         self.gpu.kv_append(layer, k, v)
     }
+    fn attn_prep_append(&mut self, layer: LayerIdx, s: AttnPrep, qg: Tensor, k: Tensor, v: Tensor) -> OpResult<AttnIn> {
+        // As kv_append: a new KV page's table write waits for the stream.
+        if !self.posted.is_empty() && self.gpu.kv_append_waits(layer) {
+            self.drain()?;
+        }
+        self.gpu.attn_prep_append(layer, s, qg, k, v)
+    }
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {
         self.gpu.attention(layer, h, q)
     }
