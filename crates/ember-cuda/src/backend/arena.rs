@@ -39,6 +39,8 @@ pub(super) struct Parts {
     pub out: u32,
     pub parts: u32,
     pub n: usize,
+    /// Values of `out` (n_tok · d).
+    pub len: usize,
 }
 
 fn no_tensor(op: &'static str, dev: DeviceId, t: Tensor) -> OpError {
@@ -94,6 +96,11 @@ impl Arena {
     /// Its sum is in its output now (or nobody will read it).
     pub fn clear_pending(&mut self) {
         self.pending = None;
+    }
+
+    /// The one-launch MoE whose sum is pending, if any.
+    pub fn pending_any(&self) -> Option<Parts> {
+        self.pending
     }
 
     /// Device bytes the arena holds (live handles and spares).
@@ -260,7 +267,7 @@ pub(super) struct Routes {
     /// the one-launch MoE that reads it (`Gpu::moe_fused_q8` with route logits), or to the
     /// route kernel when anything else asks for it first ([`CudaOps`](super::CudaOps)'s
     /// `settle_route`). Until then [`Routes::get`] refuses it.
-    pending: Option<(u32, Tensor)>,
+    pending: Option<(Routing, Tensor)>,
 }
 
 impl Routes {
@@ -275,12 +282,17 @@ impl Routes {
 
     /// Records routing `r` (just allocated) as to be computed from `logits` later.
     pub fn defer(&mut self, r: Routing, logits: Tensor) {
-        self.pending = Some((r.id, logits));
+        self.pending = Some((r, logits));
     }
 
     /// The logits routing `r` is still to be computed from, if it is pending.
     pub fn pending(&self, r: Routing) -> Option<Tensor> {
-        self.pending.filter(|p| p.0 == r.id).map(|p| p.1)
+        self.pending.filter(|p| p.0.id == r.id).map(|p| p.1)
+    }
+
+    /// The routing still to be computed, and its logits, if any.
+    pub fn pending_any(&self) -> Option<(Routing, Tensor)> {
+        self.pending
     }
 
     /// It is computed now (or being computed by the launch just queued).

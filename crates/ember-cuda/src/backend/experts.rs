@@ -121,6 +121,8 @@ impl CudaOps {
     pub(super) fn moe_on(&mut self, layer: LayerIdx, x: Tensor, routing: Routing, shared_gate: Tensor, streamed: bool) -> OpResult<Tensor> {
         const OP: &str = "moe";
         let dev = self.dev;
+        // One MoE output waits for its sum at a time: an earlier one still pending is summed now.
+        self.settle_any(OP)?;
         let m = *self.weights.reg.moe(OP, layer)?;
         let (_, routed_over) = self.routes.get_any(OP, routing)?;
         self.arena.check(OP, x)?;
@@ -174,7 +176,10 @@ impl CudaOps {
         let fused = int8 && n == 1 && gpu.moe_shared_on() && gpu.uses_moe_fused(experts, SharedWeights { gate: sg, up: su, down: sd }, x.d);
         // A routing left to this launch (route_op) is computed in it; any other MoE runs the
         // route kernel first.
-        let route_in = self.routes.pending(routing).filter(|_| fused && gpu.moe_fused_routes(m.n_expert, routing.k));
+        let route_in = self
+            .routes
+            .pending(routing)
+            .filter(|l| fused && l.d == m.n_expert && arena.check(OP, *l).is_ok() && gpu.moe_fused_routes(m.n_expert, routing.k));
         if route_in.is_none() {
             super::routing::settle_route(gpu, arena, &mut self.routes, dev, OP, routing)?;
         }
@@ -232,7 +237,7 @@ impl CudaOps {
             self.routes.clear_pending(); // the launch wrote its ids and weights
         }
         if let Some(p) = parts {
-            self.arena.set_pending(Parts { out: out.id, parts: p.id, n: routing.k + 1 });
+            self.arena.set_pending(Parts { out: out.id, parts: p.id, n: routing.k + 1, len: n * d_out });
         }
         Ok(out)
     }

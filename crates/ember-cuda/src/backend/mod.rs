@@ -356,6 +356,9 @@ impl CudaOps {
         self.rows_check(OP, q)?;
         let a = self.store.ordinal(OP, layer, StateKind::Kv)?;
         self.arena.check(OP, q)?;
+        if let Some((g, _)) = gate {
+            self.arena.check(OP, g)?;
+        }
         self.live_slots(OP)?;
         check::spans(OP, dev, &self.spans, q.n, self.spans.len())?;
         let (ty, width) = (self.store.layout.kv_type, self.store.layout.kv_width);
@@ -432,11 +435,36 @@ impl CudaOps {
     /// Sums a one-launch MoE's experts into its output `t` if they are pending (before
     /// anything but the residual add or norm reads it).
     fn settle(&mut self, op: &'static str, t: Tensor) -> OpResult<()> {
-        let Some(p) = self.arena.pending(t) else { return Ok(()) };
+        if self.arena.pending(t).is_none() {
+            return Ok(());
+        }
+        self.settle_any(op)
+    }
+
+    /// Sums the pending one-launch MoE's experts into its output, if one is pending.
+    pub(super) fn settle_any(&mut self, op: &'static str) -> OpResult<()> {
+        let Some(p) = self.arena.pending_any() else { return Ok(()) };
         self.arena.clear_pending();
-        self.arena.check(op, t)?;
         let (ob, pb) = self.arena.pair(p.out, p.parts);
-        self.gpu.add_parts(ob, pb, p.n, t.n * t.d, true).map_err(cuda(op, self.dev))
+        self.gpu.add_parts(ob, pb, p.n, p.len, true).map_err(cuda(op, self.dev))
+    }
+
+    /// Before `free_since(mark, keep)`: a pending MoE output that is kept is summed first (its
+    /// rows go with the layer), and a deferred routing whose logits go is computed first.
+    pub(super) fn settle_before_free(&mut self, mark: ember_ops::Mark, keep: &[Tensor]) -> OpResult<()> {
+        const OP: &str = "free_since";
+        if let Some(p) = self.arena.pending_any()
+            && keep.iter().any(|t| t.id == p.out)
+        {
+            self.settle_any(OP)?;
+        }
+        if let Some((r, l)) = self.routes.pending_any()
+            && l.id >= mark.0
+            && !keep.iter().any(|t| t.id == l.id)
+        {
+            self.settle_route(OP, r)?;
+        }
+        Ok(())
     }
 
     /// `h ← h + Σ parts` and the norm of h with its int8 copy (as `add_rms_norm`), from a

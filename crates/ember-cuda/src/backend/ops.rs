@@ -181,6 +181,7 @@ impl Ops for CudaOps {
     /// The buffers become the arena's spares: stream order keeps a later kernel's writes to a
     /// reused buffer after every earlier kernel's reads of it.
     fn free_since(&mut self, mark: Mark, keep: &[Tensor]) -> OpResult<()> {
+        self.settle_before_free(mark, keep)?;
         self.arena.free_since("free_since", mark, keep)
     }
 

@@ -18,6 +18,10 @@ impl CudaOps {
         check::route(OP, self.dev, &shape_of(logits), k)?;
         let (r, rb) = self.routes.alloc(&self.gpu, OP, logits.n, k, logits.d)?;
         if logits.n == 1 && self.gpu.moe_fused_on() && self.gpu.moe_fused_routes(logits.d, k) {
+            // One routing waits at a time: an earlier one still pending is computed now.
+            if let Some((p, _)) = self.routes.pending_any() {
+                settle_route(&self.gpu, &self.arena, &mut self.routes, self.dev, OP, p)?;
+            }
             self.routes.defer(r, logits);
             return Ok(r);
         }
@@ -117,8 +121,8 @@ pub(super) fn settle_route(
     r: Routing,
 ) -> OpResult<()> {
     let Some(logits) = routes.pending(r) else { return Ok(()) };
+    let lb = arena.buf(op, logits)?; // (still pending if its logits are gone: `get` refuses it)
     routes.clear_pending();
-    let lb = arena.buf(op, logits)?;
     let rb = routes.get_mut_any(op, r)?;
     gpu.route(lb, logits.n, logits.d, r.k, &mut rb.ids, &mut rb.weights).map_err(cuda(op, dev))
 }
