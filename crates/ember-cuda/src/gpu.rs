@@ -19,6 +19,7 @@ use crate::kernels::{self, Kernel};
 use crate::nvrtc::{Image, Nvrtc};
 
 mod feed;
+mod fusions;
 mod mailbox;
 mod profile;
 mod skip;
@@ -214,27 +215,8 @@ pub struct Gpu {
     /// [`Gpu::set_attention_wg`]). Measured on an H100 (docs/perf.md g32): the same bits as
     /// `attention_mma_w8`, 1.67x its speed at 32768 keys; the 35B's pp8192 @ d32768 +18 %.
     attn_wg: AtomicBool,
-    /// Whether a one-token MoE prelude (residual add, norm, router, routing) runs as one
-    /// cluster launch, `moe_route` (`EMBER_MOE_ROUTE=1`; off by default: decode 3.6 % slower
-    /// than the three launches on an H100, docs/perf.md g33).
-    moe_route: AtomicBool,
-    /// Whether `moe_route`'s cluster of 16 fits this GPU (asked of the driver at its first use).
-    moe_route_fits: std::sync::OnceLock<bool>,
-    /// Whether a one-token int8 MoE with its shared expert runs as one launch, a cluster an
-    /// expert (`moe_fused_q8_<down type>`: gate/up, then down from shared memory; the norm after
-    /// it adds the experts' rows). `EMBER_MOE_FUSED=1` or `2` (or [`Gpu::set_moe_fused`]).
-    moe_fused: AtomicBool,
-    /// Whether that launch also routes the router's logits itself, where the route kernel ran
-    /// before it (`EMBER_MOE_FUSED=2`, or [`Gpu::set_moe_fused_route`]).
-    moe_fused_route: AtomicBool,
-    /// Whether the gate after a decode step's attention runs in the attention's own launches
-    /// (`EMBER_ATTN_GATE=1`, or [`Gpu::set_attention_gate`]; where [`Gpu::attention_gates`]).
-    attn_gate: AtomicBool,
-    /// Whether attn_prep's k heads write their rows into the KV caches themselves, where the
-    /// kv_append launch wrote them (`EMBER_ATTN_PREP_KV=1`, or [`Gpu::set_attn_prep_kv`]).
-    attn_prep_kv: AtomicBool,
-    /// Whether a cluster of `moe_fused_q8_<type>` fits this GPU, per down type (Q4_K, Q6_K).
-    moe_fused_fits: [std::sync::OnceLock<bool>; 2],
+    /// The decode chain's fused launches and whether each is on ([`fusions::Fusions`]).
+    fusions: fusions::Fusions,
     /// `EMBER_ATTN_HEADS`: query heads of every decode attention block (0: the launcher's choice).
     attn_heads: usize,
     /// Whether a one-token int8 MoE runs the shared expert inside the routed experts' kernels
@@ -337,13 +319,7 @@ impl Gpu {
             attn_mma: std::env::var_os("EMBER_ATTN_MMA").is_none_or(|v| v != "0"),
             attn_mma_wide: std::env::var_os("EMBER_ATTN_MMA_WIDE").map(|v| v == "1"),
             attn_wg: AtomicBool::new(std::env::var_os("EMBER_ATTN_WG").is_none_or(|v| v != "0")),
-            moe_route: AtomicBool::new(std::env::var_os("EMBER_MOE_ROUTE").is_some_and(|v| v == "1")),
-            moe_route_fits: std::sync::OnceLock::new(),
-            moe_fused: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "1" || v == "2")),
-            moe_fused_route: AtomicBool::new(std::env::var_os("EMBER_MOE_FUSED").is_some_and(|v| v == "2")),
-            moe_fused_fits: [std::sync::OnceLock::new(), std::sync::OnceLock::new()],
-            attn_gate: AtomicBool::new(std::env::var_os("EMBER_ATTN_GATE").is_some_and(|v| v == "1")),
-            attn_prep_kv: AtomicBool::new(std::env::var_os("EMBER_ATTN_PREP_KV").is_some_and(|v| v == "1")),
+            fusions: fusions::Fusions::from_env(),
             attn_heads: std::env::var("EMBER_ATTN_HEADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
             moe_shared: std::env::var_os("EMBER_MOE_SHARED").is_none_or(|v| v != "0"),
             moe_mma8: std::env::var_os("EMBER_MOE_MMA8").is_none_or(|v| v != "0"),
@@ -399,64 +375,6 @@ impl Gpu {
     /// `EMBER_ATTN_WG` sets at the start; for tests and measuring).
     pub fn set_attention_wg(&self, on: bool) {
         self.attn_wg.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn moe_route_on(&self) -> bool {
-        self.moe_route.load(Ordering::Relaxed)
-    }
-
-    /// Lets a one-token MoE prelude run as one `moe_route` launch where it applies, or not
-    /// (what `EMBER_MOE_ROUTE` sets at the start; for tests and measuring).
-    pub fn set_moe_route(&self, on: bool) {
-        self.moe_route.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn moe_route_fits(&self) -> &std::sync::OnceLock<bool> {
-        &self.moe_route_fits
-    }
-
-    pub(crate) fn moe_fused_on(&self) -> bool {
-        self.moe_fused.load(Ordering::Relaxed)
-    }
-
-    /// Lets a one-token int8 MoE run as one `moe_fused_q8` launch where it applies, or not
-    /// (`EMBER_MOE_FUSED` sets the start).
-    pub fn set_moe_fused(&self, on: bool) {
-        self.moe_fused.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn moe_fused_route_on(&self) -> bool {
-        self.moe_fused_route.load(Ordering::Relaxed)
-    }
-
-    /// Lets the one-launch MoE route the router's logits itself where it runs, or not
-    /// (`EMBER_MOE_FUSED=2` sets the start).
-    pub fn set_moe_fused_route(&self, on: bool) {
-        self.moe_fused_route.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn attention_gate_on(&self) -> bool {
-        self.attn_gate.load(Ordering::Relaxed)
-    }
-
-    /// Lets the gate after a decode step's attention run in the attention's launches, or not
-    /// (`EMBER_ATTN_GATE` sets the start).
-    pub fn set_attention_gate(&self, on: bool) {
-        self.attn_gate.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn attn_prep_kv_on(&self) -> bool {
-        self.attn_prep_kv.load(Ordering::Relaxed)
-    }
-
-    /// Lets attn_prep write the step's K and V rows itself where the model asks for both ops,
-    /// or not (`EMBER_ATTN_PREP_KV` sets the start).
-    pub fn set_attn_prep_kv(&self, on: bool) {
-        self.attn_prep_kv.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn moe_fused_fits(&self, q6: bool) -> &std::sync::OnceLock<bool> {
-        &self.moe_fused_fits[usize::from(q6)]
     }
 
     /// Query heads of every decode attention block that `EMBER_ATTN_HEADS` asks for (0: none,

@@ -27,11 +27,11 @@ mod store;
 mod weights;
 
 use ember_ops::{
-    AttnHeads, Batch, DeviceId, Gate, KvRows, LayerIdx, Mat, OpError, OpResult, SeqSpan, SeqStore, Slot, SlotId, Snapshot, StateKind,
-    StateLayout, StoreStats, Tensor, WeightInfo, check,
+    AttnHeads, AttnIn, AttnPrep, Batch, DeviceId, Gate, KvRows, LayerIdx, Mat, OpError, OpResult, SeqSpan, SeqStore, Slot, SlotId,
+    Snapshot, StateKind, StateLayout, StoreStats, Tensor, WeightInfo, check,
 };
 
-use crate::ops::{Act, AttentionShape, Precision, SeqRows, StateAt};
+use crate::ops::{Act, AttentionShape, AttnPrepIn, AttnPrepKv, AttnPrepShape, Precision, SeqRows, StateAt};
 use crate::{Buf, Gpu};
 
 use arena::{Arena, Routes};
@@ -401,6 +401,42 @@ impl CudaOps {
         }
         self.gpu.attention(&pages, shape, &ins[q.id as usize], &seqs, row_slot, pos, yb, sb).map_err(cuda(OP, dev))?;
         Ok((y, false))
+    }
+
+    /// [`ember_ops::Ops::attn_prep`]; with `append` (layer, v), also the k it makes and v
+    /// written into the layer's caches by the same launch (`attn_prep_append`: the caches grow
+    /// after the prep's checks, so only for a call that then runs).
+    fn attn_prep_with(&mut self, s: AttnPrep, qg: Tensor, k: Tensor, append: Option<(LayerIdx, Tensor)>) -> OpResult<AttnIn> {
+        let op = if append.is_some() { "attn_prep_append" } else { "attn_prep" };
+        self.rows_check(op, qg)?;
+        self.arena.check(op, qg)?;
+        self.arena.check(op, k)?;
+        let lens = (self.weights.vector(op, s.q_norm)?.len(), self.weights.vector(op, s.k_norm)?.len());
+        check::attn_prep(op, self.dev, &s, lens, &shape_of(qg), &shape_of(k), &self.pos)?;
+        let kv = match append {
+            Some((layer, v)) => Some((self.kv_prepare(op, layer, k, v)?, v)),
+            None => None,
+        };
+        let (qn, kn) = (self.weights.vector(op, s.q_norm)?, self.weights.vector(op, s.k_norm)?);
+        let pages = kv.map(|((a, _), _)| self.store.kv_pages(op, self.dev, a)).transpose()?;
+        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
+        let q = self.arena.alloc(&self.gpu, op, n, nh * hd)?;
+        let gate = self.arena.alloc(&self.gpu, op, n, nh * hd)?;
+        let ko = self.arena.alloc(&self.gpu, op, n, nkv * hd)?;
+        let (ins, mut outs) = self.arena.split(q.id);
+        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
+        let shape =
+            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
+        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
+        let to_kv = match (kv, &pages) {
+            (Some(((_, at_pos0), v)), Some(pages)) => {
+                let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
+                Some(AttnPrepKv { pages, v: &ins[v.id as usize], row_slot: &self.step.row_slot, pos })
+            }
+            _ => None,
+        };
+        self.gpu.attn_prep_kv(shape, input, qb, gb, kb, to_kv).map_err(cuda(op, self.dev))?;
+        Ok(AttnIn { q, gate, k: ko })
     }
 
     /// kv_append's checks of the step's rows `k` and `v` for attention layer `layer`, and the

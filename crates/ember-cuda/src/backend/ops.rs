@@ -9,7 +9,7 @@ use ember_ops::{
 };
 
 use crate::Buf;
-use crate::ops::{AttnPrepIn, AttnPrepKv, AttnPrepShape, GEMV_MULTI, GEMV_Q8_MULTI};
+use crate::ops::{GEMV_MULTI, GEMV_Q8_MULTI};
 
 use super::read::CudaMark;
 use super::weights::DevWeights;
@@ -415,23 +415,7 @@ impl Ops for CudaOps {
     }
 
     fn attn_prep(&mut self, s: AttnPrep, qg: Tensor, k: Tensor) -> OpResult<AttnIn> {
-        const OP: &str = "attn_prep";
-        self.rows_check(OP, qg)?;
-        self.arena.check(OP, qg)?;
-        self.arena.check(OP, k)?;
-        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
-        check::attn_prep(OP, self.dev, &s, (qn.len(), kn.len()), &shape_of(qg), &shape_of(k), &self.pos)?;
-        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
-        let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
-        let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
-        let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
-        let (ins, mut outs) = self.arena.split(q.id);
-        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
-        let shape =
-            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
-        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
-        self.gpu.attn_prep(shape, input, qb, gb, kb).map_err(cuda(OP, self.dev))?;
-        Ok(AttnIn { q, gate, k: ko })
+        self.attn_prep_with(s, qg, k, None)
     }
 
     fn kv_append(&mut self, layer: LayerIdx, k: Tensor, v: Tensor) -> OpResult<()> {
@@ -452,29 +436,7 @@ impl Ops for CudaOps {
             self.kv_append(layer, a.k, v)?;
             return Ok(a);
         }
-        const OP: &str = "attn_prep_append";
-        self.rows_check(OP, qg)?;
-        self.arena.check(OP, qg)?;
-        self.arena.check(OP, k)?;
-        let lens = (self.weights.vector(OP, s.q_norm)?.len(), self.weights.vector(OP, s.k_norm)?.len());
-        check::attn_prep(OP, self.dev, &s, lens, &shape_of(qg), &shape_of(k), &self.pos)?;
-        // The prep's checks first: the caches grow only for a call that then runs.
-        let (a, at_pos0) = self.kv_prepare(OP, layer, k, v)?;
-        let (qn, kn) = (self.weights.vector(OP, s.q_norm)?, self.weights.vector(OP, s.k_norm)?);
-        let pages = self.store.kv_pages(OP, self.dev, a)?;
-        let (n, nh, nkv, hd) = (qg.n, s.n_head, s.n_head_kv, s.head_dim);
-        let q = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
-        let gate = self.arena.alloc(&self.gpu, OP, n, nh * hd)?;
-        let ko = self.arena.alloc(&self.gpu, OP, n, nkv * hd)?;
-        let (ins, mut outs) = self.arena.split(q.id);
-        let [qb, gb, kb, ..] = &mut outs[..] else { unreachable!("three outputs were just allocated") };
-        let shape =
-            AttnPrepShape { n_tok: n, n_head: nh, n_head_kv: nkv, head_dim: hd, n_rot: s.n_rot, eps: s.eps, rope_base: s.rope_base };
-        let input = AttnPrepIn { qg: &ins[qg.id as usize], k: &ins[k.id as usize], q_norm: qn, k_norm: kn, pos: &self.step.pos };
-        let pos = if at_pos0 { &self.step.pos } else { &self.step.kv_pos };
-        let kv = AttnPrepKv { pages: &pages, v: &ins[v.id as usize], row_slot: &self.step.row_slot, pos };
-        self.gpu.attn_prep_kv(shape, input, qb, gb, kb, Some(kv)).map_err(cuda(OP, self.dev))?;
-        Ok(AttnIn { q, gate, k: ko })
+        self.attn_prep_with(s, qg, k, Some((layer, v)))
     }
 
     fn attention(&mut self, layer: LayerIdx, h: AttnHeads, q: Tensor) -> OpResult<Tensor> {

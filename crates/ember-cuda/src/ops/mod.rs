@@ -49,6 +49,35 @@ pub use top_k::{TOPK_BINS, TOPK_CAND, TOPK_CHUNK, TOPK_SPLIT_MIN, TopKScratch};
 use crate::error::{Result, shape};
 use crate::gpu::Buf;
 
+/// Whether a cluster launch of `f` (its cluster size a compile-time attribute: moe_route,
+/// moe_fused_q8) fits this GPU: the function allowed a cluster past the portable 8 and `smem`
+/// bytes of dynamic shared memory, then the driver asked whether one cluster of `blocks` blocks
+/// of `threads` threads with that shared memory can be resident.
+pub(crate) fn cluster_fits(f: &cudarc::driver::CudaFunction, blocks: u32, threads: u32, smem: usize) -> bool {
+    use cudarc::driver::sys::{self, CUfunction_attribute::*};
+    if f.set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).is_err()
+        || f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).is_err()
+    {
+        return false;
+    }
+    let config = sys::CUlaunchConfig {
+        gridDimX: blocks,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem as u32,
+        hStream: std::ptr::null_mut(),
+        attrs: std::ptr::null_mut(),
+        numAttrs: 0,
+    };
+    let mut n = 0;
+    // SAFETY: `f` is a loaded function of this context; the config names no attributes.
+    let rc = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
+    rc == sys::CUresult::CUDA_SUCCESS && n >= 1
+}
+
 /// Whether weight-reading decode kernels ask for their blocks' weights in L2 before they wait
 /// for the kernel ahead (`prefetch_l2` in kernels/prelude.cuh); `EMBER_L2_PREFETCH=0` turns it
 /// off (measurements).

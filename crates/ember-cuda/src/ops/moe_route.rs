@@ -5,11 +5,11 @@
 //! H100, docs/perf.md g30). Measured on an H100 (g33): tg128 436 against 452 t/s with the three
 //! launches, so off by default (`EMBER_MOE_ROUTE=1` turns it on).
 
-use cudarc::driver::{CudaFunction, DeviceRepr, sys};
+use cudarc::driver::{CudaFunction, DeviceRepr};
 
 use super::matmul::gemv_ksplit;
 use super::rms_norm::{RmsNormParams, add_norm_params, block_of};
-use super::{WeightRef, need, q8_bytes, route::ROUTE_SUM_MIN};
+use super::{WeightRef, cluster_fits, need, q8_bytes, route::ROUTE_SUM_MIN};
 use crate::error::{Result, shape};
 use crate::gpu::{Buf, Gpu};
 use crate::kernels::MOE_ROUTE;
@@ -82,30 +82,7 @@ impl Gpu {
     /// The kernel with its shared memory and cluster size allowed, if a cluster of it fits.
     fn moe_route_function(&self) -> Result<Option<CudaFunction>> {
         let f = self.function(&MOE_ROUTE, "moe_route")?;
-        let fits = *self.moe_route_fits().get_or_init(|| {
-            use sys::CUfunction_attribute::*;
-            if f.set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).is_err()
-                || f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MAX_SMEM as i32).is_err()
-            {
-                return false;
-            }
-            let config = sys::CUlaunchConfig {
-                gridDimX: BLOCKS as u32,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: THREADS,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: MAX_SMEM as u32,
-                hStream: std::ptr::null_mut(),
-                attrs: std::ptr::null_mut(),
-                numAttrs: 0,
-            };
-            let mut n = 0;
-            // SAFETY: `f` is a loaded function of this context; the config names no attributes.
-            let rc = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
-            rc == sys::CUresult::CUDA_SUCCESS && n >= 1
-        });
+        let fits = *self.moe_route_fits().get_or_init(|| cluster_fits(&f, BLOCKS as u32, THREADS, MAX_SMEM));
         Ok(fits.then_some(f))
     }
 

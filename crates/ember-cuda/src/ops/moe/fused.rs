@@ -5,7 +5,7 @@
 //! expert's weighted output is a row of `parts`; the norm after the MoE adds them in order
 //! (`Gpu::add_rms_norm_q8_parts`). Two links of a decode step's chain become one.
 
-use cudarc::driver::{CudaFunction, DeviceRepr, sys};
+use cudarc::driver::{CudaFunction, DeviceRepr};
 use ember_gguf::GgmlType;
 
 use super::q8::{MoeQ8Params, MoeSharedQ8, gu_wide, shared_fits};
@@ -15,7 +15,7 @@ use crate::gpu::{Buf, Gpu};
 use crate::kernels::MOE;
 use crate::ops::gemv_q8::q8_bytes;
 use crate::ops::route::ROUTE_SUM_MIN;
-use crate::ops::{DeviceWeight, u32_of};
+use crate::ops::{DeviceWeight, cluster_fits, u32_of};
 
 /// Blocks a cluster (one expert; kernels/moe.cu's MF_CLUSTER), rows of h a block
 /// (MOE_GU_ROWS), lanes a row (MF_SEG) and threads a block (MF_THREADS).
@@ -106,30 +106,7 @@ impl Gpu {
     /// a cluster of it fits.
     fn moe_fused_function(&self, q6: bool) -> Result<Option<CudaFunction>> {
         let f = self.function(&MOE, if q6 { "moe_fused_q8_q6_k" } else { "moe_fused_q8_q4_k" })?;
-        let fits = *self.moe_fused_fits(q6).get_or_init(|| {
-            use sys::CUfunction_attribute::*;
-            if f.set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1).is_err()
-                || f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MAX_SMEM as i32).is_err()
-            {
-                return false;
-            }
-            let config = sys::CUlaunchConfig {
-                gridDimX: CLUSTER as u32,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: THREADS as u32,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: MAX_SMEM as u32,
-                hStream: std::ptr::null_mut(),
-                attrs: std::ptr::null_mut(),
-                numAttrs: 0,
-            };
-            let mut n = 0;
-            // SAFETY: `f` is a loaded function of this context; the config names no attributes.
-            let rc = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
-            rc == sys::CUresult::CUDA_SUCCESS && n >= 1
-        });
+        let fits = *self.moe_fused_fits(q6).get_or_init(|| cluster_fits(&f, CLUSTER as u32, THREADS as u32, MAX_SMEM));
         Ok(fits.then_some(f))
     }
 
